@@ -1,0 +1,338 @@
+"""Small utilities shared by rm.py and ppo.py: the embedded task, data loading, logging, checkpoint I/O.
+
+Nothing here is part of the algorithms; read rm.py and ppo.py for those.
+"""
+
+import gzip
+import json
+import math
+import os
+import random
+import shutil
+import sys
+
+import torch
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Errors a user can fix: one line, exit code 2, no traceback.
+
+
+class UserError(Exception):
+    """Bad input (file, row, field, value): main() prints the message and exits with code 2."""
+
+
+def exit_on_user_error(fn, *args):
+    try:
+        return fn(*args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def exact_div(a, b, what):
+    if b == 0 or a % b != 0:
+        raise UserError(f"{what}: {a} is not divisible by {b}; change the sizes so it is")
+    return a // b
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The embedded task: no download needed. A user asks about a topic; a response is a few words. Every word has a hidden
+# value, and words of the asked topic are worth one more. The gold reward of a response is the mean value of its words,
+# so it is known exactly, a small transformer can learn it, and a policy can be trained to raise it.
+
+TOPICS = {
+    "animals": "cat dog horse fox owl bear wolf deer frog duck goat lion".split(),
+    "colors": "red blue green black white pink gray gold teal cyan amber violet".split(),
+    "foods": "bread rice soup cake apple pear plum corn bean salad cheese honey".split(),
+    "places": "city lake hill river beach forest farm town island valley desert harbor".split(),
+}
+WORDS = [w for ws in TOPICS.values() for w in ws]
+TOPIC_OF = {w: t for t, ws in TOPICS.items() for w in ws}
+SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
+TEMPLATE = ["User:", "Assistant:", "tell", "me", "about", "such", "as", "user:", "assistant:", "system:"]
+PREFERENCE_BETA = 3.0  # labels ~ Bernoulli(sigmoid(beta * (gold_a - gold_b))): the Bradley-Terry model of the task
+_values = random.Random(1234)
+WORD_VALUE = {w: round(_values.gauss(0.0, 1.0), 3) for w in WORDS}
+NON_WORD_VALUE = -3.0  # a token that is not a content word (template, special, unknown) is bad
+MIN_WORDS, MAX_WORDS = 3, 10
+
+
+def embedded_tokenizer():
+    """A word-level tokenizer over the task's words, built locally (and saved beside every model trained on it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(SPECIAL + TEMPLATE + list(TOPICS) + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    return tok
+
+
+def embedded_model_config(name, vocab_size, num_labels=None):
+    """Tiny configs of two architectures, so that both code paths (Llama-, GPT-NeoX-shaped) are exercised offline."""
+    from transformers import GPTNeoXConfig, LlamaConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=2, eos_token_id=3,
+                  tie_word_embeddings=False)
+    if name == "embedded-llama":
+        cfg = LlamaConfig(num_key_value_heads=4, **common)
+    elif name == "embedded-neox":
+        cfg = GPTNeoXConfig(use_parallel_residual=True, rotary_pct=0.25, **common)
+    else:
+        raise UserError(f"--model_name_or_path {name}: unknown embedded model; use embedded-llama or embedded-neox")
+    if num_labels is not None:
+        cfg.num_labels = num_labels
+    return cfg
+
+
+def embedded_prompt(rng):
+    topic = rng.choice(list(TOPICS))
+    return f"User: tell me about {topic} such as {rng.choice(TOPICS[topic])} Assistant:", topic
+
+
+def prompt_topic(prompt):
+    words = prompt.split()
+    return next((w for w in words if w in TOPICS), None)
+
+
+def gold_reward(prompt, response):
+    """The task's true reward: mean over response words of value(word) + 1[word is of the asked topic]."""
+    topic = prompt_topic(prompt)
+    words = [w for w in response.split() if w != "<eos>"]
+    if not words:
+        return NON_WORD_VALUE
+    vals = [WORD_VALUE[w] + (TOPIC_OF[w] == topic) if w in WORD_VALUE else NON_WORD_VALUE for w in words]
+    return sum(vals) / len(vals)
+
+
+def embedded_response(rng):
+    return " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(MIN_WORDS, MAX_WORDS)))
+
+
+def embedded_pairs(n, seed):
+    """n preference pairs with Bradley-Terry labels drawn from the gold reward; gold values kept for the Bayes bound."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        prompt, _ = embedded_prompt(rng)
+        a, b = embedded_response(rng), embedded_response(rng)
+        ga, gb = gold_reward(prompt, a), gold_reward(prompt, b)
+        if rng.random() >= 1 / (1 + math.exp(-PREFERENCE_BETA * (ga - gb))):
+            a, b, ga, gb = b, a, gb, ga
+        rows.append({"prompt": prompt, "chosen": a, "rejected": b, "gold_chosen": ga, "gold_rejected": gb})
+    return rows
+
+
+def bayes_accuracy(rows):
+    """Expected accuracy of the gold reward itself on these pairs: the best any reward model can do."""
+    ps = [1 / (1 + math.exp(-PREFERENCE_BETA * (r["gold_chosen"] - r["gold_rejected"]))) for r in rows]
+    return sum(max(p, 1 - p) for p in ps) / len(ps)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Preference data: a hub name, a local file, or the embedded task, in explicit, implicit or conversational format.
+
+LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_rows(name, config=None, split="train"):
+    """Rows (dicts) of one split of a dataset. Returns None if a hub/local dataset has no such split."""
+    if name == "embedded":
+        return embedded_pairs(40000 if split == "train" else 4000, seed={"train": 0}.get(split, 1))
+    import datasets
+
+    base = name[:-3] if name.endswith(".gz") else name
+    ext = os.path.splitext(base)[1]
+    try:
+        if ext in LOCAL_BUILDERS:
+            if not os.path.exists(name):
+                raise UserError(f"{name}: file not found; pass an existing .jsonl/.json/.parquet/.csv(.gz) path")
+            if split != "train":
+                return None  # a single local file has one split; the caller holds out an eval fraction
+            if ext == ".jsonl" and name.endswith(".gz"):  # streaming a gzip JSONL directly is faster than Arrow
+                with gzip.open(name, "rt") as f:
+                    return [_parse_json_line(line, name, i) for i, line in enumerate(f) if line.strip()]
+            return list(datasets.load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train"))
+        splits = datasets.get_dataset_split_names(name, config)
+        if split not in splits:
+            return None
+        return list(datasets.load_dataset(name, config, split=split))
+    except UserError:
+        raise
+    except Exception as e:  # the loaders' own errors are long; the first line says what is wrong
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{name}: cannot load dataset ({first}); check the name, config and file format") from None
+
+
+def _parse_json_line(line, path, i):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: row {i}: not valid JSON ({e.msg}); fix or remove that line") from None
+
+
+def mix_rows(mixer, split, seed, config=None):
+    """open-instruct's dataset mixer: [name, weight, name, weight, ...]; weight <= 1 is a fraction, > 1 a count."""
+    if len(mixer) % 2:
+        raise UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
+    out, any_split = [], False
+    for name, weight in zip(mixer[::2], mixer[1::2]):
+        try:
+            w = float(weight)
+        except ValueError:
+            raise UserError(f"--dataset_mixer_list: weight {weight!r} of {name} is not a number") from None
+        rows = load_rows(name, config, split)
+        if rows is None:
+            continue
+        any_split = True
+        n = int(round(w * len(rows))) if w <= 1 else int(w)
+        random.Random(seed).shuffle(rows)
+        out += [dict(r, _source=name, _row=r.get("_row", i)) for i, r in enumerate(rows[:n])]
+    return out if any_split else None
+
+
+def shared_prefix_split(a, b):
+    """Implicit-prompt pairs: the prompt is the longest common prefix that ends before a whitespace character, so both
+    responses start at a word boundary (with their leading space, as subword tokenizers expect)."""
+    i = max(0, min(len(os.path.commonprefix([a, b])), len(a) - 1, len(b) - 1))
+    while i > 0 and not (a[i].isspace() and b[i].isspace()):
+        i -= 1
+    while i > 0 and a[i - 1].isspace():  # a run of whitespace belongs to the responses
+        i -= 1
+    return a[:i], a[i:], b[i:]
+
+
+def split_pair(row, tokenizer, where):
+    """(prompt, chosen, rejected) text of one row in any supported format. `where` names the file and row."""
+    for field in ("chosen", "rejected"):
+        if field not in row or row[field] is None:
+            raise UserError(f"{where}: field '{field}' is missing; every row needs 'chosen' and 'rejected'")
+    chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+    if isinstance(chosen, list) or isinstance(rejected, list):  # conversational: lists of {role, content}
+        prefix = prompt if isinstance(prompt, list) else []
+        try:
+            full = [tokenizer.apply_chat_template(prefix + m, tokenize=False) for m in (chosen, rejected)]
+        except Exception as e:
+            raise UserError(f"{where}: fields 'chosen'/'rejected' are not valid chat messages ({e})") from None
+        return shared_prefix_split(*full)
+    for field, value in (("chosen", chosen), ("rejected", rejected), ("prompt", prompt)):
+        if value is not None and not isinstance(value, str):
+            raise UserError(f"{where}: field '{field}' is {type(value).__name__}; expected text or a list of messages")
+    if prompt is not None:
+        return prompt, chosen, rejected
+    return shared_prefix_split(chosen, rejected)
+
+
+def tokenize_prompts(tokenizer, texts):
+    # Chat templates already write the BOS token as text; adding it again would double it.
+    bos = tokenizer.bos_token
+    add = not (bos and texts and texts[0].startswith(bos))
+    return tokenizer(texts, add_special_tokens=add)["input_ids"] if texts else []
+
+
+def tokenize_responses(tokenizer, texts):
+    """Response ids, each ending with EOS (appended unless the text already ends with it): the reward is read there,
+    at the same token where ppo.py's policy stops."""
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    return [x if x and x[-1] == tokenizer.eos_token_id else x + [tokenizer.eos_token_id] for x in ids]
+
+
+def truncate_pair(prompt_ids, chosen_ids, rejected_ids, max_length, max_prompt_length, bos_id=None):
+    """The truncation policy: keep the END of the prompt (the turn being answered), keeping a leading BOS, to at most
+    max_prompt_length tokens; then cut each response so that prompt + response fits in max_length. Returns the three id
+    lists and whether anything was cut."""
+    p = prompt_ids
+    if len(p) > max_prompt_length:
+        keep_bos = bos_id is not None and p[0] == bos_id
+        p = [p[0]] + p[len(p) - max_prompt_length + 1:] if keep_bos else p[len(p) - max_prompt_length:]
+    budget = max_length - len(p)
+    c, r = chosen_ids[:budget], rejected_ids[:budget]
+    return p, c, r, (len(p), len(c), len(r)) != (len(prompt_ids), len(chosen_ids), len(rejected_ids))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Logging: stdout (through tqdm), metrics.jsonl, and optionally wandb.
+
+
+def open_metrics(output_dir, resume_step=None):
+    """metrics.jsonl for appending; on resume, lines after the resumed step are dropped (they will be redone)."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if resume_step is not None and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if json.loads(line).get("step", 0) <= resume_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+    elif resume_step is None and os.path.exists(path):
+        os.remove(path)
+    return open(path, "a")
+
+
+def log_metrics(file, metrics, wandb_run=None):
+    file.write(json.dumps(metrics) + "\n")
+    file.flush()
+    if wandb_run is not None:
+        wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+
+def start_wandb(args, project):
+    import dataclasses
+
+    import wandb
+
+    return wandb.init(project=project, name=args.run_name, config=dataclasses.asdict(args), dir=args.output_dir)
+
+
+def format_metrics(m):
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints: a directory per step, written under a temporary name and renamed, then `latest` replaced atomically, so
+# a crash at any moment leaves the previous checkpoint intact and `latest` naming a complete one.
+
+
+def save_checkpoint(output_dir, step, state, keep=2):
+    root = os.path.join(output_dir, "checkpoints")
+    final, tmp = os.path.join(root, f"step_{step:08d}"), os.path.join(root, f"step_{step:08d}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    torch.save(state, os.path.join(tmp, "state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
+        f.write(os.path.basename(final))
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
+    for old in done[:-keep]:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+
+def load_latest_checkpoint(output_dir):
+    root = os.path.join(output_dir, "checkpoints")
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return torch.load(os.path.join(root, name, "state.pt"), weights_only=False)
+
+
+def rng_state():
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,535 @@
+"""Reward modeling (Bradley-Terry) in one file.
+
+    python rm.py                                   # embedded task, tiny model, CPU, a few minutes
+    torchrun --nproc_per_node 2 rm.py              # the same on 2 processes (gloo on CPU, nccl on GPU)
+    torchrun --nproc_per_node 8 rm.py --model_name_or_path EleutherAI/pythia-1b-deduped \
+        --dataset_name Anthropic/hh-rlhf --bf16 --learning_rate 1e-5 --per_device_train_batch_size 8
+    python rm.py --help                            # every option, documented
+
+A reward model is a language model with a scalar head read at the last real token of prompt + response. It is trained
+so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_c - r_r - margin) (Bradley & Terry
+1952; Ouyang et al. 2022, eq. 1).
+"""
+
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import tyro
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    # --- model and data
+    model_name_or_path: str = "embedded-llama"
+    """Hugging Face model name or local path (any causal LM or sequence-classification checkpoint), or a tiny model
+    built locally: embedded-llama, embedded-neox."""
+    dataset_name: str = "embedded"
+    """Hub dataset name, local .jsonl/.json/.parquet/.csv file (gzip too), or `embedded` (the built-in synthetic task)."""
+    dataset_config: str | None = None
+    """Hub dataset configuration name."""
+    dataset_mixer_list: list[str] = field(default_factory=list)
+    """Several datasets with weights, overriding --dataset_name: NAME WEIGHT NAME WEIGHT ... (weight <= 1: a fraction of
+    the rows, > 1: a number of rows)."""
+    train_split: str = "train"
+    """Split to train on."""
+    eval_split: str = "test"
+    """Split to evaluate on; if a dataset has none, --eval_holdout of its training rows are held out instead."""
+    eval_holdout: float = 0.1
+    """Fraction of training pairs held out for evaluation when there is no eval split."""
+    max_length: int = 512
+    """Maximum tokens of prompt + response. Longer pairs are truncated (see --max_prompt_length), never dropped."""
+    max_prompt_length: int = 384
+    """Maximum prompt tokens; a longer prompt keeps its END (the turn being answered) and its BOS token."""
+    output_dir: str = "runs/rm"
+    """Where the reward model, tokenizer, metrics.jsonl, eval_results.json and checkpoints are written."""
+    # --- optimisation
+    learning_rate: float | None = None
+    """AdamW learning rate (default: 1e-3 for the embedded models trained from scratch, 1e-5 for pretrained ones)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    num_train_epochs: float = 3.0
+    """Passes over the training pairs (ignored if --max_steps > 0)."""
+    max_steps: int = -1
+    """Total optimizer steps; overrides --num_train_epochs when > 0."""
+    per_device_train_batch_size: int = 32
+    """Pairs per device per micro-step (each pair is two sequences in the same forward pass)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-steps per optimizer step. Global batch = per-device batch x accumulation x world size."""
+    per_device_eval_batch_size: int = 64
+    """Pairs per device per evaluation forward pass."""
+    lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                               "constant_with_warmup"] = "cosine"
+    """Learning-rate schedule (transformers.get_scheduler)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps (overrides --warmup_ratio when > 0)."""
+    warmup_ratio: float = 0.05
+    """Warm-up as a fraction of the total steps."""
+    lr_end: float = 0.0
+    """Final learning rate of the polynomial schedule."""
+    num_cycles: float = 1.0
+    """Cycles of cosine_with_restarts (and half-cycles of cosine: 0.5 = one half cosine)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 disables)."""
+    seed: int = 1
+    """Seed of model initialisation, head initialisation and data order."""
+    # --- reward model
+    loss_type: Literal["sigmoid", "logexp"] = "sigmoid"
+    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)), the same function computed
+    as ColossalChat's LogExpLoss does (it overflows for margins beyond ~88)."""
+    center_rewards_coefficient: float = 0.0
+    """Weight of mean((r_c + r_r)^2), which keeps rewards centred at 0 (Eisenstein et al. 2023)."""
+    head_init_std: float | None = None
+    """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1))."""
+    reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
+    """After training: make the mean reward over the eval set 0 (shift) and optionally its std 1 (shift_scale)."""
+    # --- evaluation, logging, checkpoints
+    eval_steps: int = 0
+    """Evaluate every this many steps (0: use --num_evals)."""
+    num_evals: int = 5
+    """Evaluations evenly spread over training (the final one always runs)."""
+    logging_steps: int = 50
+    """Log train metrics every this many steps."""
+    save_steps: int = 0
+    """Write a resumable checkpoint every this many steps (0: never)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in --output_dir."""
+    track: bool = False
+    """Log to Weights & Biases (works with WANDB_MODE=offline)."""
+    wandb_project: str = "rlhf-rm"
+    """Weights & Biases project."""
+    run_name: str | None = None
+    """Run name for Weights & Biases."""
+    push_to_hub: bool = False
+    """Upload the final model and tokenizer to the Hugging Face hub."""
+    hub_model_id: str | None = None
+    """Hub repository for --push_to_hub (default: the output directory's name)."""
+    # --- systems
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state per transformer block with FSDP2 (default: DDP)."""
+    bf16: bool = False
+    """bfloat16 autocast for the forward and backward passes."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The math.
+
+
+def last_token_index(attention_mask):
+    """Index of the last real token of each row, for right or left padding, and also when pad == eos (a pad id cannot
+    tell a real trailing EOS from padding; the attention mask can)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(dim=1)
+
+
+def preference_loss(r_chosen, r_rejected, margin, loss_type="sigmoid"):
+    """Per-pair Bradley-Terry negative log-likelihood, with the Llama 2 margin (Touvron et al. 2023, eq. 2)."""
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(r_chosen - r_rejected - margin)
+    return torch.log1p(torch.exp(r_rejected - r_chosen + margin))
+
+
+def calibration_error(p_chosen, n_bins=10):
+    """Expected calibration error of P(chosen wins) = sigmoid(r_c - r_r). Each pair counts in both orders (p, won) and
+    (1 - p, lost), so a model that predicts 0.7 and is right 70% of the time scores 0."""
+    p = torch.cat([p_chosen, 1 - p_chosen]).double()
+    won = torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)]).double()
+    bins = (p * n_bins).long().clamp(max=n_bins - 1)
+    err = torch.zeros((), dtype=torch.float64)
+    for b in range(n_bins):
+        m = bins == b
+        if m.any():
+            err += m.sum() / len(p) * (p[m].mean() - won[m].mean()).abs()
+    return err.item()
+
+
+def pearson(x, y):
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    return (x * y).sum().item() / max(math.sqrt((x * x).sum().item() * (y * y).sum().item()), 1e-12)
+
+
+class RewardModel(torch.nn.Module):
+    """A transformers sequence-classification model, read at the last real token found from the attention mask.
+    Position ids also come from the mask, so left- and right-padded batches give the same rewards."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, input_ids, attention_mask):
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False).last_hidden_state
+        last = hidden[torch.arange(len(hidden), device=hidden.device), last_token_index(attention_mask)]
+        return self.hf.score(last).squeeze(-1).float()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model and data.
+
+
+def load_tokenizer(name):
+    if name.startswith("embedded-"):
+        return common.embedded_tokenizer()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name)
+    if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:
+        # A distinct pad id lets any loader (transformers pools at the last non-pad id) find a trailing EOS.
+        tok.add_special_tokens({"pad_token": "<|pad|>"})
+    return tok
+
+
+def load_reward_model(args, tokenizer):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    torch.manual_seed(args.seed)
+    name = args.model_name_or_path
+    if name.startswith("embedded-"):
+        config = common.embedded_model_config(name, len(tokenizer), num_labels=1)
+        model, trained_head = AutoModelForSequenceClassification.from_config(config), False
+    else:
+        config = AutoConfig.from_pretrained(name)
+        trained_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_pretrained(name, config=config)
+    for key, value in vars(model.config).items():  # dropout off: the two passes of a pair must see the same network
+        if "dropout" in key and isinstance(value, float):
+            setattr(model.config, key, 0.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if not trained_head:
+        hidden = model.score.in_features
+        torch.nn.init.normal_(model.score.weight, std=args.head_init_std or 1 / math.sqrt(hidden + 1))
+    return model
+
+
+def tokenize_pairs(rows, tokenizer, args):
+    """Rows -> dicts of prompt/chosen/rejected token ids (+ margin), truncated by common.truncate_pair's policy.
+    Pairs whose two sequences are identical after truncation carry no preference and are dropped."""
+    texts = [common.split_pair(r, tokenizer, f"{r['_source']}: row {r['_row']}") for r in rows]
+    prompts = common.tokenize_prompts(tokenizer, [t[0] for t in texts])
+    chosen = common.tokenize_responses(tokenizer, [t[1] for t in texts])
+    rejected = common.tokenize_responses(tokenizer, [t[2] for t in texts])
+    pairs, n_truncated = [], 0
+    for row, p, c, r in zip(rows, prompts, chosen, rejected):
+        margin = row.get("margin", 0.0)
+        if not isinstance(margin, (int, float)) or isinstance(margin, bool):
+            raise common.UserError(f"{row['_source']}: row {row['_row']}: field 'margin' is {margin!r}; expected a number")
+        p, c, r, cut = common.truncate_pair(p, c, r, args.max_length, args.max_prompt_length, tokenizer.bos_token_id)
+        n_truncated += cut
+        if c != r:
+            pairs.append({"prompt": p, "chosen": c, "rejected": r, "margin": float(margin),
+                          "gold": (row["gold_chosen"], row["gold_rejected"]) if "gold_chosen" in row else None})
+    return pairs, n_truncated, len(rows) - len(pairs)
+
+
+def collate(pairs, pad_id, padding_side="right"):
+    """One batch of 2B sequences, chosen first then rejected, so both go through one forward pass."""
+    seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        span = slice(0, len(s)) if padding_side == "right" else slice(width - len(s), width)
+        ids[i, span], mask[i, span] = torch.tensor(s), 1
+    return ids, mask, torch.tensor([p["margin"] for p in pairs])
+
+
+def load_data(args, tokenizer, rank):
+    mixer = args.dataset_mixer_list or [args.dataset_name, "1.0"]
+    train_rows = common.mix_rows(mixer, args.train_split, args.seed, args.dataset_config)
+    if not train_rows:
+        raise common.UserError(f"{' '.join(mixer[::2])}: no rows in split '{args.train_split}'; pass --train_split")
+    eval_rows = common.mix_rows(mixer, args.eval_split, args.seed, args.dataset_config)
+    if eval_rows is None:
+        random.Random(args.seed).shuffle(train_rows)
+        n_eval = max(1, int(len(train_rows) * args.eval_holdout))
+        train_rows, eval_rows = train_rows[n_eval:], train_rows[:n_eval]
+        if rank == 0:
+            print(f"no '{args.eval_split}' split: holding out {n_eval} training pairs ({args.eval_holdout:.0%}) for eval")
+    train, cut, dropped = tokenize_pairs(train_rows, tokenizer, args)
+    evals, cut_e, dropped_e = tokenize_pairs(eval_rows, tokenizer, args)
+    if rank == 0:
+        print(f"pairs: {len(train)} train, {len(evals)} eval; truncated {cut + cut_e}, dropped {dropped + dropped_e} "
+              f"(identical after truncation); max_length {args.max_length}, max_prompt_length {args.max_prompt_length}")
+    return train, evals, eval_rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Distributed set-up (torchrun's environment variables; a plain `python rm.py` is world size 1).
+
+
+def setup_distributed():
+    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def parallelize(model, args, device):
+    """DDP, or FSDP2 with one shard group per transformer block (the ModuleList of num_hidden_layers blocks)."""
+    model.to(device)
+    if not dist.is_initialized():
+        return model
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
+                      and len(m) == model.hf.config.num_hidden_layers)
+        for block in blocks:
+            fully_shard(block)
+        return fully_shard(model)
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                     broadcast_buffers=False)
+
+
+def set_grad_sync(model, enabled):
+    """Skip the gradient all-reduce on all but the last micro-step of an accumulation."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+    elif hasattr(model, "require_backward_grad_sync"):  # DDP
+        model.require_backward_grad_sync = enabled
+
+
+def all_reduce_mean(values, device):
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t.tolist()
+
+
+def all_gather_cat(t):
+    if not dist.is_initialized():
+        return t
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.cat(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Evaluation.
+
+
+@torch.no_grad()
+def evaluate(model, pairs, args, pad_id, device, rank, world):
+    """Rewards of every eval pair (sharded across ranks, then gathered) and the metrics computed from them."""
+    per_rank = math.ceil(len(pairs) / world)
+    mine = list(range(rank, len(pairs), world))
+    mine += [mine[0]] * (per_rank - len(mine))  # equal batch counts on every rank (FSDP's forward is collective)
+    rewards = []
+    for i in range(0, per_rank, args.per_device_eval_batch_size):
+        ids, mask, _ = collate([pairs[j] for j in mine[i:i + args.per_device_eval_batch_size]], pad_id)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            rewards.append(model(ids.to(device), mask.to(device)).view(2, -1).T)
+    valid = torch.arange(per_rank, device=device) < len(range(rank, len(pairs), world))
+    index, valid, rewards = (all_gather_cat(t) for t in (torch.tensor(mine, device=device), valid, torch.cat(rewards)))
+    in_order = torch.empty(len(pairs), 2)
+    in_order[index[valid].cpu()] = rewards[valid].cpu()
+    rewards = in_order
+    rc, rr = rewards[:, 0], rewards[:, 1]
+    margin = torch.tensor([p["margin"] for p in pairs])
+    lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
+    metrics = {
+        "eval/accuracy": (rc > rr).float().mean().item(),
+        "eval/loss": preference_loss(rc, rr, margin, args.loss_type).mean().item(),
+        "eval/margin": (rc - rr).mean().item(),
+        "eval/chosen_reward": rc.mean().item(),
+        "eval/rejected_reward": rr.mean().item(),
+        "eval/reward_mean": torch.cat([rc, rr]).mean().item(),
+        "eval/reward_std": torch.cat([rc, rr]).std().item(),
+        "eval/calibration_error": calibration_error(torch.sigmoid(rc - rr)),
+        "eval/length_correlation": pearson(torch.cat([rc, rr]), lengths),
+    }
+    if pairs[0]["gold"] is not None:  # embedded task: compare with the best possible accuracy
+        gold = torch.tensor([p["gold"] for p in pairs])
+        p_gold = torch.sigmoid(common.PREFERENCE_BETA * (gold[:, 0] - gold[:, 1]))
+        metrics["eval/bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
+        metrics["eval/accuracy_vs_bayes"] = metrics["eval/accuracy"] / metrics["eval/bayes_accuracy"]
+        metrics["eval/gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def main(args):
+    rank, world, device = setup_distributed()
+    if args.max_length <= args.max_prompt_length:
+        raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
+                               f"{args.max_length} to leave room for the responses")
+    lr = args.learning_rate or (1e-3 if args.model_name_or_path.startswith("embedded-") else 1e-5)
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    # 1. Data: preference pairs -> token ids (same on every rank; each rank takes its slice of every global batch).
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    train, evals, _ = load_data(args, tokenizer, rank)
+    steps_per_epoch = len(train) // global_batch
+    if steps_per_epoch == 0:
+        raise common.UserError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    eval_every = args.eval_steps or max(1, total_steps // max(args.num_evals, 1))
+
+    # 2. Model, optimizer, schedule.
+    from transformers import get_scheduler
+
+    hf_model = load_reward_model(args, tokenizer)
+    if args.gradient_checkpointing:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = parallelize(RewardModel(hf_model), args, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
+    warmup = args.warmup_steps or int(args.warmup_ratio * total_steps)
+    extra = {"polynomial": {"lr_end": args.lr_end}, "cosine_with_restarts": {"num_cycles": int(args.num_cycles)},
+             "cosine": {"num_cycles": args.num_cycles / 2}}.get(args.lr_scheduler_type, {})
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                              num_training_steps=total_steps, scheduler_specific_kwargs=extra)
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    start_step = 0
+    if args.resume and (ckpt := common.load_latest_checkpoint(args.output_dir)) is not None:
+        set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
+        scheduler.load_state_dict(ckpt["scheduler"])
+        common.set_rng_state(ckpt["rng"])
+        start_step = ckpt["step"]
+    metrics_file = common.open_metrics(args.output_dir, start_step if args.resume else None) if rank == 0 else None
+    wandb_run = common.start_wandb(args, args.wandb_project) if args.track and rank == 0 else None
+    n_params = sum(p.numel() for p in hf_model.parameters())
+    if rank == 0:
+        mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
+        print(f"model {args.model_name_or_path}: {n_params / 1e6:.2f}M parameters; world size {world} ({device.type}, "
+              f"{'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})")
+        print(f"global batch {global_batch} pairs = {args.per_device_train_batch_size} x {args.gradient_accumulation_steps}"
+              f" accumulation x {world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
+              f"({total_steps / steps_per_epoch:.2f} epochs); lr {lr:g}, {args.lr_scheduler_type}, warmup {warmup}")
+        if start_step:
+            print(f"resumed from step {start_step}")
+
+    # 3. Training loop: per step, one fused forward per micro-batch, Bradley-Terry loss, one optimizer step.
+    model.train()
+    bar = tqdm(range(start_step, total_steps), disable=rank != 0, initial=start_step, total=total_steps, desc="rm")
+    window = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "tokens": 0.0, "grad_norm": 0.0, "n": 0}
+    t_window = time.time()
+    for step in bar:
+        epoch, offset = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch)).tolist()
+        batch = order[offset * global_batch:(offset + 1) * global_batch]
+        for micro in range(args.gradient_accumulation_steps):
+            start = (rank * args.gradient_accumulation_steps + micro) * args.per_device_train_batch_size
+            ids, mask, margin = collate([train[i] for i in batch[start:start + args.per_device_train_batch_size]],
+                                        tokenizer.pad_token_id)
+            ids, mask, margin = ids.to(device), mask.to(device), margin.to(device)
+            set_grad_sync(model, micro == args.gradient_accumulation_steps - 1)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                r_chosen, r_rejected = model(ids, mask).chunk(2)
+            loss = preference_loss(r_chosen, r_rejected, margin, args.loss_type).mean()
+            if args.center_rewards_coefficient:
+                loss = loss + args.center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).mean()
+            (loss / args.gradient_accumulation_steps).backward()
+            window["loss"] += loss.item() / args.gradient_accumulation_steps
+            window["accuracy"] += (r_chosen > r_rejected).float().mean().item() / args.gradient_accumulation_steps
+            window["margin"] += (r_chosen - r_rejected).mean().item() / args.gradient_accumulation_steps
+            window["tokens"] += mask.sum().item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+        window["grad_norm"] += (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+        window["n"] += 1
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # 4. Log, evaluate, checkpoint.
+        done = step + 1
+        if done % args.logging_steps == 0 or done == total_steps:
+            loss_m, acc_m, margin_m, gn_m = all_reduce_mean(
+                [window[k] / window["n"] for k in ("loss", "accuracy", "margin", "grad_norm")], device)
+            tokens = all_reduce_mean([window["tokens"]], device)[0] * world
+            elapsed = time.time() - t_window
+            m = {"step": done, "epoch": done / steps_per_epoch, "train/loss": loss_m, "train/accuracy": acc_m,
+                 "train/margin": margin_m, "train/grad_norm": gn_m, "lr": scheduler.get_last_lr()[0],
+                 "perf/tokens_per_s": tokens / elapsed, "perf/pairs_per_s": window["n"] * global_batch / elapsed}
+            if rank == 0:
+                common.log_metrics(metrics_file, m, wandb_run)
+                bar.set_postfix(loss=f"{loss_m:.4f}", acc=f"{acc_m:.3f}", tok_s=f"{tokens / elapsed:.0f}")
+                bar.write(common.format_metrics(m))
+            window = dict.fromkeys(window, 0.0)
+            window["n"] = 0
+            t_window = time.time()
+        if done % eval_every == 0 or done == total_steps:
+            model.eval()
+            m = {"step": done, **evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)}
+            model.train()
+            if rank == 0:
+                common.log_metrics(metrics_file, m, wandb_run)
+                bar.write(common.format_metrics(m))
+            t_window = time.time()
+        if args.save_steps and done % args.save_steps == 0 and done < total_steps:
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=full)
+            if rank == 0:
+                common.save_checkpoint(args.output_dir, done, {"model": model_sd, "optimizer": optim_sd, "step": done,
+                                                               "scheduler": scheduler.state_dict(),
+                                                               "rng": common.rng_state()})
+            t_window = time.time()
+
+    # 5. Normalize (shift the mean eval reward to 0, optionally scale its std to 1) and save in transformers' format.
+    shift = m["eval/reward_mean"] if args.reward_normalization != "none" else 0.0
+    scale = m["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0
+    model_sd, _ = get_state_dict(model, optimizer, options=full)
+    if rank == 0:
+        save_reward_model(hf_model, {k.removeprefix("hf."): v for k, v in model_sd.items()}, tokenizer, args.output_dir,
+                          shift, scale)
+        results = {**{k.removeprefix("eval/"): v for k, v in m.items()}, "reward_shift": shift, "reward_scale": scale,
+                   "args": dataclasses.asdict(args)}
+        with open(os.path.join(args.output_dir, "eval_results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        summary = f"final eval accuracy {m['eval/accuracy']:.4f}"
+        if "eval/bayes_accuracy" in m:
+            summary += f" (Bayes-optimal {m['eval/bayes_accuracy']:.4f}, ratio {m['eval/accuracy_vs_bayes']:.3f})"
+        print(f"{summary}; saved to {args.output_dir}")
+        if args.push_to_hub:
+            repo = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
+            hf_model.push_to_hub(repo)
+            tokenizer.push_to_hub(repo)
+        metrics_file.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return m
+
+
+def save_reward_model(hf_model, state_dict, tokenizer, output_dir, shift, scale):
+    """Weights in transformers' format; the normalization travels in config.json (see common.load_saved_reward_model):
+    reward = (score - reward_shift) / reward_scale."""
+    hf_model.config.reward_shift, hf_model.config.reward_scale = shift, scale
+    hf_model.config.architectures = [type(hf_model).__name__]
+    hf_model.save_pretrained(output_dir, state_dict=state_dict)
+    tokenizer.save_pretrained(output_dir)
+
+
+if __name__ == "__main__":
+    common.exit_on_user_error(main, tyro.cli(Args))
