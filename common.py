@@ -149,6 +149,7 @@ def load_rows(name, config=None, split="train"):
         return embedded_pairs(40000 if split == "train" else 4000, seed={"train": 0}.get(split, 1))
     import datasets
 
+    datasets.disable_progress_bars()
     base = name[:-3] if name.endswith(".gz") else name
     ext = os.path.splitext(base)[1]
     try:
@@ -157,8 +158,8 @@ def load_rows(name, config=None, split="train"):
                 raise UserError(f"{name}: file not found; pass an existing .jsonl/.json/.parquet/.csv(.gz) path")
             if split != "train":
                 return None  # a single local file has one split; the caller holds out an eval fraction
-            if ext == ".jsonl" and name.endswith(".gz"):  # streaming a gzip JSONL directly is faster than Arrow
-                with gzip.open(name, "rt") as f:
+            if ext == ".jsonl":  # read directly: row-accurate errors, no Arrow cache written beside the user's data
+                with (gzip.open(name, "rt") if name.endswith(".gz") else open(name)) as f:
                     return [_parse_json_line(line, name, i) for i, line in enumerate(f) if line.strip()]
             return list(datasets.load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train"))
         splits = datasets.get_dataset_split_names(name, config)
@@ -194,8 +195,10 @@ def mix_rows(mixer, split, seed, config=None):
             continue
         any_split = True
         n = int(round(w * len(rows))) if w <= 1 else int(w)
-        random.Random(seed).shuffle(rows)
-        out += [dict(r, _source=name, _row=r.get("_row", i)) for i, r in enumerate(rows[:n])]
+        rows = [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]  # numbered as in the file, for errors
+        if n < len(rows):
+            random.Random(seed).shuffle(rows)
+        out += rows[:n]
     return out if any_split else None
 
 

@@ -532,4 +532,4 @@ def save_reward_model(hf_model, state_dict, tokenizer, output_dir, shift, scale)
 
 
 if __name__ == "__main__":
-    common.exit_on_user_error(main, tyro.cli(Args))
+    common.exit_on_user_error(main, tyro.cli(Args, use_underscores=True))

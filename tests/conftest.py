@@ -1,0 +1,45 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+HH_PATH = os.path.join(ROOT, "..", "shared", "data", "hh-rlhf-harmless-base", "test.jsonl.gz")
+
+import common  # noqa: E402
+
+
+def run_script(args, nproc=1, check=True, env=None):
+    """Run a script as a user would: `python X.py` for one process, `torchrun` for several. Returns the process."""
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                                     str(nproc), "--master_port", str(29500 + os.getpid() % 1000)]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+    proc = subprocess.run(launcher + args, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="session")
+def small_pairs_file(tmp_path_factory):
+    """A small local copy of the embedded task (exercises the local-file path; far quicker than 40k pairs)."""
+    path = tmp_path_factory.mktemp("data") / "pairs.jsonl"
+    with open(path, "w") as f:
+        for row in common.embedded_pairs(600, seed=5):
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def hh_path():
+    if not os.path.exists(HH_PATH):
+        pytest.skip(f"real HH-RLHF pairs not found at {HH_PATH} (the project's ../shared folder)")
+    return HH_PATH

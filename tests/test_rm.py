@@ -1,0 +1,276 @@
+import gzip
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import read_metrics, run_script
+
+import common
+import rm
+
+TOK = common.embedded_tokenizer()
+
+
+def tiny_reward_model(arch="embedded-llama", seed=0):
+    args = rm.Args(model_name_or_path=arch, seed=seed)
+    return rm.RewardModel(rm.load_reward_model(args, TOK)).eval()
+
+
+def random_pairs(n, seed, margin=0.0):
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda k: torch.randint(20, len(TOK), (k,), generator=g).tolist()  # noqa: E731
+    return [{"prompt": ids(int(torch.randint(1, 8, (1,), generator=g))),
+             "chosen": ids(int(torch.randint(1, 9, (1,), generator=g))) + [TOK.eos_token_id],
+             "rejected": ids(int(torch.randint(1, 9, (1,), generator=g))) + [TOK.eos_token_id], "margin": margin}
+            for _ in range(n)]
+
+
+# --- the math -------------------------------------------------------------------------------------------------------
+
+
+def test_last_token_index_right_left_and_pad_equals_eos():
+    eos = 3
+    # right padding, left padding, and pad id == eos id with a real trailing EOS: only the mask can tell them apart
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    ids = torch.tensor([[5, 6, eos, eos, eos], [eos, eos, 5, 6, eos], [5, eos, 6, eos, eos], [5, 6, 7, 8, eos]])
+    assert rm.last_token_index(mask).tolist() == [2, 4, 3, 4]
+    naive_first_pad = (ids == eos).int().argmax(1) - 1  # what pad-id search would return for row 0
+    assert naive_first_pad[0].item() == 1  # ... which is the wrong token, hence the mask
+
+
+def test_preference_losses_match_formulas():
+    rc, rr, m = torch.tensor([1.0, -2.0, 0.3, 5.0]), torch.tensor([0.5, 1.0, 0.3, -5.0]), torch.tensor([0.0, 0.5, 1, 2])
+    expected = [math.log(1 + math.exp(-(c - r - mm))) for c, r, mm in zip(rc.tolist(), rr.tolist(), m.tolist())]
+    for loss_type in ("sigmoid", "logexp"):
+        got = rm.preference_loss(rc, rr, m, loss_type)
+        assert torch.allclose(got, torch.tensor(expected), atol=1e-6), loss_type
+
+
+def test_calibration_error_and_pearson_against_direct_computation():
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0, 1, 500)
+    both_p, both_y = np.concatenate([p, 1 - p]), np.concatenate([np.ones(500), np.zeros(500)])
+    ece = 0.0
+    for b in range(10):
+        lo, hi = b / 10, (b + 1) / 10
+        inside = (both_p >= lo) & ((both_p < hi) if b < 9 else (both_p <= hi))
+        if inside.any():
+            ece += inside.mean() * abs(both_p[inside].mean() - both_y[inside].mean())
+    assert rm.calibration_error(torch.tensor(p)) == pytest.approx(ece, abs=1e-9)
+    x, y = rng.normal(size=100), rng.normal(size=100)
+    assert rm.pearson(torch.tensor(x), torch.tensor(y)) == pytest.approx(np.corrcoef(x, y)[0, 1], abs=1e-9)
+
+
+# --- the model --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["embedded-llama", "embedded-neox"])
+def test_fused_forward_equals_separate_unpadded_forwards(arch):
+    model = tiny_reward_model(arch)
+    pairs = random_pairs(6, seed=1)
+    with torch.no_grad():
+        ids, mask, _ = rm.collate(pairs, TOK.pad_token_id)
+        fused = model(ids, mask)
+        ids_left, mask_left, _ = rm.collate(pairs, TOK.pad_token_id, padding_side="left")
+        left = model(ids_left, mask_left)
+        separate = [model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]), dtype=torch.long))
+                    for k in ("chosen", "rejected") for p in pairs]
+    assert torch.allclose(fused, torch.cat(separate), atol=1e-5)
+    assert torch.allclose(left, fused, atol=1e-5)
+
+
+def test_new_head_init_std_and_dropout_off():
+    args = rm.Args(model_name_or_path="embedded-llama", head_init_std=0.5)
+    hf = rm.load_reward_model(args, TOK)
+    assert hf.score.weight.std().item() == pytest.approx(0.5, rel=0.2)
+    default = rm.load_reward_model(rm.Args(), TOK)
+    assert default.score.weight.std().item() == pytest.approx(1 / math.sqrt(64 + 1), rel=0.2)
+    assert all(m.p == 0 for m in default.modules() if isinstance(m, torch.nn.Dropout))
+
+
+# --- data -----------------------------------------------------------------------------------------------------------
+
+
+def ids_of(text):
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+def test_explicit_implicit_and_conversational_formats_give_the_same_ids():
+    prompt, chosen, rejected = "User: tell me about animals Assistant:", " cat dog", " red rice"
+    conv = {"prompt": [{"role": "user", "content": "tell me about animals"}],
+            "chosen": [{"role": "assistant", "content": "cat dog"}],
+            "rejected": [{"role": "assistant", "content": "red rice"}]}
+    rows = [{"prompt": prompt, "chosen": chosen, "rejected": rejected},
+            {"chosen": prompt + chosen, "rejected": prompt + rejected}, conv]
+    rows = [dict(r, _source="mem", _row=i) for i, r in enumerate(rows)]
+    pairs, truncated, dropped = rm.tokenize_pairs(rows, TOK, rm.Args())
+    assert (truncated, dropped) == (0, 0)
+    eos = TOK.eos_token_id
+    for p in pairs[:2]:
+        assert p["prompt"] == ids_of(prompt)
+        assert p["chosen"] == ids_of("cat dog") + [eos] and p["rejected"] == ids_of("red rice") + [eos]
+    conv_pair = pairs[2]  # rendered by the chat template: "user: ... assistant: cat dog "
+    assert conv_pair["prompt"] == ids_of("user: tell me about animals assistant:")
+    assert conv_pair["chosen"] == ids_of("cat dog") + [eos] and conv_pair["rejected"] == ids_of("red rice") + [eos]
+
+
+def test_implicit_prompt_extraction_on_real_hh_rlhf(hh_path):
+    with gzip.open(hh_path, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 2312
+    for row in rows:
+        prompt, chosen, rejected = common.shared_prefix_split(row["chosen"], row["rejected"])
+        assert prompt + chosen == row["chosen"] and prompt + rejected == row["rejected"]
+        assert chosen[:1].isspace() or chosen == "" or prompt == ""  # responses start at a word boundary
+    first = common.shared_prefix_split(rows[0]["chosen"], rows[0]["rejected"])[0]
+    assert first.startswith("\n\nHuman:") and first.rstrip().endswith("Assistant:")
+    for row in rows:  # the prompt is the whole dialogue through the final "Assistant:" (plus shared first words)
+        final_turn = min(row[k].rfind("\n\nAssistant:") for k in ("chosen", "rejected")) + len("\n\nAssistant:")
+        assert common.shared_prefix_split(row["chosen"], row["rejected"])[0].startswith(row["chosen"][:final_turn])
+
+
+def test_truncation_keeps_prompt_end_and_bos_and_caps_responses():
+    prompt, chosen, rejected = [2, 10, 11, 12, 13, 14], [20, 21, 22, 3], [30, 3]
+    p, c, r, cut = common.truncate_pair(prompt, chosen, rejected, max_length=7, max_prompt_length=4, bos_id=2)
+    assert p == [2, 12, 13, 14] and c == [20, 21, 22] and r == [30, 3] and cut
+    p, c, r, cut = common.truncate_pair(prompt[1:], chosen, rejected, max_length=7, max_prompt_length=4, bos_id=2)
+    assert p == [11, 12, 13, 14] and c == [20, 21, 22]
+    assert common.truncate_pair([5], [6, 3], [7, 3], 10, 5) == ([5], [6, 3], [7, 3], False)
+    # a pair whose responses are identical after truncation carries no preference: dropped and counted
+    rows = [{"prompt": "User:", "chosen": " cat dog red", "rejected": " cat dog blue", "_source": "m", "_row": 0}]
+    pairs, truncated, dropped = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=3, max_prompt_length=1))
+    assert (len(pairs), truncated, dropped) == (0, 1, 1)
+
+
+@pytest.mark.parametrize("content,expected", [
+    ('{"chosen": " cat"}\n', "bad.jsonl: row 0: field 'rejected' is missing"),
+    ('{"chosen": " cat", "rejected": " dog"}\n{"chosen": " cat", "rejected": " dog", "margin": "x"}\n',
+     "bad.jsonl: row 1: field 'margin' is 'x'"),
+    ('{"chosen": " cat", "rejected": 5}\n', "bad.jsonl: row 0: field 'rejected' is int"),
+])
+def test_bad_rows_give_one_line_error_naming_file_row_field(tmp_path, content, expected):
+    (tmp_path / "bad.jsonl").write_text(content)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("saved work")
+    proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "bad.jsonl"), "--output_dir", str(out)], check=False)
+    assert proc.returncode == 2
+    assert expected in proc.stderr and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert (out / "keep.txt").read_text() == "saved work"
+
+
+def test_invalid_json_line_and_missing_file_exit_2(tmp_path):
+    bad = tmp_path / "bad.jsonl.gz"
+    with gzip.open(bad, "wt") as f:
+        f.write('{"chosen": " a", "rejected": " b"}\n{not json\n')
+    proc = run_script(["rm.py", "--dataset_name", str(bad), "--output_dir", str(tmp_path / "o")], check=False)
+    assert proc.returncode == 2 and "row 1: not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "nope.jsonl")], check=False)
+    assert proc.returncode == 2 and "file not found" in proc.stderr
+
+
+# --- training runs ----------------------------------------------------------------------------------------------------
+
+SHORT = ["--max_steps", "6", "--logging_steps", "1", "--num_evals", "2", "--warmup_steps", "2"]
+
+
+def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, small_pairs_file):
+    base = ["rm.py", "--dataset_name", small_pairs_file, *SHORT, "--per_device_train_batch_size", "4"]
+    run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
+    run_script(base + ["--output_dir", str(tmp_path / "ddp")], nproc=2)
+    run_script(base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")], nproc=2)
+    runs = {k: [m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("one", "ddp", "fsdp")}
+    assert [m["step"] for m in runs["one"]] == list(range(1, 7))
+    for key in ("train/loss", "train/accuracy", "train/grad_norm"):
+        one, ddp, fsdp = ([m[key] for m in runs[k]] for k in ("one", "ddp", "fsdp"))
+        assert np.allclose(one, ddp, atol=1e-5, rtol=0), (key, one, ddp)
+        assert np.allclose(fsdp, ddp, atol=1e-5, rtol=0), (key, fsdp, ddp)
+    assert len(set(m["train/loss"] for m in runs["one"])) > 1  # the model is actually learning something
+    evals = {k: json.load(open(tmp_path / k / "eval_results.json")) for k in runs}
+    assert evals["one"]["accuracy"] == evals["ddp"]["accuracy"] == evals["fsdp"]["accuracy"]
+
+
+def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
+    out = tmp_path / "rm"
+    # the default task and model, a shorter schedule (the full default run is measured in README)
+    run_script(["rm.py", "--output_dir", str(out), "--max_steps", "1200", "--num_evals", "1",
+                "--per_device_train_batch_size", "32"])
+    results = json.load(open(out / "eval_results.json"))
+    assert results["accuracy_vs_bayes"] >= 0.95, results
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    rows = common.embedded_pairs(16, seed=1)  # the first eval pairs
+    pairs, _, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)], tok, rm.Args())
+    ids, mask, _ = rm.collate(pairs, tok.pad_token_id)
+    with torch.no_grad():
+        ours = rm.RewardModel(hf)(ids, mask)
+        plain = hf(input_ids=ids, attention_mask=mask).logits.squeeze(-1)  # transformers' own pooling
+    assert torch.allclose(ours, plain, atol=1e-5)
+    rc, rr = ours.chunk(2)
+    assert (rc > rr).float().mean() > 0.6
+    assert hf.config.reward_shift == pytest.approx(results["reward_mean"]) and hf.config.reward_scale == 1.0
+
+
+def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_pairs_file, monkeypatch):
+    args = dict(dataset_name=small_pairs_file, max_steps=8, logging_steps=1, num_evals=4, save_steps=3,
+                per_device_train_batch_size=8)
+    rm.main(rm.Args(output_dir=str(tmp_path / "full"), **args))
+
+    real_save = common.save_checkpoint
+
+    def save_then_crash(output_dir, step, state, keep=2):
+        real_save(output_dir, step, state, keep)
+        if step == 6:
+            raise KeyboardInterrupt  # the job is killed right after its second checkpoint
+
+    monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        rm.main(rm.Args(output_dir=str(tmp_path / "cut"), **args))
+    monkeypatch.setattr(common, "save_checkpoint", real_save)
+    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["latest", "step_00000003", "step_00000006"]
+    rm.main(rm.Args(output_dir=str(tmp_path / "cut"), resume=True, **args))
+
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
+    assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))
+    assert json.load(open(tmp_path / "cut" / "eval_results.json"))["loss"] == \
+        json.load(open(tmp_path / "full" / "eval_results.json"))["loss"]
+
+
+def test_checkpoint_write_is_atomic(tmp_path):
+    common.save_checkpoint(str(tmp_path), 1, {"step": 1})
+    os.makedirs(tmp_path / "checkpoints" / "step_00000002.tmp")  # a crash mid-write leaves only a .tmp directory
+    assert common.load_latest_checkpoint(str(tmp_path))["step"] == 1
+    common.save_checkpoint(str(tmp_path), 2, {"step": 2})
+    common.save_checkpoint(str(tmp_path), 3, {"step": 3})
+    assert common.load_latest_checkpoint(str(tmp_path))["step"] == 3
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002", "step_00000003"]
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                                      "constant_with_warmup"])
+def test_every_lr_schedule_runs(tmp_path, small_pairs_file, schedule):
+    m = rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=4, warmup_steps=1, lr_scheduler_type=schedule,
+                        lr_end=1e-4, output_dir=str(tmp_path), num_evals=1, logging_steps=1))
+    lrs = [x["lr"] for x in read_metrics(tmp_path) if "lr" in x]
+    assert len(lrs) == 4 and m["eval/accuracy"] > 0
+    if schedule.startswith("constant"):
+        assert lrs[-1] == pytest.approx(1e-3)
+    else:
+        assert lrs[-1] < 1e-3
+
+
+def test_help_and_wandb_offline(tmp_path, small_pairs_file):
+    proc = run_script(["rm.py", "--help"], env={"COLUMNS": "200"})
+    assert "--center_rewards_coefficient" in proc.stdout
+    assert "Fraction of training pairs held out" in proc.stdout
+    run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--track", "--output_dir",
+                str(tmp_path)], env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb"))
+    shutil.rmtree(tmp_path / "wandb")
