@@ -137,6 +137,33 @@ def bayes_accuracy(rows):
     return sum(max(p, 1 - p) for p in ps) / len(ps)
 
 
+def embedded_sft_policy(name, tokenizer, seed, steps=300, batch_size=64):
+    """The embedded task's initial (SFT) policy: a tiny causal LM trained briefly to answer prompts with a few random
+    words and EOS, so it starts from well-formed responses of average gold reward, as a real SFT model would."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(embedded_model_config(name, len(tokenizer)))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        rows = [embedded_prompt(rng)[0] for _ in range(batch_size)]
+        prompts = tokenize_prompts(tokenizer, rows)
+        responses = tokenize_responses(tokenizer, [embedded_response(rng) for _ in rows])
+        width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+            labels[i, len(p):len(p) + len(r)] = torch.tensor(r)  # learn the responses, not the prompts
+        loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id),
+                     labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Preference data: a hub name, a local file, or the embedded task, in explicit, implicit or conversational format.
 
@@ -339,3 +366,46 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A line chart as PNG with numpy and zlib only (no plotting dependency): one panel per series, stacked.
+
+
+def plot_png(path, series, width=640, panel_height=160):
+    """series: {name: (xs, ys)}. Each panel has a light frame, a zero line if 0 is in range, and the curve; the
+    ranges are written to `path` + '.txt' beside it, since the picture has no text."""
+    import struct
+    import zlib
+
+    import numpy as np
+
+    img = np.full((panel_height * len(series), width, 3), 255, dtype=np.uint8)
+    colors = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14)]
+    notes = []
+    for k, (name, (xs, ys)) in enumerate(series.items()):
+        top, pad = k * panel_height, 12
+        img[top + pad, pad:width - pad] = img[top + panel_height - pad, pad:width - pad] = 200
+        img[top + pad:top + panel_height - pad, pad] = img[top + pad:top + panel_height - pad, width - pad] = 200
+        xs, ys = np.asarray(xs, float), np.asarray(ys, float)
+        if len(xs) == 0:
+            continue
+        x0, x1, y0, y1 = xs.min(), max(xs.max(), xs.min() + 1e-9), ys.min(), max(ys.max(), ys.min() + 1e-9)
+        px = lambda x: (pad + (x - x0) / (x1 - x0) * (width - 2 * pad - 1)).astype(int)  # noqa: E731
+        py = lambda y: (top + panel_height - pad - (y - y0) / (y1 - y0) * (panel_height - 2 * pad - 1)).astype(int)  # noqa: E731
+        if y0 < 0 < y1:
+            img[py(np.array(0.0)), pad:width - pad] = 160
+        dense = np.linspace(0, len(xs) - 1, (width - 2 * pad) * 4)
+        cx, cy = px(np.interp(dense, np.arange(len(xs)), xs)), py(np.interp(dense, np.arange(len(ys)), ys))
+        for dy in (0, 1):
+            img[np.clip(cy + dy, 0, img.shape[0] - 1), cx] = colors[k % len(colors)]
+        notes.append(f"panel {k + 1} ({'blue red green purple orange'.split()[k % 5]}): {name}, "
+                     f"x {x0:g}..{x1:g}, y {y0:.4g}..{y1:.4g}")
+    raw = b"".join(b"\x00" + row.tobytes() for row in img)
+    chunk = lambda tag, data: (struct.pack(">I", len(data)) + tag + data  # noqa: E731
+                               + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, img.shape[0], 8, 2, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    with open(path + ".txt", "w") as f:
+        f.write("\n".join(notes) + "\n")
