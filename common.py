@@ -137,7 +137,7 @@ def bayes_accuracy(rows):
     return sum(max(p, 1 - p) for p in ps) / len(ps)
 
 
-def embedded_sft_policy(name, tokenizer, seed, steps=300, batch_size=64):
+def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     """The embedded task's initial (SFT) policy: a tiny causal LM trained briefly to answer prompts with a few random
     words and EOS, so it starts from well-formed responses of average gold reward, as a real SFT model would."""
     from transformers import AutoModelForCausalLM

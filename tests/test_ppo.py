@@ -1,0 +1,260 @@
+import json
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import read_metrics, run_script
+
+import common
+import ppo
+
+TOK = common.embedded_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def reward_model_path(tmp_path_factory, small_pairs_file):
+    """A small reward model trained by rm.py on the embedded task (a short run: enough signal for PPO to follow)."""
+    out = tmp_path_factory.mktemp("rm")
+    run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size", "16",
+                "--num_evals", "1", "--output_dir", str(out)])
+    return str(out)
+
+
+# --- the math -------------------------------------------------------------------------------------------------------
+
+
+def test_gae_matches_float64_reference_with_masked_tails():
+    g = torch.Generator().manual_seed(0)
+    B, T, gamma, lam = 5, 7, 0.99, 0.9
+    rewards, values = torch.randn(B, T, generator=g, dtype=torch.float64), torch.randn(B, T, generator=g,
+                                                                                     dtype=torch.float64)
+    lengths = [7, 1, 4, 3, 6]
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).double()
+    adv, ret = ppo.gae(rewards, values, mask, gamma, lam)
+    for b, n in enumerate(lengths):
+        r, v = rewards[b, :n].tolist(), values[b, :n].tolist() + [0.0]  # the value after the last token is 0
+        expected = []
+        for t in range(n):  # A_t = sum_l (gamma lam)^l delta_{t+l}, written as the sum
+            expected.append(sum((gamma * lam) ** l * (r[t + l] + gamma * v[t + l + 1] - v[t + l]) for l in range(n - t)))
+        assert np.allclose(adv[b, :n].numpy(), expected, atol=1e-12)
+        assert np.allclose(ret[b, :n].numpy(), np.array(expected) + np.array(v[:n]), atol=1e-12)
+        assert (adv[b, n:] == 0).all()
+
+
+def test_masked_whiten():
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 5.0, -100.0, -100.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).float()
+    real = torch.tensor([1.0, 2, 3, 4, 5])
+    w = ppo.masked_whiten(x, mask)
+    assert torch.allclose(w[mask.bool()], (real - real.mean()) / real.std(), atol=1e-4)
+    assert (w[~mask.bool()] == 0).all()
+    kept = ppo.masked_whiten(x, mask, shift_mean=False)
+    assert torch.allclose(kept[mask.bool()], (real - real.mean()) / real.std() + real.mean(), atol=1e-4)
+
+
+def test_policy_and_value_losses_match_formulas():
+    g = torch.Generator().manual_seed(1)
+    new, old, adv = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]]).float()
+    loss, stats = ppo.policy_loss(new, old, adv, mask, 0.2)
+    terms, clipped = [], []
+    for i in range(3):
+        for j in range(4):
+            if mask[i, j]:
+                ratio = math.exp(new[i, j] - old[i, j])
+                a = -adv[i, j].item() * ratio
+                b = -adv[i, j].item() * min(max(ratio, 0.8), 1.2)
+                terms.append(max(a, b))
+                clipped.append(b > a)
+    assert loss.item() == pytest.approx(sum(terms) / len(terms), abs=1e-6)
+    assert stats["clipfrac"].item() == pytest.approx(sum(clipped) / len(clipped), abs=1e-6)
+
+    v, old_v, ret = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+    vloss, vclip = ppo.value_loss(v, old_v, ret, mask, 0.2)
+    terms = []
+    for i in range(3):
+        for j in range(4):
+            if mask[i, j]:
+                vc = old_v[i, j] + min(max(v[i, j] - old_v[i, j], -0.2), 0.2)
+                terms.append(0.5 * max((v[i, j] - ret[i, j]) ** 2, (vc - ret[i, j]) ** 2).item())
+    assert vloss.item() == pytest.approx(sum(terms) / len(terms), abs=1e-6)
+
+
+def test_kl_estimators_are_unbiased_for_known_distributions():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.3, 0.5])
+    exact = (p * (p / q).log()).sum().item()
+    samples = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    lp, lq = p.log()[samples], q.log()[samples]
+    k1, k3 = ppo.kl_per_token(lp, lq, "k1"), ppo.kl_per_token(lp, lq, "k3")
+    assert k1.mean().item() == pytest.approx(exact, abs=0.01)
+    assert k3.mean().item() == pytest.approx(exact, abs=0.01)
+    assert (k3 >= 0).all()
+    r = (lq - lp)
+    assert torch.allclose(k3, r.exp() - 1 - r)
+
+
+def test_adaptive_kl_controller():
+    assert ppo.adaptive_kl_coef(0.1, kl=6.0, target=6.0, horizon=10000, n_episodes=100) == pytest.approx(0.1)
+    # too much KL raises the coefficient, proportionally to the error, clipped at +-20%, at rate n / horizon
+    assert ppo.adaptive_kl_coef(0.1, kl=6.6, target=6.0, horizon=10000, n_episodes=100) == pytest.approx(0.1 * (1 + 0.1 * 0.01))
+    assert ppo.adaptive_kl_coef(0.1, kl=60, target=6.0, horizon=1000, n_episodes=100) == pytest.approx(0.1 * 1.02)
+    assert ppo.adaptive_kl_coef(0.1, kl=0.0, target=6.0, horizon=1000, n_episodes=100) == pytest.approx(0.1 * 0.98)
+
+
+def test_truncate_after_stop_and_score_index():
+    stop, pad = 3, 0
+    responses = torch.tensor([[5, 6, 3, 7, 8], [3, 5, 6, 7, 8], [5, 6, 7, 8, 9], [5, 3, 3, 7, 3]])
+    out, mask = ppo.truncate_after_stop(responses, stop, pad)
+    assert out.tolist() == [[5, 6, 3, 0, 0], [3, 0, 0, 0, 0], [5, 6, 7, 8, 9], [5, 3, 0, 0, 0]]
+    assert mask.sum(1).tolist() == [3, 1, 5, 2]
+    # the reward is read at the stop token itself (not the token after it, nor the last position)
+    query_mask = torch.tensor([[0, 1, 1]] * 4).bool()
+    full = torch.cat([query_mask, mask], 1)
+    assert ppo.last_token_index(full.long()).tolist() == [5, 3, 7, 4]
+    # with pad == stop id, the mask still finds the real EOS
+    out, mask = ppo.truncate_after_stop(responses, stop, pad_id=stop)
+    assert mask.sum(1).tolist() == [3, 1, 5, 2]
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0]])
+    assert torch.isinf(ppo.filter_logits(logits, 2, 1.0)).tolist() == [[False, True, False, True]]
+    probs = logits.softmax(-1)[0]  # ~0.64, 0.09, 0.24, 0.03: the top two reach 0.88
+    assert torch.isinf(ppo.filter_logits(logits, 0, 0.8)).tolist() == [[False, True, False, True]]
+    assert torch.isinf(ppo.filter_logits(logits, 0, 0.5)).tolist() == [[False, True, True, True]]
+    assert probs[0] > 0.5
+
+
+# --- sampling ---------------------------------------------------------------------------------------------------------
+
+
+def sample_prompts(n, seed=0):
+    rng = random.Random(seed)
+    texts = [common.embedded_prompt(rng)[0] + " cat" * rng.randint(0, 3) for _ in range(n)]  # varied lengths
+    return common.tokenize_prompts(TOK, texts)
+
+
+@pytest.mark.parametrize("arch", ["embedded-llama", "embedded-neox"])
+def test_sampling_logprobs_equal_training_forward_and_do_not_depend_on_batch(arch):
+    policy = common.embedded_sft_policy(arch, TOK, seed=0, steps=20)
+    args = ppo.Args(temperature=0.7, top_k=20, response_length=8)
+    prompts = sample_prompts(5)
+    width = max(map(len, prompts))
+    query, qmask = ppo.pad_left(prompts, width, TOK.pad_token_id)
+    gens = lambda: [torch.Generator().manual_seed(100 + i) for i in range(5)]  # noqa: E731
+    responses, logprobs = ppo.generate(policy, query, qmask, gens(), args, TOK.eos_token_id, TOK.pad_token_id)
+    responses, mask = ppo.truncate_after_stop(responses, TOK.eos_token_id, TOK.pad_token_id)
+    qr, qr_mask = torch.cat([query, responses], 1), torch.cat([qmask, mask], 1).long()
+    with torch.no_grad():
+        forward_logprobs, _ = ppo.policy_forward(policy, qr, qr_mask, width, args.temperature)
+    assert torch.allclose(forward_logprobs[mask], logprobs[mask], atol=1e-5)
+    # each prompt alone (no padding, other batch) samples the same response: streams are per episode
+    for i in range(5):
+        q = torch.tensor([prompts[i]])
+        alone, _ = ppo.generate(policy, q, torch.ones_like(q, dtype=torch.bool), [gens()[i]], args,
+                                TOK.eos_token_id, TOK.pad_token_id)
+        alone, alone_mask = ppo.truncate_after_stop(alone, TOK.eos_token_id, TOK.pad_token_id)
+        assert alone[0][alone_mask[0]].tolist() == responses[i][mask[i]].tolist()
+
+
+# --- training runs ----------------------------------------------------------------------------------------------------
+
+TINY = ["--total_episodes", "64", "--per_device_train_batch_size", "4", "--num_mini_batches", "2",
+        "--num_ppo_epochs", "2", "--sample_every", "1", "--response_length", "12"]
+
+
+def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, reward_model_path):
+    base = ["ppo.py", "--reward_model_path", reward_model_path, *TINY]
+    run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
+    run_script(base + ["--output_dir", str(tmp_path / "ddp")], nproc=2)
+    run_script(base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")], nproc=2)
+    runs = {k: read_metrics(tmp_path / k) for k in ("one", "ddp", "fsdp")}
+    assert len(runs["one"]) == 4
+    for key in ("objective/scores", "objective/kl", "gold/mean", "loss/policy", "loss/value", "policy/approxkl",
+                "policy/grad_norm"):
+        one, ddp, fsdp = ([m[key] for m in runs[k]] for k in ("one", "ddp", "fsdp"))
+        assert np.allclose(one, ddp, atol=1e-5, rtol=0), (key, one, ddp)
+        assert np.allclose(fsdp, ddp, atol=1e-5, rtol=0), (key, fsdp, ddp)
+    assert runs["one"][-1]["objective/kl"] != 0  # the policy moved
+
+
+def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, reward_model_path):
+    out = tmp_path / "ppo"
+    history = ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(out), total_episodes=640,
+                                sample_every=100))
+    results = json.load(open(out / "ppo_results.json"))
+    assert results["gold_last"] - results["gold_first"] >= results["gold_std_first"], results
+    assert results["proxy_last"] > results["proxy_first"] and results["kl_last"] > 0
+    assert os.path.getsize(out / "curves.png") > 1000 and len(history) == 20
+
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(out).eval()
+    initial = common.embedded_sft_policy("embedded-llama", TOK, seed=1)
+    prompts = sample_prompts(48, seed=3)
+    query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
+    golds = {}
+    for name, model in (("trained", trained), ("initial", initial)):
+        gens = [torch.Generator().manual_seed(i) for i in range(48)]
+        r, _ = ppo.generate(model, query, qmask, gens, ppo.Args(), TOK.eos_token_id, TOK.pad_token_id)
+        r, m = ppo.truncate_after_stop(r, TOK.eos_token_id, TOK.pad_token_id)
+        golds[name] = np.mean([common.gold_reward(TOK.decode(q[qm]), TOK.decode(x[k & (x != TOK.eos_token_id)]))
+                               for q, qm, x, k in zip(query, qmask, r, m)])
+    assert golds["trained"] > golds["initial"] + 0.2, golds
+
+
+def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, reward_model_path, monkeypatch):
+    args = dict(reward_model_path=reward_model_path, total_episodes=96, per_device_train_batch_size=4,
+                num_mini_batches=2, num_ppo_epochs=2, save_steps=4, target_kl=0.5, kl_horizon=100)
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "full"), **args))
+    real_save = common.save_checkpoint
+
+    def save_then_crash(output_dir, step, state, keep=2):
+        real_save(output_dir, step, state, keep)
+        if step == 8:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        ppo.main(ppo.Args(output_dir=str(tmp_path / "cut"), **args))
+    monkeypatch.setattr(common, "save_checkpoint", real_save)
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "cut"), resume=True, **args))
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
+    full, cut = strip(read_metrics(tmp_path / "full")), strip(read_metrics(tmp_path / "cut"))
+    assert len(full) == 12 and cut == full
+    assert full[-1]["kl_coef"] != full[0]["kl_coef"]  # the adaptive controller's state was resumed too
+
+
+def test_neox_policy_with_chat_template_prompts_and_ptx(tmp_path, reward_model_path):
+    prompts = tmp_path / "chat.jsonl"
+    rng = random.Random(0)
+    with open(prompts, "w") as f:
+        for _ in range(64):
+            topic = rng.choice(list(common.TOPICS))
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"tell me about {topic}"}]}) + "\n")
+    run_script(["ppo.py", "--sft_model_path", "embedded-neox", "--reward_model_path", reward_model_path,
+                "--dataset_name", str(prompts), "--critic_init", "policy", "--ptx_coef", "0.1", "--ptx_dataset_name",
+                "embedded", "--kl_estimator", "k3", "--missing_eos_penalty", "1.0", *TINY,
+                "--output_dir", str(tmp_path / "out")])
+    samples = [json.loads(line) for line in open(tmp_path / "out" / "samples.jsonl")]
+    assert samples[0]["prompt"].endswith("user: tell me about " + samples[0]["prompt"].split()[-2] + " assistant:")
+    assert all(m["objective/kl"] >= 0 for m in read_metrics(tmp_path / "out"))  # k3 is non-negative
+
+
+def test_missing_eos_penalty_lowers_scores_by_penalty_times_missing_rate(tmp_path, reward_model_path):
+    base = ["ppo.py", "--reward_model_path", reward_model_path, "--total_episodes", "16",
+            "--per_device_train_batch_size", "8", "--response_length", "4"]
+    run_script(base + ["--output_dir", str(tmp_path / "a")])
+    run_script(base + ["--missing_eos_penalty", "10", "--output_dir", str(tmp_path / "b")])
+    a, b = read_metrics(tmp_path / "a")[0], read_metrics(tmp_path / "b")[0]
+    assert a["response/eos_rate"] < 1
+    assert b["objective/scores"] == pytest.approx(a["objective/scores"] - 10 * (1 - a["response/eos_rate"]), abs=1e-4)
+
+
+def test_missing_reward_model_is_a_clear_error(tmp_path):
+    proc = run_script(["ppo.py", "--reward_model_path", str(tmp_path / "nothing")], check=False)
+    assert proc.returncode == 2 and "python rm.py --output_dir" in proc.stderr and "Traceback" not in proc.stderr
