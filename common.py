@@ -171,12 +171,16 @@ LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".cs
 
 
 def load_rows(name, config=None, split="train"):
-    """Rows (dicts) of one split of a dataset. Returns None if a hub/local dataset has no such split."""
+    """Rows (dicts) of one split of a dataset: the embedded task, a local file (one split: train), a local folder of
+    split files (DIR/train.jsonl, DIR/test.jsonl, ...), or a hub dataset. None if there is no such split."""
     if name == "embedded":
         return embedded_pairs(40000 if split == "train" else 4000, seed={"train": 0}.get(split, 1))
     import datasets
 
     datasets.disable_progress_bars()
+    if os.path.isdir(name):  # a local folder of split files: DIR/train.jsonl, DIR/test.parquet, ...
+        files = [f for f in sorted(os.listdir(name)) if f.split(".")[0] == split]
+        return load_rows(os.path.join(name, files[0]), split="train") if files else None
     base = name[:-3] if name.endswith(".gz") else name
     ext = os.path.splitext(base)[1]
     try:
@@ -397,8 +401,9 @@ def plot_png(path, series, width=640, panel_height=160):
             img[py(np.array(0.0)), pad:width - pad] = 160
         dense = np.linspace(0, len(xs) - 1, (width - 2 * pad) * 4)
         cx, cy = px(np.interp(dense, np.arange(len(xs)), xs)), py(np.interp(dense, np.arange(len(ys)), ys))
-        for dy in (0, 1):
-            img[np.clip(cy + dy, 0, img.shape[0] - 1), cx] = colors[k % len(colors)]
+        for i in range(len(cx) - 1):  # a vertical run per step, so steep segments stay connected
+            lo, hi = sorted((cy[i], cy[i + 1]))
+            img[lo:hi + 2, cx[i]:cx[i] + 1] = colors[k % len(colors)]
         notes.append(f"panel {k + 1} ({'blue red green purple orange'.split()[k % 5]}): {name}, "
                      f"x {x0:g}..{x1:g}, y {y0:.4g}..{y1:.4g}")
     raw = b"".join(b"\x00" + row.tobytes() for row in img)

@@ -92,7 +92,7 @@ class Args:
     missing_eos_penalty: float | None = None
     """Subtracted from the score of responses that never emit the stop token."""
     # --- PPO
-    kl_coef: float = 0.05
+    kl_coef: float = 0.1
     """Initial coefficient of the per-token KL penalty to the reference policy."""
     kl_estimator: Literal["k1", "k3"] = "k1"
     """Per-token KL estimate: k1 = log p - log q, k3 = (q/p - 1) - log(q/p) (Schulman 2020, non-negative)."""

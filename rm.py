@@ -117,6 +117,12 @@ class Args:
     hub_model_id: str | None = None
     """Hub repository for --push_to_hub (default: the output directory's name)."""
     # --- systems
+    padding_free: bool = True
+    """Pack the sequences of a micro-batch into as few rows as possible, without pad tokens between them (attention
+    kept inside each sequence, position ids restarting). --no_padding_free: the plain padded batch."""
+    prefix_sharing: bool = True
+    """One sequence per pair: prompt + chosen + rejected, the rejected tokens seeing the prompt but not the chosen
+    ones, so the shared prompt is computed once. Same rewards as two sequences. --no_prefix_sharing to turn off."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state per transformer block with FSDP2 (default: DDP)."""
     bf16: bool = False
@@ -163,19 +169,22 @@ def pearson(x, y):
 
 
 class RewardModel(torch.nn.Module):
-    """A transformers sequence-classification model, read at the last real token found from the attention mask.
-    Position ids also come from the mask, so left- and right-padded batches give the same rewards."""
+    """A transformers sequence-classification model, read at the last real token of each sequence. With a 2D padding
+    mask, the read points and position ids come from the mask (left and right padding give the same rewards); a packed
+    batch (see pack_pairs) passes its 4D mask, position ids and read points."""
 
     def __init__(self, hf_model):
         super().__init__()
         self.hf = hf_model
 
-    def forward(self, input_ids, attention_mask):
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    def forward(self, input_ids, attention_mask, position_ids=None, read_at=None):
+        if position_ids is None:
+            position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     use_cache=False).last_hidden_state
-        last = hidden[torch.arange(len(hidden), device=hidden.device), last_token_index(attention_mask)]
-        return self.hf.score(last).squeeze(-1).float()
+        rows, cols = read_at if read_at is not None else (torch.arange(len(hidden), device=hidden.device),
+                                                          last_token_index(attention_mask))
+        return self.hf.score(hidden[rows, cols]).squeeze(-1).float()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -252,6 +261,60 @@ def collate(pairs, pad_id, padding_side="right"):
         span = slice(0, len(s)) if padding_side == "right" else slice(width - len(s), width)
         ids[i, span], mask[i, span] = torch.tensor(s), 1
     return ids, mask, torch.tensor([p["margin"] for p in pairs])
+
+
+def pack_pairs(pairs, pad_id, share_prompt=True, pack=True):
+    """A padding-free batch. Each pair is one sequence, prompt + chosen + rejected (share_prompt), or two; sequences
+    are packed first-fit-decreasing into rows as wide as the longest one (pack) or one per row. The boolean mask
+    (rows, 1, W, W) lets a token attend to earlier tokens of its own sequence, and a rejected token to the prompt but
+    never to the chosen tokens; rejected position ids continue from the prompt's end. So each reward equals the one
+    the separate sequence prompt + response gives (Wang et al. 2024, arXiv 2410.20305). Returns ids, mask, position ids
+    and the (row, column) read points of every chosen reward, then every rejected one."""
+    n, seqs = len(pairs), []  # (tokens, branch of each token: 0 shared, 1 chosen, 2 rejected; positions; read points)
+    for i, p in enumerate(pairs):
+        P, C, R = len(p["prompt"]), len(p["chosen"]), len(p["rejected"])
+        if share_prompt:
+            seqs.append((p["prompt"] + p["chosen"] + p["rejected"], [0] * P + [1] * C + [2] * R,
+                         list(range(P + C)) + list(range(P, P + R)), [(i, P + C - 1), (n + i, P + C + R - 1)]))
+        else:
+            seqs.append((p["prompt"] + p["chosen"], [0] * (P + C), list(range(P + C)), [(i, P + C - 1)]))
+            seqs.append((p["prompt"] + p["rejected"], [0] * (P + R), list(range(P + R)), [(n + i, P + R - 1)]))
+    width = max(len(s[0]) for s in seqs)
+    rows, room = [], []
+    for seq in sorted(seqs, key=lambda s: -len(s[0])) if pack else seqs:
+        fit = next((r for r in range(len(rows)) if room[r] >= len(seq[0])), None) if pack else None
+        if fit is None:
+            rows.append([]), room.append(width)
+            fit = len(rows) - 1
+        rows[fit].append(seq)
+        room[fit] -= len(seq[0])
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    seq_id = torch.full((len(rows), width), -1, dtype=torch.long)
+    branch, positions = torch.zeros_like(ids), torch.zeros_like(ids)
+    read = torch.zeros(2, 2 * n, dtype=torch.long)
+    for r, row in enumerate(rows):
+        start = 0
+        for k, (tokens, br, pos, reads) in enumerate(row):
+            end = start + len(tokens)
+            ids[r, start:end], seq_id[r, start:end] = torch.tensor(tokens), k
+            branch[r, start:end], positions[r, start:end] = torch.tensor(br), torch.tensor(pos)
+            for j, last in reads:
+                read[:, j] = torch.tensor([r, start + last])
+            start = end
+    same_seq = (seq_id[:, :, None] == seq_id[:, None, :]) & (seq_id[:, None, :] >= 0)
+    visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+    mask = same_seq & visible & torch.ones(width, width, dtype=torch.bool).tril()
+    mask |= torch.eye(width, dtype=torch.bool)  # a padding query attends to itself: an empty row would give NaN
+    return ids, mask[:, None], positions, read
+
+
+def model_inputs(pairs, pad_id, args):
+    """(ids, mask, position ids, read points) of a micro-batch in the mode the arguments ask for; with the plain
+    padded batch, position ids and read points come from the mask."""
+    if not args.padding_free and not args.prefix_sharing:
+        ids, mask, _ = collate(pairs, pad_id)
+        return ids, mask, None, None
+    return pack_pairs(pairs, pad_id, share_prompt=args.prefix_sharing, pack=args.padding_free)
 
 
 def load_data(args, tokenizer, rank):
@@ -341,9 +404,9 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
     mine += [mine[0]] * (per_rank - len(mine))  # equal batch counts on every rank (FSDP's forward is collective)
     rewards = []
     for i in range(0, per_rank, args.per_device_eval_batch_size):
-        ids, mask, _ = collate([pairs[j] for j in mine[i:i + args.per_device_eval_batch_size]], pad_id)
+        inputs = model_inputs([pairs[j] for j in mine[i:i + args.per_device_eval_batch_size]], pad_id, args)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            rewards.append(model(ids.to(device), mask.to(device)).view(2, -1).T)
+            rewards.append(model(*(x if x is None else x.to(device) for x in inputs)).view(2, -1).T)
     valid = torch.arange(per_rank, device=device) < len(range(rank, len(pairs), world))
     index, valid, rewards = (all_gather_cat(t) for t in (torch.tensor(mine, device=device), valid, torch.cat(rewards)))
     in_order = torch.empty(len(pairs), 2)
@@ -441,12 +504,12 @@ def main(args):
         batch = order[offset * global_batch:(offset + 1) * global_batch]
         for micro in range(args.gradient_accumulation_steps):
             start = (rank * args.gradient_accumulation_steps + micro) * args.per_device_train_batch_size
-            ids, mask, margin = collate([train[i] for i in batch[start:start + args.per_device_train_batch_size]],
-                                        tokenizer.pad_token_id)
-            ids, mask, margin = ids.to(device), mask.to(device), margin.to(device)
+            pairs = [train[i] for i in batch[start:start + args.per_device_train_batch_size]]
+            inputs = [x if x is None else x.to(device) for x in model_inputs(pairs, tokenizer.pad_token_id, args)]
+            margin = torch.tensor([p["margin"] for p in pairs], device=device)
             set_grad_sync(model, micro == args.gradient_accumulation_steps - 1)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                r_chosen, r_rejected = model(ids, mask).chunk(2)
+                r_chosen, r_rejected = model(*inputs).chunk(2)
             loss = preference_loss(r_chosen, r_rejected, margin, args.loss_type).mean()
             if args.center_rewards_coefficient:
                 loss = loss + args.center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).mean()
@@ -454,7 +517,7 @@ def main(args):
             window["loss"] += loss.item() / args.gradient_accumulation_steps
             window["accuracy"] += (r_chosen > r_rejected).float().mean().item() / args.gradient_accumulation_steps
             window["margin"] += (r_chosen - r_rejected).mean().item() / args.gradient_accumulation_steps
-            window["tokens"] += mask.sum().item()
+            window["tokens"] += sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in pairs)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
         window["grad_norm"] += (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
         window["n"] += 1

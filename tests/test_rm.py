@@ -274,3 +274,78 @@ def test_help_and_wandb_offline(tmp_path, small_pairs_file):
                 str(tmp_path)], env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb"))
     shutil.rmtree(tmp_path / "wandb")
+
+
+# --- padding-free and prefix-shared batches ---------------------------------------------------------------------------
+
+
+def shared_prefix_pairs(n, seed):
+    """Random pairs whose responses sometimes start with the same tokens, with very different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda k: torch.randint(20, len(TOK), (k,), generator=g).tolist()  # noqa: E731
+    pairs = []
+    for i in range(n):
+        common_start = ids(int(torch.randint(0, 3, (1,), generator=g)))
+        pairs.append({"prompt": ids(int(torch.randint(1, 30, (1,), generator=g))),
+                      "chosen": common_start + ids(int(torch.randint(1, 12, (1,), generator=g))) + [TOK.eos_token_id],
+                      "rejected": common_start + ids(int(torch.randint(0, 20, (1,), generator=g))) + [TOK.eos_token_id],
+                      "margin": 0.0})
+    return pairs
+
+
+@pytest.mark.parametrize("arch", ["embedded-llama", "embedded-neox"])
+@pytest.mark.parametrize("pad_id", [0, 3])  # 3 is the EOS id: pad == eos
+def test_padded_padding_free_and_prefix_shared_rewards_and_gradients_agree(arch, pad_id):
+    model = tiny_reward_model(arch, seed=2)
+    pairs = shared_prefix_pairs(12, seed=4)
+    batches = {"padded right": rm.collate(pairs, pad_id)[:2] + (None, None),
+               "padded left": rm.collate(pairs, pad_id, padding_side="left")[:2] + (None, None),
+               "padding-free": rm.pack_pairs(pairs, pad_id, share_prompt=False, pack=True),
+               "prefix-shared": rm.pack_pairs(pairs, pad_id, share_prompt=True, pack=False),
+               "prefix-shared + packed": rm.pack_pairs(pairs, pad_id, share_prompt=True, pack=True)}
+    assert batches["prefix-shared + packed"][0].numel() < batches["padding-free"][0].numel() < \
+        batches["padded right"][0].numel()  # each mode computes fewer token positions
+    results = {}
+    for name, inputs in batches.items():
+        model.zero_grad()
+        rewards = model(*inputs)
+        rc, rr = rewards.chunk(2)
+        rm.preference_loss(rc, rr, torch.zeros(len(pairs))).mean().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results[name] = (rewards.detach(), grads)
+    ref_rewards, ref_grads = results["padded right"]
+    for name, (rewards, grads) in results.items():
+        assert torch.allclose(rewards, ref_rewards, atol=1e-4), name
+        assert torch.allclose(grads, ref_grads, atol=1e-4, rtol=1e-3), name
+
+
+def test_prefix_shared_mask_hides_chosen_from_rejected():
+    pair = {"prompt": [30, 31], "chosen": [40, 3], "rejected": [50, 51, 3], "margin": 0.0}
+    ids, mask, positions, read = rm.pack_pairs([pair], pad_id=0, share_prompt=True, pack=True)
+    assert ids[0].tolist() == [30, 31, 40, 3, 50, 51, 3]
+    assert positions[0].tolist() == [0, 1, 2, 3, 2, 3, 4]  # rejected continues from the prompt's end
+    m = mask[0, 0].int()
+    assert m[4].tolist() == [1, 1, 0, 0, 1, 0, 0]  # first rejected token: prompt and itself only
+    assert m[6].tolist() == [1, 1, 0, 0, 1, 1, 1]
+    assert m[3].tolist() == [1, 1, 1, 1, 0, 0, 0]
+    assert read.T.tolist() == [[0, 3], [0, 6]]  # chosen reward at its EOS, rejected at its EOS
+
+
+def test_training_curves_of_all_modes_agree(tmp_path, small_pairs_file):
+    base = ["--dataset_name", small_pairs_file, "--max_steps", "8", "--logging_steps", "1", "--num_evals", "1",
+            "--per_device_train_batch_size", "8"]
+    curves = {}
+    for name, flags in {"padded": ["--no_padding_free", "--no_prefix_sharing"], "packed": ["--no_prefix_sharing"],
+                        "default": []}.items():
+        args = tyro_args(base + flags + ["--output_dir", str(tmp_path / name)])
+        rm.main(args)
+        curves[name] = [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
+    assert len(curves["padded"]) == 8
+    for name in ("packed", "default"):
+        assert np.allclose(curves[name], curves["padded"], atol=1e-4), (name, curves[name], curves["padded"])
+
+
+def tyro_args(argv):
+    import tyro
+
+    return tyro.cli(rm.Args, args=argv, use_underscores=True)
