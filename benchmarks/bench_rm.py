@@ -109,6 +109,10 @@ def prepare_task(task, args, work):
         f"parameters)", "tokens_per_pair": pair_tokens, "unique_tokens_per_pair": unique, "flops_per_pair": flops}
 
 
+def warmup_steps(args):
+    return max(1, int(0.05 * (args.pairs // args.batch)))
+
+
 def child_trl(work, args):
     import torch
     from datasets import Dataset
@@ -121,7 +125,8 @@ def child_trl(work, args):
     train = Dataset.from_list([{"chosen_ids": p["prompt"] + p["chosen"], "rejected_ids": p["prompt"] + p["rejected"]}
                                for p in ids["train"]])
     cfg = RewardConfig(output_dir=os.path.join(work, "trl"), per_device_train_batch_size=args.batch,
-                       num_train_epochs=1, learning_rate=args.lr, lr_scheduler_type="cosine", warmup_ratio=0.05,
+                       num_train_epochs=1, learning_rate=args.lr, lr_scheduler_type="cosine",
+                       warmup_steps=warmup_steps(args),
                        max_grad_norm=1.0, logging_steps=10, save_strategy="no", eval_strategy="no", report_to="none",
                        bf16=args.bf16, gradient_checkpointing=False, max_length=None, seed=1,
                        dataloader_drop_last=True, use_cpu=args.device == "cpu", disable_dropout=True)
@@ -148,7 +153,8 @@ def child_rm(work, args, flags):
                 "--output_dir", out, "--learning_rate", str(args.lr), "--num_train_epochs", "1",
                 "--per_device_train_batch_size", str(args.batch), "--per_device_eval_batch_size", "32",
                 "--max_length", str(args.max_length), "--max_prompt_length", str(args.max_length * 3 // 4),
-                "--num_evals", "1", "--logging_steps", "10", "--warmup_ratio", "0.05", "--reward_normalization", "none",
+                "--num_evals", "1", "--logging_steps", "10", "--warmup_steps", str(warmup_steps(args)),
+                "--reward_normalization", "none",
                 *(["--bf16"] if args.bf16 else []), *flags]
     # rm.py tokenizes the text itself; the saved model's tokenizer is the benchmark's (saved beside the data)
     import shutil

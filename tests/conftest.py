@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -26,6 +27,16 @@ def run_script(args, nproc=1, check=True, env=None):
 def read_metrics(output_dir):
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def assert_saved_models_equal(dirs, auto_class):
+    import transformers
+
+    models = [getattr(transformers, auto_class).from_pretrained(d).state_dict() for d in dirs]
+    for other in models[1:]:
+        assert other.keys() == models[0].keys()
+        for k in models[0]:
+            assert torch.allclose(other[k], models[0][k], atol=1e-5), k
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import assert_saved_models_equal, read_metrics, run_script
 
 import common
 import ppo
@@ -180,6 +180,7 @@ def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, reward_model_path)
         assert np.allclose(one, ddp, atol=1e-5, rtol=0), (key, one, ddp)
         assert np.allclose(fsdp, ddp, atol=1e-5, rtol=0), (key, fsdp, ddp)
     assert runs["one"][-1]["objective/kl"] != 0  # the policy moved
+    assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForCausalLM")
 
 
 def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, reward_model_path):

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import assert_saved_models_equal, read_metrics, run_script
 
 import common
 import rm
@@ -192,6 +192,8 @@ def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, small_pairs_file):
     assert len(set(m["train/loss"] for m in runs["one"])) > 1  # the model is actually learning something
     evals = {k: json.load(open(tmp_path / k / "eval_results.json")) for k in runs}
     assert evals["one"]["accuracy"] == evals["ddp"]["accuracy"] == evals["fsdp"]["accuracy"]
+    assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForSequenceClassification")
+
 
 
 def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
