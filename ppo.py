@@ -478,7 +478,7 @@ def main(args):
     policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
     critic = parallelize(ScalarHeadModel(critic_hf), args, device, critic_hf.config.num_hidden_layers)
     trainable = torch.nn.ModuleDict({"policy": policy, "critic": critic})
-    optimizer = torch.optim.AdamW(trainable.parameters(), lr=lr, eps=1e-5)
+    optimizer = torch.optim.AdamW(trainable.parameters(), lr=lr, eps=1e-5, fused=True)
     from transformers import get_scheduler
 
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_updates)

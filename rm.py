@@ -463,7 +463,7 @@ def main(args):
     if args.gradient_checkpointing:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(RewardModel(hf_model), args, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay, fused=True)
     warmup = args.warmup_steps or int(args.warmup_ratio * total_steps)
     extra = {"polynomial": {"lr_end": args.lr_end}, "cosine_with_restarts": {"num_cycles": int(args.num_cycles)},
              "cosine": {"num_cycles": args.num_cycles / 2}}.get(args.lr_scheduler_type, {})
