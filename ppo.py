@@ -449,7 +449,6 @@ def all_reduce(t, op=None):
 
 def main(args):
     rank, world, device = setup_distributed()
-    common.exact_div(args.total_episodes, 1, "--total_episodes")
     micro = args.per_device_train_batch_size
     local_mini_batch = micro * args.gradient_accumulation_steps
     local_batch = local_mini_batch * args.num_mini_batches  # episodes each rank rolls out per update
@@ -473,8 +472,11 @@ def main(args):
     critic_hf = critic_from(args, policy_hf, reward_hf)
     reward_model = ScalarHeadModel(reward_hf).eval().requires_grad_(False).to(device)
     same_vocab = all(reward_tokenizer.convert_tokens_to_ids(t) == i for t, i in tokenizer.get_vocab().items())
-    stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token,
-                                                                 tokenizer.convert_tokens_to_ids(args.stop_token))
+    stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
+        args.stop_token, -1))
+    if stop_id == -1:
+        raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
+                               "pass eos, none, or one token as the tokenizer spells it")
     policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
     critic = parallelize(ScalarHeadModel(critic_hf), args, device, critic_hf.config.num_hidden_layers)
     trainable = torch.nn.ModuleDict({"policy": policy, "critic": critic})

@@ -256,6 +256,9 @@ def test_missing_eos_penalty_lowers_scores_by_penalty_times_missing_rate(tmp_pat
     assert b["objective/scores"] == pytest.approx(a["objective/scores"] - 10 * (1 - a["response/eos_rate"]), abs=1e-4)
 
 
-def test_missing_reward_model_is_a_clear_error(tmp_path):
+def test_missing_reward_model_and_unknown_stop_token_are_clear_errors(tmp_path, reward_model_path):
     proc = run_script(["ppo.py", "--reward_model_path", str(tmp_path / "nothing")], check=False)
     assert proc.returncode == 2 and "python rm.py --output_dir" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script(["ppo.py", "--reward_model_path", reward_model_path, "--stop_token", "<nope>"], check=False)
+    assert proc.returncode == 2 and "--stop_token '<nope>' is not a token" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
