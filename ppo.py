@@ -299,16 +299,23 @@ def policy_forward(policy, query_response, mask, context_length, temperature):
 # Models and data.
 
 
-def load_policy_and_tokenizer(args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(args):
+    from transformers import AutoTokenizer
 
     if args.sft_model_path.startswith("embedded-"):
-        tokenizer = common.embedded_tokenizer()
-        return common.embedded_sft_policy(args.sft_model_path, tokenizer, args.seed), tokenizer
+        return common.embedded_tokenizer()
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe here: every mask comes from lengths, never from pad ids
-    return AutoModelForCausalLM.from_pretrained(args.sft_model_path), tokenizer
+    return tokenizer
+
+
+def load_policy(args, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    if args.sft_model_path.startswith("embedded-"):
+        return common.embedded_sft_policy(args.sft_model_path, tokenizer, args.seed)
+    return AutoModelForCausalLM.from_pretrained(args.sft_model_path)
 
 
 def load_reward_model(path):
@@ -461,10 +468,17 @@ def main(args):
     lr = args.learning_rate or (3e-4 if embedded else 3e-6)
     os.makedirs(args.output_dir, exist_ok=True)
 
+    tokenizer = load_tokenizer(args)
+    stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
+        args.stop_token, -1))
+    if stop_id == -1:
+        raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
+                               "pass eos, none, or one token as the tokenizer spells it")
+
     # Models: policy and critic are trained; reference and reward model are frozen.
     reward_hf, reward_tokenizer = load_reward_model(args.reward_model_path)
     torch.manual_seed(args.seed)
-    policy_hf, tokenizer = load_policy_and_tokenizer(args)
+    policy_hf = load_policy(args, tokenizer)
     for module in policy_hf.modules():  # no dropout: log-probs of rollout and learning must come from one network
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -472,11 +486,6 @@ def main(args):
     critic_hf = critic_from(args, policy_hf, reward_hf)
     reward_model = ScalarHeadModel(reward_hf).eval().requires_grad_(False).to(device)
     same_vocab = all(reward_tokenizer.convert_tokens_to_ids(t) == i for t, i in tokenizer.get_vocab().items())
-    stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
-        args.stop_token, -1))
-    if stop_id == -1:
-        raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
-                               "pass eos, none, or one token as the tokenizer spells it")
     policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
     critic = parallelize(ScalarHeadModel(critic_hf), args, device, critic_hf.config.num_hidden_layers)
     trainable = torch.nn.ModuleDict({"policy": policy, "critic": critic})
@@ -487,7 +496,8 @@ def main(args):
     prompts, prompt_texts = load_prompts(args, tokenizer)
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
 
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                         set_state_dict)
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     start, kl_coef, history = 0, args.kl_coef, []
@@ -674,7 +684,7 @@ def main(args):
                     "kl_coef": kl_coef, "history": history, "rng": common.rng_state()})
 
     # The final policy in transformers' format, its tokenizer, the curves and a summary.
-    model_sd, _ = get_state_dict(trainable, optimizer, options=full)
+    model_sd = get_model_state_dict(trainable, options=full)
     if rank == 0:
         policy_sd = {k.removeprefix("policy."): v for k, v in model_sd.items() if k.startswith("policy.")}
         policy_hf.save_pretrained(args.output_dir, state_dict=policy_sd)

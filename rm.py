@@ -470,7 +470,8 @@ def main(args):
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps, scheduler_specific_kwargs=extra)
 
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                         set_state_dict)
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     start_step = 0
@@ -544,11 +545,11 @@ def main(args):
             t_window = time.time()
         if done % eval_every == 0 or done == total_steps:
             model.eval()
-            m = {"step": done, **evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)}
+            ev = {"step": done, **evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)}
             model.train()
             if rank == 0:
-                common.log_metrics(metrics_file, m, wandb_run)
-                bar.write(common.format_metrics(m))
+                common.log_metrics(metrics_file, ev, wandb_run)
+                bar.write(common.format_metrics(ev))
             t_window = time.time()
         if args.save_steps and done % args.save_steps == 0 and done < total_steps:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=full)
@@ -559,19 +560,19 @@ def main(args):
             t_window = time.time()
 
     # 5. Normalize (shift the mean eval reward to 0, optionally scale its std to 1) and save in transformers' format.
-    shift = m["eval/reward_mean"] if args.reward_normalization != "none" else 0.0
-    scale = m["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0
-    model_sd, _ = get_state_dict(model, optimizer, options=full)
+    shift = ev["eval/reward_mean"] if args.reward_normalization != "none" else 0.0
+    scale = ev["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0
+    model_sd = get_model_state_dict(model, options=full)
     if rank == 0:
         save_reward_model(hf_model, {k.removeprefix("hf."): v for k, v in model_sd.items()}, tokenizer, args.output_dir,
                           shift, scale)
-        results = {**{k.removeprefix("eval/"): v for k, v in m.items()}, "reward_shift": shift, "reward_scale": scale,
+        results = {**{k.removeprefix("eval/"): v for k, v in ev.items()}, "reward_shift": shift, "reward_scale": scale,
                    "args": dataclasses.asdict(args)}
         with open(os.path.join(args.output_dir, "eval_results.json"), "w") as f:
             json.dump(results, f, indent=2)
-        summary = f"final eval accuracy {m['eval/accuracy']:.4f}"
-        if "eval/bayes_accuracy" in m:
-            summary += f" (Bayes-optimal {m['eval/bayes_accuracy']:.4f}, ratio {m['eval/accuracy_vs_bayes']:.3f})"
+        summary = f"final eval accuracy {ev['eval/accuracy']:.4f}"
+        if "eval/bayes_accuracy" in ev:
+            summary += f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})"
         print(f"{summary}; saved to {args.output_dir}")
         if args.push_to_hub:
             repo = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
@@ -582,12 +583,12 @@ def main(args):
             wandb_run.finish()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return m
+    return ev
 
 
 def save_reward_model(hf_model, state_dict, tokenizer, output_dir, shift, scale):
-    """Weights in transformers' format; the normalization travels in config.json (see common.load_saved_reward_model):
-    reward = (score - reward_shift) / reward_scale."""
+    """Weights in transformers' format. A linear head without a bias cannot hold a shift, so the normalization travels
+    in config.json: reward = (score - reward_shift) / reward_scale (ppo.py's load_reward_model applies it)."""
     hf_model.config.reward_shift, hf_model.config.reward_scale = shift, scale
     hf_model.config.architectures = [type(hf_model).__name__]
     hf_model.save_pretrained(output_dir, state_dict=state_dict)
