@@ -461,7 +461,7 @@ def main(args):
 
     hf_model = load_reward_model(args, tokenizer)
     if args.gradient_checkpointing:
-        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(RewardModel(hf_model), args, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay, fused=True)
     warmup = args.warmup_steps or int(args.warmup_ratio * total_steps)

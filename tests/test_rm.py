@@ -351,3 +351,26 @@ def tyro_args(argv):
     import tyro
 
     return tyro.cli(rm.Args, args=argv, use_underscores=True)
+
+
+def test_gradient_checkpointing_and_bf16_track_the_fp32_run(tmp_path, small_pairs_file):
+    base = ["--dataset_name", small_pairs_file, "--max_steps", "4", "--logging_steps", "1", "--num_evals", "1"]
+    curves = {}
+    for name, flags in {"fp32": [], "checkpointed": ["--gradient_checkpointing"], "bf16": ["--bf16"]}.items():
+        rm.main(tyro_args(base + flags + ["--output_dir", str(tmp_path / name)]))
+        curves[name] = [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
+    assert np.allclose(curves["checkpointed"], curves["fp32"], atol=1e-5)  # recomputation changes nothing
+    assert np.allclose(curves["bf16"], curves["fp32"], atol=0.05) and curves["bf16"] != curves["fp32"]
+
+
+def test_dataset_mixer_takes_fractions_and_counts(tmp_path):
+    for name, n in (("a.jsonl", 40), ("b.jsonl", 30)):
+        with open(tmp_path / name, "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"chosen": f" {name} {i}", "rejected": " x"}) + "\n")
+    rows = common.mix_rows([str(tmp_path / "a.jsonl"), "0.5", str(tmp_path / "b.jsonl"), "12"], "train", seed=0)
+    sources = [os.path.basename(r["_source"]) for r in rows]
+    assert sources.count("a.jsonl") == 20 and sources.count("b.jsonl") == 12
+    assert all(r["chosen"] == f" {os.path.basename(r['_source'])} {r['_row']}" for r in rows)  # rows keep their number
+    with pytest.raises(common.UserError, match="weight 'many' of"):
+        common.mix_rows([str(tmp_path / "a.jsonl"), "many"], "train", seed=0)
