@@ -155,12 +155,8 @@ def calibration_error(p_chosen, n_bins=10):
     p = torch.cat([p_chosen, 1 - p_chosen]).double()
     won = torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)]).double()
     bins = (p * n_bins).long().clamp(max=n_bins - 1)
-    err = torch.zeros((), dtype=torch.float64)
-    for b in range(n_bins):
-        m = bins == b
-        if m.any():
-            err += m.sum() / len(p) * (p[m].mean() - won[m].mean()).abs()
-    return err.item()
+    # sum over bins of (bin size / N) * |mean confidence - mean outcome| = sum over bins of |sum(p - won)| / N
+    return (torch.bincount(bins, weights=p - won, minlength=n_bins).abs().sum() / len(p)).item()
 
 
 def pearson(x, y):
