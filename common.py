@@ -95,7 +95,7 @@ def embedded_model_config(name, vocab_size, num_labels=None):
 
 def embedded_prompt(rng):
     topic = rng.choice(list(TOPICS))
-    return f"User: tell me about {topic} such as {rng.choice(TOPICS[topic])} Assistant:", topic
+    return f"User: tell me about {topic} such as {rng.choice(TOPICS[topic])} Assistant:"
 
 
 def prompt_topic(prompt):
@@ -122,7 +122,7 @@ def embedded_pairs(n, seed):
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        prompt, _ = embedded_prompt(rng)
+        prompt = embedded_prompt(rng)
         a, b = embedded_response(rng), embedded_response(rng)
         ga, gb = gold_reward(prompt, a), gold_reward(prompt, b)
         if rng.random() >= 1 / (1 + math.exp(-PREFERENCE_BETA * (ga - gb))):
@@ -147,7 +147,7 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     rng = random.Random(seed)
     for _ in range(steps):
-        rows = [embedded_prompt(rng)[0] for _ in range(batch_size)]
+        rows = [embedded_prompt(rng) for _ in range(batch_size)]
         prompts = tokenize_prompts(tokenizer, rows)
         responses = tokenize_responses(tokenizer, [embedded_response(rng) for _ in rows])
         width = max(len(p) + len(r) for p, r in zip(prompts, responses))

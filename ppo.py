@@ -231,10 +231,6 @@ def filter_logits(logits, top_k, top_p):
     return logits
 
 
-def logprobs_of(logits, tokens, temperature):
-    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Sampling: each episode has its own random stream (seeded by its global index), so samples do not depend on the
 # batch they are in, nor on the number of ranks.
@@ -353,7 +349,7 @@ def load_prompts(args, tokenizer):
     """Prompt token ids (end kept within max_prompt_length) and the prompt texts."""
     if args.dataset_name == "embedded":
         rng = random.Random(args.seed)
-        texts = [common.embedded_prompt(rng)[0] for _ in range(4096)]
+        texts = [common.embedded_prompt(rng) for _ in range(4096)]
     else:
         rows = common.mix_rows([args.dataset_name, "1.0"], args.dataset_train_split, args.seed, args.dataset_config)
         if not rows:
@@ -379,7 +375,7 @@ def prompt_text(row, tokenizer, where):
 def load_ptx(args, tokenizer):
     if args.ptx_dataset_name == "embedded":
         rng = random.Random(args.seed + 1)
-        texts = [common.embedded_prompt(rng)[0] + common.embedded_response(rng) for _ in range(4096)]
+        texts = [common.embedded_prompt(rng) + common.embedded_response(rng) for _ in range(4096)]
     else:
         rows = common.mix_rows([args.ptx_dataset_name, "1.0"], "train", args.seed)
         if not rows or "text" not in rows[0]:

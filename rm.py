@@ -16,7 +16,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -330,7 +329,7 @@ def load_data(args, tokenizer, rank):
     if rank == 0:
         print(f"pairs: {len(train)} train, {len(evals)} eval; truncated {cut + cut_e}, dropped {dropped + dropped_e} "
               f"(identical after truncation); max_length {args.max_length}, max_prompt_length {args.max_prompt_length}")
-    return train, evals, eval_rows
+    return train, evals
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -445,7 +444,7 @@ def main(args):
 
     # 1. Data: preference pairs -> token ids (same on every rank; each rank takes its slice of every global batch).
     tokenizer = load_tokenizer(args.model_name_or_path)
-    train, evals, _ = load_data(args, tokenizer, rank)
+    train, evals = load_data(args, tokenizer, rank)
     steps_per_epoch = len(train) // global_batch
     if steps_per_epoch == 0:
         raise common.UserError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
@@ -497,7 +496,8 @@ def main(args):
     t_window = time.time()
     for step in bar:
         epoch, offset = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch)).tolist()
+        if step == start_step or offset == 0:  # the epoch's order depends only on (seed, epoch): resumable anywhere
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch)).tolist()
         batch = order[offset * global_batch:(offset + 1) * global_batch]
         for micro in range(args.gradient_accumulation_steps):
             start = (rank * args.gradient_accumulation_steps + micro) * args.per_device_train_batch_size

@@ -134,7 +134,7 @@ def test_filter_logits_top_k_and_top_p():
 
 def sample_prompts(n, seed=0):
     rng = random.Random(seed)
-    texts = [common.embedded_prompt(rng)[0] + " cat" * rng.randint(0, 3) for _ in range(n)]  # varied lengths
+    texts = [common.embedded_prompt(rng) + " cat" * rng.randint(0, 3) for _ in range(n)]  # varied lengths
     return common.tokenize_prompts(TOK, texts)
 
 
