@@ -149,7 +149,7 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     for _ in range(steps):
         rows = [embedded_prompt(rng) for _ in range(batch_size)]
         prompts = tokenize_prompts(tokenizer, rows)
-        responses = tokenize_responses(tokenizer, [embedded_response(rng) for _ in rows])
+        responses = tokenize_responses(tokenizer, rows, [embedded_response(rng) for _ in rows])
         width = max(len(p) + len(r) for p, r in zip(prompts, responses))
         ids = torch.full((batch_size, width), tokenizer.pad_token_id)
         labels = torch.full((batch_size, width), -100)
@@ -244,18 +244,46 @@ def shared_prefix_split(a, b):
     return a[:i], a[i:], b[i:]
 
 
+def check_messages(messages, where, field):
+    if not isinstance(messages, list):
+        raise UserError(f"{where}: field '{field}' is {type(messages).__name__}; expected a list of messages")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise UserError(f"{where}: field '{field}', message {k}: expected {{'role': text, 'content': text}}, "
+                            f"got {str(m)[:60]}")
+
+
+def render_chat(tokenizer, messages, where, generation_prompt=False):
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{where}: the chat template cannot render these messages ({first})") from None
+
+
 def split_pair(row, tokenizer, where):
     """(prompt, chosen, rejected) text of one row in any supported format. `where` names the file and row."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected an object with 'chosen' and 'rejected', got {type(row).__name__}")
     for field in ("chosen", "rejected"):
         if field not in row or row[field] is None:
             raise UserError(f"{where}: field '{field}' is missing; every row needs 'chosen' and 'rejected'")
     chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
     if isinstance(chosen, list) or isinstance(rejected, list):  # conversational: lists of {role, content}
-        prefix = prompt if isinstance(prompt, list) else []
-        try:
-            full = [tokenizer.apply_chat_template(prefix + m, tokenize=False) for m in (chosen, rejected)]
-        except Exception as e:
-            raise UserError(f"{where}: fields 'chosen'/'rejected' are not valid chat messages ({e})") from None
+        if isinstance(prompt, str):  # a text prompt before message responses is the user's turn
+            prompt = [{"role": "user", "content": prompt}]
+        for field, value in (("chosen", chosen), ("rejected", rejected)) + ((("prompt", prompt),) if prompt else ()):
+            check_messages(value, where, field)
+        if not prompt:  # the messages both share are the prompt
+            k = 0
+            while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
+                k += 1
+            prompt, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
+        # The prompt as ppo.py renders it (with the generation prompt), so both scripts see the same prompt tokens.
+        p = render_chat(tokenizer, prompt, where, generation_prompt=True)
+        full = [render_chat(tokenizer, prompt + m, where) for m in (chosen, rejected)]
+        if all(f.startswith(p) for f in full):
+            return p, full[0][len(p):], full[1][len(p):]
         return shared_prefix_split(*full)
     for field, value in (("chosen", chosen), ("rejected", rejected), ("prompt", prompt)):
         if value is not None and not isinstance(value, str):
@@ -265,31 +293,95 @@ def split_pair(row, tokenizer, where):
     return shared_prefix_split(chosen, rejected)
 
 
+# One convention for both scripts. A prompt is the special tokens the tokenizer puts BEFORE a text (BOS; [CLS] for
+# encoders) and then the text's tokens, never the ones it puts after (EOS, [SEP]): the policy continues the prompt. A
+# response is tokenized after its prompt, as the policy produces it, and ends at its first EOS (appended if missing):
+# the reward model reads there, at the token where ppo.py's policy stops.
+
+
+def special_affixes(tokenizer):
+    """The special token ids the tokenizer's post-processor writes before and after a text."""
+    plain = tokenizer("a b", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a b", add_special_tokens=True)["input_ids"]
+    for k in range(len(full) - len(plain) + 1):
+        if full[k:k + len(plain)] == plain:
+            return full[:k], full[k + len(plain):]
+    return [], []
+
+
+def leading_id(tokenizer):
+    """The special token a prompt starts with (BOS or [CLS]), which truncation keeps; None if there is none."""
+    prefix = special_affixes(tokenizer)[0]
+    return prefix[0] if prefix else None
+
+
+def end_id(tokenizer):
+    """The token a response ends with: EOS, or for an encoder without one, the separator its tokenizer appends."""
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    suffix = special_affixes(tokenizer)[1]
+    if not suffix:
+        raise UserError(f"tokenizer {tokenizer.name_or_path!r} has no EOS token to end a response with; set eos_token")
+    return suffix[-1]
+
+
 def tokenize_prompts(tokenizer, texts):
-    # Chat templates already write the BOS token as text; adding it again would double it.
-    bos = tokenizer.bos_token
-    add = not (bos and texts and texts[0].startswith(bos))
-    return tokenizer(texts, add_special_tokens=add)["input_ids"] if texts else []
+    prefix = special_affixes(tokenizer)[0]
+    lead = tokenizer.decode(prefix) if prefix else None
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
+    # Chat templates often write the BOS token as text already; adding it again would double it.
+    return [x if lead and t.startswith(lead) else prefix + x for t, x in zip(texts, ids)]
 
 
-def tokenize_responses(tokenizer, texts):
-    """Response ids, each ending with EOS (appended unless the text already ends with it): the reward is read there,
-    at the same token where ppo.py's policy stops."""
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    return [x if x and x[-1] == tokenizer.eos_token_id else x + [tokenizer.eos_token_id] for x in ids]
+def tokenize_responses(tokenizer, prompts, responses):
+    """Response ids, tokenized in context after their prompt text (SentencePiece-style tokenizers give a text's first
+    word other tokens than the same word after a prompt), cut after the first end token or ended with one."""
+    if not responses:
+        return []
+    end = end_id(tokenizer)
+    joint = tokenizer([p + r for p, r in zip(prompts, responses)], add_special_tokens=False)["input_ids"]
+    alone_p = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    alone_r = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
+    out = []
+    for j, p, r in zip(joint, alone_p, alone_r):
+        x = j[len(p):] if j[:len(p)] == p and len(j) > len(p) else r
+        out.append(x[:x.index(end) + 1] if end in x else x + [end])  # text after the end token is never generated
+    return out
+
+
+def truncate_prompt(ids, max_prompt_length, bos_id=None):
+    """Keep the END of a long prompt (the turn being answered), and its leading BOS/[CLS] token."""
+    if len(ids) <= max_prompt_length:
+        return ids
+    keep = 1 if bos_id is not None and ids and ids[0] == bos_id else 0
+    return ids[:keep] + ids[len(ids) - max_prompt_length + keep:]
 
 
 def truncate_pair(prompt_ids, chosen_ids, rejected_ids, max_length, max_prompt_length, bos_id=None):
-    """The truncation policy: keep the END of the prompt (the turn being answered), keeping a leading BOS, to at most
-    max_prompt_length tokens; then cut each response so that prompt + response fits in max_length. Returns the three id
-    lists and whether anything was cut."""
-    p = prompt_ids
-    if len(p) > max_prompt_length:
-        keep_bos = bos_id is not None and p[0] == bos_id
-        p = [p[0]] + p[len(p) - max_prompt_length + 1:] if keep_bos else p[len(p) - max_prompt_length:]
+    """The truncation policy: the prompt by truncate_prompt, then each response cut so that prompt + response fits in
+    max_length. Returns the three id lists and whether anything was cut."""
+    p = truncate_prompt(prompt_ids, max_prompt_length, bos_id)
     budget = max_length - len(p)
     c, r = chosen_ids[:budget], rejected_ids[:budget]
     return p, c, r, (len(p), len(c), len(r)) != (len(prompt_ids), len(chosen_ids), len(rejected_ids))
+
+
+def without_dropout(config):
+    """The config with every dropout probability set to 0. Many models read dropout from the config when they are
+    built and call F.dropout themselves (OPT), so zeroing nn.Dropout modules afterwards is not enough. Training and
+    evaluation forwards must be one network: the two passes of a pair (rm.py), rollout and learning log-probs (ppo.py)."""
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
+def disable_dropout(model):
+    without_dropout(model.config)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_
 """
 
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -166,17 +167,29 @@ def pearson(x, y):
 class RewardModel(torch.nn.Module):
     """A transformers sequence-classification model, read at the last real token of each sequence. With a 2D padding
     mask, the read points and position ids come from the mask (left and right padding give the same rewards); a packed
-    batch (see pack_pairs) passes its 4D mask, position ids and read points."""
+    batch (see pack_pairs) passes its 4D mask, position ids and read points. Encoders (BERT, RoBERTa, DeBERTa: a
+    pooled `classifier` head instead of `score`) are read through their own forward, at [CLS]."""
 
     def __init__(self, hf_model):
         super().__init__()
         self.hf = hf_model
+        self.reads_last_token = hasattr(hf_model, "score")
+        self.takes_position_ids = "position_ids" in inspect.signature(hf_model.base_model.forward).parameters
 
     def forward(self, input_ids, attention_mask, position_ids=None, read_at=None):
-        if position_ids is None:
+        if not self.reads_last_token:
+            return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+        if attention_mask.dim() == 4:
+            # Eager attention ADDS a 4D mask to the scores (a boolean one would add 1 and 0): make it 0 / very negative.
+            device = input_ids.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.hf.dtype
+            attention_mask = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill(
+                ~attention_mask, torch.finfo(dtype).min)
+        elif position_ids is None:
             position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    use_cache=False).last_hidden_state
+        positions = {"position_ids": position_ids} if self.takes_position_ids else {}  # ALiBi models take none
+        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                    **positions).last_hidden_state
         rows, cols = read_at if read_at is not None else (torch.arange(len(hidden), device=hidden.device),
                                                           last_token_index(attention_mask))
         return self.hf.score(hidden[rows, cols]).squeeze(-1).float()
@@ -210,17 +223,13 @@ def load_reward_model(args, tokenizer):
         config = AutoConfig.from_pretrained(name)
         trained_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
         config.num_labels = 1
-        model = AutoModelForSequenceClassification.from_pretrained(name, config=config)
-    for key, value in vars(model.config).items():  # dropout off: the two passes of a pair must see the same network
-        if "dropout" in key and isinstance(value, float):
-            setattr(model.config, key, 0.0)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+        # dropout off, before the model is built: the two passes of a pair must see the same network
+        model = AutoModelForSequenceClassification.from_pretrained(name, config=common.without_dropout(config))
+    common.disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.pad_token_id = tokenizer.pad_token_id
-    if not trained_head:
+    if not trained_head and hasattr(model, "score"):  # encoders' pooled heads keep transformers' initialisation
         hidden = model.score.in_features
         torch.nn.init.normal_(model.score.weight, std=args.head_init_std or 1 / math.sqrt(hidden + 1))
     return model
@@ -231,14 +240,14 @@ def tokenize_pairs(rows, tokenizer, args):
     Pairs whose two sequences are identical after truncation carry no preference and are dropped."""
     texts = [common.split_pair(r, tokenizer, f"{r['_source']}: row {r['_row']}") for r in rows]
     prompts = common.tokenize_prompts(tokenizer, [t[0] for t in texts])
-    chosen = common.tokenize_responses(tokenizer, [t[1] for t in texts])
-    rejected = common.tokenize_responses(tokenizer, [t[2] for t in texts])
-    pairs, n_truncated = [], 0
+    chosen = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[1] for t in texts])
+    rejected = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[2] for t in texts])
+    bos_id, pairs, n_truncated = common.leading_id(tokenizer), [], 0
     for row, p, c, r in zip(rows, prompts, chosen, rejected):
         margin = row.get("margin", 0.0)
         if not isinstance(margin, (int, float)) or isinstance(margin, bool):
             raise common.UserError(f"{row['_source']}: row {row['_row']}: field 'margin' is {margin!r}; expected a number")
-        p, c, r, cut = common.truncate_pair(p, c, r, args.max_length, args.max_prompt_length, tokenizer.bos_token_id)
+        p, c, r, cut = common.truncate_pair(p, c, r, args.max_length, args.max_prompt_length, bos_id)
         n_truncated += cut
         if c != r:
             pairs.append({"prompt": p, "chosen": c, "rejected": r, "margin": float(margin),
@@ -312,18 +321,56 @@ def model_inputs(pairs, pad_id, args):
     return pack_pairs(pairs, pad_id, share_prompt=args.prefix_sharing, pack=args.padding_free)
 
 
+@torch.no_grad()
+def choose_layout(model, args, vocab_size):
+    """The fastest batch layout that gives this model exactly the rewards of the plain padded batch, and why. Packing
+    needs position ids and a 4D mask honoured by the attention; encoders (pooled over the whole sequence), ALiBi
+    models (positions from a 2D mask) and recurrent ones get the padded batch. A probe on a few random pairs checks the
+    packed rewards against the padded ones, so a family that silently ignores the 4D mask is caught here, not later."""
+    if not (args.padding_free or args.prefix_sharing):
+        return args, "padded (as asked)"
+    if not model.reads_last_token:
+        return dataclasses.replace(args, padding_free=False, prefix_sharing=False), \
+            "padded: an encoder reads its pooled [CLS] over the whole sequence, so sequences cannot share a row"
+    if not model.takes_position_ids:
+        return dataclasses.replace(args, padding_free=False, prefix_sharing=False), \
+            "padded: the model takes no position ids (ALiBi or recurrent), so packed sequences would get wrong positions"
+    g = torch.Generator().manual_seed(0)
+    ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
+    pairs = [{"prompt": ids(3 + i), "chosen": ids(2 + i % 3), "rejected": ids(4 - i % 3), "margin": 0.0}
+             for i in range(4)]
+    was_training = model.training
+    model.eval()
+    padded = model(*collate(pairs, 0)[:2])
+    packed = model(*pack_pairs(pairs, 0, share_prompt=args.prefix_sharing, pack=args.padding_free))
+    model.train(was_training)
+    tol = 1e-3 if model.hf.dtype == torch.float32 else 5e-2
+    if not torch.allclose(packed, padded, rtol=tol, atol=tol * padded.abs().max().item() + 1e-6):
+        return dataclasses.replace(args, padding_free=False, prefix_sharing=False), \
+            "padded: this model's attention does not honour a packed 4D mask (packed rewards differ from padded)"
+    return args, " + ".join(["prefix-shared"] * args.prefix_sharing + ["packed"] * args.padding_free) + \
+        " (rewards checked equal to the padded batch's)"
+
+
 def load_data(args, tokenizer, rank):
     mixer = args.dataset_mixer_list or [args.dataset_name, "1.0"]
-    train_rows = common.mix_rows(mixer, args.train_split, args.seed, args.dataset_config)
-    if not train_rows:
-        raise common.UserError(f"{' '.join(mixer[::2])}: no rows in split '{args.train_split}'; pass --train_split")
-    eval_rows = common.mix_rows(mixer, args.eval_split, args.seed, args.dataset_config)
-    if eval_rows is None:
-        random.Random(args.seed).shuffle(train_rows)
-        n_eval = max(1, int(len(train_rows) * args.eval_holdout))
-        train_rows, eval_rows = train_rows[n_eval:], train_rows[:n_eval]
-        if rank == 0:
-            print(f"no '{args.eval_split}' split: holding out {n_eval} training pairs ({args.eval_holdout:.0%}) for eval")
+    if len(mixer) % 2:
+        raise common.UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
+    train_rows, eval_rows = [], []
+    for name, weight in zip(mixer[::2], mixer[1::2]):  # each dataset its own eval split, or its own held-out pairs
+        train = common.mix_rows([name, weight], args.train_split, args.seed, args.dataset_config)
+        if not train:
+            raise common.UserError(f"{name}: no rows in split '{args.train_split}'; pass --train_split")
+        evals = common.mix_rows([name, weight], args.eval_split, args.seed, args.dataset_config)
+        if evals is None:
+            random.Random(args.seed).shuffle(train)
+            n_eval = max(1, int(len(train) * args.eval_holdout))
+            train, evals = train[n_eval:], train[:n_eval]
+            if rank == 0:
+                print(f"{name}: no '{args.eval_split}' split: holding out {n_eval} training pairs "
+                      f"({args.eval_holdout:.0%}) for eval")
+        train_rows += train
+        eval_rows += evals
     train, cut, dropped = tokenize_pairs(train_rows, tokenizer, args)
     evals, cut_e, dropped_e = tokenize_pairs(eval_rows, tokenizer, args)
     if rank == 0:
@@ -396,7 +443,7 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
     """Rewards of every eval pair (sharded across ranks, then gathered) and the metrics computed from them."""
     per_rank = math.ceil(len(pairs) / world)
     mine = list(range(rank, len(pairs), world))
-    mine += [mine[0]] * (per_rank - len(mine))  # equal batch counts on every rank (FSDP's forward is collective)
+    mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts (FSDP's forward is collective)
     rewards = []
     for i in range(0, per_rank, args.per_device_eval_batch_size):
         inputs = model_inputs([pairs[j] for j in mine[i:i + args.per_device_eval_batch_size]], pad_id, args)
@@ -438,9 +485,9 @@ def main(args):
     if args.max_length <= args.max_prompt_length:
         raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
                                f"{args.max_length} to leave room for the responses")
-    lr = args.learning_rate or (1e-3 if args.model_name_or_path.startswith("embedded-") else 1e-5)
+    lr = args.learning_rate if args.learning_rate is not None else \
+        1e-3 if args.model_name_or_path.startswith("embedded-") else 1e-5
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
-    os.makedirs(args.output_dir, exist_ok=True)
 
     # 1. Data: preference pairs -> token ids (same on every rank; each rank takes its slice of every global batch).
     tokenizer = load_tokenizer(args.model_name_or_path)
@@ -455,6 +502,7 @@ def main(args):
     from transformers import get_scheduler
 
     hf_model = load_reward_model(args, tokenizer)
+    args, layout = choose_layout(RewardModel(hf_model), args, len(tokenizer))
     if args.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(RewardModel(hf_model), args, device)
@@ -476,6 +524,7 @@ def main(args):
         scheduler.load_state_dict(ckpt["scheduler"])
         common.set_rng_state(ckpt["rng"])
         start_step = ckpt["step"]
+    os.makedirs(args.output_dir, exist_ok=True)
     metrics_file = common.open_metrics(args.output_dir, start_step if args.resume else None) if rank == 0 else None
     wandb_run = common.start_wandb(args, args.wandb_project) if args.track and rank == 0 else None
     n_params = sum(p.numel() for p in hf_model.parameters())
@@ -483,6 +532,7 @@ def main(args):
         mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
         print(f"model {args.model_name_or_path}: {n_params / 1e6:.2f}M parameters; world size {world} ({device.type}, "
               f"{'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})")
+        print(f"batch layout: {layout}")
         print(f"global batch {global_batch} pairs = {args.per_device_train_batch_size} x {args.gradient_accumulation_steps}"
               f" accumulation x {world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
               f"({total_steps / steps_per_epoch:.2f} epochs); lr {lr:g}, {args.lr_scheduler_type}, warmup {warmup}")
