@@ -113,6 +113,11 @@ def gold_reward(prompt, response):
     return sum(vals) / len(vals)
 
 
+def gold_rewards(prompts, responses):
+    """The gold reward as a reward function for ppo.py (`--reward_fn common:gold_rewards`): PPO against the truth."""
+    return [gold_reward(p, r) for p, r in zip(prompts, responses)]
+
+
 def embedded_response(rng):
     return " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(MIN_WORDS, MAX_WORDS)))
 
@@ -385,40 +390,93 @@ def disable_dropout(model):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Logging: stdout (through tqdm), metrics.jsonl, and optionally wandb.
+# Logging: stdout (through tqdm), metrics.jsonl, and optionally Weights & Biases and TensorBoard.
 
 
-def open_metrics(output_dir, resume_step=None):
-    """metrics.jsonl for appending; on resume, lines after the resumed step are dropped (they will be redone)."""
-    path = os.path.join(output_dir, "metrics.jsonl")
+def open_log(path, resume_step=None):
+    """A JSON-lines log for appending; on resume, lines after the resumed step are dropped (they will be redone), and
+    a new run starts it afresh."""
+    kept = []
     if resume_step is not None and os.path.exists(path):
         with open(path) as f:
             kept = [line for line in f if json.loads(line).get("step", 0) <= resume_step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
-    elif resume_step is None and os.path.exists(path):
-        os.remove(path)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
     return open(path, "a")
 
 
-def log_metrics(file, metrics, wandb_run=None):
-    file.write(json.dumps(metrics) + "\n")
-    file.flush()
-    if wandb_run is not None:
-        wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+class Logger:
+    """The same metrics to metrics.jsonl, and to Weights & Biases (--track) and TensorBoard (--tensorboard)."""
 
+    def __init__(self, args, project, resume_step=None):
+        import dataclasses
 
-def start_wandb(args, project):
-    import dataclasses
+        os.makedirs(args.output_dir, exist_ok=True)
+        self.file = open_log(os.path.join(args.output_dir, "metrics.jsonl"), resume_step)
+        self.wandb = self.tensorboard = None
+        if args.track:
+            import wandb
 
-    import wandb
+            self.wandb = wandb.init(project=project, name=args.run_name, config=dataclasses.asdict(args),
+                                    dir=args.output_dir)
+        if args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
 
-    return wandb.init(project=project, name=args.run_name, config=dataclasses.asdict(args), dir=args.output_dir)
+            self.tensorboard = SummaryWriter(os.path.join(args.output_dir, "tensorboard"),
+                                             purge_step=None if resume_step is None else resume_step + 1)
+
+    def log(self, metrics):
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        scalars = {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float))}
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=metrics["step"])
+        if self.tensorboard is not None:
+            for k, v in scalars.items():
+                self.tensorboard.add_scalar(k, v, metrics["step"])
+            self.tensorboard.flush()
+
+    def log_table(self, name, rows, step):
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({name: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
+        if self.tensorboard is not None:
+            self.tensorboard.add_text(name, "\n\n".join(json.dumps(r) for r in rows), step)
+
+    def close(self):
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def format_metrics(m):
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Final artifacts: written under a temporary name and renamed, so a crash while saving leaves the previous ones whole.
+
+
+def write_json_atomic(path, obj):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
+    tmp = os.path.join(output_dir, ".saving")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, **kwargs)
+    tokenizer.save_pretrained(tmp)
+    for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+    os.rmdir(tmp)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -462,47 +520,3 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# A line chart as PNG with numpy and zlib only (no plotting dependency): one panel per series, stacked.
-
-
-def plot_png(path, series, width=640, panel_height=160):
-    """series: {name: (xs, ys)}. Each panel has a light frame, a zero line if 0 is in range, and the curve; the
-    ranges are written to `path` + '.txt' beside it, since the picture has no text."""
-    import struct
-    import zlib
-
-    import numpy as np
-
-    img = np.full((panel_height * len(series), width, 3), 255, dtype=np.uint8)
-    colors = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14)]
-    notes = []
-    for k, (name, (xs, ys)) in enumerate(series.items()):
-        top, pad = k * panel_height, 12
-        img[top + pad, pad:width - pad] = img[top + panel_height - pad, pad:width - pad] = 200
-        img[top + pad:top + panel_height - pad, pad] = img[top + pad:top + panel_height - pad, width - pad] = 200
-        xs, ys = np.asarray(xs, float), np.asarray(ys, float)
-        if len(xs) == 0:
-            continue
-        x0, x1, y0, y1 = xs.min(), max(xs.max(), xs.min() + 1e-9), ys.min(), max(ys.max(), ys.min() + 1e-9)
-        px = lambda x: (pad + (x - x0) / (x1 - x0) * (width - 2 * pad - 1)).astype(int)  # noqa: E731
-        py = lambda y: (top + panel_height - pad - (y - y0) / (y1 - y0) * (panel_height - 2 * pad - 1)).astype(int)  # noqa: E731
-        if y0 < 0 < y1:
-            img[py(np.array(0.0)), pad:width - pad] = 160
-        dense = np.linspace(0, len(xs) - 1, (width - 2 * pad) * 4)
-        cx, cy = px(np.interp(dense, np.arange(len(xs)), xs)), py(np.interp(dense, np.arange(len(ys)), ys))
-        for i in range(len(cx) - 1):  # a vertical run per step, so steep segments stay connected
-            lo, hi = sorted((cy[i], cy[i + 1]))
-            img[lo:hi + 2, cx[i]:cx[i] + 1] = colors[k % len(colors)]
-        notes.append(f"panel {k + 1} ({'blue red green purple orange'.split()[k % 5]}): {name}, "
-                     f"x {x0:g}..{x1:g}, y {y0:.4g}..{y1:.4g}")
-    raw = b"".join(b"\x00" + row.tobytes() for row in img)
-    chunk = lambda tag, data: (struct.pack(">I", len(data)) + tag + data  # noqa: E731
-                               + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, img.shape[0], 8, 2, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-    with open(path + ".txt", "w") as f:
-        f.write("\n".join(notes) + "\n")

@@ -4,13 +4,14 @@
     torchrun --nproc_per_node 2 ppo.py             # the same PPO on 2 processes
     torchrun --nproc_per_node 8 ppo.py --sft_model_path EleutherAI/pythia-1b-deduped \
         --reward_model_path runs/rm --dataset_name trl-lib/tldr --response_length 53 --bf16
+    python ppo.py --reward_fn common:gold_rewards  # a rule (here the embedded task's true reward) instead of a model
     python ppo.py --help                           # every option, documented
 
 Four models: the policy (trained), a frozen reference copy of it, a critic (trained; by default initialised from the
-reward model) and the frozen reward model. Each update:
-  1. roll out: sample a response to every prompt of the batch (KV-cached, seeded per prompt);
-  2. score: reward model at the response's last real token, log-probs of policy and reference, values;
-  3. rewards = -kl_coef * KL per token + score at the last token; advantages by GAE, whitened;
+reward model) and the frozen reward model (or a reward function). Each update:
+  1. rollout: sample a response to every prompt of the batch (KV-cached, seeded per episode);
+  2. score: reward at the response's stop token, log-probs of policy and reference, values;
+  3. advantages: rewards = -kl_coef * KL per token + score at the last token; GAE, whitened;
   4. learn: num_ppo_epochs passes of clipped-surrogate policy loss and clipped value loss over shuffled mini-batches;
   5. adapt kl_coef, log, checkpoint.
 Schulman et al. 2017 (PPO); Ziegler et al. 2019 and Stiennon et al. 2020 (PPO for language); Huang et al. 2024
@@ -19,9 +20,14 @@ Schulman et al. 2017 (PPO); Ziegler et al. 2019 and Stiennon et al. 2020 (PPO fo
 
 import copy
 import dataclasses
+import importlib
+import importlib.util
+import inspect
 import json
+import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -41,10 +47,17 @@ class Args:
     sft_model_path: str = "embedded-llama"
     """The initial policy: a Hugging Face causal LM name or path, or embedded-llama / embedded-neox (a tiny model built
     and briefly fine-tuned on the embedded task locally)."""
-    reward_model_path: str = "runs/rm"
-    """A reward model saved by rm.py (its normalization is applied), or any AutoModelForSequenceClassification."""
-    critic_init: Literal["reward", "policy"] = "reward"
-    """Initialise the critic from the reward model (value head = reward head) or from the policy (new head)."""
+    reward_model_path: str | None = None
+    """A reward model saved by rm.py (its normalization is applied), or any AutoModelForSequenceClassification, decoder
+    or encoder (BERT, RoBERTa, DeBERTa), with the policy's tokenizer or its own (then it reads the decoded text).
+    Default: runs/rm, or none when --reward_fn is given (pass both to add them)."""
+    reward_fn: str | None = None
+    """A rule-based reward `module:function` (module importable from the working directory, or a .py path), called
+    as fn(prompts: list[str], responses: list[str]) -> list[float] with the prompt texts and the responses' text
+    (without the stop token); added to the reward model's score if there is one."""
+    critic_init: Literal["auto", "reward", "policy"] = "auto"
+    """Initialise the critic from the reward model (value head = reward head) or from the policy (new head). auto:
+    the reward model when it is a decoder with the policy's tokenizer, else the policy."""
     dataset_name: str = "embedded"
     """Prompts: hub name, local .jsonl/.json/.parquet/.csv(.gz) with a `prompt` (text or messages), `messages` or
     preference columns, or `embedded`."""
@@ -53,7 +66,7 @@ class Args:
     dataset_train_split: str = "train"
     """Split to take prompts from."""
     max_prompt_length: int = 256
-    """Longer prompts keep their last tokens."""
+    """Longer prompts keep their last tokens and their leading BOS (the rule rm.py applies)."""
     output_dir: str = "runs/ppo"
     """Where the final policy, metrics.jsonl, samples.jsonl, curves.png and checkpoints are written."""
     # --- sizes
@@ -71,7 +84,11 @@ class Args:
     """Passes over each rollout batch."""
     # --- optimisation
     learning_rate: float | None = None
-    """AdamW learning rate of policy and critic (default: 3e-4 for the embedded models, 3e-6 for pretrained ones)."""
+    """AdamW learning rate of the policy (default: 3e-4 for the embedded models, 3e-6 for pretrained ones)."""
+    critic_learning_rate: float | None = None
+    """AdamW learning rate of the critic (default: the policy's)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay of policy and critic."""
     lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
     """Learning-rate schedule over the updates."""
     max_grad_norm: float = 1.0
@@ -84,9 +101,10 @@ class Args:
     temperature: float = 1.0
     """Sampling temperature; log-probs in training use the same temperature."""
     top_k: int = 0
-    """Sample from the k most likely tokens only (0: off)."""
+    """Must stay 0: PPO's ratio and KL need the log-probs of the distribution a token was sampled from, and top-k
+    sampling draws from another one (the rollout would be silently off-policy). Use --temperature."""
     top_p: float = 1.0
-    """Nucleus sampling: smallest set of tokens with this much probability (1.0: off)."""
+    """Must stay 1.0, for the reason given under --top_k."""
     stop_token: str = "eos"
     """Token that ends a response: `eos`, a token string, or `none`. Tokens after it are padding."""
     missing_eos_penalty: float | None = None
@@ -129,6 +147,8 @@ class Args:
     """Continue from the latest checkpoint in --output_dir."""
     track: bool = False
     """Log to Weights & Biases (works with WANDB_MODE=offline)."""
+    tensorboard: bool = False
+    """Also write every logged metric as TensorBoard events to --output_dir/tensorboard."""
     wandb_project: str = "rlhf-ppo"
     """Weights & Biases project."""
     run_name: str | None = None
@@ -145,8 +165,10 @@ class Args:
 # The math.
 
 
-def masked_mean(x, mask):
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+def masked_mean(x, mask, n_tokens=None):
+    """Mean over the real tokens. With n_tokens (the real tokens of a whole mini-batch), the sum divided by it: the
+    contributions of a mini-batch's micro-batches, on every rank, then add up to its mean however it is split."""
+    return (x * mask).sum() / (mask.sum().clamp(min=1) if n_tokens is None else n_tokens)
 
 
 def masked_whiten(x, mask, shift_mean=True):
@@ -179,23 +201,23 @@ def gae(rewards, values, mask, gamma, lam):
     return advantages, advantages + values
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange):
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, n_tokens=None):
     """Clipped surrogate objective (Schulman et al. 2017, eq. 7), as a loss, averaged over real tokens."""
     ratio = (logprobs - old_logprobs).exp()
     unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
-    stats = {"clipfrac": masked_mean((clipped > unclipped).float(), mask),
-             "approxkl": 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask),
-             "ratio": masked_mean(ratio, mask), "ratio_var": masked_mean((ratio - masked_mean(ratio, mask)) ** 2, mask)}
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask, n_tokens)
+    stats = {"clipfrac": masked_mean((clipped > unclipped).float(), mask, n_tokens),
+             "approxkl": 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask, n_tokens),
+             "ratio": masked_mean(ratio, mask, n_tokens), "ratio_sq": masked_mean(ratio ** 2, mask, n_tokens)}
     return loss, stats
 
 
-def value_loss(values, old_values, returns, mask, cliprange_value):
+def value_loss(values, old_values, returns, mask, cliprange_value, n_tokens=None):
     """0.5 * max((v - R)^2, (v_clipped - R)^2), v_clipped within cliprange_value of the rollout value."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_sq, clipped_sq = (values - returns) ** 2, (clipped - returns) ** 2
-    return 0.5 * masked_mean(torch.maximum(unclipped_sq, clipped_sq), mask), \
-        masked_mean((clipped_sq > unclipped_sq).float(), mask)
+    return 0.5 * masked_mean(torch.maximum(unclipped_sq, clipped_sq), mask, n_tokens), \
+        masked_mean((clipped_sq > unclipped_sq).float(), mask, n_tokens)
 
 
 def adaptive_kl_coef(kl_coef, kl, target, horizon, n_episodes):
@@ -219,16 +241,11 @@ def last_token_index(mask):
     return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
 
 
-def filter_logits(logits, top_k, top_p):
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cumulative - sorted_logits.softmax(-1) >= top_p  # keep up to and including the token crossing top_p
-        logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
-    return logits
+def positions_for(model, position_ids):
+    """Position ids as keyword arguments, for the models that take them (ALiBi models such as BLOOM take none: their
+    positions come from the attention mask)."""
+    forward = unwrap(model).forward
+    return {"position_ids": position_ids} if "position_ids" in inspect.signature(forward).parameters else {}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -240,15 +257,15 @@ def filter_logits(logits, top_k, top_p):
 def generate(model, query, query_mask, generators, args, stop_id, pad_id, collective=False):
     """KV-cached sampling (Gumbel-max with per-row noise). Returns responses (B, response_length) and the log-probs of
     the sampled tokens at the sampling temperature."""
-    position = (query_mask.cumsum(1) - 1).clamp(min=0)
-    out = model(input_ids=query, attention_mask=query_mask, position_ids=position, use_cache=True)
-    mask, tokens, logprobs = query_mask, [], []
+    position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
+    out = model(input_ids=query, attention_mask=query_mask.long(), use_cache=True, **positions_for(model, position))
+    mask, tokens, logprobs = query_mask.long(), [], []
     done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
     for t in range(args.response_length):
         logits = out.logits[:, -1].float() / args.temperature
         noise = torch.stack([torch.rand(logits.shape[-1], generator=g) for g in generators]).to(logits.device)
         gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
-        token = (filter_logits(logits, args.top_k, args.top_p) + gumbel).argmax(-1)
+        token = (logits + gumbel).argmax(-1)
         logprobs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1))
         tokens.append(token)
         done |= token == stop_id
@@ -259,16 +276,16 @@ def generate(model, query, query_mask, generators, args, stop_id, pad_id, collec
         if all_done or t == args.response_length - 1:
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, -1:] + t + 1,
-                    past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=token[:, None], attention_mask=mask, past_key_values=out.past_key_values, use_cache=True,
+                    **positions_for(model, position[:, -1:] + t + 1))
     responses, logprobs = torch.stack(tokens, 1), torch.stack(logprobs, 1)
     width = args.response_length - responses.shape[1]
     return F.pad(responses, (0, width), value=pad_id), F.pad(logprobs, (0, width))
 
 
 class ScalarHeadModel(torch.nn.Module):
-    """A sequence-classification model's scalar head applied at every position: the critic's values, and the reward
-    model's score (read at the last real token)."""
+    """A decoder sequence-classification model's scalar head applied at every position: the critic's values, and the
+    reward model's score (read at the last real token)."""
 
     def __init__(self, hf_model):
         super().__init__()
@@ -276,15 +293,15 @@ class ScalarHeadModel(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask):
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    use_cache=False).last_hidden_state
+        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                    **positions_for(self.hf.base_model, position_ids)).last_hidden_state
         return self.hf.score(hidden).squeeze(-1).float()
 
 
 def policy_forward(policy, query_response, mask, context_length, temperature):
     """Log-probs and entropies of the response tokens under the policy, at the sampling temperature."""
     position = (mask.cumsum(1) - 1).clamp(min=0)
-    logits = policy(input_ids=query_response, attention_mask=mask, position_ids=position).logits
+    logits = policy(input_ids=query_response, attention_mask=mask, **positions_for(policy, position)).logits
     logits = logits[:, context_length - 1:-1].float() / temperature
     logp_all = torch.log_softmax(logits, -1)
     logprobs = logp_all.gather(-1, query_response[:, context_length:, None]).squeeze(-1)
@@ -307,46 +324,117 @@ def load_tokenizer(args):
 
 
 def load_policy(args, tokenizer):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.sft_model_path.startswith("embedded-"):
-        return common.embedded_sft_policy(args.sft_model_path, tokenizer, args.seed)
-    return AutoModelForCausalLM.from_pretrained(args.sft_model_path)
+        return common.disable_dropout(common.embedded_sft_policy(args.sft_model_path, tokenizer, args.seed))
+    config = common.without_dropout(AutoConfig.from_pretrained(args.sft_model_path))  # before the model is built
+    return common.disable_dropout(AutoModelForCausalLM.from_pretrained(args.sft_model_path, config=config))
 
 
-def load_reward_model(path):
-    """A reward model and its tokenizer; rm.py's normalization (config.reward_shift/scale) applied to its head, so the
-    returned model gives normalized rewards."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+@dataclass
+class Reward:
+    """Where an episode's score comes from: a reward model (with its tokenizer and rm.py's normalization), a reward
+    function, or both (added)."""
+    model: torch.nn.Module | None = None
+    """ScalarHeadModel of a decoder reward model, or an encoder's own sequence-classification model."""
+    hf: object = None
+    tokenizer: object = None
+    reads_policy_tokens: bool = True
+    """A decoder with the policy's vocabulary reads the policy's tokens; any other reads the decoded text."""
+    offset: float = 0.0
+    """rm.py's normalization (score - reward_shift) / reward_scale, the scale folded into a decoder's head."""
+    scale: float = 1.0
+    fn: object = None
+    fn_name: str | None = None
 
-    looks_local = os.path.exists(path) or path.startswith((".", "/")) or path == Args.reward_model_path
+
+def load_reward(args, tokenizer):
+    reward = Reward()
+    if args.reward_fn is not None:
+        reward.fn, reward.fn_name = load_reward_fn(args.reward_fn), args.reward_fn
+    path = args.reward_model_path if args.reward_model_path is not None else None if args.reward_fn else "runs/rm"
+    if path is None:
+        return reward
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    looks_local = os.path.exists(path) or path.startswith((".", "/")) or path == "runs/rm"
     if looks_local and not os.path.exists(os.path.join(path, "config.json")):
         raise common.UserError(f"--reward_model_path {path}: no reward model there; train one first with "
                                f"`python rm.py --output_dir {path}` (or pass a hub reward model)")
-    model = AutoModelForSequenceClassification.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    shift, scale = getattr(model.config, "reward_shift", 0.0), getattr(model.config, "reward_scale", 1.0)
-    with torch.no_grad():  # r' = (w.h - shift) / scale: fold the scale into w, keep the shift as an explicit offset
-        model.score.weight /= scale
-    model.reward_offset = shift / scale
-    return model, tokenizer
+    config = common.without_dropout(AutoConfig.from_pretrained(path))
+    if config.num_labels != 1:
+        raise common.UserError(f"--reward_model_path {path}: the model has {config.num_labels} labels; a reward model "
+                               "has one (a scalar)")
+    hf = common.disable_dropout(AutoModelForSequenceClassification.from_pretrained(path, config=config))
+    reward.hf, reward.tokenizer = hf.eval().requires_grad_(False), AutoTokenizer.from_pretrained(path)
+    shift, scale = getattr(config, "reward_shift", 0.0), getattr(config, "reward_scale", 1.0)
+    if hasattr(hf, "score"):  # a decoder, read at the last real token
+        with torch.no_grad():  # r' = (w.h - shift) / scale: fold the scale into w, keep the shift as an offset
+            hf.score.weight /= scale
+        reward.model, reward.offset = ScalarHeadModel(hf), shift / scale
+        reward.reads_policy_tokens = all(reward.tokenizer.convert_tokens_to_ids(t) == i
+                                         for t, i in tokenizer.get_vocab().items())
+    else:  # an encoder (BERT, RoBERTa, DeBERTa): pooled by its own head, reads text in its own tokenizer
+        reward.model, reward.offset, reward.scale, reward.reads_policy_tokens = hf, shift, scale, False
+    return reward
 
 
-def critic_from(args, policy, reward_hf):
+def load_reward_fn(spec):
+    module_name, _, fn_name = spec.rpartition(":")
+    if not module_name or not fn_name:
+        raise common.UserError(f"--reward_fn {spec}: expected module:function, e.g. my_rewards:exact_match")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            loader = importlib.util.spec_from_file_location(os.path.basename(module_name).removesuffix(".py"),
+                                                            module_name)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except Exception as e:
+        raise common.UserError(f"--reward_fn {spec}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise common.UserError(f"--reward_fn {spec}: {module_name} has no function {fn_name}")
+    return fn
+
+
+def call_reward_fn(reward, prompts, responses):
+    try:
+        out = list(reward.fn(prompts, responses))
+    except Exception as e:
+        raise common.UserError(f"--reward_fn {reward.fn_name} raised {type(e).__name__}: {e}") from None
+    bad = next((i for i, v in enumerate(out) if isinstance(v, bool) or not isinstance(v, (int, float))
+                or not math.isfinite(v)), None)
+    if len(out) != len(prompts) or bad is not None:
+        got = f"{len(out)} values for {len(prompts)} episodes" if len(out) != len(prompts) else f"{out[bad]!r}"
+        raise common.UserError(f"--reward_fn {reward.fn_name} returned {got}; it must return one finite number per "
+                               "episode")
+    return torch.tensor(out, dtype=torch.float)
+
+
+def critic_from(args, policy, reward):
+    """The critic, from the reward model (value head = reward head) or from the policy's backbone and a new head."""
     from transformers import AutoModelForSequenceClassification
 
     if args.critic_init == "reward":
-        return copy.deepcopy(reward_hf)
-    config = copy.deepcopy(policy.config)
+        return copy.deepcopy(reward.hf).requires_grad_(True)
+    config = common.without_dropout(copy.deepcopy(policy.config))
     config.num_labels = 1
     critic = AutoModelForSequenceClassification.from_config(config)
-    critic.load_state_dict(policy.state_dict(), strict=False)  # same backbone weights, new zero-mean head
+    try:  # strict: every backbone weight of the policy, none left at its random initialisation
+        critic.base_model.load_state_dict(policy.base_model.state_dict())
+    except RuntimeError as e:
+        raise common.UserError(f"--critic_init policy: {args.sft_model_path}'s backbone does not load into a "
+                               f"sequence-classification model ({str(e).splitlines()[0]})") from None
     torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
     return critic
 
 
 def load_prompts(args, tokenizer):
-    """Prompt token ids (end kept within max_prompt_length) and the prompt texts."""
+    """Prompt token ids (rm.py's convention and truncation rule) and the prompt texts."""
     if args.dataset_name == "embedded":
         rng = random.Random(args.seed)
         texts = [common.embedded_prompt(rng) for _ in range(4096)]
@@ -355,16 +443,21 @@ def load_prompts(args, tokenizer):
         if not rows:
             raise common.UserError(f"{args.dataset_name}: no split '{args.dataset_train_split}'")
         texts = [prompt_text(r, tokenizer, f"{r['_source']}: row {r['_row']}") for r in rows]
-    ids = [p[-args.max_prompt_length:] for p in common.tokenize_prompts(tokenizer, texts)]
+    bos_id = common.leading_id(tokenizer)
+    ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in common.tokenize_prompts(tokenizer, texts)]
     return ids, texts
 
 
 def prompt_text(row, tokenizer, where):
-    prompt = row.get("prompt", row.get("messages"))
+    if not isinstance(row, dict):
+        raise common.UserError(f"{where}: expected an object with a 'prompt', got {type(row).__name__}")
+    field = "prompt" if "prompt" in row else "messages"
+    prompt = row.get(field)
     if isinstance(prompt, list):  # chat messages: everything up to the assistant's turn, then the generation prompt
-        if prompt and prompt[-1].get("role") == "assistant":
+        common.check_messages(prompt, where, field)
+        if prompt and prompt[-1]["role"] == "assistant":
             prompt = prompt[:-1]
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return common.render_chat(tokenizer, prompt, where, generation_prompt=True)
     if isinstance(prompt, str):
         return prompt
     if "chosen" in row:
@@ -381,8 +474,8 @@ def load_ptx(args, tokenizer):
         if not rows or "text" not in rows[0]:
             raise common.UserError(f"{args.ptx_dataset_name}: --ptx_dataset_name needs a 'text' column")
         texts = [r["text"] for r in rows]
-    limit = args.max_prompt_length + args.response_length
-    return [ids[:limit] for ids in common.tokenize_responses(tokenizer, texts)]
+    limit, end = args.max_prompt_length + args.response_length, common.end_id(tokenizer)
+    return [(ids + [end])[:limit] for ids in common.tokenize_prompts(tokenizer, texts)]
 
 
 def pad_left(seqs, width, pad_id):
@@ -390,6 +483,14 @@ def pad_left(seqs, width, pad_id):
     for i, s in enumerate(seqs):
         ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
     return ids, torch.arange(width) >= width - torch.tensor([len(s) for s in seqs])[:, None]
+
+
+def pad_right(seqs, pad_id):
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    return ids, (torch.arange(width) < torch.tensor([len(s) for s in seqs])[:, None]).long()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -448,21 +549,210 @@ def all_reduce(t, op=None):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The phases of an update, in the order main() runs them.
+
+
+def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collective):
+    """1. Sample a response to each of this rank's episodes, in --num_collect_steps chunks, each episode with its own
+    random stream. Returns the left-padded queries, the responses (padding after the stop token), their real-token
+    mask and the sampling log-probs."""
+    width = all_reduce(torch.tensor(max(map(len, prompt_ids)), device=device), dist.ReduceOp.MAX)  # same on all ranks
+    query, query_mask = (t.to(device) for t in pad_left(prompt_ids, int(width), pad_id))
+    chunk = len(episodes) // args.num_collect_steps
+    responses, logprobs = [], []
+    for c in range(0, len(episodes), chunk):
+        generators = [torch.Generator().manual_seed(args.seed * 1_000_003 + e) for e in episodes[c:c + chunk]]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            r, lp = generate(policy, query[c:c + chunk], query_mask[c:c + chunk], generators, args, stop_id, pad_id,
+                             collective)
+        responses.append(r)
+        logprobs.append(lp)
+    responses, mask = truncate_after_stop(torch.cat(responses), stop_id, pad_id)
+    return query, query_mask, responses, mask, torch.cat(logprobs).masked_fill(~mask, 0.0)
+
+
+@torch.no_grad()
+def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt_texts, tokenizer, stop_id, args):
+    """2. Reference log-probs, values, and each episode's score: the reward model read at the response's last real
+    token (its stop token), plus the reward function, minus the missing-EOS penalty."""
+    context_length = query.shape[1]
+    query_response, qr_mask = torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long()
+    has_stop = (responses == stop_id).any(1) if stop_id is not None else torch.ones(len(responses), dtype=torch.bool,
+                                                                                       device=responses.device)
+    response_texts = [tokenizer.decode(r[m & (r != stop_id)] if stop_id is not None else r[m], skip_special_tokens=True)
+                      for r, m in zip(responses.cpu(), mask.cpu())]
+    scores = torch.zeros(len(responses), device=responses.device)
+    with torch.autocast(responses.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        ref_logprobs = policy_forward(ref_policy, query_response, qr_mask, context_length, args.temperature)[0]
+        values = critic(query_response, qr_mask)[:, context_length - 1:-1]
+        if reward.model is not None:
+            if reward.reads_policy_tokens:
+                ids, ids_mask = query_response, qr_mask
+            else:
+                ids, ids_mask = (t.to(responses.device) for t in reward_model_tokens(
+                    query, query_mask, responses, mask, stop_id, tokenizer, reward, args))
+            if isinstance(reward.model, ScalarHeadModel):
+                s = reward.model(ids, ids_mask).gather(1, last_token_index(ids_mask)[:, None]).squeeze(1)
+            else:  # an encoder, pooled by its own head
+                s = reward.model(input_ids=ids, attention_mask=ids_mask).logits[:, 0].float()
+            scores += (s - reward.offset) / reward.scale
+    if reward.fn is not None:
+        scores += call_reward_fn(reward, prompt_texts, response_texts).to(scores.device)
+    if args.missing_eos_penalty is not None:
+        scores = scores - args.missing_eos_penalty * (~has_stop).float()
+    return query_response, qr_mask, ref_logprobs, values, scores, has_stop, response_texts
+
+
+def reward_model_tokens(query, query_mask, responses, mask, stop_id, tokenizer, reward, args):
+    """Episodes in the reward model's own tokens, when it does not share the policy's vocabulary or is an encoder,
+    made as rm.py makes a pair: the prompt as the policy saw it (truncated; its BOS replaced by the reward model's),
+    the response decoded in context (so that word boundaries survive), ended with the reward model's end token where
+    the policy stopped (always, for an encoder)."""
+    lead = tokenizer.decode(common.special_affixes(tokenizer)[0])
+    prompts, texts, stopped = [], [], []
+    for q, qm, r, m in zip(query.cpu(), query_mask.cpu(), responses.cpu(), mask.cpu()):
+        p_ids, r_ids = q[qm].tolist(), r[m].tolist()
+        stopped.append(stop_id is not None and bool(r_ids) and r_ids[-1] == stop_id)
+        r_ids = r_ids[:-1] if stopped[-1] else r_ids
+        p_text = tokenizer.decode(p_ids, skip_special_tokens=False)
+        full = tokenizer.decode(p_ids + r_ids, skip_special_tokens=False)
+        texts.append(full[len(p_text):] if full.startswith(p_text) else tokenizer.decode(r_ids))
+        prompts.append(p_text[len(lead):] if lead and p_text.startswith(lead) else p_text)
+    rm_tokenizer, encoder = reward.tokenizer, not isinstance(reward.model, ScalarHeadModel)
+    bos_id = common.leading_id(rm_tokenizer)
+    p_ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id)
+             for p in common.tokenize_prompts(rm_tokenizer, prompts)]
+    r_ids = common.tokenize_responses(rm_tokenizer, prompts, texts)
+    seqs = [p + (r if s or encoder else r[:-1]) for p, r, s in zip(p_ids, r_ids, stopped)]
+    pad = rm_tokenizer.pad_token_id if rm_tokenizer.pad_token_id is not None else 0
+    return pad_right(seqs, pad)
+
+
+def advantages(logprobs, ref_logprobs, values, scores, mask, kl_coef, args):
+    """3. Per-token rewards: -kl_coef * KL to the reference, plus the score at the last real token (Ziegler et al.
+    2019, eq. 2); advantages by GAE, whitened. Returns the KL, the KL part of the rewards, the masked values, the
+    advantages and the returns."""
+    kl = kl_per_token(logprobs, ref_logprobs, args.kl_estimator) * mask
+    non_score_reward = -kl_coef * kl
+    rewards = non_score_reward.clone()
+    rewards[torch.arange(len(rewards), device=rewards.device), last_token_index(mask)] += scores
+    if args.whiten_rewards:
+        rewards = masked_whiten(rewards, mask, shift_mean=False)
+    values = values * mask
+    adv, returns = gae(rewards, values, mask, args.gamma, args.lam)
+    return kl, non_score_reward, values, masked_whiten(adv, mask), returns
+
+
+STAT_NAMES = ["loss/policy", "loss/value", "val/clipfrac", "policy/entropy", "policy/clipfrac", "policy/approxkl",
+              "policy/ratio", "ratio_sq", "loss/ptx"]
+
+
+def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world, ptx, pad_id):
+    """4. num_ppo_epochs passes over the rollout batch, num_mini_batches optimizer steps each. Every loss is a token
+    mean over the WHOLE mini-batch (all its micro-batches, on all ranks): each micro-batch adds its tokens' sum
+    divided by the mini-batch's token count, so micro-batching, accumulation and world size change nothing. Returns
+    the mean of each statistic over the optimizer steps, and the last gradient norm."""
+    query_response, qr_mask, mask, logprobs, values, adv, returns, context_length = batch
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    mini_size, device = micro * accumulation * world, query_response.device
+    stats = []
+    for ppo_epoch in range(args.num_ppo_epochs):
+        order = torch.randperm(len(mask), generator=torch.Generator().manual_seed(
+            args.seed * 7919 + update * 131 + ppo_epoch)).to(device)
+        for mb in range(args.num_mini_batches):
+            mini = order[mb * mini_size:(mb + 1) * mini_size]
+            n_tokens = mask[mini].sum()
+            if ptx is not None:  # the mini-batch's ptx sequences, counted the same way
+                first = ((update * args.num_ppo_epochs + ppo_epoch) * args.num_mini_batches + mb) * mini_size
+                ptx_seqs = [ptx[i % len(ptx)] for i in range(first, first + mini_size)]
+                ptx_tokens = sum(len(s) - 1 for s in ptx_seqs)
+            sums = torch.zeros(len(STAT_NAMES), device=device)
+            for m in range(accumulation):
+                start = (rank * accumulation + m) * micro
+                idx = mini[start:start + micro]
+                set_grad_sync([policy, critic], m == accumulation - 1)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                    new_logprobs, entropy = policy_forward(policy, query_response[idx], qr_mask[idx], context_length,
+                                                           args.temperature)
+                    new_values = critic(query_response[idx], qr_mask[idx])[:, context_length - 1:-1]
+                pg_loss, pg = policy_loss(new_logprobs, logprobs[idx], adv[idx], mask[idx], args.cliprange, n_tokens)
+                vf_loss, vf_clipfrac = value_loss(new_values, values[idx], returns[idx], mask[idx],
+                                                  args.cliprange_value, n_tokens)
+                ent = masked_mean(entropy, mask[idx], n_tokens)
+                loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * ent
+                ptx_loss = torch.zeros((), device=device)
+                if ptx is not None:
+                    ids, ids_mask = pad_left(ptx_seqs[start:start + micro], max(map(len, ptx_seqs[start:start + micro])),
+                                             pad_id)
+                    ids, ids_mask = ids.to(device), ids_mask.long().to(device)
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                        logits = policy(input_ids=ids, attention_mask=ids_mask, **positions_for(
+                            policy, (ids_mask.cumsum(1) - 1).clamp(min=0))).logits[:, :-1]
+                    nll = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+                    # a target counts only after a real token: no pad -> first-token transition on left-padded rows
+                    ptx_loss = masked_mean(nll, (ids_mask[:, 1:] * ids_mask[:, :-1]).flatten().float(), ptx_tokens)
+                    loss = loss + args.ptx_coef * ptx_loss
+                (loss * world).backward()  # DDP and FSDP average gradients over ranks; the sum is what is wanted
+                sums += torch.stack([pg_loss, vf_loss, vf_clipfrac, ent, pg["clipfrac"], pg["approxkl"], pg["ratio"],
+                                     pg["ratio_sq"], ptx_loss]).detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable.parameters(), args.max_grad_norm or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            stats.append(sums)
+    per_step = all_reduce(torch.stack(stats))  # each row: one mini-batch's means
+    means = dict(zip(STAT_NAMES, per_step.mean(0).tolist()))
+    means["policy/ratio_var"] = (per_step[:, STAT_NAMES.index("ratio_sq")]
+                                 - per_step[:, STAT_NAMES.index("policy/ratio")] ** 2).mean().item()
+    del means["ratio_sq"]
+    if ptx is None:
+        del means["loss/ptx"]
+    return means, float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def check_args(args):
+    """Every size and range, before anything is loaded or written; a bad one is named in one line."""
+    for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                 "num_collect_steps", "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every",
+                 "kl_horizon"):
+        if getattr(args, name) < 1:
+            raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
+    for name in ("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
+                 "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples",
+                 "missing_eos_penalty"):
+        value = getattr(args, name)
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name) <= 1:
+            raise common.UserError(f"--{name} {getattr(args, name)}: must be within [0, 1]")
+    if not args.temperature > 0:
+        raise common.UserError(f"--temperature {args.temperature}: must be above 0")
+    if args.target_kl is not None and not args.target_kl > 0:
+        raise common.UserError(f"--target_kl {args.target_kl}: must be above 0")
+    if args.top_k != 0 or args.top_p != 1.0:
+        raise common.UserError("--top_k/--top_p: PPO needs the log-probs of the distribution a token was sampled from; "
+                               "top-k/top-p sampling would make the rollout silently off-policy. Use --temperature")
+    if args.ptx_coef > 0 and args.ptx_dataset_name is None:
+        raise common.UserError(f"--ptx_coef {args.ptx_coef} needs --ptx_dataset_name (a dataset with a 'text' column)")
 
 
 def main(args):
+    check_args(args)
     rank, world, device = setup_distributed()
     micro = args.per_device_train_batch_size
     local_mini_batch = micro * args.gradient_accumulation_steps
     local_batch = local_mini_batch * args.num_mini_batches  # episodes each rank rolls out per update
     batch_size = local_batch * world
-    chunk = common.exact_div(local_batch, args.num_collect_steps, "episodes per rank per update / --num_collect_steps")
+    common.exact_div(local_batch, args.num_collect_steps, "episodes per rank per update / --num_collect_steps")
     num_updates = args.total_episodes // batch_size
     if num_updates == 0:
         raise common.UserError(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
     embedded = args.sft_model_path.startswith("embedded-")
-    lr = args.learning_rate or (3e-4 if embedded else 3e-6)
-    os.makedirs(args.output_dir, exist_ok=True)
+    lr = args.learning_rate if args.learning_rate is not None else 3e-4 if embedded else 3e-6
+    critic_lr = args.critic_learning_rate if args.critic_learning_rate is not None else lr
 
     tokenizer = load_tokenizer(args)
     stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
@@ -470,27 +760,31 @@ def main(args):
     if stop_id == -1:
         raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
                                "pass eos, none, or one token as the tokenizer spells it")
+    prompts, prompt_texts = load_prompts(args, tokenizer)
+    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
 
     # Models: policy and critic are trained; reference and reward model are frozen.
-    reward_hf, reward_tokenizer = load_reward_model(args.reward_model_path)
+    reward = load_reward(args, tokenizer)
+    critic_init = args.critic_init
+    if critic_init == "auto":
+        critic_init = "reward" if reward.model is not None and reward.reads_policy_tokens else "policy"
+    elif critic_init == "reward" and not (reward.model is not None and reward.reads_policy_tokens):
+        raise common.UserError("--critic_init reward: the critic reads the policy's tokens at every position, so it "
+                               "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer)
-    for module in policy_hf.modules():  # no dropout: log-probs of rollout and learning must come from one network
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
     ref_policy = copy.deepcopy(policy_hf).eval().requires_grad_(False).to(device)
-    critic_hf = critic_from(args, policy_hf, reward_hf)
-    reward_model = ScalarHeadModel(reward_hf).eval().requires_grad_(False).to(device)
-    same_vocab = all(reward_tokenizer.convert_tokens_to_ids(t) == i for t, i in tokenizer.get_vocab().items())
+    critic_hf = critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
+    if reward.model is not None:
+        reward.model.to(device)
     policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
     critic = parallelize(ScalarHeadModel(critic_hf), args, device, critic_hf.config.num_hidden_layers)
     trainable = torch.nn.ModuleDict({"policy": policy, "critic": critic})
-    optimizer = torch.optim.AdamW(trainable.parameters(), lr=lr, eps=1e-5, fused=True)
+    optimizer = torch.optim.AdamW([{"params": policy.parameters(), "lr": lr}, {"params": critic.parameters(),
+                                  "lr": critic_lr}], eps=1e-5, weight_decay=args.weight_decay, fused=True)
     from transformers import get_scheduler
 
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_updates)
-    prompts, prompt_texts = load_prompts(args, tokenizer)
-    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
 
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                          set_state_dict)
@@ -503,175 +797,98 @@ def main(args):
         scheduler.load_state_dict(ckpt["scheduler"])
         common.set_rng_state(ckpt["rng"])
         start, kl_coef, history = ckpt["update"], ckpt["kl_coef"], ckpt["history"]
-    metrics_file = common.open_metrics(args.output_dir, start if args.resume else None) if rank == 0 else None
-    samples_file = open(os.path.join(args.output_dir, "samples.jsonl"), "a" if args.resume else "w") if rank == 0 else None
-    wandb_run = common.start_wandb(args, args.wandb_project) if args.track and rank == 0 else None
+    logger = common.Logger(args, args.wandb_project, start if args.resume else None) if rank == 0 else None
+    samples_file = common.open_log(os.path.join(args.output_dir, "samples.jsonl"),
+                                   start if args.resume else None) if rank == 0 else None
     if rank == 0:
-        print(f"policy {args.sft_model_path} ({sum(p.numel() for p in policy_hf.parameters()) / 1e6:.2f}M), reward "
-              f"model {args.reward_model_path}, critic from {args.critic_init}; world size {world} ({device.type}, "
+        rm_name = args.reward_model_path or ("runs/rm" if reward.model is not None else None)
+        print(f"policy {args.sft_model_path} ({sum(p.numel() for p in policy_hf.parameters()) / 1e6:.2f}M); reward "
+              + " + ".join([f"model {rm_name}" + ("" if reward.reads_policy_tokens else " (reads decoded text)")]
+                           * (reward.model is not None) + [f"function {args.reward_fn}"] * (reward.fn is not None))
+              + f"; critic from the {critic_init}; world size {world} ({device.type}, "
               f"{'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})")
         print(f"rollout batch {batch_size} episodes = {micro} x {args.gradient_accumulation_steps} accumulation x "
               f"{args.num_mini_batches} mini-batches x {world} ranks; {num_updates} updates x {args.num_ppo_epochs} "
-              f"epochs; lr {lr:g}; {len(prompts)} prompts; response_length {args.response_length}")
+              f"epochs; lr {lr:g} (critic {critic_lr:g}); {len(prompts)} prompts; response_length "
+              f"{args.response_length}")
 
     orders = {}
+    sampler = policy if args.fsdp else unwrap(policy)
     bar = tqdm(range(start, num_updates), disable=rank != 0, initial=start, total=num_updates, desc="ppo")
     for update in bar:
         t0 = time.time()
         # 1. Rollout: this rank's contiguous share of the update's episodes, each with its own sampling stream.
         episodes = range(update * batch_size + rank * local_batch, update * batch_size + (rank + 1) * local_batch)
         for e in episodes:
-            epoch = e // len(prompts)
-            if epoch not in orders:
-                orders[epoch] = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed + epoch))
+            if e // len(prompts) not in orders:
+                orders[e // len(prompts)] = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(
+                    args.seed + e // len(prompts)))
         prompt_index = [orders[e // len(prompts)][e % len(prompts)].item() for e in episodes]
-        width = all_reduce(torch.tensor(max(len(prompts[i]) for i in prompt_index), device=device), dist.ReduceOp.MAX)
-        query, query_mask = (t.to(device) for t in pad_left([prompts[i] for i in prompt_index], int(width),
-                                                            tokenizer.pad_token_id))
-        context_length = query.shape[1]
         if args.offload_inference_models:
-            ref_policy.to(device), reward_model.to(device)
+            ref_policy.to(device), reward.model is not None and reward.model.to(device)
         policy.eval()
-        responses, sample_logprobs = [], []
-        for c in range(0, local_batch, chunk):
-            gens = [torch.Generator().manual_seed(args.seed * 1_000_003 + e) for e in episodes[c:c + chunk]]
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                r, lp = generate(policy if args.fsdp else unwrap(policy), query[c:c + chunk], query_mask[c:c + chunk],
-                                 gens, args, stop_id, tokenizer.pad_token_id, collective=args.fsdp and world > 1)
-            responses.append(r)
-            sample_logprobs.append(lp)
-        responses, mask = truncate_after_stop(torch.cat(responses), stop_id, tokenizer.pad_token_id)
-        logprobs = torch.cat(sample_logprobs).masked_fill(~mask, 0.0)
+        query, query_mask, responses, mask, logprobs = rollout(sampler, [prompts[i] for i in prompt_index], episodes,
+                                                               args, stop_id, tokenizer.pad_token_id, device,
+                                                               collective=args.fsdp and world > 1)
+        t_rollout = time.time()
 
-        # 2. Score: reference log-probs, values, reward at the last real token (+ missing-EOS penalty).
-        query_response = torch.cat([query, responses], 1)
-        qr_mask = torch.cat([query_mask, mask], 1).long()
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            ref_logprobs = policy_forward(ref_policy, query_response, qr_mask, context_length, args.temperature)[0]
-            values = critic(query_response, qr_mask)[:, context_length - 1:-1]
-            if same_vocab:
-                rm_ids, rm_mask = query_response, qr_mask
-            else:  # a reward model with another tokenizer reads the text
-                texts = [prompt_texts[i] + tokenizer.decode(r[m], skip_special_tokens=True)
-                         for i, r, m in zip(prompt_index, responses, mask)]
-                enc = reward_tokenizer(texts, return_tensors="pt", padding=True)
-                rm_ids, rm_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
-            scores = reward_model(rm_ids, rm_mask).gather(1, last_token_index(rm_mask)[:, None]).squeeze(1)
-            scores = scores - reward_hf.reward_offset
-        has_stop = (responses == stop_id).any(1) if stop_id is not None else torch.ones_like(scores, dtype=torch.bool)
-        if args.missing_eos_penalty is not None:
-            scores = scores - args.missing_eos_penalty * (~has_stop).float()
+        # 2. Score: reference log-probs, values, reward at the response's stop token.
+        texts = [prompt_texts[i] for i in prompt_index]
+        query_response, qr_mask, ref_logprobs, values, scores, has_stop, response_texts = score(
+            ref_policy, critic, reward, query, query_mask, responses, mask, texts, tokenizer, stop_id, args)
         if embedded and args.dataset_name == "embedded":
-            gold = torch.tensor([common.gold_reward(prompt_texts[i], tokenizer.decode(r[m & (r != tokenizer.eos_token_id)]))
-                                 for i, r, m in zip(prompt_index, responses.cpu(), mask.cpu())], device=device)
+            gold = torch.tensor(common.gold_rewards(texts, response_texts), device=device)
         else:
             gold = torch.full_like(scores, float("nan"))
         if args.offload_inference_models:
-            ref_policy.to("cpu"), reward_model.to("cpu")
-
+            ref_policy.to("cpu"), reward.model is not None and reward.model.to("cpu")
         # Every rank takes the whole rollout batch, so the learning phase is the same for any number of ranks.
-        (query_response, qr_mask, mask, logprobs, ref_logprobs, values, scores, has_stop, gold) = (
+        query_response, qr_mask, mask, logprobs, ref_logprobs, values, scores, has_stop, gold = (
             all_gather_cat(t) for t in (query_response, qr_mask, mask, logprobs, ref_logprobs, values, scores,
                                         has_stop, gold))
         mask_f = mask.float()
+        t_score = time.time()
 
-        # 3. Rewards (KL penalty per token, score at the last real token) and advantages.
-        kl = kl_per_token(logprobs, ref_logprobs, args.kl_estimator) * mask_f
-        non_score_reward = -kl_coef * kl
-        rewards = non_score_reward.clone()
-        rows = torch.arange(len(rewards), device=device)
-        rewards[rows, last_token_index(mask_f)] += scores
-        if args.whiten_rewards:
-            rewards = masked_whiten(rewards, mask_f, shift_mean=False)
-        values = values * mask_f
-        advantages, returns = gae(rewards, values, mask_f, args.gamma, args.lam)
-        advantages = masked_whiten(advantages, mask_f)
+        # 3. Advantages: KL-penalised per-token rewards, GAE, whitening.
+        kl, non_score_reward, values, adv, returns = advantages(logprobs, ref_logprobs, values, scores, mask_f,
+                                                                kl_coef, args)
 
-        # 4. Learn: num_ppo_epochs x num_mini_batches optimizer steps, each accumulating micro-batches.
+        # 4. Learn: num_ppo_epochs x num_mini_batches optimizer steps on the clipped policy and value losses.
         policy.train(), critic.train()
-        stats = []
-        for ppo_epoch in range(args.num_ppo_epochs):
-            order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(
-                args.seed * 7919 + update * 131 + ppo_epoch)).to(device)
-            for mb in range(args.num_mini_batches):
-                mini = order[mb * local_mini_batch * world:(mb + 1) * local_mini_batch * world]
-                mine = mini[rank * local_mini_batch:(rank + 1) * local_mini_batch]
-                for m in range(args.gradient_accumulation_steps):
-                    idx = mine[m * micro:(m + 1) * micro]
-                    set_grad_sync([policy, critic], m == args.gradient_accumulation_steps - 1)
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                        new_logprobs, entropy = policy_forward(policy, query_response[idx], qr_mask[idx],
-                                                               context_length, args.temperature)
-                        new_values = critic(query_response[idx], qr_mask[idx])[:, context_length - 1:-1]
-                    pg_loss, pg_stats = policy_loss(new_logprobs, logprobs[idx], advantages[idx], mask_f[idx],
-                                                    args.cliprange)
-                    vf_loss, vf_clipfrac = value_loss(new_values, values[idx], returns[idx], mask_f[idx],
-                                                      args.cliprange_value)
-                    ent = masked_mean(entropy, mask_f[idx])
-                    loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * ent
-                    if ptx is not None:
-                        first = ((update * args.num_ppo_epochs + ppo_epoch) * args.num_mini_batches + mb) * \
-                            local_mini_batch * world + (rank * args.gradient_accumulation_steps + m) * micro
-                        seqs = [ptx[i % len(ptx)] for i in range(first, first + micro)]
-                        ptx_ids, ptx_mask = pad_left(seqs, max(map(len, seqs)), tokenizer.pad_token_id)
-                        ptx_ids, ptx_mask = ptx_ids.to(device), ptx_mask.long().to(device)
-                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                            ptx_logits = policy(input_ids=ptx_ids, attention_mask=ptx_mask,
-                                                position_ids=(ptx_mask.cumsum(1) - 1).clamp(min=0)).logits[:, :-1]
-                        ptx_loss = F.cross_entropy(ptx_logits.float().flatten(0, 1), ptx_ids[:, 1:].flatten(),
-                                                   reduction="none")
-                        ptx_loss = masked_mean(ptx_loss, ptx_mask[:, 1:].flatten().float())
-                        loss = loss + args.ptx_coef * ptx_loss
-                    (loss / args.gradient_accumulation_steps).backward()
-                    stats.append(torch.stack([pg_loss, vf_loss, vf_clipfrac, ent, pg_stats["clipfrac"],
-                                              pg_stats["approxkl"], pg_stats["ratio"], pg_stats["ratio_var"]]).detach())
-                grad_norm = torch.nn.utils.clip_grad_norm_(trainable.parameters(), args.max_grad_norm or float("inf"))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+        batch = (query_response, qr_mask, mask_f, logprobs, values, adv, returns, query.shape[1])
+        update_stats, grad_norm = learn(policy, critic, trainable, optimizer, batch, args, update, rank, world, ptx,
+                                        tokenizer.pad_token_id)
         scheduler.step()
+        t_learn = time.time()
 
         # 5. Adapt the KL coefficient; log; save samples and checkpoints.
         mean_kl = kl.sum(1).mean().item()
-        update_stats = all_reduce(torch.stack(stats).mean(0)) / world
         m = {"step": update + 1, "episodes": (update + 1) * batch_size,
              "objective/kl": mean_kl, "objective/entropy": (-logprobs * mask_f).sum(1).mean().item(),
              "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
              "objective/scores": scores.mean().item(),
-             "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
-             **dict(zip(["loss/policy", "loss/value", "val/clipfrac", "policy/entropy", "policy/clipfrac",
-                         "policy/approxkl", "policy/ratio", "policy/ratio_var"], update_stats.tolist())),
-             "val/mean": masked_mean(values, mask_f).item(), "policy/grad_norm": float(grad_norm.full_tensor()
-                                                                                        if hasattr(grad_norm, "full_tensor") else grad_norm),
+             "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(), **update_stats,
+             "val/mean": masked_mean(values, mask_f).item(), "policy/grad_norm": grad_norm,
              "response/length": mask_f.sum(1).mean().item(), "response/eos_rate": has_stop.float().mean().item(),
              "kl_coef": kl_coef, "lr": scheduler.get_last_lr()[0]}
         if not torch.isnan(gold).all():
             m["gold/mean"], m["gold/std"] = gold.mean().item(), gold.std().item()
         elapsed = time.time() - t0
-        m["perf/episodes_per_s"] = batch_size / elapsed
-        m["perf/tokens_per_s"] = qr_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed
+        m |= {"perf/episodes_per_s": batch_size / elapsed, "perf/time_rollout": t_rollout - t0,
+              "perf/time_score": t_score - t_rollout, "perf/time_learn": t_learn - t_score,
+              "perf/tokens_per_s": qr_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
         if args.target_kl is not None:
             kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.target_kl, args.kl_horizon, batch_size)
-        history.append({k: m[k] for k in ("step", "objective/scores", "objective/kl", "gold/mean", "gold/std") if k in m})
+        history.append({k: m[k] for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean",
+                                          "gold/std") if k in m})
         if rank == 0:
-            common.log_metrics(metrics_file, m, wandb_run)
+            logger.log(m)
             bar.set_postfix(score=f"{m['objective/scores']:.3f}", kl=f"{mean_kl:.3f}",
                             **({"gold": f"{m['gold/mean']:.3f}"} if "gold/mean" in m else {}))
             if update % args.sample_every == 0 or update == num_updates - 1:
-                table = [{"step": update + 1, "prompt": tokenizer.decode(query_response[i, :context_length][
-                          qr_mask[i, :context_length].bool()]), "response": tokenizer.decode(
-                          query_response[i, context_length:][mask[i]]), "score": scores[i].item(),
-                          **({"gold": gold[i].item()} if "gold/mean" in m else {})} for i in range(args.num_samples)]
                 bar.write(common.format_metrics(m))
-                for row in table:
-                    bar.write(f"  {row['prompt'][-60:]!r} -> {row['response'][:80]!r}  score {row['score']:.3f}"
-                              + (f"  gold {row['gold']:.3f}" if "gold" in row else ""))
-                    samples_file.write(json.dumps(row) + "\n")
-                samples_file.flush()
-                if wandb_run is not None:
-                    import wandb
-
-                    wandb_run.log({"samples": wandb.Table(columns=list(table[0]), data=[list(r.values()) for r in table])},
-                                  step=update + 1)
+                write_samples(samples_file, logger, bar, update, tokenizer, query_response, qr_mask, mask, scores,
+                              gold if "gold/mean" in m else None, query.shape[1], min(args.num_samples, batch_size))
         if args.save_steps and (update + 1) % args.save_steps == 0 and update + 1 < num_updates:
             model_sd, optim_sd = get_state_dict(trainable, optimizer, options=full)
             if rank == 0:
@@ -683,24 +900,71 @@ def main(args):
     model_sd = get_model_state_dict(trainable, options=full)
     if rank == 0:
         policy_sd = {k.removeprefix("policy."): v for k, v in model_sd.items() if k.startswith("policy.")}
-        policy_hf.save_pretrained(args.output_dir, state_dict=policy_sd)
-        tokenizer.save_pretrained(args.output_dir)
-        series = {"proxy score (reward model)": "objective/scores", "gold score": "gold/mean", "KL to reference":
-                  "objective/kl"}
-        common.plot_png(os.path.join(args.output_dir, "curves.png"),
-                        {name: ([h["step"] for h in history if key in h], [h[key] for h in history if key in h])
-                         for name, key in series.items() if any(key in h for h in history)})
+        common.save_pretrained_atomic(policy_hf, tokenizer, args.output_dir, state_dict=policy_sd)
+        plot_curves(history, os.path.join(args.output_dir, "curves.png"))
         summary = summarize(history)
-        with open(os.path.join(args.output_dir, "ppo_results.json"), "w") as f:
-            json.dump({**summary, "args": dataclasses.asdict(args)}, f, indent=2)
+        common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
+                                 {**summary, "args": dataclasses.asdict(args)})
         print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
-        metrics_file.close()
+        logger.close()
         samples_file.close()
-        if wandb_run is not None:
-            wandb_run.finish()
     if dist.is_initialized():
         dist.destroy_process_group()
     return history
+
+
+def write_samples(samples_file, logger, bar, update, tokenizer, query_response, qr_mask, mask, scores, gold,
+                  context_length, n):
+    table = [{"step": update + 1, "prompt": tokenizer.decode(query_response[i, :context_length][
+              qr_mask[i, :context_length].bool()]), "response": tokenizer.decode(
+              query_response[i, context_length:][mask[i]]), "score": scores[i].item(),
+              **({"gold": gold[i].item()} if gold is not None else {})} for i in range(n)]
+    for row in table:
+        bar.write(f"  {row['prompt'][-60:]!r} -> {row['response'][:80]!r}  score {row['score']:.3f}"
+                  + (f"  gold {row['gold']:.3f}" if "gold" in row else ""))
+        samples_file.write(json.dumps(row) + "\n")
+    samples_file.flush()
+    if table:
+        logger.log_table("samples", table, update + 1)
+
+
+def plot_curves(history, path):
+    """Proxy score, gold score and KL against episodes, and the scores against sqrt(KL): the axis on which Gao et al.
+    2022 (reward model overoptimization) show gold score rising, then falling, as the policy moves away."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    episodes = [h["episodes"] for h in history]
+    proxy, kl = [h["objective/scores"] for h in history], [h["objective/kl"] for h in history]
+    gold = [h.get("gold/mean", float("nan")) for h in history]
+    has_gold = any(g == g for g in gold)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    axes[0, 0].plot(episodes, proxy, color="tab:blue", label="proxy (reward model)")
+    if has_gold:
+        axes[0, 0].plot(episodes, gold, color="tab:red", label="gold (true reward)")
+    axes[0, 0].set(title="Score during training", xlabel="episodes", ylabel="mean score per episode")
+    axes[0, 0].legend()
+    axes[0, 1].plot(episodes, kl, color="tab:green")
+    axes[0, 1].set(title="KL to the reference policy", xlabel="episodes", ylabel="KL (nats, summed over the response)")
+    sqrt_kl = [max(k, 0.0) ** 0.5 for k in kl]
+    axes[1, 0].plot(sqrt_kl, proxy, ".-", color="tab:blue", label="proxy")
+    if has_gold:
+        axes[1, 0].plot(sqrt_kl, gold, ".-", color="tab:red", label="gold")
+    axes[1, 0].set(title="Score against distance from the reference", xlabel="sqrt(KL)", ylabel="mean score")
+    axes[1, 0].legend()
+    if has_gold:
+        axes[1, 1].plot(episodes, [p - g for p, g in zip(proxy, gold)], color="tab:purple")
+        axes[1, 1].set(title="Proxy minus gold (overoptimization gap)", xlabel="episodes", ylabel="proxy - gold")
+    else:
+        axes[1, 1].axis("off")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=100)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
 
 
 def summarize(history, window=5):

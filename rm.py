@@ -13,7 +13,6 @@ so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_
 
 import dataclasses
 import inspect
-import json
 import math
 import os
 import random
@@ -108,6 +107,8 @@ class Args:
     """Continue from the latest checkpoint in --output_dir."""
     track: bool = False
     """Log to Weights & Biases (works with WANDB_MODE=offline)."""
+    tensorboard: bool = False
+    """Also write every logged metric as TensorBoard events to --output_dir/tensorboard."""
     wandb_project: str = "rlhf-rm"
     """Weights & Biases project."""
     run_name: str | None = None
@@ -524,9 +525,7 @@ def main(args):
         scheduler.load_state_dict(ckpt["scheduler"])
         common.set_rng_state(ckpt["rng"])
         start_step = ckpt["step"]
-    os.makedirs(args.output_dir, exist_ok=True)
-    metrics_file = common.open_metrics(args.output_dir, start_step if args.resume else None) if rank == 0 else None
-    wandb_run = common.start_wandb(args, args.wandb_project) if args.track and rank == 0 else None
+    logger = common.Logger(args, args.wandb_project, start_step if args.resume else None) if rank == 0 else None
     n_params = sum(p.numel() for p in hf_model.parameters())
     if rank == 0:
         mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
@@ -583,7 +582,7 @@ def main(args):
                  "train/margin": margin_m, "train/grad_norm": gn_m, "lr": scheduler.get_last_lr()[0],
                  "perf/tokens_per_s": tokens / elapsed, "perf/pairs_per_s": window["n"] * global_batch / elapsed}
             if rank == 0:
-                common.log_metrics(metrics_file, m, wandb_run)
+                logger.log(m)
                 bar.set_postfix(loss=f"{loss_m:.4f}", acc=f"{acc_m:.3f}", tok_s=f"{tokens / elapsed:.0f}")
                 bar.write(common.format_metrics(m))
             window = dict.fromkeys(window, 0.0)
@@ -594,7 +593,7 @@ def main(args):
             ev = {"step": done, **evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)}
             model.train()
             if rank == 0:
-                common.log_metrics(metrics_file, ev, wandb_run)
+                logger.log(ev)
                 bar.write(common.format_metrics(ev))
             t_window = time.time()
         if args.save_steps and done % args.save_steps == 0 and done < total_steps:
@@ -614,8 +613,7 @@ def main(args):
                           shift, scale)
         results = {**{k.removeprefix("eval/"): v for k, v in ev.items()}, "reward_shift": shift, "reward_scale": scale,
                    "args": dataclasses.asdict(args)}
-        with open(os.path.join(args.output_dir, "eval_results.json"), "w") as f:
-            json.dump(results, f, indent=2)
+        common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), results)
         summary = f"final eval accuracy {ev['eval/accuracy']:.4f}"
         if "eval/bayes_accuracy" in ev:
             summary += f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})"
@@ -624,9 +622,7 @@ def main(args):
             repo = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
             hf_model.push_to_hub(repo)
             tokenizer.push_to_hub(repo)
-        metrics_file.close()
-        if wandb_run is not None:
-            wandb_run.finish()
+        logger.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     return ev
@@ -637,8 +633,7 @@ def save_reward_model(hf_model, state_dict, tokenizer, output_dir, shift, scale)
     in config.json: reward = (score - reward_shift) / reward_scale (ppo.py's load_reward_model applies it)."""
     hf_model.config.reward_shift, hf_model.config.reward_scale = shift, scale
     hf_model.config.architectures = [type(hf_model).__name__]
-    hf_model.save_pretrained(output_dir, state_dict=state_dict)
-    tokenizer.save_pretrained(output_dir)
+    common.save_pretrained_atomic(hf_model, tokenizer, output_dir, state_dict=state_dict)
 
 
 if __name__ == "__main__":
