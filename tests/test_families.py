@@ -1,0 +1,256 @@
+"""The conformance suite: every invariant the scripts rely on, on a tiny model of every family in tests/families.py,
+loaded by path through transformers as a user's model would be."""
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import read_metrics, run_script
+from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, save_family
+
+import common
+import ppo
+import rm
+
+PADDED_FAMILIES = ENCODERS + ["bloom"]  # encoders pool over the whole sequence; BLOOM's ALiBi takes no position ids
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory):
+    root, made = tmp_path_factory.mktemp("families"), {}
+
+    def get(family):
+        if family not in made:
+            made[family] = str(save_family(family, root / family))
+        return made[family]
+    return get
+
+
+def preference_rows(family, n, seed=0):
+    """Embedded-task pairs, as chat messages for families with a chat template, as text otherwise."""
+    rows = []
+    for r in common.embedded_pairs(n, seed):
+        if family in TEMPLATED:
+            question = r["prompt"].removeprefix("User: ").removesuffix(" Assistant:")
+            rows.append({"prompt": [{"role": "user", "content": question}],
+                         "chosen": [{"role": "assistant", "content": r["chosen"].strip()}],
+                         "rejected": [{"role": "assistant", "content": r["rejected"].strip()}]})
+        else:
+            rows.append({k: r[k] for k in ("prompt", "chosen", "rejected")})
+    return rows
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def trained_rm(family_dir, tmp_path_factory):
+    """rm.py run for a few steps on each family's model (by path), saved; cached per family."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            out = tmp_path_factory.mktemp(f"rm-{family}")
+            data = write_jsonl(out / "pairs.jsonl", preference_rows(family, 160))
+            rm.main(rm.Args(model_name_or_path=family_dir(family), dataset_name=data, output_dir=str(out / "model"),
+                            max_steps=4, per_device_train_batch_size=8, learning_rate=3e-3, num_evals=1,
+                            logging_steps=1, max_length=64, max_prompt_length=32))
+            made[family] = str(out / "model")
+        return made[family]
+    return get
+
+
+def reward_model_of(path, **kw):
+    args = rm.Args(model_name_or_path=path, **kw)
+    tokenizer = rm.load_tokenizer(path)
+    return rm.RewardModel(rm.load_reward_model(args, tokenizer)), tokenizer, args
+
+
+def tokenized_pairs(family, tokenizer, n=6):
+    rows = [dict(r, _source="mem", _row=i) for i, r in enumerate(preference_rows(family, n, seed=3))]
+    pairs, _, _ = rm.tokenize_pairs(rows, tokenizer, rm.Args(max_length=64, max_prompt_length=32))
+    return pairs
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_default_batch_layout_gives_the_padded_rewards_and_gradients(family, family_dir):
+    model, tokenizer, args = reward_model_of(family_dir(family))
+    chosen_args, layout = rm.choose_layout(model, args, len(tokenizer))
+    assert layout.startswith("padded" if family in PADDED_FAMILIES else "prefix-shared + packed"), layout
+    pairs = tokenized_pairs(family, tokenizer)
+    pad = tokenizer.pad_token_id
+    results = {}
+    model.train()
+    for name, inputs in {"padded": rm.collate(pairs, pad)[:2] + (None, None),
+                         "default": rm.model_inputs(pairs, pad, chosen_args)}.items():
+        model.zero_grad()
+        rewards = model(*inputs)
+        rc, rr = rewards.chunk(2)
+        rm.preference_loss(rc, rr, torch.zeros(len(pairs))).mean().backward()
+        results[name] = rewards.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    with torch.no_grad():  # each sequence alone: no padding, no packing
+        alone = torch.cat([model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
+                                                                              dtype=torch.long))
+                           for k in ("chosen", "rejected") for p in pairs])
+    assert torch.allclose(results["padded"][0], alone, atol=1e-5)
+    assert torch.allclose(results["default"][0], alone, atol=1e-5)
+    assert torch.allclose(results["default"][1], results["padded"][1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_no_dropout_anywhere_training_forward_equals_evaluation_forward(family, family_dir):
+    path = family_dir(family)
+    model, tokenizer, args = reward_model_of(path)
+    pairs = tokenized_pairs(family, tokenizer)
+    inputs = rm.model_inputs(pairs, tokenizer.pad_token_id, rm.choose_layout(model, args, len(tokenizer))[0])
+    with torch.no_grad():
+        train, evaluation = model.train()(*inputs), model.eval()(*inputs)
+    assert torch.equal(train, evaluation)
+    if family in DECODERS:
+        policy = ppo.load_policy(ppo.Args(sft_model_path=path), tokenizer)
+        ids = torch.tensor([pairs[0]["prompt"] + pairs[0]["chosen"]])
+        with torch.no_grad():
+            assert torch.equal(policy.train()(input_ids=ids).logits, policy.eval()(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_sampling_logprobs_equal_learning_logprobs(family, family_dir):
+    args = ppo.Args(sft_model_path=family_dir(family), response_length=6, temperature=0.8)
+    tokenizer = ppo.load_tokenizer(args)
+    policy = ppo.load_policy(args, tokenizer)
+    rng = random.Random(0)
+    prompts = common.tokenize_prompts(tokenizer, [common.embedded_prompt(rng) + " cat" * i for i in range(4)])
+    query, query_mask = ppo.pad_left(prompts, max(map(len, prompts)), tokenizer.pad_token_id)
+    generators = [torch.Generator().manual_seed(i) for i in range(4)]
+    responses, logprobs = ppo.generate(policy.eval(), query, query_mask, generators, args, tokenizer.eos_token_id,
+                                       tokenizer.pad_token_id)
+    responses, mask = ppo.truncate_after_stop(responses, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    qr, qr_mask = torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long()
+    with torch.no_grad():
+        learning, _ = ppo.policy_forward(policy.train(), qr, qr_mask, query.shape[1], args.temperature)
+    assert torch.allclose(learning[mask], logprobs[mask], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(family, family_dir, tmp_path):
+    """rm.py and ppo.py tokenize and truncate a prompt the same way, and rm.py's response ends at the policy's stop
+    token (once, with nothing after it: chat templates write text after their end-of-turn token)."""
+    path = family_dir(family)
+    rows = preference_rows(family, 8, seed=4)
+    for max_prompt_length in (64, 5):  # whole, and cut (keeping the leading BOS)
+        pairs, _, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)],
+                                        rm.load_tokenizer(path), rm.Args(max_length=96,
+                                                                         max_prompt_length=max_prompt_length))
+        args = ppo.Args(sft_model_path=path, dataset_name=write_jsonl(tmp_path / "p.jsonl", rows),
+                        max_prompt_length=max_prompt_length)
+        tokenizer = ppo.load_tokenizer(args)
+        prompt_ids, _ = ppo.load_prompts(args, tokenizer)
+        assert [p["prompt"] for p in pairs] == prompt_ids
+    stop = tokenizer.eos_token_id
+    for pair, row in zip(pairs, rows):
+        response = pair["chosen"]
+        assert response[-1] == stop and stop not in response[:-1]
+        text = row["chosen"] if isinstance(row["chosen"], str) else " " + row["chosen"][0]["content"]
+        assert tokenizer.decode(response[:-1]).strip() == text.strip()
+    if tokenizer.bos_token_id is not None and common.leading_id(tokenizer) is not None:
+        assert all(p[0] == tokenizer.bos_token_id and p[1] != tokenizer.bos_token_id for p in prompt_ids)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_saved_reward_model_reloads_with_transformers_and_gives_the_training_rewards(family, trained_rm):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = trained_rm(family)
+    results = json.load(open(os.path.join(path, "eval_results.json")))
+    hf = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rows = [dict(r, _source="m", _row=i) for i, r in enumerate(preference_rows(family, 160))]
+    random.Random(1).shuffle(rows)  # rm.py's hold-out: the first 10% after its shuffle (seed 1)
+    evals, _, _ = rm.tokenize_pairs(rows[:16], tokenizer, rm.Args(max_length=64, max_prompt_length=32))
+    ids, mask, _ = rm.collate(evals, tokenizer.pad_token_id)
+    with torch.no_grad():
+        ours = rm.RewardModel(hf)(ids, mask)
+        plain = hf(input_ids=ids, attention_mask=mask).logits.squeeze(-1)  # transformers' own pooling
+    assert torch.allclose(ours, plain, atol=1e-5)
+    assert ours[:len(evals)].mean().item() == pytest.approx(results["chosen_reward"], abs=1e-4)
+    assert ours[len(evals):].mean().item() == pytest.approx(results["rejected_reward"], abs=1e-4)
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(family, family_dir, trained_rm,
+                                                                            tmp_path):
+    base = dict(sft_model_path=family_dir(family), reward_model_path=trained_rm(family), total_episodes=8,
+                num_mini_batches=1, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, sample_every=1,
+                max_prompt_length=32)
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
+                      gradient_accumulation_steps=4, **base))
+    whole, micro = read_metrics(tmp_path / "whole")[0], read_metrics(tmp_path / "micro")[0]
+    for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/entropy", "policy/grad_norm"):
+        assert whole[key] == pytest.approx(micro[key], abs=1e-5, rel=1e-5), key
+    assert whole["policy/approxkl"] > 0  # the second epoch saw a changed policy
+
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "whole")  # the saved policy loads
+
+
+@pytest.mark.parametrize("reward_family", ["llama", "bert", "deberta"])
+def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(reward_family, family_dir, trained_rm,
+                                                                          tmp_path):
+    """A GPT-2-tokenized policy, a reward model with another vocabulary (or an encoder): the tokens the reward model
+    reads are exactly those rm.py makes from the same prompt and response text, and PPO runs end to end."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    policy_path, rm_path = family_dir("gpt2"), trained_rm(reward_family)
+    args = ppo.Args(sft_model_path=policy_path, reward_model_path=rm_path, max_prompt_length=32)
+    tokenizer = ppo.load_tokenizer(args)
+    reward = ppo.load_reward(args, tokenizer)
+    assert not reward.reads_policy_tokens
+    prompt, answers = "User: tell me about foods such as pear Assistant:", [" cat dog", " rice soup honey"]
+    query, query_mask = ppo.pad_left(common.tokenize_prompts(tokenizer, [prompt] * 2), len(
+        common.tokenize_prompts(tokenizer, [prompt])[0]), tokenizer.pad_token_id)
+    responses = common.tokenize_responses(tokenizer, [prompt] * 2, answers)
+    responses, mask = ppo.pad_right(responses, tokenizer.pad_token_id)
+    ids, ids_mask = ppo.reward_model_tokens(query, query_mask, responses, mask.bool(), tokenizer.eos_token_id,
+                                            tokenizer, reward, args)
+    rm_tokenizer = AutoTokenizer.from_pretrained(rm_path)
+    rows = [{"prompt": prompt, "chosen": answers[0], "rejected": answers[1], "_source": "m", "_row": 0}]
+    pair = rm.tokenize_pairs(rows, rm_tokenizer, rm.Args(max_length=64, max_prompt_length=32))[0][0]
+    assert ids[0][ids_mask[0].bool()].tolist() == pair["prompt"] + pair["chosen"]
+    assert ids[1][ids_mask[1].bool()].tolist() == pair["prompt"] + pair["rejected"]
+    # ... and ppo.py's score of each episode is the reward model's normalized reward on those tokens
+    hf = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    c_ids, c_mask, _ = rm.collate([pair], rm_tokenizer.pad_token_id)
+    with torch.no_grad():
+        expected = (rm.RewardModel(hf)(c_ids, c_mask) - hf.config.reward_shift) / hf.config.reward_scale
+    policy = ppo.load_policy(args, tokenizer)
+    critic = ppo.ScalarHeadModel(ppo.critic_from(ppo.Args(critic_init="policy"), policy, reward))
+    scores = ppo.score(policy, critic, reward, query, query_mask, responses, mask.bool(), [prompt] * 2, tokenizer,
+                       tokenizer.eos_token_id, args)[4]
+    assert torch.allclose(scores, expected, atol=1e-5)
+    history = ppo.main(ppo.Args(sft_model_path=policy_path, reward_model_path=rm_path, total_episodes=8,
+                                per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1,
+                                response_length=6, output_dir=str(tmp_path / "ppo"), max_prompt_length=32))
+    assert len(history) == 1 and np.isfinite(history[0]["objective/scores"])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "bert"])
+def test_two_ranks_equal_one_process_on_an_eager_decoder_and_an_encoder(family, family_dir, tmp_path):
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(family, 96))
+    base = ["rm.py", "--model_name_or_path", family_dir(family), "--dataset_name", data, "--max_steps", "3",
+            "--logging_steps", "1", "--num_evals", "1", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
+            "--max_length", "64", "--max_prompt_length", "32"]
+    run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
+    proc = run_script(base + ["--output_dir", str(tmp_path / "ddp")], nproc=2)
+    assert "batch layout: " + ("padded" if family in PADDED_FAMILIES else "prefix-shared + packed") in proc.stdout
+    one, ddp = ([m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("one", "ddp"))
+    for key in ("train/loss", "train/grad_norm"):
+        assert np.allclose([m[key] for m in one], [m[key] for m in ddp], atol=1e-5), key
