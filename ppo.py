@@ -643,6 +643,18 @@ def advantages(logprobs, ref_logprobs, values, scores, mask, kl_coef, args):
     return kl, non_score_reward, values, masked_whiten(adv, mask), returns
 
 
+def language_modelling_loss(policy, seqs, pad_id, n_tokens, device):
+    """The ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy on pretraining text, summed over the
+    sequences' real transitions and divided by n_tokens (those of the whole mini-batch)."""
+    ids, ids_mask = pad_left(seqs, max(map(len, seqs)), pad_id)
+    ids, ids_mask = ids.to(device), ids_mask.long().to(device)
+    logits = policy(input_ids=ids, attention_mask=ids_mask,
+                    **positions_for(policy, (ids_mask.cumsum(1) - 1).clamp(min=0))).logits[:, :-1]
+    nll = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    # a target counts only after a real token: no pad -> first-token transition on left-padded rows
+    return masked_mean(nll, (ids_mask[:, 1:] * ids_mask[:, :-1]).flatten().float(), n_tokens)
+
+
 STAT_NAMES = ["loss/policy", "loss/value", "val/clipfrac", "policy/entropy", "policy/clipfrac", "policy/approxkl",
               "policy/ratio", "ratio_sq", "loss/ptx"]
 
@@ -682,15 +694,9 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
                 loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * ent
                 ptx_loss = torch.zeros((), device=device)
                 if ptx is not None:
-                    ids, ids_mask = pad_left(ptx_seqs[start:start + micro], max(map(len, ptx_seqs[start:start + micro])),
-                                             pad_id)
-                    ids, ids_mask = ids.to(device), ids_mask.long().to(device)
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                        logits = policy(input_ids=ids, attention_mask=ids_mask, **positions_for(
-                            policy, (ids_mask.cumsum(1) - 1).clamp(min=0))).logits[:, :-1]
-                    nll = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-                    # a target counts only after a real token: no pad -> first-token transition on left-padded rows
-                    ptx_loss = masked_mean(nll, (ids_mask[:, 1:] * ids_mask[:, :-1]).flatten().float(), ptx_tokens)
+                        ptx_loss = language_modelling_loss(policy, ptx_seqs[start:start + micro], pad_id, ptx_tokens,
+                                                           device)
                     loss = loss + args.ptx_coef * ptx_loss
                 (loss * world).backward()  # DDP and FSDP average gradients over ranks; the sum is what is wanted
                 sums += torch.stack([pg_loss, vf_loss, vf_clipfrac, ent, pg["clipfrac"], pg["approxkl"], pg["ratio"],

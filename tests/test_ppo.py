@@ -222,6 +222,8 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, reward
     strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
     full, cut = strip(read_metrics(tmp_path / "full")), strip(read_metrics(tmp_path / "cut"))
     assert len(full) == 12 and cut == full
+    samples = [open(tmp_path / k / "samples.jsonl").read() for k in ("full", "cut")]
+    assert samples[0] == samples[1]  # no rows written twice by the resumed run
     assert full[-1]["kl_coef"] != full[0]["kl_coef"]  # the adaptive controller's state was resumed too
 
 
@@ -257,3 +259,36 @@ def test_missing_reward_model_and_unknown_stop_token_are_clear_errors(tmp_path, 
     proc = run_script(["ppo.py", "--reward_model_path", reward_model_path, "--stop_token", "<nope>"], check=False)
     assert proc.returncode == 2 and "--stop_token '<nope>' is not a token" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_ptx_loss_of_a_left_padded_batch_is_the_mean_over_real_transitions():
+    policy = common.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=5)
+    seqs = [[2, 4, 6, 20, 21, 3], [2, 30, 3], [4, 40, 41, 42, 43, 44, 3]]
+    n = sum(len(s) - 1 for s in seqs)
+    with torch.no_grad():
+        batch = ppo.language_modelling_loss(policy, seqs, TOK.pad_token_id, n, "cpu")
+        alone = [torch.nn.functional.cross_entropy(policy(input_ids=torch.tensor([s])).logits[0, :-1],
+                                                   torch.tensor(s[1:]), reduction="sum") for s in seqs]
+    assert batch.item() == pytest.approx(sum(alone).item() / n, rel=1e-5)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--top_k", "20"], "--top_k/--top_p: PPO needs the log-probs"),
+    (["--top_p", "0.9"], "--top_k/--top_p: PPO needs the log-probs"),
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1"),
+    (["--learning_rate", "-1"], "--learning_rate -1.0: must be a finite number >= 0"),
+    (["--ptx_coef", "0.5"], "--ptx_coef 0.5 needs --ptx_dataset_name"),
+    (["--reward_fn", "nonexistent_module_xyz:f"], "--reward_fn nonexistent_module_xyz:f: cannot import"),
+])
+def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, flags, expected):
+    out = tmp_path / "out"
+    proc = run_script(["ppo.py", "--output_dir", str(out), *flags], check=False)
+    assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_critic_from_policy_takes_the_whole_backbone():
+    policy = common.embedded_sft_policy("embedded-neox", TOK, seed=0, steps=2)
+    critic = ppo.critic_from(ppo.Args(critic_init="policy"), policy, ppo.Reward())
+    mine, theirs = critic.base_model.state_dict(), policy.base_model.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

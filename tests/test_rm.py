@@ -374,3 +374,56 @@ def test_dataset_mixer_takes_fractions_and_counts(tmp_path):
     assert all(r["chosen"] == f" {os.path.basename(r['_source'])} {r['_row']}" for r in rows)  # rows keep their number
     with pytest.raises(common.UserError, match="weight 'many' of"):
         common.mix_rows([str(tmp_path / "a.jsonl"), "many"], "train", seed=0)
+
+
+def test_text_prompt_with_message_responses_is_the_user_turn():
+    row = {"prompt": "tell me about animals", "chosen": [{"role": "assistant", "content": "cat dog"}],
+           "rejected": [{"role": "assistant", "content": "red rice"}]}
+    messages = {"prompt": [{"role": "user", "content": "tell me about animals"}], "chosen": row["chosen"],
+                "rejected": row["rejected"]}
+    assert common.split_pair(row, TOK, "m") == common.split_pair(messages, TOK, "m")
+    assert common.split_pair(row, TOK, "m")[0] == "user: tell me about animals assistant:"
+    with pytest.raises(common.UserError, match="field 'chosen', message 0: expected"):
+        common.split_pair({"chosen": [{"content": "x"}], "rejected": [{"role": "user", "content": "y"}]}, TOK, "m")
+
+
+def test_prompts_never_end_with_the_separator_an_encoder_tokenizer_appends(tmp_path):
+    from families import build_tokenizer
+
+    for family in ("roberta", "bert", "deberta"):
+        tok = build_tokenizer(family)
+        prefix, suffix = common.special_affixes(tok)
+        assert prefix and suffix
+        [prompt] = common.tokenize_prompts(tok, ["User: tell me about animals Assistant:"])
+        assert prompt[:len(prefix)] == prefix and prompt[-1] not in suffix
+        [response] = common.tokenize_responses(tok, ["User: tell me"], [" cat dog"])
+        assert response[-1] == common.end_id(tok) and response.count(response[-1]) == 1
+
+
+def test_each_mixed_dataset_is_evaluated_on_its_split_or_its_own_held_out_pairs(tmp_path):
+    with_split = tmp_path / "with_split"
+    with_split.mkdir()
+    for split, n in (("train", 40), ("test", 7)):
+        with open(with_split / f"{split}.jsonl", "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"prompt": "User:", "chosen": f" cat {split}", "rejected": " dog"}) + "\n")
+    alone = tmp_path / "alone.jsonl"
+    with open(alone, "w") as f:
+        for i in range(50):
+            f.write(json.dumps({"prompt": "User:", "chosen": " red", "rejected": " blue"}) + "\n")
+    args = rm.Args(dataset_mixer_list=[str(with_split), "1.0", str(alone), "1.0"], eval_holdout=0.2)
+    train, evals = rm.load_data(args, TOK, 0)
+    red, cat = TOK.convert_tokens_to_ids("red"), TOK.convert_tokens_to_ids("cat")
+    assert sum(p["chosen"][0] == red for p in evals) == 10 and sum(p["chosen"][0] == cat for p in evals) == 7
+    assert len(train) == 40 + 40
+
+
+def test_evaluation_with_fewer_pairs_than_ranks(tmp_path, small_pairs_file):
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(small_pairs_file, data / "train.jsonl")
+    with open(small_pairs_file) as f, open(data / "test.jsonl", "w") as g:
+        g.write(f.readline())
+    run_script(["rm.py", "--dataset_name", str(data), "--max_steps", "2", "--num_evals", "1", "--output_dir",
+                str(tmp_path / "out")], nproc=2)
+    assert json.load(open(tmp_path / "out" / "eval_results.json"))["accuracy"] in (0.0, 1.0)
