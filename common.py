@@ -3,6 +3,7 @@
 Nothing here is part of the algorithms; read rm.py and ppo.py for those.
 """
 
+import codecs
 import gzip
 import json
 import math
@@ -176,32 +177,35 @@ LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".cs
 
 
 def load_rows(name, config=None, split="train"):
-    """Rows (dicts) of one split of a dataset: the embedded task, a local file (one split: train), a local folder of
-    split files (DIR/train.jsonl, DIR/test.jsonl, ...), or a hub dataset. None if there is no such split."""
+    """Rows (dicts, each knowing its `_source` file and `_row`/`_line` there) of one split of a dataset: the embedded
+    task, a local file (one split: train), a local folder (see load_folder), or a hub dataset. None if there is no
+    such split."""
     if name == "embedded":
-        return embedded_pairs(40000 if split == "train" else 4000, seed={"train": 0}.get(split, 1))
+        rows = embedded_pairs(40000 if split == "train" else 4000, seed={"train": 0}.get(split, 1))
+        return [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
     import datasets
 
     datasets.disable_progress_bars()
-    if os.path.isdir(name):  # a local folder of split files: DIR/train.jsonl, DIR/test.parquet, ...
-        files = [f for f in sorted(os.listdir(name)) if f.split(".")[0] == split]
-        return load_rows(os.path.join(name, files[0]), split="train") if files else None
-    base = name[:-3] if name.endswith(".gz") else name
-    ext = os.path.splitext(base)[1]
     try:
+        if os.path.isdir(name):
+            return load_folder(name, config, split)
+        base = name[:-3] if name.endswith(".gz") else name
+        ext = os.path.splitext(base)[1]
         if ext in LOCAL_BUILDERS:
             if not os.path.exists(name):
                 raise UserError(f"{name}: file not found; pass an existing .jsonl/.json/.parquet/.csv(.gz) path")
             if split != "train":
                 return None  # a single local file has one split; the caller holds out an eval fraction
-            if ext == ".jsonl":  # read directly: row-accurate errors, no Arrow cache written beside the user's data
-                with (gzip.open(name, "rt") if name.endswith(".gz") else open(name)) as f:
-                    return [_parse_json_line(line, name, i) for i, line in enumerate(f) if line.strip()]
-            return list(datasets.load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train"))
+            if ext == ".jsonl":  # read here: errors name the line, and no Arrow cache is written beside the user's data
+                return read_jsonl(name)
+            rows = list(datasets.load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train"))
+            first_line = 2 if ext == ".csv" else None  # a CSV row's line in an editor: after the header
+            return [dict(r, _source=name, _row=i, **({"_line": i + first_line} if first_line else {}))
+                    for i, r in enumerate(rows)]
         splits = datasets.get_dataset_split_names(name, config)
         if split not in splits:
             return None
-        return list(datasets.load_dataset(name, config, split=split))
+        return [dict(r, _source=name, _row=i) for i, r in enumerate(datasets.load_dataset(name, config, split=split))]
     except UserError:
         raise
     except Exception as e:  # the loaders' own errors are long; the first line says what is wrong
@@ -209,11 +213,56 @@ def load_rows(name, config=None, split="train"):
         raise UserError(f"{name}: cannot load dataset ({first}); check the name, config and file format") from None
 
 
-def _parse_json_line(line, path, i):
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: row {i}: not valid JSON ({e.msg}); fix or remove that line") from None
+def load_folder(path, config, split):
+    """A local folder as people have them: written by Dataset(Dict).save_to_disk, cloned from the Hub
+    (data/train-00000-of-00001.parquet, a README.md with `configs:`), or split files (train.jsonl, test.parquet, ...).
+    `datasets` resolves the layout; each file is then read by load_rows, so errors name the file and line."""
+    import datasets
+
+    if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[split] if split in ds else None
+        elif split != "train":
+            ds = None
+        return None if ds is None else [dict(r, _source=path, _row=i) for i, r in enumerate(ds)]
+    try:  # a README.md with `configs:` names the files; otherwise the usual patterns (data/train-*, test.csv, ...)
+        files = datasets.load_dataset_builder(path, config).config.data_files or {}
+    except ValueError:  # splits in different formats (train.jsonl beside test.parquet): resolve the patterns only
+        from datasets.data_files import DataFilesDict, get_data_patterns
+
+        files = DataFilesDict.from_patterns(get_data_patterns(path), base_path=path)
+    files = {str(k): v for k, v in files.items()}
+    if split not in files:
+        return None
+    return [row for f in files[split] for row in load_rows(str(f), split="train")]
+
+
+def read_jsonl(path):
+    rows = []
+    with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
+        for line_number, raw in enumerate(f, 1):  # the line an editor shows: blank lines count
+            where = f"{path}: line {line_number}"
+            try:  # a byte-order mark (written by some Windows tools) is not part of the first row
+                line = (raw.removeprefix(codecs.BOM_UTF8) if line_number == 1 else raw).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}: not valid JSON ({e.msg}); fix or remove that line") from None
+            if not isinstance(value, dict):
+                raise UserError(f"{where}: a JSON {type(value).__name__} is not a row; each line must be an object, "
+                                'e.g. {"prompt": ..., "chosen": ..., "rejected": ...}')
+            rows.append(dict(value, _source=path, _row=len(rows), _line=line_number))
+    return rows
+
+
+def where(row):
+    """'file: line N' (JSON lines, CSV) or 'dataset: row N', for error messages."""
+    return f"{row['_source']}: " + (f"line {row['_line']}" if "_line" in row else f"row {row['_row']}")
 
 
 def mix_rows(mixer, split, seed, config=None):
@@ -226,13 +275,15 @@ def mix_rows(mixer, split, seed, config=None):
             w = float(weight)
         except ValueError:
             raise UserError(f"--dataset_mixer_list: weight {weight!r} of {name} is not a number") from None
+        if not (w > 0 and math.isfinite(w)):
+            raise UserError(f"--dataset_mixer_list: weight {weight} of {name} must be above 0")
         rows = load_rows(name, config, split)
         if rows is None:
             continue
         any_split = True
         n = int(round(w * len(rows))) if w <= 1 else int(w)
-        rows = [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]  # numbered as in the file, for errors
         if n < len(rows):
+            rows = list(rows)
             random.Random(seed).shuffle(rows)
         out += rows[:n]
     return out if any_split else None

@@ -442,7 +442,7 @@ def load_prompts(args, tokenizer):
         rows = common.mix_rows([args.dataset_name, "1.0"], args.dataset_train_split, args.seed, args.dataset_config)
         if not rows:
             raise common.UserError(f"{args.dataset_name}: no split '{args.dataset_train_split}'")
-        texts = [prompt_text(r, tokenizer, f"{r['_source']}: row {r['_row']}") for r in rows]
+        texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
     bos_id = common.leading_id(tokenizer)
     ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in common.tokenize_prompts(tokenizer, texts)]
     return ids, texts

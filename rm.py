@@ -13,6 +13,7 @@ so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_
 
 import dataclasses
 import inspect
+import json
 import math
 import os
 import random
@@ -113,6 +114,9 @@ class Args:
     """Weights & Biases project."""
     run_name: str | None = None
     """Run name for Weights & Biases."""
+    eval_only: bool = False
+    """No training: evaluate --model_name_or_path (a model saved by rm.py or any sequence-classification reward model)
+    on the eval split, or on every pair of a dataset without one; writes eval_results.json and eval.png."""
     push_to_hub: bool = False
     """Upload the final model and tokenizer to the Hugging Face hub."""
     hub_model_id: str | None = None
@@ -239,15 +243,15 @@ def load_reward_model(args, tokenizer):
 def tokenize_pairs(rows, tokenizer, args):
     """Rows -> dicts of prompt/chosen/rejected token ids (+ margin), truncated by common.truncate_pair's policy.
     Pairs whose two sequences are identical after truncation carry no preference and are dropped."""
-    texts = [common.split_pair(r, tokenizer, f"{r['_source']}: row {r['_row']}") for r in rows]
+    texts = [common.split_pair(r, tokenizer, common.where(r)) for r in rows]
     prompts = common.tokenize_prompts(tokenizer, [t[0] for t in texts])
     chosen = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[1] for t in texts])
     rejected = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[2] for t in texts])
     bos_id, pairs, n_truncated = common.leading_id(tokenizer), [], 0
     for row, p, c, r in zip(rows, prompts, chosen, rejected):
         margin = row.get("margin", 0.0)
-        if not isinstance(margin, (int, float)) or isinstance(margin, bool):
-            raise common.UserError(f"{row['_source']}: row {row['_row']}: field 'margin' is {margin!r}; expected a number")
+        if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not math.isfinite(margin):
+            raise common.UserError(f"{common.where(row)}: field 'margin' is {margin!r}; expected a finite number")
         p, c, r, cut = common.truncate_pair(p, c, r, args.max_length, args.max_prompt_length, bos_id)
         n_truncated += cut
         if c != r:
@@ -363,7 +367,9 @@ def load_data(args, tokenizer, rank):
         if not train:
             raise common.UserError(f"{name}: no rows in split '{args.train_split}'; pass --train_split")
         evals = common.mix_rows([name, weight], args.eval_split, args.seed, args.dataset_config)
-        if evals is None:
+        if args.eval_only:
+            train, evals = [], evals if evals is not None else train
+        elif evals is None:
             random.Random(args.seed).shuffle(train)
             n_eval = max(1, int(len(train) * args.eval_holdout))
             train, evals = train[n_eval:], train[:n_eval]
@@ -374,6 +380,8 @@ def load_data(args, tokenizer, rank):
         eval_rows += evals
     train, cut, dropped = tokenize_pairs(train_rows, tokenizer, args)
     evals, cut_e, dropped_e = tokenize_pairs(eval_rows, tokenizer, args)
+    if not evals:
+        raise common.UserError(f"{' '.join(mixer[::2])}: no evaluation pairs left after tokenization")
     if rank == 0:
         print(f"pairs: {len(train)} train, {len(evals)} eval; truncated {cut + cut_e}, dropped {dropped + dropped_e} "
               f"(identical after truncation); max_length {args.max_length}, max_prompt_length {args.max_prompt_length}")
@@ -475,13 +483,15 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
         metrics["eval/bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
         metrics["eval/accuracy_vs_bayes"] = metrics["eval/accuracy"] / metrics["eval/bayes_accuracy"]
         metrics["eval/gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
-    return metrics
+    return metrics, rewards
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 def main(args):
+    if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
+        args = dataclasses.replace(args, output_dir="runs/rm-eval")
     rank, world, device = setup_distributed()
     if args.max_length <= args.max_prompt_length:
         raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
@@ -494,9 +504,9 @@ def main(args):
     tokenizer = load_tokenizer(args.model_name_or_path)
     train, evals = load_data(args, tokenizer, rank)
     steps_per_epoch = len(train) // global_batch
-    if steps_per_epoch == 0:
+    if steps_per_epoch == 0 and not args.eval_only:
         raise common.UserError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
     eval_every = args.eval_steps or max(1, total_steps // max(args.num_evals, 1))
 
     # 2. Model, optimizer, schedule.
@@ -507,6 +517,8 @@ def main(args):
     if args.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(RewardModel(hf_model), args, device)
+    if args.eval_only:
+        return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay, fused=True)
     warmup = args.warmup_steps or int(args.warmup_ratio * total_steps)
     extra = {"polynomial": {"lr_end": args.lr_end}, "cosine_with_restarts": {"num_cycles": int(args.num_cycles)},
@@ -590,7 +602,8 @@ def main(args):
             t_window = time.time()
         if done % eval_every == 0 or done == total_steps:
             model.eval()
-            ev = {"step": done, **evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)}
+            ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
+            ev = {"step": done, **ev}
             model.train()
             if rank == 0:
                 logger.log(ev)
@@ -614,6 +627,9 @@ def main(args):
         results = {**{k.removeprefix("eval/"): v for k, v in ev.items()}, "reward_shift": shift, "reward_scale": scale,
                    "args": dataclasses.asdict(args)}
         common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), results)
+        logger.close()
+        with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
+            plot_eval(os.path.join(args.output_dir, "eval.png"), eval_rewards, [json.loads(line) for line in f])
         summary = f"final eval accuracy {ev['eval/accuracy']:.4f}"
         if "eval/bayes_accuracy" in ev:
             summary += f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})"
@@ -622,10 +638,79 @@ def main(args):
             repo = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
             hf_model.push_to_hub(repo)
             tokenizer.push_to_hub(repo)
-        logger.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     return ev
+
+
+def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout):
+    model.eval()
+    ev, rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
+    if rank == 0:
+        shift, scale = getattr(hf_model.config, "reward_shift", 0.0), getattr(hf_model.config, "reward_scale", 1.0)
+        os.makedirs(args.output_dir, exist_ok=True)
+        common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), {
+            **{k.removeprefix("eval/"): v for k, v in ev.items()}, "num_pairs": len(evals), "reward_shift": shift,
+            "reward_scale": scale, "normalized_reward_mean": (ev["eval/reward_mean"] - shift) / scale,
+            "batch_layout": layout, "args": dataclasses.asdict(args)})
+        plot_eval(os.path.join(args.output_dir, "eval.png"), rewards, [])
+        print(common.format_metrics(ev))
+        print(f"evaluated {args.model_name_or_path} on {len(evals)} pairs: accuracy {ev['eval/accuracy']:.4f}; "
+              f"eval_results.json and eval.png in {args.output_dir}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return ev
+
+
+def plot_eval(path, rewards, metrics):
+    """The reward model at a glance: chosen vs rejected reward histograms; a reliability diagram of P(chosen wins) =
+    sigmoid(r_c - r_r) (each pair in both orders, as calibration_error counts it); accuracy and loss over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rc, rr = rewards[:, 0].numpy(), rewards[:, 1].numpy()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    ax = axes[0, 0]
+    bins = 40
+    ax.hist(rc, bins=bins, alpha=0.55, color="tab:green", label=f"chosen (mean {rc.mean():.3f})")
+    ax.hist(rr, bins=bins, alpha=0.55, color="tab:red", label=f"rejected (mean {rr.mean():.3f})")
+    ax.set(title=f"Rewards on {len(rc)} eval pairs (accuracy {(rc > rr).mean():.3f})", xlabel="reward (logit)",
+           ylabel="pairs")
+    ax.legend()
+    p_chosen = torch.sigmoid(rewards[:, 0] - rewards[:, 1])
+    p, won = torch.cat([p_chosen, 1 - p_chosen]), torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)])
+    bin_of = (p * 10).long().clamp(max=9)
+    count = torch.bincount(bin_of, minlength=10).float()
+    seen = count > 0
+    confidence = torch.bincount(bin_of, weights=p, minlength=10)[seen] / count[seen]
+    frequency = torch.bincount(bin_of, weights=won, minlength=10)[seen] / count[seen]
+    ax = axes[0, 1]
+    ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
+    ax.plot(confidence.numpy(), frequency.numpy(), "o-", color="tab:blue", label="reward model")
+    ax.set(title=f"Reliability (ECE {calibration_error(p_chosen):.3f})", xlabel="predicted P(this response wins)",
+           ylabel="observed frequency", xlim=(0, 1), ylim=(0, 1))
+    ax.legend()
+    for ax, key, name in ((axes[1, 0], "accuracy", "Accuracy"), (axes[1, 1], "loss", "Loss")):
+        train = [(m["step"], m[f"train/{key}"]) for m in metrics if f"train/{key}" in m]
+        evals = [(m["step"], m[f"eval/{key}"]) for m in metrics if f"eval/{key}" in m]
+        if not train and not evals:
+            ax.text(0.5, 0.5, "evaluation only: no training curve", ha="center", va="center", transform=ax.transAxes)
+            ax.set(title=name, xticks=[], yticks=[])
+            continue
+        if train:
+            ax.plot(*zip(*train), color="tab:blue", alpha=0.7, label="train (logged window)")
+        if evals:
+            ax.plot(*zip(*evals), "o-", color="tab:orange", label="eval")
+        ax.set(title=f"{name} over training", xlabel="optimizer step", ylabel=key)
+        ax.legend()
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=100)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
 
 
 def save_reward_model(hf_model, state_dict, tokenizer, output_dir, shift, scale):

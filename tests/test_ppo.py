@@ -292,3 +292,37 @@ def test_critic_from_policy_takes_the_whole_backbone():
     critic = ppo.critic_from(ppo.Args(critic_init="policy"), policy, ppo.Reward())
     mine, theirs = critic.base_model.state_dict(), policy.base_model.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_reward_function_that_pays_for_a_word_makes_ppo_say_it(tmp_path):
+    (tmp_path / "pay_for_owl.py").write_text(
+        "def reward(prompts, responses):\n"
+        "    return [float(r.split().count('owl')) for r in responses]\n")
+    history = ppo.main(ppo.Args(reward_fn=str(tmp_path / "pay_for_owl.py") + ":reward", output_dir=str(tmp_path / "o"),
+                                total_episodes=1024, sample_every=100, kl_coef=0.02, learning_rate=1e-3))
+    first, last = history[0]["objective/scores"], np.mean([h["objective/scores"] for h in history[-4:]])
+    assert first < 0.5 and last > 2.0, (first, last)  # from under one 'owl' per response to several
+
+
+@pytest.mark.parametrize("body,expected", [
+    ("def reward(p, r):\n    raise ValueError('no answer key')\n", "raised ValueError: no answer key"),
+    ("def reward(p, r):\n    return ['good'] * len(p)\n", "returned 'good'; it must return one finite number"),
+    ("def reward(p, r):\n    return [1.0]\n", "returned 1 values for 32 episodes"),
+    ("def reward(p, r):\n    return [float('nan')] * len(p)\n", "returned nan"),
+])
+def test_reward_function_errors_name_the_function(tmp_path, body, expected):
+    (tmp_path / "bad_reward.py").write_text(body)
+    spec = str(tmp_path / "bad_reward.py") + ":reward"
+    proc = run_script(["ppo.py", "--reward_fn", spec, "--total_episodes", "32", "--output_dir", str(tmp_path / "o")],
+                      check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]  # (under the progress bar: the function ran during the first update)
+    assert last.startswith("error: ") and f"--reward_fn {spec} {expected}" in last, last
+
+
+def test_gold_reward_function_and_separate_critic_learning_rate(tmp_path):
+    history = ppo.main(ppo.Args(reward_fn="common:gold_rewards", critic_learning_rate=1e-4, total_episodes=64,
+                                output_dir=str(tmp_path)))
+    metrics = read_metrics(tmp_path)
+    assert all(m["objective/scores"] == pytest.approx(m["gold/mean"], abs=1e-5) for m in metrics)  # truth is the reward
+    assert len(history) == 2 and os.path.getsize(tmp_path / "curves.png") > 10_000

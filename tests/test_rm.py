@@ -147,10 +147,10 @@ def test_truncation_keeps_prompt_end_and_bos_and_caps_responses():
 
 
 @pytest.mark.parametrize("content,expected", [
-    ('{"chosen": " cat"}\n', "bad.jsonl: row 0: field 'rejected' is missing"),
+    ('{"chosen": " cat"}\n', "bad.jsonl: line 1: field 'rejected' is missing"),
     ('{"chosen": " cat", "rejected": " dog"}\n{"chosen": " cat", "rejected": " dog", "margin": "x"}\n',
-     "bad.jsonl: row 1: field 'margin' is 'x'"),
-    ('{"chosen": " cat", "rejected": 5}\n', "bad.jsonl: row 0: field 'rejected' is int"),
+     "bad.jsonl: line 2: field 'margin' is 'x'"),
+    ('{"chosen": " cat", "rejected": 5}\n', "bad.jsonl: line 1: field 'rejected' is int"),
 ])
 def test_bad_rows_give_one_line_error_naming_file_row_field(tmp_path, content, expected):
     (tmp_path / "bad.jsonl").write_text(content)
@@ -168,7 +168,7 @@ def test_invalid_json_line_and_missing_file_exit_2(tmp_path):
     with gzip.open(bad, "wt") as f:
         f.write('{"chosen": " a", "rejected": " b"}\n{not json\n')
     proc = run_script(["rm.py", "--dataset_name", str(bad), "--output_dir", str(tmp_path / "o")], check=False)
-    assert proc.returncode == 2 and "row 1: not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "line 2: not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "nope.jsonl")], check=False)
     assert proc.returncode == 2 and "file not found" in proc.stderr
 
@@ -427,3 +427,91 @@ def test_evaluation_with_fewer_pairs_than_ranks(tmp_path, small_pairs_file):
     run_script(["rm.py", "--dataset_name", str(data), "--max_steps", "2", "--num_evals", "1", "--output_dir",
                 str(tmp_path / "out")], nproc=2)
     assert json.load(open(tmp_path / "out" / "eval_results.json"))["accuracy"] in (0.0, 1.0)
+
+
+def test_eval_only_reproduces_the_final_evaluation_of_training(tmp_path, small_pairs_file):
+    """A saved model evaluated on its own held-out pairs gives the numbers training reported; and a plain
+    transformers sequence-classification model (no rm.py config keys) is evaluated too."""
+    from transformers import AutoModelForSequenceClassification
+
+    train_dir = tmp_path / "trained"
+    rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=6, num_evals=1, output_dir=str(train_dir)))
+    trained = json.load(open(train_dir / "eval_results.json"))
+    held_out = tmp_path / "held_out"  # the same held-out pairs, as an eval split of their own
+    held_out.mkdir()
+    rows = [json.loads(line) for line in open(small_pairs_file)]
+    import random
+
+    random.Random(1).shuffle(rows)
+    for split, part in (("train", rows[60:]), ("test", rows[:60])):
+        with open(held_out / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in part)
+    proc = run_script(["rm.py", "--eval_only", "--model_name_or_path", str(train_dir), "--dataset_name",
+                       str(held_out), "--output_dir", str(tmp_path / "eval")])
+    assert "evaluated" in proc.stdout
+    evaluated = json.load(open(tmp_path / "eval" / "eval_results.json"))
+    for key in ("accuracy", "loss", "margin", "calibration_error", "length_correlation"):
+        assert evaluated[key] == pytest.approx(trained[key], abs=1e-5), key
+    assert evaluated["normalized_reward_mean"] == pytest.approx(0.0, abs=1e-5)  # normalized on these very pairs
+    assert (tmp_path / "eval" / "eval.png").stat().st_size > 10_000
+    plain = tmp_path / "plain"
+    model = AutoModelForSequenceClassification.from_pretrained(train_dir)
+    del model.config.reward_shift, model.config.reward_scale
+    model.save_pretrained(plain)
+    TOK.save_pretrained(plain)
+    rm.main(rm.Args(eval_only=True, model_name_or_path=str(plain), dataset_name=str(held_out),
+                    output_dir=str(tmp_path / "eval_plain")))
+    assert json.load(open(tmp_path / "eval_plain" / "eval_results.json"))["accuracy"] == evaluated["accuracy"]
+
+
+def test_tensorboard_events_hold_the_logged_metrics(tmp_path, small_pairs_file):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=3, logging_steps=1, num_evals=1, tensorboard=True,
+                    output_dir=str(tmp_path)))
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    logged = [m for m in read_metrics(tmp_path) if "train/loss" in m]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([m["train/loss"] for m in logged])
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
+    assert "eval/accuracy" in events.Tags()["scalars"]
+
+
+def hub_layouts(root):
+    """One small preference dataset in each on-disk layout people have: a Hub clone (data/*.parquet), a README with
+    configs:, DatasetDict.save_to_disk, Dataset.save_to_disk (one split), split files."""
+    import datasets
+
+    rows = [{"prompt": "User: tell me about animals Assistant:", "chosen": f" cat{' dog' * (i % 5)}",
+             "rejected": " red"} for i in range(30)]
+    train, test = datasets.Dataset.from_list(rows[:24]), datasets.Dataset.from_list(rows[24:])
+    (root / "hub" / "data").mkdir(parents=True)
+    train.to_parquet(str(root / "hub" / "data" / "train-00000-of-00001.parquet"))
+    test.to_parquet(str(root / "hub" / "data" / "test-00000-of-00001.parquet"))
+    (root / "configs" / "files").mkdir(parents=True)
+    train.to_json(str(root / "configs" / "files" / "mine.jsonl"))
+    test.to_json(str(root / "configs" / "files" / "held.jsonl"))
+    (root / "configs" / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n"
+                                                "  - split: train\n    path: files/mine.jsonl\n"
+                                                "  - split: test\n    path: files/held.jsonl\n---\n# pairs\n")
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(root / "saved_dict"))
+    datasets.concatenate_datasets([train, test]).save_to_disk(str(root / "saved_one"))
+    (root / "split_files").mkdir()
+    train.to_json(str(root / "split_files" / "train.jsonl"))
+    test.to_csv(str(root / "split_files" / "test.csv"))
+    return {"hub": (24, 6), "configs": (24, 6), "saved_dict": (24, 6), "saved_one": (30, None), "split_files": (24, 6)}
+
+
+def test_local_folders_in_every_layout_load_with_their_splits(tmp_path):
+    for name, (n_train, n_test) in hub_layouts(tmp_path).items():
+        train = common.load_rows(str(tmp_path / name), split="train")
+        test = common.load_rows(str(tmp_path / name), split="test")
+        assert len(train) == n_train, name
+        assert (len(test) if test is not None else None) == n_test, name
+        assert train[3]["chosen"] == " cat dog dog dog", name
+    bad = tmp_path / "split_files" / "train.jsonl"
+    lines = bad.read_text().splitlines()
+    lines[4] = '{"chosen": " cat", "rejected": 7}'
+    bad.write_text("\n".join(lines) + "\n")
+    proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "split_files"), "--output_dir", str(tmp_path / "o")],
+                      check=False)
+    assert proc.returncode == 2 and f"{bad}: line 5: field 'rejected' is int" in proc.stderr, proc.stderr
