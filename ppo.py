@@ -955,10 +955,11 @@ def plot_curves(history, path):
     axes[0, 1].plot(episodes, kl, color="tab:green")
     axes[0, 1].set(title="KL to the reference policy", xlabel="episodes", ylabel="KL (nats, summed over the response)")
     sqrt_kl = [max(k, 0.0) ** 0.5 for k in kl]
-    axes[1, 0].plot(sqrt_kl, proxy, ".-", color="tab:blue", label="proxy")
+    axes[1, 0].plot(sqrt_kl, proxy, ".", color="tab:blue", alpha=0.5, label="proxy")
     if has_gold:
-        axes[1, 0].plot(sqrt_kl, gold, ".-", color="tab:red", label="gold")
-    axes[1, 0].set(title="Score against distance from the reference", xlabel="sqrt(KL)", ylabel="mean score")
+        axes[1, 0].plot(sqrt_kl, gold, ".", color="tab:red", alpha=0.5, label="gold")
+    axes[1, 0].set(title="Score against distance from the reference (one dot per update)", xlabel="sqrt(KL)",
+                   ylabel="mean score")
     axes[1, 0].legend()
     if has_gold:
         axes[1, 1].plot(episodes, [p - g for p, g in zip(proxy, gold)], color="tab:purple")
