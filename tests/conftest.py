@@ -54,3 +54,12 @@ def hh_path():
     if not os.path.exists(HH_PATH):
         pytest.skip(f"real HH-RLHF pairs not found at {HH_PATH} (the project's ../shared folder)")
     return HH_PATH
+
+
+@pytest.fixture(scope="session")
+def reward_model_path(tmp_path_factory, small_pairs_file):
+    """A small reward model trained by rm.py on the embedded task (a short run: enough signal for PPO to follow)."""
+    out = tmp_path_factory.mktemp("rm")
+    run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size", "16",
+                "--num_evals", "1", "--output_dir", str(out)])
+    return str(out)

@@ -14,15 +14,6 @@ import ppo
 TOK = common.embedded_tokenizer()
 
 
-@pytest.fixture(scope="session")
-def reward_model_path(tmp_path_factory, small_pairs_file):
-    """A small reward model trained by rm.py on the embedded task (a short run: enough signal for PPO to follow)."""
-    out = tmp_path_factory.mktemp("rm")
-    run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size", "16",
-                "--num_evals", "1", "--output_dir", str(out)])
-    return str(out)
-
-
 # --- the math -------------------------------------------------------------------------------------------------------
 
 

@@ -515,3 +515,21 @@ def test_local_folders_in_every_layout_load_with_their_splits(tmp_path):
     proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "split_files"), "--output_dir", str(tmp_path / "o")],
                       check=False)
     assert proc.returncode == 2 and f"{bad}: line 5: field 'rejected' is int" in proc.stderr, proc.stderr
+
+
+def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path):
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    snippet = readme.split("<!-- scoring snippet -->")[1].split("```python")[1].split("```")[0]
+    snippet = snippet.replace('"runs/rm"', repr(reward_model_path))
+    scope = {}
+    exec(snippet, scope)  # noqa: S102 - the README's own code, as a user would paste it
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(reward_model_path).eval()
+    rows = [{"prompt": scope["prompt"], "chosen": scope["responses"][0], "rejected": scope["responses"][1],
+             "_source": "m", "_row": 0}]
+    pairs, _, _ = rm.tokenize_pairs(rows, scope["tokenizer"], rm.Args())
+    ids, mask, _ = rm.collate(pairs, scope["tokenizer"].pad_token_id)
+    with torch.no_grad():
+        trained = (rm.RewardModel(hf)(ids, mask) - hf.config.reward_shift) / hf.config.reward_scale
+    assert torch.allclose(scope["rewards"], trained, atol=1e-5)
