@@ -30,6 +30,17 @@ def exit_on_user_error(fn, *args):
         sys.exit(2)
 
 
+def load_pretrained(loader, name, flag, **kwargs):
+    """loader.from_pretrained(name), with transformers' long errors about a missing folder or hub repository turned
+    into one line naming the flag."""
+    try:
+        return loader.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{flag} {name}: cannot load it ({first[:200]}); pass a local model folder or a hub "
+                        "name") from None
+
+
 def exact_div(a, b, what):
     if b == 0 or a % b != 0:
         raise UserError(f"{what}: {a} is not divisible by {b}; change the sizes so it is")
@@ -535,19 +546,41 @@ def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
 # a crash at any moment leaves the previous checkpoint intact and `latest` naming a complete one.
 
 
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(output_dir, step, state, keep=2):
+    """Write state.pt into a new directory (never over an existing one), make it durable (file and directories
+    fsynced), then switch `latest` to it, and only then delete older checkpoints, never the one `latest` names."""
     root = os.path.join(output_dir, "checkpoints")
-    final, tmp = os.path.join(root, f"step_{step:08d}"), os.path.join(root, f"step_{step:08d}.tmp")
+    os.makedirs(root, exist_ok=True)
+    name, n = f"step_{step:08d}", 1
+    while os.path.exists(os.path.join(root, name)):  # a directory from an earlier run into the same output_dir
+        name, n = f"step_{step:08d}_{n}", n + 1
+    tmp = os.path.join(root, name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    torch.save(state, os.path.join(tmp, "state.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    with open(os.path.join(tmp, "state.pt"), "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    os.replace(tmp, os.path.join(root, name))
+    fsync_dir(root)
     with open(os.path.join(root, "latest.tmp"), "w") as f:
-        f.write(os.path.basename(final))
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
-    for old in done[:-keep]:
+    fsync_dir(root)
+    done = sorted((d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp") and d != name),
+                  key=lambda d: os.path.getmtime(os.path.join(root, d)))
+    for old in done[:max(len(done) - (keep - 1), 0)]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 

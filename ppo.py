@@ -317,7 +317,7 @@ def load_tokenizer(args):
 
     if args.sft_model_path.startswith("embedded-"):
         return common.embedded_tokenizer()
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left")
+    tokenizer = common.load_pretrained(AutoTokenizer, args.sft_model_path, "--sft_model_path", padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe here: every mask comes from lengths, never from pad ids
     return tokenizer
@@ -328,7 +328,7 @@ def load_policy(args, tokenizer):
 
     if args.sft_model_path.startswith("embedded-"):
         return common.disable_dropout(common.embedded_sft_policy(args.sft_model_path, tokenizer, args.seed))
-    config = common.without_dropout(AutoConfig.from_pretrained(args.sft_model_path))  # before the model is built
+    config = common.without_dropout(common.load_pretrained(AutoConfig, args.sft_model_path, "--sft_model_path"))
     return common.disable_dropout(AutoModelForCausalLM.from_pretrained(args.sft_model_path, config=config))
 
 
@@ -362,7 +362,7 @@ def load_reward(args, tokenizer):
     if looks_local and not os.path.exists(os.path.join(path, "config.json")):
         raise common.UserError(f"--reward_model_path {path}: no reward model there; train one first with "
                                f"`python rm.py --output_dir {path}` (or pass a hub reward model)")
-    config = common.without_dropout(AutoConfig.from_pretrained(path))
+    config = common.without_dropout(common.load_pretrained(AutoConfig, path, "--reward_model_path"))
     if config.num_labels != 1:
         raise common.UserError(f"--reward_model_path {path}: the model has {config.num_labels} labels; a reward model "
                                "has one (a scalar)")
@@ -702,6 +702,11 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
                 sums += torch.stack([pg_loss, vf_loss, vf_clipfrac, ent, pg["clipfrac"], pg["approxkl"], pg["ratio"],
                                      pg["ratio_sq"], ptx_loss]).detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable.parameters(), args.max_grad_norm or float("inf"))
+            norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if not math.isfinite(norm):  # stop before the step: the last checkpoint stays the last good state
+                raise common.UserError(f"update {update + 1}: the gradient norm is {norm} (policy loss "
+                                       f"{pg_loss.item():.4g}, value loss {vf_loss.item():.4g}); training diverged: "
+                                       "lower --learning_rate; --resume continues from the last checkpoint")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             stats.append(sums)
@@ -712,7 +717,7 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
     del means["ratio_sq"]
     if ptx is None:
         del means["loss/ptx"]
-    return means, float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    return means, norm
 
 
 # ---------------------------------------------------------------------------------------------------------------------

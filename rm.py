@@ -209,7 +209,7 @@ def load_tokenizer(name):
         return common.embedded_tokenizer()
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(name)
+    tok = common.load_pretrained(AutoTokenizer, name, "--model_name_or_path")
     if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:
         # A distinct pad id lets any loader (transformers pools at the last non-pad id) find a trailing EOS.
         tok.add_special_tokens({"pad_token": "<|pad|>"})
@@ -225,7 +225,7 @@ def load_reward_model(args, tokenizer):
         config = common.embedded_model_config(name, len(tokenizer), num_labels=1)
         model, trained_head = AutoModelForSequenceClassification.from_config(config), False
     else:
-        config = AutoConfig.from_pretrained(name)
+        config = common.load_pretrained(AutoConfig, name, "--model_name_or_path")
         trained_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
         config.num_labels = 1
         # dropout off, before the model is built: the two passes of a pair must see the same network
@@ -243,15 +243,19 @@ def load_reward_model(args, tokenizer):
 def tokenize_pairs(rows, tokenizer, args):
     """Rows -> dicts of prompt/chosen/rejected token ids (+ margin), truncated by common.truncate_pair's policy.
     Pairs whose two sequences are identical after truncation carry no preference and are dropped."""
-    texts = [common.split_pair(r, tokenizer, common.where(r)) for r in rows]
+    in_file_order = sorted(range(len(rows)), key=lambda i: (str(rows[i]["_source"]), rows[i]["_row"]))
+    texts = [None] * len(rows)
+    for i in in_file_order:  # the first bad row of a file is the one reported, however the rows were shuffled
+        texts[i] = common.split_pair(rows[i], tokenizer, common.where(rows[i]))
+        margin = rows[i].get("margin", 0.0)
+        if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not math.isfinite(margin):
+            raise common.UserError(f"{common.where(rows[i])}: field 'margin' is {margin!r}; expected a finite number")
     prompts = common.tokenize_prompts(tokenizer, [t[0] for t in texts])
     chosen = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[1] for t in texts])
     rejected = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[2] for t in texts])
     bos_id, pairs, n_truncated = common.leading_id(tokenizer), [], 0
     for row, p, c, r in zip(rows, prompts, chosen, rejected):
         margin = row.get("margin", 0.0)
-        if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not math.isfinite(margin):
-            raise common.UserError(f"{common.where(row)}: field 'margin' is {margin!r}; expected a finite number")
         p, c, r, cut = common.truncate_pair(p, c, r, args.max_length, args.max_prompt_length, bos_id)
         n_truncated += cut
         if c != r:
@@ -379,6 +383,10 @@ def load_data(args, tokenizer, rank):
         train_rows += train
         eval_rows += evals
     train, cut, dropped = tokenize_pairs(train_rows, tokenizer, args)
+    if train_rows and not train:
+        raise common.UserError(f"{' '.join(mixer[::2])}: all {len(train_rows)} training pairs were dropped: chosen and "
+                               "rejected are identical (after truncation to --max_length); check the data or raise "
+                               "--max_length")
     evals, cut_e, dropped_e = tokenize_pairs(eval_rows, tokenizer, args)
     if not evals:
         raise common.UserError(f"{' '.join(mixer[::2])}: no evaluation pairs left after tokenization")
@@ -489,13 +497,37 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def main(args):
-    if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
-        args = dataclasses.replace(args, output_dir="runs/rm-eval")
-    rank, world, device = setup_distributed()
+def check_args(args):
+    """Every size and range, before anything is loaded or written; a bad one is named in one line."""
+    for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
+                 "per_device_eval_batch_size", "logging_steps", "num_evals"):
+        if getattr(args, name) < 1:
+            raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
+    for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
+                 "max_grad_norm", "center_rewards_coefficient", "eval_steps", "save_steps", "head_init_std"):
+        value = getattr(args, name)
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
+    if args.max_steps <= 0 and not args.num_train_epochs > 0 and not args.eval_only:
+        raise common.UserError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or set --max_steps)")
+    if not 0 < args.eval_holdout < 1:
+        raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
+    if not args.warmup_ratio <= 1:
+        raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
     if args.max_length <= args.max_prompt_length:
         raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
                                f"{args.max_length} to leave room for the responses")
+    name = args.model_name_or_path
+    if not name.startswith("embedded-") and (name.startswith((".", "/", "~")) or os.sep in name.strip("/")
+                                             and name.count("/") != 1) and not os.path.exists(name):
+        raise common.UserError(f"--model_name_or_path {name}: no such folder; pass a local model folder or a hub name")
+
+
+def main(args):
+    if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
+        args = dataclasses.replace(args, output_dir="runs/rm-eval")
+    check_args(args)
+    rank, world, device = setup_distributed()
     lr = args.learning_rate if args.learning_rate is not None else \
         1e-3 if args.model_name_or_path.startswith("embedded-") else 1e-5
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
@@ -577,7 +609,12 @@ def main(args):
             window["margin"] += (r_chosen - r_rejected).mean().item() / args.gradient_accumulation_steps
             window["tokens"] += sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in pairs)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
-        window["grad_norm"] += (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+        grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+        if not math.isfinite(grad_norm):  # stop before the step: the last checkpoint stays the last good state
+            raise common.UserError(f"step {step + 1}: the gradient norm is {grad_norm} (loss {loss.item():.4g}); "
+                                   "training diverged: lower --learning_rate, or use --max_grad_norm / --bf16 off; "
+                                   f"--resume continues from the last checkpoint in {args.output_dir}")
+        window["grad_norm"] += grad_norm
         window["n"] += 1
         optimizer.step()
         scheduler.step()

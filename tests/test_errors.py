@@ -1,0 +1,128 @@
+"""Bad input never costs a user their work: every mistake is one line (exit code 2, no traceback) naming the flag, or
+the file, line and field, and an --output_dir holding an earlier run is left byte for byte as it was."""
+
+import gzip
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import run_script
+
+import common
+import rm
+
+
+@pytest.fixture(scope="session")
+def saved_run(tmp_path_factory, small_pairs_file):
+    out = tmp_path_factory.mktemp("saved") / "run"
+    run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--num_evals", "1", "--save_steps",
+                "1", "--output_dir", str(out)])
+    return out
+
+
+def snapshot(path):
+    return {os.path.relpath(os.path.join(d, f), path): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(path) for f in files}
+
+
+GOOD = '{"prompt": "User: tell me about animals Assistant:", "chosen": " cat dog", "rejected": " red"}'
+CASES = {  # name: (flags, files {name: text or bytes} written to the data folder, expected text of the one line)
+    "zero batch": (["--per_device_train_batch_size", "0"], {}, "--per_device_train_batch_size 0: must be at least 1"),
+    "zero accumulation": (["--gradient_accumulation_steps", "0"], {}, "--gradient_accumulation_steps 0: must be"),
+    "zero eval batch": (["--per_device_eval_batch_size", "0"], {}, "--per_device_eval_batch_size 0: must be"),
+    "zero logging": (["--logging_steps", "0"], {}, "--logging_steps 0: must be at least 1"),
+    "negative lr": (["--learning_rate", "-1"], {}, "--learning_rate -1.0: must be a finite number >= 0"),
+    "holdout": (["--eval_holdout", "1.5"], {}, "--eval_holdout 1.5: must be a fraction within (0, 1)"),
+    "zero epochs": (["--num_train_epochs", "0"], {}, "--num_train_epochs 0.0: must be above 0"),
+    "negative prompt length": (["--max_prompt_length", "-1"], {}, "--max_prompt_length -1: must be at least 1"),
+    "missing model": (["--model_name_or_path", "./no_such_model"], {}, "--model_name_or_path ./no_such_model: no such"),
+    "message without role": ([], {"d.jsonl": GOOD + '\n{"chosen": [{"content": "x"}], "rejected": [{"role": '
+                                  '"assistant", "content": "y"}]}\n'},
+                             "d.jsonl: line 2: field 'chosen', message 0: expected {'role': text"),
+    "nan margin": ([], {"d.jsonl": GOOD + "\n" + GOOD[:-1] + ', "margin": NaN}\n'},
+                   "d.jsonl: line 2: field 'margin' is nan; expected a finite number"),
+    "blank lines count": ([], {"d.jsonl": GOOD + "\n\n" + '{"chosen": " a"}\n'},
+                          "d.jsonl: line 3: field 'rejected' is missing"),
+    "csv row": ([], {"d.csv": "prompt,chosen,rejected\nUser:, cat, dog\nUser:, cat,\n"},
+                "d.csv: line 3: field 'rejected' is missing"),
+    "file in a folder": ([], {"dir/train.jsonl": GOOD + "\n", "dir/test.jsonl": '{"chosen": " a"}\n'},
+                         "dir/test.jsonl: line 1: field 'rejected' is missing"),
+    "undecodable bytes": ([], {"d.jsonl": (GOOD + "\n").encode() + b'{"chosen": " caf\xe9", "rejected": " x"}\n'},
+                          "d.jsonl: line 2: not UTF-8 text"),
+    "all pairs identical": ([], {"d.jsonl": '{"prompt": "User:", "chosen": " cat", "rejected": " cat"}\n' * 5},
+                            "d.jsonl: all 4 training pairs were dropped: chosen and rejected are identical"),
+    "array row": ([], {"d.jsonl": GOOD + "\n[1, 2]\n"}, "d.jsonl: line 2: a JSON list is not a row"),
+    "string row": ([], {"d.jsonl": '"just text"\n'}, "d.jsonl: line 1: a JSON str is not a row"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_and_leaves_earlier_work_intact(case, tmp_path, saved_run, small_pairs_file):
+    flags, files, expected = CASES[case]
+    for name, content in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    data = str(tmp_path / "dir") if "dir/train.jsonl" in files else str(tmp_path / next(iter(files))) if files \
+        else small_pairs_file
+    out = tmp_path / "out"
+    shutil.copytree(saved_run, out)
+    before = snapshot(out)
+    proc = run_script(["rm.py", "--dataset_name", data, "--output_dir", str(out), *flags], check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
+    assert snapshot(out) == before
+
+
+def test_bad_ppo_flag_leaves_earlier_run_intact(tmp_path, saved_run):
+    out = tmp_path / "out"
+    shutil.copytree(saved_run, out)
+    before = snapshot(out)
+    proc = run_script(["ppo.py", "--num_mini_batches", "0", "--output_dir", str(out)], check=False)
+    assert proc.returncode == 2 and "--num_mini_batches 0: must be at least 1" in proc.stderr
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_byte_order_mark_is_accepted(tmp_path, compressed):
+    rows = [json.dumps(r) for r in common.embedded_pairs(64, seed=2)]
+    text = ("\ufeff" + "\n".join(rows) + "\n").encode("utf-8")
+    path = tmp_path / ("bom.jsonl.gz" if compressed else "bom.jsonl")
+    path.write_bytes(gzip.compress(text) if compressed else text)
+    loaded = common.load_rows(str(path))
+    assert len(loaded) == 64 and loaded[0]["chosen"] == json.loads(rows[0])["chosen"]
+    rm.main(rm.Args(dataset_name=str(path), max_steps=2, num_evals=1, per_device_train_batch_size=8,
+                    output_dir=str(tmp_path / "out")))
+    assert os.path.exists(tmp_path / "out" / "model.safetensors")
+
+
+def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, small_pairs_file,
+                                                                              monkeypatch):
+    calls = {"n": 0}
+    real_loss = rm.preference_loss
+
+    def poisoned(*a, **k):
+        calls["n"] += 1
+        loss = real_loss(*a, **k)
+        return loss * float("nan") if calls["n"] == 5 else loss
+
+    monkeypatch.setattr(rm, "preference_loss", poisoned)
+    with pytest.raises(common.UserError, match=r"step 5: the gradient norm is nan .*--resume continues"):
+        rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=8, save_steps=2, num_evals=1,
+                        per_device_train_batch_size=8, output_dir=str(tmp_path)))
+    assert open(tmp_path / "checkpoints" / "latest").read() == "step_00000004"
+    state = common.load_latest_checkpoint(str(tmp_path))
+    assert state["step"] == 4 and all(torch.isfinite(v).all() for v in state["model"].values())
+    assert not os.path.exists(tmp_path / "model.safetensors")  # no final model from a diverged run
+
+
+def test_checkpoints_of_an_earlier_run_never_take_the_place_of_latest(tmp_path):
+    for step in (7, 8):  # an earlier run into the same folder reached step 8
+        common.save_checkpoint(str(tmp_path), step, {"step": step, "run": "old"})
+    for step in (2, 4, 6, 8):
+        common.save_checkpoint(str(tmp_path), step, {"step": step, "run": "new"})
+        latest = common.load_latest_checkpoint(str(tmp_path))
+        assert latest == {"step": step, "run": "new"}
+    assert len([d for d in os.listdir(tmp_path / "checkpoints") if d.startswith("step_")]) == 2
