@@ -1,0 +1,237 @@
+"""ppo.py against TRL 1.12's PPOTrainer (TRL's last release with PPO), side by side on one machine.
+
+    python -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 && \
+        .venv-trl/bin/pip install -r requirements.txt -r benchmarks/requirements-ppo.txt
+    python benchmarks/bench_ppo.py --trl_python .venv-trl/bin/python     # writes benchmarks/results/ppo_cpu.json
+
+Each row runs in its own process on the same policy (Llama-shaped, 4 layers x 256, random init, a byte-level
+tokenizer), the same reward model (trained briefly by rm.py from that policy; it is the value model's initialisation
+too), the same prompt token ids, sizes and sampling settings. Workloads:
+- short: embedded-task prompts, 48 new tokens with no stop token, temperature 0.7, rollout batch 16 in one mini-batch,
+  4 PPO epochs, 128 episodes;
+- long: HH-RLHF prompts (../shared/data/hh-rlhf-harmless-base) cut to their last 256 tokens, 128 new tokens, stop at
+  EOS, same sizes, 64 episodes.
+Episodes/s is over the training loop (TRL: inside train(); ppo.py: the sum of its updates' times). The time split is
+generation; reference + reward + value forwards; learning (the PPO epochs). Peak memory is the process's peak RSS.
+"""
+
+import argparse
+import gzip
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+HH = os.path.join(ROOT, "..", "shared", "data", "hh-rlhf-harmless-base", "test.jsonl.gz")
+WORKLOADS = {"short": dict(episodes=128, response_length=48, stop=False, prompt_length=256),
+             "long": dict(episodes=64, response_length=128, stop=True, prompt_length=256)}
+SIZES = dict(batch=16, epochs=4, temperature=0.7, lr=3e-6, kl_coef=0.05, seed=1)
+
+
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+def make_assets(root):
+    """Policy, reward model (rm.py, 60 steps on the embedded task from the policy's weights) and prompt files."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import common
+    import rm
+
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(os.path.join(root, "policy"))
+    tokenizer.save_pretrained(os.path.join(root, "policy"))
+    rm.main(rm.Args(model_name_or_path=os.path.join(root, "policy"), dataset_name="embedded", max_steps=60,
+                    per_device_train_batch_size=16, learning_rate=1e-4, num_evals=1, output_dir=os.path.join(root, "rm"),
+                    max_length=256, max_prompt_length=128))
+    rng = random.Random(0)
+    short = [common.embedded_prompt(rng) for _ in range(WORKLOADS["short"]["episodes"])]
+    with gzip.open(HH, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    long = [common.shared_prefix_split(r["chosen"], r["rejected"])[0] for r in rows[:WORKLOADS["long"]["episodes"]]]
+    for name, prompts in (("short", short), ("long", long)):
+        with open(os.path.join(root, f"{name}.jsonl"), "w") as f:
+            for p in prompts:
+                f.write(json.dumps({"prompt": p}) + "\n")
+
+
+def prompt_ids(root, workload, tokenizer):
+    """The prompts as ppo.py tokenizes and truncates them; TRL is handed the same ids."""
+    import common
+
+    with open(os.path.join(root, f"{workload}.jsonl")) as f:
+        texts = [json.loads(line)["prompt"] for line in f]
+    bos = common.leading_id(tokenizer)
+    return [common.truncate_prompt(p, WORKLOADS[workload]["prompt_length"], bos)
+            for p in common.tokenize_prompts(tokenizer, texts)]
+
+
+def run_ours(root, workload):
+    import ppo
+
+    w, out = WORKLOADS[workload], tempfile.mkdtemp()
+    ppo.main(ppo.Args(sft_model_path=os.path.join(root, "policy"), reward_model_path=os.path.join(root, "rm"),
+                      dataset_name=os.path.join(root, f"{workload}.jsonl"), max_prompt_length=w["prompt_length"],
+                      total_episodes=w["episodes"], per_device_train_batch_size=SIZES["batch"], num_mini_batches=1,
+                      num_ppo_epochs=SIZES["epochs"], response_length=w["response_length"],
+                      temperature=SIZES["temperature"], stop_token="eos" if w["stop"] else "none",
+                      learning_rate=SIZES["lr"], kl_coef=SIZES["kl_coef"], seed=SIZES["seed"], sample_every=10**6,
+                      output_dir=out))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        ms = [json.loads(line) for line in f]
+    return {"train_s": sum(SIZES["batch"] / m["perf/episodes_per_s"] for m in ms),
+            "generation_s": sum(m["perf/time_rollout"] for m in ms), "scoring_s": sum(m["perf/time_score"] for m in ms),
+            "learning_s": sum(m["perf/time_learn"] for m in ms),
+            "generated_tokens": sum(m["response/length"] * SIZES["batch"] for m in ms)}
+
+
+def run_trl(root, workload):
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as module
+
+    w = WORKLOADS[workload]
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(root, "policy"), padding_side="left")
+    timers = {"generation_s": 0.0, "scoring_s": 0.0, "generated_tokens": 0}
+    real_generation, real_forward, real_reward = module.batch_generation, module.forward, module.get_reward
+
+    def generation(model, queries, *a, **k):
+        t = time.time()
+        query_responses, logits = real_generation(model, queries, *a, **k)
+        timers["generation_s"] += time.time() - t
+        responses = query_responses[:, queries.shape[1]:]
+        if w["stop"]:
+            is_stop = responses == tokenizer.eos_token_id
+            after = (is_stop.cumsum(1) - is_stop.long()) > 0
+            timers["generated_tokens"] += int((~after).sum())
+        else:
+            timers["generated_tokens"] += responses.numel()
+        return query_responses, logits
+
+    def timed(real):
+        def call(*a, **k):
+            if torch.is_grad_enabled():  # the learning phase's forward
+                return real(*a, **k)
+            t = time.time()
+            out = real(*a, **k)
+            timers["scoring_s"] += time.time() - t
+            return out
+        return call
+
+    module.batch_generation, module.forward, module.get_reward = generation, timed(real_forward), timed(real_reward)
+    config = PPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=SIZES["batch"],
+                       gradient_accumulation_steps=1, num_mini_batches=1, num_ppo_epochs=SIZES["epochs"],
+                       total_episodes=w["episodes"], response_length=w["response_length"],
+                       temperature=SIZES["temperature"], stop_token="eos" if w["stop"] else None,
+                       learning_rate=SIZES["lr"], kl_coef=SIZES["kl_coef"], seed=SIZES["seed"],
+                       local_rollout_forward_batch_size=SIZES["batch"], num_sample_generations=0, report_to=[],
+                       save_strategy="no", logging_steps=10**6, bf16=False, fp16=False, use_cpu=True,
+                       dataloader_num_workers=0, disable_tqdm=True)
+    dataset = Dataset.from_dict({"input_ids": prompt_ids(root, workload, tokenizer)})
+    trainer = PPOTrainer(args=config, processing_class=tokenizer,
+                         model=AutoModelForCausalLM.from_pretrained(os.path.join(root, "policy")), ref_model=None,
+                         reward_model=AutoModelForSequenceClassification.from_pretrained(os.path.join(root, "rm")),
+                         value_model=AutoModelForSequenceClassification.from_pretrained(os.path.join(root, "rm")),
+                         train_dataset=dataset)
+    t = time.time()
+    trainer.train()
+    train_s = time.time() - t
+    return {"train_s": train_s, **timers,
+            "learning_s": train_s - timers["generation_s"] - timers["scoring_s"]}
+
+
+def row(args):
+    t = time.time()
+    result = (run_trl if args.row == "trl" else run_ours)(args.assets, args.workload)
+    result |= {"process_s": time.time() - t + args.startup_s, "peak_rss_mb": resource.getrusage(
+        resource.RUSAGE_SELF).ru_maxrss / 1024, "episodes": WORKLOADS[args.workload]["episodes"]}
+    print("RESULT " + json.dumps(result))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--trl_python", default=sys.executable, help="a Python with TRL 1.12 (benchmarks/requirements-ppo.txt)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ppo_cpu.json"))
+    p.add_argument("--row", choices=["trl", "ours"], help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--assets", help=argparse.SUPPRESS)
+    p.add_argument("--startup_s", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.row:
+        return row(args)
+    if not os.path.exists(HH):
+        sys.exit(f"the long workload needs the HH-RLHF pairs at {HH}")
+    assets = tempfile.mkdtemp()
+    make_assets(assets)
+    results = []
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    for repeat in range(args.repeats):
+        for workload in args.workloads:
+            for name, python in (("TRL 1.12 PPOTrainer", args.trl_python), ("ppo.py", sys.executable)):
+                t = time.time()
+                proc = subprocess.run([python, __file__, "--row", "trl" if name.startswith("TRL") else "ours",
+                                       "--workload", workload, "--assets", assets], capture_output=True, text=True,
+                                      env=env, cwd=ROOT)
+                lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+                if proc.returncode != 0 or not lines:
+                    sys.exit(f"{name} on {workload} failed:\n{proc.stderr[-4000:]}")
+                r = json.loads(lines[-1][7:]) | {"row": name, "workload": workload, "repeat": repeat,
+                                                 "whole_process_s": time.time() - t}
+                r["episodes_per_s"] = r["episodes"] / r["train_s"]
+                r["generated_tokens_per_s"] = r["generated_tokens"] / r["train_s"]
+                results.append(r)
+                print(f"[{repeat}] {workload:5s} {name:20s} {r['episodes_per_s']:6.2f} episodes/s in the loop, "
+                      f"whole process {r['whole_process_s']:6.1f} s, generation {r['generation_s']:.1f} s, scoring "
+                      f"{r['scoring_s']:.1f} s, learning {r['learning_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
+                      flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d"), "sizes": SIZES, "workloads": WORKLOADS, "results": results}, f,
+                  indent=2)
+    print(table(results))
+
+
+def table(results):
+    lines = ["| workload | row | episodes/s (loop) | generated tokens/s | whole process (s) | generation / scoring / "
+             "learning (s) | peak RSS (MB) | vs TRL (loop) | vs TRL (process) |", "|" + "---|" * 9]
+    for workload in dict.fromkeys(r["workload"] for r in results):
+        for name in ("TRL 1.12 PPOTrainer", "ppo.py"):
+            rs = [r for r in results if r["workload"] == workload and r["row"] == name]
+            trl = [r for r in results if r["workload"] == workload and r["row"].startswith("TRL")]
+            eps = [r["episodes_per_s"] for r in rs]
+            ratio = [r["episodes_per_s"] / t["episodes_per_s"] for r, t in zip(rs, trl)]
+            proc = [t["whole_process_s"] / r["whole_process_s"] for r, t in zip(rs, trl)]
+            span = lambda xs, f="{:.2f}": f.format(min(xs)) + ("" if len(xs) == 1 else "–" + f.format(max(xs)))  # noqa
+            lines.append(f"| {workload} | {name} | {span(eps)} | {span([r['generated_tokens_per_s'] for r in rs], '{:.0f}')}"
+                         f" | {span([r['whole_process_s'] for r in rs], '{:.1f}')} | "
+                         f"{sum(r['generation_s'] for r in rs) / len(rs):.1f} / {sum(r['scoring_s'] for r in rs) / len(rs):.1f}"
+                         f" / {sum(r['learning_s'] for r in rs) / len(rs):.1f} | "
+                         f"{span([r['peak_rss_mb'] for r in rs], '{:.0f}')} | {span(ratio)}x | {span(proc)}x |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
