@@ -241,6 +241,16 @@ def last_token_index(mask):
     return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
 
 
+def trim_padding(query_response, mask, context_length):
+    """Drop the columns that are padding in every row: left of the longest prompt, right of the longest response.
+    The real tokens' outputs are unchanged (position ids come from the mask), for less work. Returns the trimmed
+    tensors, the new context length and the number of response columns kept."""
+    real = mask.bool().any(0)
+    first = min(int(real.int().argmax()), context_length - 1)
+    last = max(len(real) - int(real.flip(0).int().argmax()), context_length + 1)
+    return query_response[:, first:last], mask[:, first:last], context_length - first, last - context_length
+
+
 def positions_for(model, position_ids):
     """Position ids as keyword arguments, for the models that take them (ALiBi models such as BLOOM take none: their
     positions come from the attention mask)."""
@@ -299,10 +309,14 @@ class ScalarHeadModel(torch.nn.Module):
 
 
 def policy_forward(policy, query_response, mask, context_length, temperature):
-    """Log-probs and entropies of the response tokens under the policy, at the sampling temperature."""
+    """Log-probs and entropies of the response tokens under the policy, at the sampling temperature. Logits are
+    computed for the response positions only (with a large vocabulary, the prompt's would cost a large share)."""
     position = (mask.cumsum(1) - 1).clamp(min=0)
-    logits = policy(input_ids=query_response, attention_mask=mask, **positions_for(policy, position)).logits
-    logits = logits[:, context_length - 1:-1].float() / temperature
+    keep = query_response.shape[1] - context_length + 1
+    takes_keep = "logits_to_keep" in inspect.signature(unwrap(policy).forward).parameters
+    logits = policy(input_ids=query_response, attention_mask=mask, **positions_for(policy, position),
+                    **({"logits_to_keep": keep} if takes_keep else {})).logits
+    logits = logits[:, -keep:-1].float() / temperature
     logp_all = torch.log_softmax(logits, -1)
     logprobs = logp_all.gather(-1, query_response[:, context_length:, None]).squeeze(-1)
     return logprobs, -(logp_all.exp() * logp_all).sum(-1)
@@ -583,8 +597,11 @@ def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt
                       for r, m in zip(responses.cpu(), mask.cpu())]
     scores = torch.zeros(len(responses), device=responses.device)
     with torch.autocast(responses.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        ref_logprobs = policy_forward(ref_policy, query_response, qr_mask, context_length, args.temperature)[0]
-        values = critic(query_response, qr_mask)[:, context_length - 1:-1]
+        ids, ids_mask, context, kept = trim_padding(query_response, qr_mask, context_length)
+        width = query_response.shape[1] - context_length  # padded back: every rank gathers the same shapes
+        ref_logprobs = F.pad(policy_forward(ref_policy, ids, ids_mask, context, args.temperature)[0],
+                             (0, width - kept))
+        values = F.pad(critic(ids, ids_mask)[:, context - 1:-1], (0, width - kept))
         if reward.model is not None:
             if reward.reads_policy_tokens:
                 ids, ids_mask = query_response, qr_mask
@@ -683,14 +700,16 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
                 start = (rank * accumulation + m) * micro
                 idx = mini[start:start + micro]
                 set_grad_sync([policy, critic], m == accumulation - 1)
+                ids, ids_mask, context, kept = trim_padding(query_response[idx], qr_mask[idx], context_length)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                    new_logprobs, entropy = policy_forward(policy, query_response[idx], qr_mask[idx], context_length,
-                                                           args.temperature)
-                    new_values = critic(query_response[idx], qr_mask[idx])[:, context_length - 1:-1]
-                pg_loss, pg = policy_loss(new_logprobs, logprobs[idx], adv[idx], mask[idx], args.cliprange, n_tokens)
-                vf_loss, vf_clipfrac = value_loss(new_values, values[idx], returns[idx], mask[idx],
+                    new_logprobs, entropy = policy_forward(policy, ids, ids_mask, context, args.temperature)
+                    new_values = critic(ids, ids_mask)[:, context - 1:-1]
+                m_idx = mask[idx][:, :kept]
+                pg_loss, pg = policy_loss(new_logprobs, logprobs[idx][:, :kept], adv[idx][:, :kept], m_idx,
+                                          args.cliprange, n_tokens)
+                vf_loss, vf_clipfrac = value_loss(new_values, values[idx][:, :kept], returns[idx][:, :kept], m_idx,
                                                   args.cliprange_value, n_tokens)
-                ent = masked_mean(entropy, mask[idx], n_tokens)
+                ent = masked_mean(entropy, m_idx, n_tokens)
                 loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * ent
                 ptx_loss = torch.zeros((), device=device)
                 if ptx is not None:
