@@ -320,6 +320,29 @@ def check_messages(messages, where, field):
                             f"got {str(m)[:60]}")
 
 
+_RENDERED_ROLES = {}
+
+
+def check_roles(tokenizer, messages, where, field):
+    """A role the chat template does not know is often dropped without a word (the message vanishes from the text):
+    render each new role once with a marker and make sure the marker is there."""
+    for k, m in enumerate(messages):
+        key = (id(tokenizer), m["role"])
+        if key not in _RENDERED_ROLES:
+            mark, shown = "\u2042probe\u2042", False
+            for context in ([], [{"role": "user", "content": "hi"}]):
+                try:
+                    shown = shown or mark in tokenizer.apply_chat_template(context + [{"role": m["role"], "content": mark}],
+                                                                          tokenize=False)
+                except Exception:
+                    pass
+            _RENDERED_ROLES[key] = shown
+        if not _RENDERED_ROLES[key]:
+            raise UserError(f"{where}: field '{field}', message {k}: role {m['role']!r} is not one the chat template "
+                            "renders (the message would be dropped); use the roles the template knows, e.g. "
+                            "'system', 'user', 'assistant'")
+
+
 def render_chat(tokenizer, messages, where, generation_prompt=False):
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -341,6 +364,7 @@ def split_pair(row, tokenizer, where):
             prompt = [{"role": "user", "content": prompt}]
         for field, value in (("chosen", chosen), ("rejected", rejected)) + ((("prompt", prompt),) if prompt else ()):
             check_messages(value, where, field)
+            check_roles(tokenizer, value, where, field)
         if not prompt:  # the messages both share are the prompt
             k = 0
             while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:

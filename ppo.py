@@ -469,6 +469,7 @@ def prompt_text(row, tokenizer, where):
     prompt = row.get(field)
     if isinstance(prompt, list):  # chat messages: everything up to the assistant's turn, then the generation prompt
         common.check_messages(prompt, where, field)
+        common.check_roles(tokenizer, prompt, where, field)
         if prompt and prompt[-1]["role"] == "assistant":
             prompt = prompt[:-1]
         return common.render_chat(tokenizer, prompt, where, generation_prompt=True)

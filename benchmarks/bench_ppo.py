@@ -20,7 +20,6 @@ import gzip
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -61,7 +60,10 @@ def make_assets(root):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(os.path.join(root, "policy"))
     tokenizer.save_pretrained(os.path.join(root, "policy"))
-    rm.main(rm.Args(model_name_or_path=os.path.join(root, "policy"), dataset_name="embedded", max_steps=60,
+    with open(os.path.join(root, "pairs.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in common.embedded_pairs(1200, seed=0))
+    rm.main(rm.Args(model_name_or_path=os.path.join(root, "policy"), dataset_name=os.path.join(root, "pairs.jsonl"),
+                    max_steps=60,
                     per_device_train_batch_size=16, learning_rate=1e-4, num_evals=1, output_dir=os.path.join(root, "rm"),
                     max_length=256, max_prompt_length=128))
     rng = random.Random(0)
@@ -165,8 +167,10 @@ def run_trl(root, workload):
 def row(args):
     t = time.time()
     result = (run_trl if args.row == "trl" else run_ours)(args.assets, args.workload)
-    result |= {"process_s": time.time() - t + args.startup_s, "peak_rss_mb": resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss / 1024, "episodes": WORKLOADS[args.workload]["episodes"]}
+    with open("/proc/self/status") as f:  # VmHWM: this process's own peak (ru_maxrss counts the parent's at fork)
+        peak_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    result |= {"process_s": time.time() - t + args.startup_s, "peak_rss_mb": peak_kb / 1024,
+               "episodes": WORKLOADS[args.workload]["episodes"]}
     print("RESULT " + json.dumps(result))
 
 

@@ -254,3 +254,15 @@ def test_two_ranks_equal_one_process_on_an_eager_decoder_and_an_encoder(family, 
     one, ddp = ([m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("one", "ddp"))
     for key in ("train/loss", "train/grad_norm"):
         assert np.allclose([m[key] for m in one], [m[key] for m in ddp], atol=1e-5), key
+
+
+def test_a_role_the_chat_template_drops_is_named_not_silently_lost():
+    from families import build_tokenizer
+
+    tokenizer = build_tokenizer("llama")  # the Llama 2 template renders user and assistant turns only
+    row = {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+           "rejected": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "b"}]}
+    with pytest.raises(common.UserError, match="d.jsonl: line 2: field 'rejected', message 1: role 'narrator' is not"):
+        common.split_pair(row, tokenizer, "d.jsonl: line 2")
+    row["rejected"][1]["role"] = "assistant"
+    assert common.split_pair(row, tokenizer, "d.jsonl: line 2")[1:] == (" a </s>", " b </s>")
