@@ -308,7 +308,7 @@ class ScalarHeadModel(torch.nn.Module):
         return self.hf.score(hidden).squeeze(-1).float()
 
 
-def policy_forward(policy, query_response, mask, context_length, temperature):
+def policy_forward(policy, query_response, mask, context_length, temperature, with_entropy_grad=True):
     """Log-probs and entropies of the response tokens under the policy, at the sampling temperature. Logits are
     computed for the response positions only (with a large vocabulary, the prompt's would cost a large share)."""
     position = (mask.cumsum(1) - 1).clamp(min=0)
@@ -319,7 +319,9 @@ def policy_forward(policy, query_response, mask, context_length, temperature):
     logits = logits[:, -keep:-1].float() / temperature
     logp_all = torch.log_softmax(logits, -1)
     logprobs = logp_all.gather(-1, query_response[:, context_length:, None]).squeeze(-1)
-    return logprobs, -(logp_all.exp() * logp_all).sum(-1)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):  # a statistic unless ent_coef > 0
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -703,7 +705,8 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
                 set_grad_sync([policy, critic], m == accumulation - 1)
                 ids, ids_mask, context, kept = trim_padding(query_response[idx], qr_mask[idx], context_length)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                    new_logprobs, entropy = policy_forward(policy, ids, ids_mask, context, args.temperature)
+                    new_logprobs, entropy = policy_forward(policy, ids, ids_mask, context, args.temperature,
+                                                           with_entropy_grad=args.ent_coef > 0)
                     new_values = critic(ids, ids_mask)[:, context - 1:-1]
                 m_idx = mask[idx][:, :kept]
                 pg_loss, pg = policy_loss(new_logprobs, logprobs[idx][:, :kept], adv[idx][:, :kept], m_idx,

@@ -184,8 +184,9 @@ class RewardModel(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids=None, read_at=None):
         if not self.reads_last_token:
             return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
-        if attention_mask.dim() == 4:
-            # Eager attention ADDS a 4D mask to the scores (a boolean one would add 1 and 0): make it 0 / very negative.
+        if attention_mask.dim() == 4 and self.hf.config._attn_implementation != "sdpa":
+            # Eager attention ADDS a 4D mask to the scores (a boolean one would add 1 and 0): make it 0 / very
+            # negative. SDPA reads a boolean mask as it is meant, at a quarter of the memory.
             device = input_ids.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.hf.dtype
             attention_mask = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill(
@@ -351,8 +352,14 @@ def choose_layout(model, args, vocab_size):
     was_training = model.training
     model.eval()
     padded = model(*collate(pairs, 0)[:2])
-    packed = model(*pack_pairs(pairs, 0, share_prompt=args.prefix_sharing, pack=args.padding_free))
+    try:
+        packed = model(*pack_pairs(pairs, 0, share_prompt=args.prefix_sharing, pack=args.padding_free))
+    except Exception as e:  # e.g. an attention kernel that takes no 4D mask
+        packed, reason = None, f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
     model.train(was_training)
+    if packed is None:
+        return dataclasses.replace(args, padding_free=False, prefix_sharing=False), \
+            f"padded: the model's attention cannot take a packed 4D mask ({reason})"
     tol = 1e-3 if model.hf.dtype == torch.float32 else 5e-2
     if not torch.allclose(packed, padded, rtol=tol, atol=tol * padded.abs().max().item() + 1e-6):
         return dataclasses.replace(args, padding_free=False, prefix_sharing=False), \
