@@ -555,6 +555,18 @@ def write_json_atomic(path, obj):
     os.replace(path + ".tmp", path)
 
 
+def save_figure(fig, path):
+    """A matplotlib figure as PNG, written under a temporary name and renamed."""
+    import matplotlib.pyplot as plt
+
+    for ax in fig.axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=100)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
+
+
 def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
     tmp = os.path.join(output_dir, ".saving")
     shutil.rmtree(tmp, ignore_errors=True)

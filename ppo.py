@@ -798,21 +798,7 @@ def main(args):
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
 
     # Models: policy and critic are trained; reference and reward model are frozen.
-    reward = load_reward(args, tokenizer)
-    critic_init = args.critic_init
-    if critic_init == "auto":
-        critic_init = "reward" if reward.model is not None and reward.reads_policy_tokens else "policy"
-    elif critic_init == "reward" and not (reward.model is not None and reward.reads_policy_tokens):
-        raise common.UserError("--critic_init reward: the critic reads the policy's tokens at every position, so it "
-                               "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
-    torch.manual_seed(args.seed)
-    policy_hf = load_policy(args, tokenizer)
-    ref_policy = copy.deepcopy(policy_hf).eval().requires_grad_(False).to(device)
-    critic_hf = critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
-    if reward.model is not None:
-        reward.model.to(device)
-    policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
-    critic = parallelize(ScalarHeadModel(critic_hf), args, device, critic_hf.config.num_hidden_layers)
+    policy_hf, policy, critic, ref_policy, reward, critic_init = build_models(args, tokenizer, device)
     trainable = torch.nn.ModuleDict({"policy": policy, "critic": critic})
     optimizer = torch.optim.AdamW([{"params": policy.parameters(), "lr": lr}, {"params": critic.parameters(),
                                   "lr": critic_lr}], eps=1e-5, weight_decay=args.weight_decay, fused=True)
@@ -843,8 +829,7 @@ def main(args):
               f"{'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})")
         print(f"rollout batch {batch_size} episodes = {micro} x {args.gradient_accumulation_steps} accumulation x "
               f"{args.num_mini_batches} mini-batches x {world} ranks; {num_updates} updates x {args.num_ppo_epochs} "
-              f"epochs; lr {lr:g} (critic {critic_lr:g}); {len(prompts)} prompts; response_length "
-              f"{args.response_length}")
+              f"epochs; lr {lr:g} (critic {critic_lr:g}); {len(prompts)} prompts")
 
     orders = {}
     sampler = policy if args.fsdp else unwrap(policy)
@@ -853,11 +838,7 @@ def main(args):
         t0 = time.time()
         # 1. Rollout: this rank's contiguous share of the update's episodes, each with its own sampling stream.
         episodes = range(update * batch_size + rank * local_batch, update * batch_size + (rank + 1) * local_batch)
-        for e in episodes:
-            if e // len(prompts) not in orders:
-                orders[e // len(prompts)] = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(
-                    args.seed + e // len(prompts)))
-        prompt_index = [orders[e // len(prompts)][e % len(prompts)].item() for e in episodes]
+        prompt_index = episode_prompts(episodes, len(prompts), args.seed, orders)
         if args.offload_inference_models:
             ref_policy.to(device), reward.model is not None and reward.model.to(device)
         policy.eval()
@@ -896,28 +877,17 @@ def main(args):
         t_learn = time.time()
 
         # 5. Adapt the KL coefficient; log; save samples and checkpoints.
-        mean_kl = kl.sum(1).mean().item()
-        m = {"step": update + 1, "episodes": (update + 1) * batch_size,
-             "objective/kl": mean_kl, "objective/entropy": (-logprobs * mask_f).sum(1).mean().item(),
-             "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
-             "objective/scores": scores.mean().item(),
-             "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(), **update_stats,
-             "val/mean": masked_mean(values, mask_f).item(), "policy/grad_norm": grad_norm,
-             "response/length": mask_f.sum(1).mean().item(), "response/eos_rate": has_stop.float().mean().item(),
-             "kl_coef": kl_coef, "lr": scheduler.get_last_lr()[0]}
-        if not torch.isnan(gold).all():
-            m["gold/mean"], m["gold/std"] = gold.mean().item(), gold.std().item()
-        elapsed = time.time() - t0
-        m |= {"perf/episodes_per_s": batch_size / elapsed, "perf/time_rollout": t_rollout - t0,
-              "perf/time_score": t_score - t_rollout, "perf/time_learn": t_learn - t_score,
-              "perf/tokens_per_s": qr_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
+        m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef,
+             "lr": scheduler.get_last_lr()[0], "policy/grad_norm": grad_norm, **update_stats,
+             **rollout_metrics(kl, non_score_reward, logprobs, values, scores, mask_f, has_stop, gold),
+             **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, qr_mask, args)}
         if args.target_kl is not None:
-            kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.target_kl, args.kl_horizon, batch_size)
+            kl_coef = adaptive_kl_coef(kl_coef, m["objective/kl"], args.target_kl, args.kl_horizon, batch_size)
         history.append({k: m[k] for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean",
                                           "gold/std") if k in m})
         if rank == 0:
             logger.log(m)
-            bar.set_postfix(score=f"{m['objective/scores']:.3f}", kl=f"{mean_kl:.3f}",
+            bar.set_postfix(score=f"{m['objective/scores']:.3f}", kl=f"{m['objective/kl']:.3f}",
                             **({"gold": f"{m['gold/mean']:.3f}"} if "gold/mean" in m else {}))
             if update % args.sample_every == 0 or update == num_updates - 1:
                 bar.write(common.format_metrics(m))
@@ -945,6 +915,56 @@ def main(args):
     if dist.is_initialized():
         dist.destroy_process_group()
     return history
+
+
+def build_models(args, tokenizer, device):
+    """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
+    function). Returns the policy's transformers model too, and where the critic started from."""
+    reward = load_reward(args, tokenizer)
+    critic_init = args.critic_init
+    if critic_init == "auto":
+        critic_init = "reward" if reward.model is not None and reward.reads_policy_tokens else "policy"
+    elif critic_init == "reward" and not (reward.model is not None and reward.reads_policy_tokens):
+        raise common.UserError("--critic_init reward: the critic reads the policy's tokens at every position, so it "
+                               "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
+    torch.manual_seed(args.seed)
+    policy_hf = load_policy(args, tokenizer)
+    ref_policy = copy.deepcopy(policy_hf).eval().requires_grad_(False).to(device)
+    critic_hf = critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
+    if reward.model is not None:
+        reward.model.to(device)
+    policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
+    critic = parallelize(ScalarHeadModel(critic_hf), args, device, critic_hf.config.num_hidden_layers)
+    return policy_hf, policy, critic, ref_policy, reward, critic_init
+
+
+def episode_prompts(episodes, n_prompts, seed, orders):
+    """The prompt of each episode: epoch e = episode // n_prompts visits the prompts in a permutation seeded by
+    (seed, e), so an episode's prompt depends only on its index (resumable anywhere, the same on any rank count)."""
+    for e in episodes:
+        if e // n_prompts not in orders:
+            orders[e // n_prompts] = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(
+                seed + e // n_prompts))
+    return [orders[e // n_prompts][e % n_prompts].item() for e in episodes]
+
+
+def rollout_metrics(kl, non_score_reward, logprobs, values, scores, mask, has_stop, gold):
+    m = {"objective/kl": kl.sum(1).mean().item(), "objective/entropy": (-logprobs * mask).sum(1).mean().item(),
+         "objective/non_score_reward": non_score_reward.sum(1).mean().item(), "objective/scores": scores.mean().item(),
+         "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
+         "val/mean": masked_mean(values, mask).item(), "response/length": mask.sum(1).mean().item(),
+         "response/eos_rate": has_stop.float().mean().item()}
+    if not torch.isnan(gold).all():
+        m["gold/mean"], m["gold/std"] = gold.mean().item(), gold.std().item()
+    return m
+
+
+def timing_metrics(times, batch_size, qr_mask, args):
+    """Episodes and tokens per second, and the time of each phase (rollout, score, advantages + learn)."""
+    elapsed = times[-1] - times[0]
+    return {"perf/episodes_per_s": batch_size / elapsed, "perf/time_rollout": times[1] - times[0],
+            "perf/time_score": times[2] - times[1], "perf/time_learn": times[3] - times[2],
+            "perf/tokens_per_s": qr_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
 
 
 def write_samples(samples_file, logger, bar, update, tokenizer, query_response, qr_mask, mask, scores, gold,
@@ -994,12 +1014,7 @@ def plot_curves(history, path):
         axes[1, 1].set(title="Proxy minus gold (overoptimization gap)", xlabel="episodes", ylabel="proxy - gold")
     else:
         axes[1, 1].axis("off")
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=100)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
+    common.save_figure(fig, path)
 
 
 def summarize(history, window=5):

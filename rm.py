@@ -537,7 +537,8 @@ def main(args):
     rank, world, device = setup_distributed()
     lr = args.learning_rate if args.learning_rate is not None else \
         1e-3 if args.model_name_or_path.startswith("embedded-") else 1e-5
-    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    global_batch = micro * accumulation * world
 
     # 1. Data: preference pairs -> token ids (same on every rank; each rank takes its slice of every global batch).
     tokenizer = load_tokenizer(args.model_name_or_path)
@@ -599,29 +600,15 @@ def main(args):
         if step == start_step or offset == 0:  # the epoch's order depends only on (seed, epoch): resumable anywhere
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch)).tolist()
         batch = order[offset * global_batch:(offset + 1) * global_batch]
-        for micro in range(args.gradient_accumulation_steps):
-            start = (rank * args.gradient_accumulation_steps + micro) * args.per_device_train_batch_size
-            pairs = [train[i] for i in batch[start:start + args.per_device_train_batch_size]]
-            inputs = [x if x is None else x.to(device) for x in model_inputs(pairs, tokenizer.pad_token_id, args)]
-            margin = torch.tensor([p["margin"] for p in pairs], device=device)
-            set_grad_sync(model, micro == args.gradient_accumulation_steps - 1)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                r_chosen, r_rejected = model(*inputs).chunk(2)
-            loss = preference_loss(r_chosen, r_rejected, margin, args.loss_type).mean()
-            if args.center_rewards_coefficient:
-                loss = loss + args.center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).mean()
-            (loss / args.gradient_accumulation_steps).backward()
-            window["loss"] += loss.item() / args.gradient_accumulation_steps
-            window["accuracy"] += (r_chosen > r_rejected).float().mean().item() / args.gradient_accumulation_steps
-            window["margin"] += (r_chosen - r_rejected).mean().item() / args.gradient_accumulation_steps
-            window["tokens"] += sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in pairs)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
-        grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
-        if not math.isfinite(grad_norm):  # stop before the step: the last checkpoint stays the last good state
-            raise common.UserError(f"step {step + 1}: the gradient norm is {grad_norm} (loss {loss.item():.4g}); "
-                                   "training diverged: lower --learning_rate, or use --max_grad_norm / --bf16 off; "
-                                   f"--resume continues from the last checkpoint in {args.output_dir}")
-        window["grad_norm"] += grad_norm
+        mine = batch[rank * micro * accumulation:(rank + 1) * micro * accumulation]
+        stats = train_step(model, [[train[i] for i in mine[m * micro:(m + 1) * micro]] for m in range(accumulation)],
+                           args, tokenizer.pad_token_id, device)
+        if not math.isfinite(stats["grad_norm"]):  # stop before the step: the last checkpoint stays the last good state
+            raise common.UserError(f"step {step + 1}: the gradient norm is {stats['grad_norm']} (loss "
+                                   f"{stats['loss']:.4g}); training diverged: lower --learning_rate; --resume "
+                                   f"continues from the last checkpoint in {args.output_dir}")
+        for k, v in stats.items():
+            window[k] += v
         window["n"] += 1
         optimizer.step()
         scheduler.step()
@@ -687,6 +674,30 @@ def main(args):
     return ev
 
 
+def train_step(model, micro_batches, args, pad_id, device):
+    """The forward and backward passes of one optimizer step: per micro-batch, chosen and rejected in one forward,
+    the Bradley-Terry loss, gradients accumulated (all-reduced across ranks on the last micro-batch only). Returns
+    the step's mean loss, accuracy and margin, its token count and the clipped gradient norm."""
+    stats = dict.fromkeys(("loss", "accuracy", "margin", "tokens"), 0.0)
+    for m, pairs in enumerate(micro_batches):
+        inputs = [x if x is None else x.to(device) for x in model_inputs(pairs, pad_id, args)]
+        margin = torch.tensor([p["margin"] for p in pairs], device=device)
+        set_grad_sync(model, m == len(micro_batches) - 1)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            r_chosen, r_rejected = model(*inputs).chunk(2)
+        loss = preference_loss(r_chosen, r_rejected, margin, args.loss_type).mean()
+        if args.center_rewards_coefficient:  # Eisenstein et al. 2023
+            loss = loss + args.center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).mean()
+        (loss / len(micro_batches)).backward()
+        stats["loss"] += loss.item() / len(micro_batches)
+        stats["accuracy"] += (r_chosen > r_rejected).float().mean().item() / len(micro_batches)
+        stats["margin"] += (r_chosen - r_rejected).mean().item() / len(micro_batches)
+        stats["tokens"] += sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in pairs)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+    stats["grad_norm"] = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+    return stats
+
+
 def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout):
     model.eval()
     ev, rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
@@ -749,12 +760,7 @@ def plot_eval(path, rewards, metrics):
             ax.plot(*zip(*evals), "o-", color="tab:orange", label="eval")
         ax.set(title=f"{name} over training", xlabel="optimizer step", ylabel=key)
         ax.legend()
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=100)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
+    common.save_figure(fig, path)
 
 
 def save_reward_model(hf_model, state_dict, tokenizer, output_dir, shift, scale):
