@@ -237,6 +237,15 @@ def load_folder(path, config, split):
         elif split != "train":
             ds = None
         return None if ds is None else [dict(r, _source=path, _row=i) for i, r in enumerate(ds)]
+    def is_split_file(f, s):
+        base = f[:-3] if f.endswith(".gz") else f
+        return os.path.isfile(os.path.join(path, f)) and base.split(".")[0] == s and os.path.splitext(base)[1] in \
+            LOCAL_BUILDERS
+
+    top = sorted(os.listdir(path))
+    if any(is_split_file(f, s) for f in top for s in ("train", "test", "validation", split)):
+        # split files at the top (train.jsonl, test.parquet): only those, never files in subfolders (a run's outputs)
+        return next((load_rows(os.path.join(path, f)) for f in top if is_split_file(f, split)), None)
     try:  # a README.md with `configs:` names the files; otherwise the usual patterns (data/train-*, test.csv, ...)
         files = datasets.load_dataset_builder(path, config).config.data_files or {}
     except ValueError:  # splits in different formats (train.jsonl beside test.parquet): resolve the patterns only
