@@ -126,3 +126,14 @@ def test_checkpoints_of_an_earlier_run_never_take_the_place_of_latest(tmp_path):
         latest = common.load_latest_checkpoint(str(tmp_path))
         assert latest == {"step": step, "run": "new"}
     assert len([d for d in os.listdir(tmp_path / "checkpoints") if d.startswith("step_")]) == 2
+
+
+def test_non_finite_ppo_gradient_stops_the_run(tmp_path, reward_model_path, monkeypatch):
+    import ppo
+
+    real_loss = ppo.policy_loss
+    monkeypatch.setattr(ppo, "policy_loss", lambda *a, **k: (lambda loss, stats: (loss * float("inf"), stats))(
+        *real_loss(*a, **k)))
+    with pytest.raises(common.UserError, match=r"update 1: the gradient norm is (nan|inf) .*lower --learning_rate"):
+        ppo.main(ppo.Args(reward_model_path=reward_model_path, total_episodes=32, output_dir=str(tmp_path)))
+    assert not os.path.exists(tmp_path / "model.safetensors")
