@@ -20,6 +20,7 @@ Schulman et al. 2017 (PPO); Ziegler et al. 2019 and Stiennon et al. 2020 (PPO fo
 
 import copy
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -251,11 +252,15 @@ def trim_padding(query_response, mask, context_length):
     return query_response[:, first:last], mask[:, first:last], context_length - first, last - context_length
 
 
+@functools.cache
+def takes_argument(model_class, name):
+    return name in inspect.signature(model_class.forward).parameters
+
+
 def positions_for(model, position_ids):
     """Position ids as keyword arguments, for the models that take them (ALiBi models such as BLOOM take none: their
     positions come from the attention mask)."""
-    forward = unwrap(model).forward
-    return {"position_ids": position_ids} if "position_ids" in inspect.signature(forward).parameters else {}
+    return {"position_ids": position_ids} if takes_argument(type(unwrap(model)), "position_ids") else {}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -313,9 +318,8 @@ def policy_forward(policy, query_response, mask, context_length, temperature, wi
     computed for the response positions only (with a large vocabulary, the prompt's would cost a large share)."""
     position = (mask.cumsum(1) - 1).clamp(min=0)
     keep = query_response.shape[1] - context_length + 1
-    takes_keep = "logits_to_keep" in inspect.signature(unwrap(policy).forward).parameters
-    logits = policy(input_ids=query_response, attention_mask=mask, **positions_for(policy, position),
-                    **({"logits_to_keep": keep} if takes_keep else {})).logits
+    only_kept = {"logits_to_keep": keep} if takes_argument(type(unwrap(policy)), "logits_to_keep") else {}
+    logits = policy(input_ids=query_response, attention_mask=mask, **positions_for(policy, position), **only_kept).logits
     logits = logits[:, -keep:-1].float() / temperature
     logp_all = torch.log_softmax(logits, -1)
     logprobs = logp_all.gather(-1, query_response[:, context_length:, None]).squeeze(-1)
