@@ -916,7 +916,8 @@ def main(args):
         print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
         logger.close()
         samples_file.close()
-    if dist.is_initialized():
+    if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
+        dist.barrier()
         dist.destroy_process_group()
     return history
 

@@ -669,7 +669,8 @@ def main(args):
             repo = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
             hf_model.push_to_hub(repo)
             tokenizer.push_to_hub(repo)
-    if dist.is_initialized():
+    if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
+        dist.barrier()
         dist.destroy_process_group()
     return ev
 
@@ -712,7 +713,8 @@ def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, 
         print(common.format_metrics(ev))
         print(f"evaluated {args.model_name_or_path} on {len(evals)} pairs: accuracy {ev['eval/accuracy']:.4f}; "
               f"eval_results.json and eval.png in {args.output_dir}")
-    if dist.is_initialized():
+    if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
+        dist.barrier()
         dist.destroy_process_group()
     return ev
 
