@@ -123,8 +123,12 @@ class Args:
     """Hub repository for --push_to_hub (default: the output directory's name)."""
     # --- systems
     padding_free: bool = True
-    """Pack the sequences of a micro-batch into as few rows as possible, without pad tokens between them (attention
-    kept inside each sequence, position ids restarting). --no_padding_free: the plain padded batch."""
+    """No pad tokens: the sequences of a micro-batch are laid end to end in one row, position ids restarting, and
+    attention is computed per sequence, so its cost follows each sequence's length (falls back to rows with a 4D mask
+    for attention kernels that cannot be called per sequence). --no_padding_free: the plain padded batch."""
+    segment_attention: bool = True
+    """With --padding_free: attention computed sequence by sequence in one row (cost: the sum of squared sequence
+    lengths). --no_segment_attention: rows as wide as the longest sequence with a 4D mask (cost: rows x width^2)."""
     prefix_sharing: bool = True
     """One sequence per pair: prompt + chosen + rejected, the rejected tokens seeing the prompt but not the chosen
     ones, so the shared prompt is computed once. Same rewards as two sequences. --no_prefix_sharing to turn off."""
@@ -180,8 +184,17 @@ class RewardModel(torch.nn.Module):
         self.hf = hf_model
         self.reads_last_token = hasattr(hf_model, "score")
         self.takes_position_ids = "position_ids" in inspect.signature(hf_model.base_model.forward).parameters
+        self.attention = hf_model.config._attn_implementation
 
-    def forward(self, input_ids, attention_mask, position_ids=None, read_at=None):
+    def forward(self, input_ids, attention_mask, position_ids=None, read_at=None, segments=None):
+        if segments is not None:  # one padding-free row; segment_attention keeps attention inside each sequence
+            self.hf.config._attn_implementation = "rm_segments"  # for this call only: padded batches use the model's
+            try:
+                hidden = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                            rm_segments=segments).last_hidden_state
+            finally:
+                self.hf.config._attn_implementation = self.attention
+            return self.hf.score(hidden[read_at[0], read_at[1]]).squeeze(-1).float()
         if not self.reads_last_token:
             return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
         if attention_mask.dim() == 4 and self.hf.config._attn_implementation != "sdpa":
@@ -322,50 +335,124 @@ def pack_pairs(pairs, pad_id, share_prompt=True, pack=True):
     return ids, mask[:, None], positions, read
 
 
+def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, rm_segments=None,
+                      softcap=None, s_aux=None, sliding_window=None, **kwargs):
+    """Attention for one padding-free row (see pack_segments), called by the model's attention layers in place of
+    SDPA: causal attention over each prompt + chosen, and over each prompt + rejected (the prompt's queries recomputed,
+    their outputs dropped), so the cost is the sum of the sequences' squared lengths, not the row's. Every sequence
+    is a plain causal SDPA call, which runs the fused kernel on CPU and GPU alike."""
+    if rm_segments is None or softcap is not None or s_aux is not None:
+        raise NotImplementedError("the model's attention passes no segments, or needs logit softcapping or sinks")
+    gqa = query.shape[1] != key.shape[1]
+
+    def attend(q, k, v):  # causal, within the model's sliding window if it has one (transformers: i - j < window)
+        if not sliding_window or q.shape[2] <= sliding_window:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        i = torch.arange(q.shape[2], device=q.device)
+        band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < sliding_window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=scaling, enable_gqa=gqa)
+
+    out = None  # (1, heads, tokens, head dim), in the attention's dtype (autocast may differ from the query's)
+    for start, P, C, R in rm_segments:  # slices stay 4D: 3D inputs miss the fused SDPA kernel on CPU
+        end = start + P + C
+        a = attend(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end])
+        out = a.new_zeros(query.shape) if out is None else out
+        out[:, :, start:end] = a
+        if R:
+            prompt_and_rejected = lambda t: torch.cat([t[:, :, start:start + P], t[:, :, end:end + R]], 2)  # noqa: E731
+            out[:, :, end:end + R] = attend(*map(prompt_and_rejected, (query, key, value)))[:, :, P:]
+    return out.transpose(1, 2).contiguous(), None
+
+
+from transformers import AttentionInterface  # noqa: E402
+
+AttentionInterface.register("rm_segments", segment_attention)
+
+
+def pack_segments(pairs, share_prompt=True):
+    """A padding-free batch of one row: every pair's prompt + chosen + rejected (share_prompt) or its two sequences,
+    end to end, position ids restarting per sequence (the rejected ones continuing from the prompt's end). Returns ids,
+    None where pack_pairs has its mask, position ids, the (row, column) read points of every chosen reward then every rejected one, and the segments
+    (start, prompt length, chosen length, rejected length) that segment_attention keeps attention inside."""
+    ids, positions, segments, reads = [], [], [], [[], []]
+    for p in pairs:
+        P, C, R = len(p["prompt"]), len(p["chosen"]), len(p["rejected"])
+        if share_prompt:
+            start = len(ids)
+            ids += p["prompt"] + p["chosen"] + p["rejected"]
+            positions += list(range(P + C)) + list(range(P, P + R))
+            segments.append((start, P, C, R))
+            reads[0].append(start + P + C - 1), reads[1].append(start + P + C + R - 1)
+        else:
+            for side, response in enumerate((p["chosen"], p["rejected"])):
+                start = len(ids)
+                ids += p["prompt"] + response
+                positions += list(range(P + len(response)))
+                segments.append((start, 0, P + len(response), 0))
+                reads[side].append(start + P + len(response) - 1)
+    cols = torch.tensor(reads[0] + reads[1])
+    return torch.tensor([ids]), None, torch.tensor([positions]), torch.stack([torch.zeros_like(cols), cols]), segments
+
+
 def model_inputs(pairs, pad_id, args):
     """(ids, mask, position ids, read points) of a micro-batch in the mode the arguments ask for; with the plain
     padded batch, position ids and read points come from the mask."""
     if not args.padding_free and not args.prefix_sharing:
         ids, mask, _ = collate(pairs, pad_id)
         return ids, mask, None, None
+    if args.padding_free and args.segment_attention:
+        return pack_segments(pairs, share_prompt=args.prefix_sharing)
     return pack_pairs(pairs, pad_id, share_prompt=args.prefix_sharing, pack=args.padding_free)
 
 
 @torch.no_grad()
 def choose_layout(model, args, vocab_size):
-    """The fastest batch layout that gives this model exactly the rewards of the plain padded batch, and why. Packing
-    needs position ids and a 4D mask honoured by the attention; encoders (pooled over the whole sequence), ALiBi
-    models (positions from a 2D mask) and recurrent ones get the padded batch. A probe on a few random pairs checks the
-    packed rewards against the padded ones, so a family that silently ignores the 4D mask is caught here, not later."""
+    """The fastest batch layout that gives this model exactly the rewards of the plain padded batch, and why: one row
+    with attention per sequence, else rows with a 4D mask, else padded. Packing needs position ids; encoders (pooled
+    over the whole sequence), ALiBi models (positions from a 2D mask) and recurrent ones get the padded batch. A probe
+    on a few random pairs checks each packed layout's rewards against the padded ones, so a family whose attention
+    ignores the segments or the mask is caught here, not later. Returns the arguments and the layout's description."""
+    padded = dataclasses.replace(args, padding_free=False, prefix_sharing=False)
     if not (args.padding_free or args.prefix_sharing):
         return args, "padded (as asked)"
     if not model.reads_last_token:
-        return dataclasses.replace(args, padding_free=False, prefix_sharing=False), \
-            "padded: an encoder reads its pooled [CLS] over the whole sequence, so sequences cannot share a row"
+        return padded, "padded: an encoder reads its pooled [CLS] over the whole sequence, so sequences cannot share a row"
     if not model.takes_position_ids:
-        return dataclasses.replace(args, padding_free=False, prefix_sharing=False), \
-            "padded: the model takes no position ids (ALiBi or recurrent), so packed sequences would get wrong positions"
+        return padded, "padded: the model takes no position ids (ALiBi or recurrent), so packed sequences would get " \
+                       "wrong positions"
     g = torch.Generator().manual_seed(0)
     ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
     pairs = [{"prompt": ids(3 + i), "chosen": ids(2 + i % 3), "rejected": ids(4 - i % 3), "margin": 0.0}
              for i in range(4)]
     was_training = model.training
     model.eval()
-    padded = model(*collate(pairs, 0)[:2])
-    try:
-        packed = model(*pack_pairs(pairs, 0, share_prompt=args.prefix_sharing, pack=args.padding_free))
-    except Exception as e:  # e.g. an attention kernel that takes no 4D mask
-        packed, reason = None, f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
-    model.train(was_training)
-    if packed is None:
-        return dataclasses.replace(args, padding_free=False, prefix_sharing=False), \
-            f"padded: the model's attention cannot take a packed 4D mask ({reason})"
+    reference = model(*collate(pairs, 0)[:2])
     tol = 1e-3 if model.hf.dtype == torch.float32 else 5e-2
-    if not torch.allclose(packed, padded, rtol=tol, atol=tol * padded.abs().max().item() + 1e-6):
-        return dataclasses.replace(args, padding_free=False, prefix_sharing=False), \
-            "padded: this model's attention does not honour a packed 4D mask (packed rewards differ from padded)"
-    return args, " + ".join(["prefix-shared"] * args.prefix_sharing + ["packed"] * args.padding_free) + \
-        " (rewards checked equal to the padded batch's)"
+
+    def differs(layout_args):  # None if the layout gives the padded batch's rewards, else why not
+        try:
+            rewards = model(*model_inputs(pairs, 0, layout_args))
+        except Exception as e:  # e.g. an attention that takes no 4D mask, or passes no segments
+            return f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+        if not torch.allclose(rewards, reference, rtol=tol, atol=tol * reference.abs().max().item() + 1e-6):
+            return "its rewards differ from the padded batch's"
+        return None
+
+    why_not = []
+    name = " + ".join(["prefix-shared"] * args.prefix_sharing + ["packed"] * args.padding_free)
+    if args.padding_free and args.segment_attention:
+        if (reason := differs(args)) is None:
+            model.train(was_training)
+            return args, f"{name}, one row, attention per sequence (rewards checked equal to the padded batch's)"
+        why_not.append(f"attention per sequence is not possible ({reason})")
+        args = dataclasses.replace(args, segment_attention=False)
+    reason = differs(args)
+    model.train(was_training)
+    if reason is None:
+        return args, f"{name}, rows with a 4D mask (rewards checked equal to the padded batch's)" + \
+            "".join(f"; {w}" for w in why_not)
+    return padded, f"padded: this model's attention does not honour a packed 4D mask ({reason})" + \
+        "".join(f"; {w}" for w in why_not)
 
 
 def load_data(args, tokenizer, rank):
@@ -466,14 +553,17 @@ def all_gather_cat(t):
 def evaluate(model, pairs, args, pad_id, device, rank, world):
     """Rewards of every eval pair (sharded across ranks, then gathered) and the metrics computed from them."""
     per_rank = math.ceil(len(pairs) / world)
-    mine = list(range(rank, len(pairs), world))
+    # longest first, so that a batch holds pairs of similar length (little padding) and the peak memory comes first
+    by_length = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
+    mine = by_length[rank::world]
+    n_mine = len(mine)
     mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts (FSDP's forward is collective)
     rewards = []
     for i in range(0, per_rank, args.per_device_eval_batch_size):
         inputs = model_inputs([pairs[j] for j in mine[i:i + args.per_device_eval_batch_size]], pad_id, args)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            rewards.append(model(*(x if x is None else x.to(device) for x in inputs)).view(2, -1).T)
-    valid = torch.arange(per_rank, device=device) < len(range(rank, len(pairs), world))
+            rewards.append(model(*(x.to(device) if torch.is_tensor(x) else x for x in inputs)).view(2, -1).T)
+    valid = torch.arange(per_rank, device=device) < n_mine
     index, valid, rewards = (all_gather_cat(t) for t in (torch.tensor(mine, device=device), valid, torch.cat(rewards)))
     in_order = torch.empty(len(pairs), 2)
     in_order[index[valid].cpu()] = rewards[valid].cpu()
@@ -547,7 +637,7 @@ def main(args):
     if steps_per_epoch == 0 and not args.eval_only:
         raise common.UserError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
-    eval_every = args.eval_steps or max(1, total_steps // max(args.num_evals, 1))
+    eval_every = args.eval_steps or math.ceil(total_steps / max(args.num_evals, 1))  # the last one at the end
 
     # 2. Model, optimizer, schedule.
     from transformers import get_scheduler
@@ -632,21 +722,23 @@ def main(args):
             window["n"] = 0
             t_window = time.time()
         if done % eval_every == 0 or done == total_steps:
+            t_pause = time.time()
             model.eval()
             ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
-            ev = {"step": done, **ev}
+            ev = {"step": done, **ev, "perf/eval_pairs_per_s": len(evals) / (time.time() - t_pause)}
             model.train()
             if rank == 0:
                 logger.log(ev)
                 bar.write(common.format_metrics(ev))
-            t_window = time.time()
+            t_window += time.time() - t_pause  # the speed logged is the training loop's: evaluations are left out
         if args.save_steps and done % args.save_steps == 0 and done < total_steps:
+            t_pause = time.time()
             model_sd, optim_sd = get_state_dict(model, optimizer, options=full)
             if rank == 0:
                 common.save_checkpoint(args.output_dir, done, {"model": model_sd, "optimizer": optim_sd, "step": done,
                                                                "scheduler": scheduler.state_dict(),
                                                                "rng": common.rng_state()})
-            t_window = time.time()
+            t_window += time.time() - t_pause
 
     # 5. Normalize (shift the mean eval reward to 0, optionally scale its std to 1) and save in transformers' format.
     shift = ev["eval/reward_mean"] if args.reward_normalization != "none" else 0.0
@@ -681,7 +773,7 @@ def train_step(model, micro_batches, args, pad_id, device):
     the step's mean loss, accuracy and margin, its token count and the clipped gradient norm."""
     stats = dict.fromkeys(("loss", "accuracy", "margin", "tokens"), 0.0)
     for m, pairs in enumerate(micro_batches):
-        inputs = [x if x is None else x.to(device) for x in model_inputs(pairs, pad_id, args)]
+        inputs = [x.to(device) if torch.is_tensor(x) else x for x in model_inputs(pairs, pad_id, args)]
         margin = torch.tensor([p["margin"] for p in pairs], device=device)
         set_grad_sync(model, m == len(micro_batches) - 1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):

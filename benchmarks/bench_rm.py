@@ -1,13 +1,15 @@
 """Reward-model training speed: TRL's RewardTrainer vs rm.py (padded, padding-free, prefix-shared + packed).
 
     pip install -r benchmarks/requirements.txt
-    python benchmarks/bench_rm.py                       # CPU: HH-RLHF pairs and the embedded task
+    python benchmarks/bench_rm.py                       # CPU: HH-RLHF (BPE, 512), HH-RLHF (bytes, 1024), embedded
     python benchmarks/bench_rm.py --device cuda --shape pythia-160m --bf16 --pairs 2048 --batch 16
 
 Every row trains the same randomly initialised model (saved once), on the same token sequences (tokenized and
 truncated once, by rm.py's policy, and handed to TRL pre-tokenized), with the same global batch, max length, number of
-pairs, optimizer and schedule, one epoch. Each row runs in its own process, so its peak memory is its own. Writes the
-table to stdout and to --out (JSON).
+pairs, optimizer and schedule, one epoch. Each row runs in its own process, so its peak memory is its own. Two speeds:
+the training loop alone, and the whole process (start-up, data, training, every evaluation, saving) over the pairs
+trained; rm.py rows evaluate at rm.py's defaults (--num_evals 5 plus the final one, --per_device_eval_batch_size 64),
+TRL evaluates once, after training. Writes the table to stdout and to --out (JSON).
 """
 
 import argparse
@@ -29,13 +31,19 @@ SHAPES = {  # "big enough that compute dominates" on each device
     "pythia-160m": dict(arch="neox", hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                         num_attention_heads=12),
 }
+TASKS = {  # name: (training pairs, held-out pairs, max length, tokenizer vocabulary; 258 = one token per byte)
+    "hh-rlhf": (512, 512, 512, 8000),
+    "hh-bytes": (256, 128, 1024, 258),
+    "embedded": (512, 512, 512, None),
+}
 MODES = {"rm.py padded": ["--no_padding_free", "--no_prefix_sharing"],
          "rm.py padding-free": ["--padding_free", "--no_prefix_sharing"],
          "rm.py prefix-shared + packed (default)": ["--padding_free", "--prefix_sharing"]}
 
 
 def build_tokenizer(texts, vocab_size, out_dir):
-    """A byte-level BPE tokenizer trained locally on the task's own text (no download)."""
+    """A byte-level BPE tokenizer trained locally on the task's own text (no download); with vocab_size 258, no merges:
+    one token per UTF-8 byte."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -73,7 +81,9 @@ def prepare_task(task, args, work):
     import rm
 
     os.makedirs(work, exist_ok=True)
-    if task == "hh-rlhf":
+    with open(os.path.join(work, "settings.json"), "w") as f:
+        json.dump(vars(args), f)
+    if task.startswith("hh-"):
         with gzip.open(HH, "rt") as f:
             rows = [json.loads(line) for line in f]
         tok = build_tokenizer([r["chosen"] for r in rows] + [r["rejected"] for r in rows], args.vocab_size, work)
@@ -103,9 +113,10 @@ def prepare_task(task, args, work):
     seq_flops = lambda n: n * (6 * n_params + 12 * cfg.num_hidden_layers * cfg.hidden_size * n)  # noqa: E731
     flops = sum(seq_flops(len(p["prompt"]) + len(p["chosen"])) + seq_flops(len(p["prompt"]) + len(p["rejected"]))
                 for p in train) / len(train)
-    return {"task": task, "train_pairs": len(train), "eval_pairs": len(ids["test"]), "tokenizer": (
-        f"byte-level BPE, {len(tok)} tokens, trained on the HH-RLHF text" if task == "hh-rlhf" else
-        f"embedded word-level, {len(tok)} tokens"), "model": f"{args.shape} ({n_params / 1e6:.1f}M non-embedding "
+    return {"task": task, "train_pairs": len(train), "eval_pairs": len(ids["test"]), "max_length": args.max_length,
+            "tokenizer": (f"UTF-8 bytes ({len(tok)} tokens)" if args.vocab_size == 258 else
+                          f"byte-level BPE, {len(tok)} tokens, trained on the HH-RLHF text" if task.startswith("hh-")
+                          else f"embedded word-level, {len(tok)} tokens"), "model": f"{args.shape} ({n_params / 1e6:.1f}M non-embedding "
         f"parameters)", "tokens_per_pair": pair_tokens, "unique_tokens_per_pair": unique, "flops_per_pair": flops}
 
 
@@ -151,9 +162,9 @@ def child_rm(work, args, flags):
     out = os.path.join(work, "rm-" + "-".join(f.strip("-") for f in flags))
     sys.argv = ["rm.py", "--model_name_or_path", os.path.join(work, "model"), "--dataset_name", work,
                 "--output_dir", out, "--learning_rate", str(args.lr), "--num_train_epochs", "1",
-                "--per_device_train_batch_size", str(args.batch), "--per_device_eval_batch_size", "32",
+                "--per_device_train_batch_size", str(args.batch),
                 "--max_length", str(args.max_length), "--max_prompt_length", str(args.max_length * 3 // 4),
-                "--num_evals", "1", "--logging_steps", "10", "--warmup_steps", str(warmup_steps(args)),
+                "--logging_steps", "10", "--warmup_steps", str(warmup_steps(args)),
                 "--reward_normalization", "none",
                 *(["--bf16"] if args.bf16 else []), *flags]
     # rm.py tokenizes the text itself; the saved model's tokenizer is the benchmark's (saved beside the data)
@@ -192,17 +203,17 @@ def matmul_peak(device, bf16, n=2048, reps=10):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", default="hh-rlhf,embedded")
+    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: " + ", ".join(TASKS))
     p.add_argument("--rows", default="trl," + ",".join(MODES), help="comma-separated: trl and/or rm.py modes")
-    p.add_argument("--pairs", type=int, default=512, help="training pairs (one epoch)")
-    p.add_argument("--eval_pairs", type=int, default=512)
+    p.add_argument("--pairs", type=int, default=None, help="training pairs, one epoch (default: the task's)")
+    p.add_argument("--eval_pairs", type=int, default=None, help="held-out pairs (default: the task's)")
     p.add_argument("--batch", type=int, default=8, help="pairs per step (global batch; one process)")
-    p.add_argument("--max_length", type=int, default=512)
+    p.add_argument("--max_length", type=int, default=None, help="default: the task's")
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--vocab_size", type=int, default=8000)
     p.add_argument("--shape", default="small-llama", choices=list(SHAPES))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--repeats", type=int, default=1, help="run every row this many times, one after the other")
     p.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "rm_cpu.json"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -210,7 +221,8 @@ def main():
 
     if args.child:  # one row, in its own process
         work, row = args.child.split("::")
-        result = child_trl(work, args) if row == "trl" else child_rm(work, args, MODES[row])
+        task_args = argparse.Namespace(**json.load(open(os.path.join(work, "settings.json"))))
+        result = child_trl(work, task_args) if row == "trl" else child_rm(work, task_args, MODES[row])
         import torch
 
         result["peak_memory_mb"] = (torch.cuda.max_memory_allocated() / 2 ** 20 if args.device == "cuda" else
@@ -219,30 +231,48 @@ def main():
             json.dump(result, f)
         return
 
-    if "hh-rlhf" in args.tasks and not os.path.exists(HH):
+    if any(t.startswith("hh-") for t in args.tasks.split(",")) and not os.path.exists(HH):
         sys.exit(f"HH-RLHF pairs not found at {HH}; run with --tasks embedded")
     work_root = args.work or tempfile.mkdtemp(prefix="bench_rm_")
     peak = matmul_peak(args.device, args.bf16)
     report = {"device": args.device, "bf16": args.bf16, "matmul_peak_gflops": peak / 1e9, "batch": args.batch,
-              "max_length": args.max_length, "tasks": []}
+              "repeats": args.repeats, "date": time.strftime("%Y-%m-%d"), "tasks": []}
     for task in args.tasks.split(","):
+        pairs, eval_pairs, max_length, vocab_size = TASKS[task]
+        task_args = argparse.Namespace(**{**vars(args), "pairs": args.pairs or pairs, "vocab_size": vocab_size,
+                                          "eval_pairs": args.eval_pairs or eval_pairs,
+                                          "max_length": args.max_length or max_length})
         work = os.path.join(work_root, task)
-        info = prepare_task(task, args, work)
+        info = prepare_task(task, task_args, work)
+        runs = {row: [] for row in args.rows.split(",")}
+        for _ in range(args.repeats):  # rows interleaved, so that a slow spell of the machine hits every row
+            for row in runs:
+                env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
+                start = time.time()
+                proc = subprocess.run([sys.executable, __file__, "--child", f"{work}::{row}", *sys.argv[1:]],
+                                      env=env, capture_output=True, text=True)
+                wall = time.time() - start
+                if proc.returncode != 0:
+                    sys.exit(f"{row} on {task} failed:\n{proc.stderr[-3000:]}")
+                r = json.load(open(os.path.join(work, "result.json")))
+                runs[row].append({**r, "process_seconds": wall, "pairs_per_s": r["pairs_trained"] / r["train_seconds"],
+                                  "process_pairs_per_s": r["pairs_trained"] / wall})
         rows = []
-        for row in args.rows.split(","):
-            env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
-            cmd = [sys.executable, __file__, "--child", f"{work}::{row}", *sys.argv[1:]]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                sys.exit(f"{row} on {task} failed:\n{proc.stderr[-3000:]}")
-            r = json.load(open(os.path.join(work, "result.json")))
-            pairs_s = r["pairs_trained"] / r["train_seconds"]
-            rows.append({"row": row, "pairs_per_s": pairs_s, "tokens_per_s": pairs_s * info["tokens_per_pair"],
-                         "peak_memory_mb": r["peak_memory_mb"], "accuracy": r["accuracy"],
-                         "mfu": pairs_s * info["flops_per_pair"] / peak})
+        for row, rs in runs.items():
+            best = lambda k: max(x[k] for x in rs)  # noqa: E731
+            rows.append({"row": row, "runs": rs, "pairs_trained": rs[0]["pairs_trained"],
+                         "pairs_per_s": best("pairs_per_s"), "process_pairs_per_s": best("process_pairs_per_s"),
+                         "pairs_per_s_range": [min(x["pairs_per_s"] for x in rs), best("pairs_per_s")],
+                         "process_pairs_per_s_range": [min(x["process_pairs_per_s"] for x in rs),
+                                                       best("process_pairs_per_s")],
+                         "tokens_per_s": best("pairs_per_s") * info["tokens_per_pair"],
+                         "process_tokens_per_s": best("process_pairs_per_s") * info["tokens_per_pair"],
+                         "peak_memory_mb": max(x["peak_memory_mb"] for x in rs), "accuracy": rs[0]["accuracy"],
+                         "mfu": best("pairs_per_s") * info["flops_per_pair"] / peak})
         trl = next((r for r in rows if r["row"] == "trl"), None)
         for r in rows:
             r["speed_vs_trl"] = r["pairs_per_s"] / trl["pairs_per_s"] if trl else None
+            r["process_speed_vs_trl"] = r["process_pairs_per_s"] / trl["process_pairs_per_s"] if trl else None
         report["tasks"].append({**info, "rows": rows})
         print(format_table(info, rows, report), flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -255,13 +285,19 @@ def format_table(info, rows, report):
     lines = [f"\n{info['task']}: {info['train_pairs']} train / {info['eval_pairs']} held-out pairs, {info['tokenizer']}, "
              f"{info['model']}, {info['tokens_per_pair']:.0f} tokens per pair ({info['unique_tokens_per_pair']:.0f} "
              f"without the repeated prompt); {report['device']}, batch {report['batch']}, max_length "
-             f"{report['max_length']}, matmul peak {report['matmul_peak_gflops']:.0f} GFLOP/s",
-             "| row | pairs/s | tokens/s | peak memory (MB) | held-out accuracy | MFU | vs TRL |",
-             "|---|---|---|---|---|---|---|"]
+             f"{info['max_length']}, matmul peak {report['matmul_peak_gflops']:.0f} GFLOP/s, best of "
+             f"{report['repeats']} (range in brackets)",
+             "| row | pairs trained | pairs/s (loop) | pairs/s (process) | tokens/s (process) | peak memory (MB) | "
+             "held-out accuracy | MFU (loop) | vs TRL (loop) | vs TRL (process) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         vs = f"{r['speed_vs_trl']:.2f}x" if r["speed_vs_trl"] else "-"
-        lines.append(f"| {r['row']} | {r['pairs_per_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_memory_mb']:.0f} | "
-                     f"{r['accuracy']:.3f} | {r['mfu']:.1%} | {vs} |")
+        vs_p = f"{r['process_speed_vs_trl']:.2f}x" if r["process_speed_vs_trl"] else "-"
+        lo, hi = r["pairs_per_s_range"]
+        plo, phi = r["process_pairs_per_s_range"]
+        lines.append(f"| {r['row']} | {r['pairs_trained']} | {hi:.2f} [{lo:.2f}] | {phi:.2f} [{plo:.2f}] | "
+                     f"{r['process_tokens_per_s']:.0f} | {r['peak_memory_mb']:.0f} | {r['accuracy']:.3f} | "
+                     f"{r['mfu']:.1%} | {vs} | {vs_p} |")
     return "\n".join(lines)
 
 

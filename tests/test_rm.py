@@ -304,9 +304,14 @@ def test_padded_padding_free_and_prefix_shared_rewards_and_gradients_agree(arch,
                "padded left": rm.collate(pairs, pad_id, padding_side="left")[:2] + (None, None),
                "padding-free": rm.pack_pairs(pairs, pad_id, share_prompt=False, pack=True),
                "prefix-shared": rm.pack_pairs(pairs, pad_id, share_prompt=True, pack=False),
-               "prefix-shared + packed": rm.pack_pairs(pairs, pad_id, share_prompt=True, pack=True)}
-    assert batches["prefix-shared + packed"][0].numel() < batches["padding-free"][0].numel() < \
-        batches["padded right"][0].numel()  # each mode computes fewer token positions
+               "prefix-shared + packed": rm.pack_pairs(pairs, pad_id, share_prompt=True, pack=True),
+               "one row, per sequence": rm.pack_segments(pairs, share_prompt=False),
+               "one row, prefix-shared, per sequence": rm.pack_segments(pairs, share_prompt=True)}
+    # positions ("padding-free" keeps the padding of its last rows; one row has none at all)
+    assert batches["one row, prefix-shared, per sequence"][0].numel() == \
+        sum(len(p["prompt"]) + len(p["chosen"]) + len(p["rejected"]) for p in pairs)
+    assert batches["one row, prefix-shared, per sequence"][0].numel() < batches["prefix-shared + packed"][0].numel() \
+        < batches["padding-free"][0].numel() < batches["padded right"][0].numel()
     results = {}
     for name, inputs in batches.items():
         model.zero_grad()
@@ -331,6 +336,32 @@ def test_prefix_shared_mask_hides_chosen_from_rejected():
     assert m[6].tolist() == [1, 1, 0, 0, 1, 1, 1]
     assert m[3].tolist() == [1, 1, 1, 1, 0, 0, 0]
     assert read.T.tolist() == [[0, 3], [0, 6]]  # chosen reward at its EOS, rejected at its EOS
+    ids_1, no_mask, positions_1, read_1, segments = rm.pack_segments([pair, pair])
+    assert no_mask is None  # attention is kept inside each segment, not by a mask
+    assert ids_1[0].tolist() == ids[0].tolist() * 2 and positions_1[0].tolist() == positions[0].tolist() * 2
+    assert segments == [(0, 2, 2, 3), (7, 2, 2, 3)]  # (start, prompt, chosen, rejected)
+    assert read_1.T.tolist() == [[0, 3], [0, 10], [0, 6], [0, 13]]  # chosen rewards, then rejected ones
+
+
+def test_attention_per_sequence_equals_the_models_own_attention_with_a_sliding_window_and_gqa():
+    from transformers import AutoModelForSequenceClassification, MistralConfig
+
+    torch.manual_seed(0)  # a window of 5 tokens, shorter than most sequences; 2 key/value heads for 4 query heads
+    config = MistralConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=5, num_labels=1,
+                           pad_token_id=0, attn_implementation="sdpa")
+    model = rm.RewardModel(AutoModelForSequenceClassification.from_config(config)).eval()
+    pairs = shared_prefix_pairs(6, seed=7)
+    assert max(len(p["prompt"]) + len(p["chosen"]) for p in pairs) > 5
+    with torch.no_grad():
+        padded = model(*rm.collate(pairs, 0)[:2])
+        alone = torch.cat([model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
+                                                                              dtype=torch.long))
+                           for k in ("chosen", "rejected") for p in pairs])
+        per_sequence = model(*rm.pack_segments(pairs))
+    assert torch.allclose(padded, alone, atol=1e-5)
+    assert torch.allclose(per_sequence, alone, atol=1e-5)
+    assert model.hf.config._attn_implementation == "sdpa"  # the per-sequence call leaves the model as it was
 
 
 def test_training_curves_of_all_modes_agree(tmp_path, small_pairs_file):
@@ -338,12 +369,12 @@ def test_training_curves_of_all_modes_agree(tmp_path, small_pairs_file):
             "--per_device_train_batch_size", "8"]
     curves = {}
     for name, flags in {"padded": ["--no_padding_free", "--no_prefix_sharing"], "packed": ["--no_prefix_sharing"],
-                        "default": []}.items():
+                        "rows with a 4D mask": ["--no_segment_attention"], "default": []}.items():
         args = tyro_args(base + flags + ["--output_dir", str(tmp_path / name)])
         rm.main(args)
         curves[name] = [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
     assert len(curves["padded"]) == 8
-    for name in ("packed", "default"):
+    for name in ("packed", "rows with a 4D mask", "default"):
         assert np.allclose(curves[name], curves["padded"], atol=1e-4), (name, curves[name], curves["padded"])
 
 
