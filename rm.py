@@ -68,8 +68,9 @@ class Args:
     """Pairs per device per micro-step (each pair is two sequences in the same forward pass)."""
     gradient_accumulation_steps: int = 1
     """Micro-steps per optimizer step. Global batch = per-device batch x accumulation x world size."""
-    per_device_eval_batch_size: int = 64
-    """Pairs per device per evaluation forward pass."""
+    per_device_eval_batch_size: int | None = None
+    """Pairs per device per evaluation forward pass (default: --per_device_train_batch_size, a size training has shown
+    to fit; larger ones are no faster on CPU, where a smaller batch stays in cache)."""
     lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
                                "constant_with_warmup"] = "cosine"
     """Learning-rate schedule (transformers.get_scheduler)."""
@@ -184,16 +185,13 @@ class RewardModel(torch.nn.Module):
         self.hf = hf_model
         self.reads_last_token = hasattr(hf_model, "score")
         self.takes_position_ids = "position_ids" in inspect.signature(hf_model.base_model.forward).parameters
-        self.attention = hf_model.config._attn_implementation
 
     def forward(self, input_ids, attention_mask, position_ids=None, read_at=None, segments=None):
         if segments is not None:  # one padding-free row; segment_attention keeps attention inside each sequence
-            self.hf.config._attn_implementation = "rm_segments"  # for this call only: padded batches use the model's
-            try:
-                hidden = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                            rm_segments=segments).last_hidden_state
-            finally:
-                self.hf.config._attn_implementation = self.attention
+            if self.hf.config._attn_implementation != "rm_segments":
+                raise ValueError("a batch of segments needs the model's attention set by choose_layout")
+            hidden = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                        rm_segments=segments).last_hidden_state
             return self.hf.score(hidden[read_at[0], read_at[1]]).squeeze(-1).float()
         if not self.reads_last_token:
             return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
@@ -336,13 +334,19 @@ def pack_pairs(pairs, pad_id, share_prompt=True, pack=True):
 
 
 def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, rm_segments=None,
-                      softcap=None, s_aux=None, sliding_window=None, **kwargs):
-    """Attention for one padding-free row (see pack_segments), called by the model's attention layers in place of
-    SDPA: causal attention over each prompt + chosen, and over each prompt + rejected (the prompt's queries recomputed,
-    their outputs dropped), so the cost is the sum of the sequences' squared lengths, not the row's. Every sequence
-    is a plain causal SDPA call, which runs the fused kernel on CPU and GPU alike."""
-    if rm_segments is None or softcap is not None or s_aux is not None:
-        raise NotImplementedError("the model's attention passes no segments, or needs logit softcapping or sinks")
+                      **kwargs):
+    """The attention of a model that choose_layout gave the one-row layout: for one padding-free row (see
+    pack_segments), causal attention over each prompt + chosen and over each prompt + rejected (the prompt's queries
+    recomputed, their outputs dropped), so the cost is the sum of the sequences' squared lengths, not the row's; each
+    sequence is one plain causal SDPA call, the fused kernel on CPU and GPU alike. Any other batch (no segments): the
+    model's SDPA, unchanged. A model that cannot pass the segments down, or needs softcapping or sinks, raises here,
+    and choose_layout's probe then keeps its own attention."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("the model's attention needs logit softcapping or sinks")
+    if rm_segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    sliding_window = kwargs.get("sliding_window")
     gqa = query.shape[1] != key.shape[1]
 
     def attend(q, k, v):  # causal, within the model's sliding window if it has one (transformers: i - j < window)
@@ -365,8 +369,11 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 from transformers import AttentionInterface  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
 AttentionInterface.register("rm_segments", segment_attention)
+AttentionMaskInterface.register("rm_segments", sdpa_mask)  # padded batches get the masks SDPA gets
 
 
 def pack_segments(pairs, share_prompt=True):
@@ -441,10 +448,13 @@ def choose_layout(model, args, vocab_size):
     why_not = []
     name = " + ".join(["prefix-shared"] * args.prefix_sharing + ["packed"] * args.padding_free)
     if args.padding_free and args.segment_attention:
-        if (reason := differs(args)) is None:
+        own = model.hf.config._attn_implementation  # other batches keep running SDPA: only an SDPA model may switch
+        model.hf.config._attn_implementation = "rm_segments"
+        if own == "sdpa" and (reason := differs(args)) is None:
             model.train(was_training)
             return args, f"{name}, one row, attention per sequence (rewards checked equal to the padded batch's)"
-        why_not.append(f"attention per sequence is not possible ({reason})")
+        model.hf.config._attn_implementation = own
+        why_not.append(f"attention per sequence is not possible ({reason if own == 'sdpa' else own + ' attention'})")
         args = dataclasses.replace(args, segment_attention=False)
     reason = differs(args)
     model.train(was_training)
@@ -559,8 +569,9 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
     n_mine = len(mine)
     mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts (FSDP's forward is collective)
     rewards = []
-    for i in range(0, per_rank, args.per_device_eval_batch_size):
-        inputs = model_inputs([pairs[j] for j in mine[i:i + args.per_device_eval_batch_size]], pad_id, args)
+    size = args.per_device_eval_batch_size or args.per_device_train_batch_size
+    for i in range(0, per_rank, size):
+        inputs = model_inputs([pairs[j] for j in mine[i:i + size]], pad_id, args)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             rewards.append(model(*(x.to(device) if torch.is_tensor(x) else x for x in inputs)).view(2, -1).T)
     valid = torch.arange(per_rank, device=device) < n_mine
@@ -598,7 +609,7 @@ def check_args(args):
     """Every size and range, before anything is loaded or written; a bad one is named in one line."""
     for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "per_device_eval_batch_size", "logging_steps", "num_evals"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
     for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
                  "max_grad_norm", "center_rewards_coefficient", "eval_steps", "save_steps", "head_init_std"):

@@ -8,7 +8,7 @@ Every row trains the same randomly initialised model (saved once), on the same t
 truncated once, by rm.py's policy, and handed to TRL pre-tokenized), with the same global batch, max length, number of
 pairs, optimizer and schedule, one epoch. Each row runs in its own process, so its peak memory is its own. Two speeds:
 the training loop alone, and the whole process (start-up, data, training, every evaluation, saving) over the pairs
-trained; rm.py rows evaluate at rm.py's defaults (--num_evals 5 plus the final one, --per_device_eval_batch_size 64),
+trained; rm.py rows evaluate at rm.py's defaults (--num_evals, the last one at the end; the eval batch as the training one),
 TRL evaluates once, after training. Writes the table to stdout and to --out (JSON).
 """
 

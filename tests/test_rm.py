@@ -299,6 +299,7 @@ def shared_prefix_pairs(n, seed):
 @pytest.mark.parametrize("pad_id", [0, 3])  # 3 is the EOS id: pad == eos
 def test_padded_padding_free_and_prefix_shared_rewards_and_gradients_agree(arch, pad_id):
     model = tiny_reward_model(arch, seed=2)
+    assert "one row, attention per sequence" in rm.choose_layout(model, rm.Args(), TOK.vocab_size)[1]
     pairs = shared_prefix_pairs(12, seed=4)
     batches = {"padded right": rm.collate(pairs, pad_id)[:2] + (None, None),
                "padded left": rm.collate(pairs, pad_id, padding_side="left")[:2] + (None, None),
@@ -343,6 +344,21 @@ def test_prefix_shared_mask_hides_chosen_from_rejected():
     assert read_1.T.tolist() == [[0, 3], [0, 10], [0, 6], [0, 13]]  # chosen rewards, then rejected ones
 
 
+def test_gradient_checkpointing_recomputes_attention_per_sequence():
+    pairs = shared_prefix_pairs(8, seed=5)
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_reward_model("embedded-llama", seed=2)
+        rm.choose_layout(model, rm.Args(), TOK.vocab_size)
+        if checkpointing:  # the backward pass re-runs each layer's forward: it must see the segments again
+            model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        rc, rr = model(*rm.pack_segments(pairs)).chunk(2)
+        rm.preference_loss(rc, rr, torch.zeros(len(pairs))).mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
 def test_attention_per_sequence_equals_the_models_own_attention_with_a_sliding_window_and_gqa():
     from transformers import AutoModelForSequenceClassification, MistralConfig
 
@@ -352,6 +368,9 @@ def test_attention_per_sequence_equals_the_models_own_attention_with_a_sliding_w
                            pad_token_id=0, attn_implementation="sdpa")
     model = rm.RewardModel(AutoModelForSequenceClassification.from_config(config)).eval()
     pairs = shared_prefix_pairs(6, seed=7)
+    with torch.no_grad():
+        before = model(*rm.collate(pairs, 0)[:2])
+    assert "attention per sequence" in rm.choose_layout(model, rm.Args(), TOK.vocab_size)[1]
     assert max(len(p["prompt"]) + len(p["chosen"]) for p in pairs) > 5
     with torch.no_grad():
         padded = model(*rm.collate(pairs, 0)[:2])
@@ -361,7 +380,7 @@ def test_attention_per_sequence_equals_the_models_own_attention_with_a_sliding_w
         per_sequence = model(*rm.pack_segments(pairs))
     assert torch.allclose(padded, alone, atol=1e-5)
     assert torch.allclose(per_sequence, alone, atol=1e-5)
-    assert model.hf.config._attn_implementation == "sdpa"  # the per-sequence call leaves the model as it was
+    assert torch.equal(padded, before)  # the switched model still runs padded batches through its own SDPA
 
 
 def test_training_curves_of_all_modes_agree(tmp_path, small_pairs_file):
