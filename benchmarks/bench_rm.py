@@ -1,4 +1,4 @@
-"""Reward-model training speed: TRL's RewardTrainer vs rm.py (padded, padding-free, prefix-shared + packed).
+"""Reward-model training speed: TRL's RewardTrainer vs rm.py's batch layouts (padded, padding-free, prefix-shared).
 
     pip install -r benchmarks/requirements.txt
     python benchmarks/bench_rm.py                       # CPU: HH-RLHF (BPE, 512), HH-RLHF (bytes, 1024), embedded
@@ -38,6 +38,7 @@ TASKS = {  # name: (training pairs, held-out pairs, max length, tokenizer vocabu
 }
 MODES = {"rm.py padded": ["--no_padding_free", "--no_prefix_sharing"],
          "rm.py padding-free": ["--padding_free", "--no_prefix_sharing"],
+         "rm.py prefix-shared + packed, 4D-mask rows": ["--padding_free", "--prefix_sharing", "--no_segment_attention"],
          "rm.py prefix-shared + packed (default)": ["--padding_free", "--prefix_sharing"]}
 
 

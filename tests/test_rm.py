@@ -351,7 +351,7 @@ def test_gradient_checkpointing_recomputes_attention_per_sequence():
         model = tiny_reward_model("embedded-llama", seed=2)
         rm.choose_layout(model, rm.Args(), TOK.vocab_size)
         if checkpointing:  # the backward pass re-runs each layer's forward: it must see the segments again
-            model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         rc, rr = model(*rm.pack_segments(pairs)).chunk(2)
         rm.preference_loss(rc, rr, torch.zeros(len(pairs))).mean().backward()
