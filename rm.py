@@ -379,8 +379,9 @@ AttentionMaskInterface.register("rm_segments", sdpa_mask)  # padded batches get 
 def pack_segments(pairs, share_prompt=True):
     """A padding-free batch of one row: every pair's prompt + chosen + rejected (share_prompt) or its two sequences,
     end to end, position ids restarting per sequence (the rejected ones continuing from the prompt's end). Returns ids,
-    None where pack_pairs has its mask, position ids, the (row, column) read points of every chosen reward then every rejected one, and the segments
-    (start, prompt length, chosen length, rejected length) that segment_attention keeps attention inside."""
+    None where pack_pairs has its mask, position ids, the (row, column) read points of every chosen reward then every
+    rejected one, and the segments (start, prompt length, chosen length, rejected length) that segment_attention keeps
+    attention inside."""
     ids, positions, segments, reads = [], [], [], [[], []]
     for p in pairs:
         P, C, R = len(p["prompt"]), len(p["chosen"]), len(p["rejected"])

@@ -38,7 +38,7 @@ TASKS = {  # name: (training pairs, held-out pairs, max length, tokenizer vocabu
 }
 MODES = {"rm.py padded": ["--no_padding_free", "--no_prefix_sharing"],
          "rm.py padding-free": ["--padding_free", "--no_prefix_sharing"],
-         "rm.py prefix-shared + packed, 4D-mask rows": ["--padding_free", "--prefix_sharing", "--no_segment_attention"],
+         "rm.py prefix-shared + packed rows (4D mask)": ["--padding_free", "--prefix_sharing", "--no_segment_attention"],
          "rm.py prefix-shared + packed (default)": ["--padding_free", "--prefix_sharing"]}
 
 
@@ -219,6 +219,7 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "rm_cpu.json"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    assert all("," not in row for row in MODES), "--rows is comma-separated: a row's name cannot hold a comma"
 
     if args.child:  # one row, in its own process
         work, row = args.child.split("::")

@@ -16,6 +16,7 @@ import ppo
 import rm
 
 PADDED_FAMILIES = ENCODERS + ["bloom"]  # encoders pool over the whole sequence; BLOOM's ALiBi takes no position ids
+MASK_ROW_FAMILIES = ["gemma2"]  # eager attention with logit softcapping: packed rows with a 4D mask, not one row
 
 
 @pytest.fixture(scope="session")
@@ -84,6 +85,8 @@ def test_default_batch_layout_gives_the_padded_rewards_and_gradients(family, fam
     model, tokenizer, args = reward_model_of(family_dir(family))
     chosen_args, layout = rm.choose_layout(model, args, len(tokenizer))
     assert layout.startswith("padded" if family in PADDED_FAMILIES else "prefix-shared + packed"), layout
+    if family not in PADDED_FAMILIES:
+        assert ("rows with a 4D mask" if family in MASK_ROW_FAMILIES else "one row, attention per sequence") in layout
     pairs = tokenized_pairs(family, tokenizer)
     pad = tokenizer.pad_token_id
     results = {}
