@@ -413,13 +413,18 @@ def model_inputs(pairs, pad_id, args):
     return pack_pairs(pairs, pad_id, share_prompt=args.prefix_sharing, pack=args.padding_free)
 
 
+ONE_ROW_TOKENS = 256  # measured (benchmarks/bench_rm.py, CPU): one row wins at 703 tokens per pair, ties at 205
+
+
 @torch.no_grad()
-def choose_layout(model, args, vocab_size):
+def choose_layout(model, args, vocab_size, pair_tokens=float("inf")):
     """The fastest batch layout that gives this model exactly the rewards of the plain padded batch, and why: one row
     with attention per sequence, else rows with a 4D mask, else padded. Packing needs position ids; encoders (pooled
     over the whole sequence), ALiBi models (positions from a 2D mask) and recurrent ones get the padded batch. A probe
     on a few random pairs checks each packed layout's rewards against the padded ones, so a family whose attention
-    ignores the segments or the mask is caught here, not later. Returns the arguments and the layout's description."""
+    ignores the segments or the mask is caught here, not later. Pairs shorter than ONE_ROW_TOKENS on average (prompt +
+    chosen + rejected) prefer the 4D-mask rows: there a Python call per sequence costs more than the mask wastes.
+    Returns the arguments and the layout's description."""
     padded = dataclasses.replace(args, padding_free=False, prefix_sharing=False)
     if not (args.padding_free or args.prefix_sharing):
         return args, "padded (as asked)"
@@ -448,6 +453,12 @@ def choose_layout(model, args, vocab_size):
 
     why_not = []
     name = " + ".join(["prefix-shared"] * args.prefix_sharing + ["packed"] * args.padding_free)
+    if args.padding_free and args.segment_attention and pair_tokens < ONE_ROW_TOKENS:
+        mask_rows = dataclasses.replace(args, segment_attention=False)
+        if differs(mask_rows) is None:
+            model.train(was_training)
+            return mask_rows, f"{name}, rows with a 4D mask (rewards checked equal to the padded batch's; pairs of " \
+                              f"{pair_tokens:.0f} tokens are too short for attention per sequence to pay)"
     if args.padding_free and args.segment_attention:
         own = model.hf.config._attn_implementation  # other batches keep running SDPA: only an SDPA model may switch
         model.hf.config._attn_implementation = "rm_segments"
@@ -655,7 +666,9 @@ def main(args):
     from transformers import get_scheduler
 
     hf_model = load_reward_model(args, tokenizer)
-    args, layout = choose_layout(RewardModel(hf_model), args, len(tokenizer))
+    pairs = train or evals
+    pair_tokens = sum(len(p["prompt"]) + len(p["chosen"]) + len(p["rejected"]) for p in pairs) / max(len(pairs), 1)
+    args, layout = choose_layout(RewardModel(hf_model), args, len(tokenizer), pair_tokens)
     if args.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(RewardModel(hf_model), args, device)

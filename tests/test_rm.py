@@ -344,6 +344,15 @@ def test_prefix_shared_mask_hides_chosen_from_rejected():
     assert read_1.T.tolist() == [[0, 3], [0, 10], [0, 6], [0, 13]]  # chosen rewards, then rejected ones
 
 
+def test_short_pairs_take_mask_rows_and_long_pairs_one_row():
+    model = tiny_reward_model("embedded-llama")
+    short = rm.choose_layout(model, rm.Args(), TOK.vocab_size, pair_tokens=rm.ONE_ROW_TOKENS - 1)
+    long = rm.choose_layout(model, rm.Args(), TOK.vocab_size, pair_tokens=rm.ONE_ROW_TOKENS)
+    assert "rows with a 4D mask" in short[1] and not short[0].segment_attention
+    assert "one row, attention per sequence" in long[1] and long[0].segment_attention
+    assert model.hf.config._attn_implementation == "rm_segments"  # what the one-row layout needs
+
+
 def test_gradient_checkpointing_recomputes_attention_per_sequence():
     pairs = shared_prefix_pairs(8, seed=5)
     grads = []
