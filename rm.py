@@ -125,8 +125,9 @@ class Args:
     # --- systems
     padding_free: bool = True
     """No pad tokens: the sequences of a micro-batch are laid end to end in one row, position ids restarting, and
-    attention is computed per sequence, so its cost follows each sequence's length (falls back to rows with a 4D mask
-    for attention kernels that cannot be called per sequence). --no_padding_free: the plain padded batch."""
+    attention is computed per sequence, so its cost follows each sequence's length; pairs under ONE_ROW_TOKENS on
+    average, and attention kernels that cannot be called per sequence, get rows with a 4D mask instead.
+    --no_padding_free: the plain padded batch."""
     segment_attention: bool = True
     """With --padding_free: attention computed sequence by sequence in one row (cost: the sum of squared sequence
     lengths). --no_segment_attention: rows as wide as the longest sequence with a 4D mask (cost: rows x width^2)."""
