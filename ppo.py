@@ -271,10 +271,18 @@ def positions_for(model, position_ids):
 @torch.no_grad()
 def generate(model, query, query_mask, generators, args, stop_id, pad_id, collective=False):
     """KV-cached sampling (Gumbel-max with per-row noise). Returns responses (B, response_length) and the log-probs of
-    the sampled tokens at the sampling temperature."""
+    the sampled tokens at the sampling temperature. The cache is allocated once for prompt + response (a growing cache
+    copies itself at every token); the attention mask covers that whole width from the start, causality hiding the
+    tokens not yet sampled."""
+    from transformers import StaticCache
+
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
-    out = model(input_ids=query, attention_mask=query_mask.long(), use_cache=True, **positions_for(model, position))
-    mask, tokens, logprobs = query_mask.long(), [], []
+    mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
+        -1, args.response_length)], 1)
+    cache = StaticCache(config=model.config, max_cache_len=mask.shape[1])
+    out = model(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True,
+                **positions_for(model, position))
+    tokens, logprobs = [], []
     done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
     for t in range(args.response_length):
         logits = out.logits[:, -1].float() / args.temperature
@@ -290,8 +298,7 @@ def generate(model, query, query_mask, generators, args, stop_id, pad_id, collec
             dist.all_reduce(all_done, op=dist.ReduceOp.MIN)
         if all_done or t == args.response_length - 1:
             break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-        out = model(input_ids=token[:, None], attention_mask=mask, past_key_values=out.past_key_values, use_cache=True,
+        out = model(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
                     **positions_for(model, position[:, -1:] + t + 1))
     responses, logprobs = torch.stack(tokens, 1), torch.stack(logprobs, 1)
     width = args.response_length - responses.shape[1]
@@ -708,24 +715,27 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
                 idx = mini[start:start + micro]
                 set_grad_sync([policy, critic], m == accumulation - 1)
                 ids, ids_mask, context, kept = trim_padding(query_response[idx], qr_mask[idx], context_length)
+                # Policy and critic share no weights: each loss goes backward on its own graph, so only one model's
+                # activations are alive at a time (the sum's gradients, at half the peak memory).
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
                     new_logprobs, entropy = policy_forward(policy, ids, ids_mask, context, args.temperature,
                                                            with_entropy_grad=args.ent_coef > 0)
-                    new_values = critic(ids, ids_mask)[:, context - 1:-1]
                 m_idx = mask[idx][:, :kept]
                 pg_loss, pg = policy_loss(new_logprobs, logprobs[idx][:, :kept], adv[idx][:, :kept], m_idx,
                                           args.cliprange, n_tokens)
-                vf_loss, vf_clipfrac = value_loss(new_values, values[idx][:, :kept], returns[idx][:, :kept], m_idx,
-                                                  args.cliprange_value, n_tokens)
                 ent = masked_mean(entropy, m_idx, n_tokens)
-                loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * ent
                 ptx_loss = torch.zeros((), device=device)
                 if ptx is not None:
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
                         ptx_loss = language_modelling_loss(policy, ptx_seqs[start:start + micro], pad_id, ptx_tokens,
                                                            device)
-                    loss = loss + args.ptx_coef * ptx_loss
-                (loss * world).backward()  # DDP and FSDP average gradients over ranks; the sum is what is wanted
+                # DDP and FSDP average gradients over ranks; the sum is what is wanted, hence * world
+                ((pg_loss - args.ent_coef * ent + args.ptx_coef * ptx_loss) * world).backward()
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                    new_values = critic(ids, ids_mask)[:, context - 1:-1]
+                vf_loss, vf_clipfrac = value_loss(new_values, values[idx][:, :kept], returns[idx][:, :kept], m_idx,
+                                                  args.cliprange_value, n_tokens)
+                (args.vf_coef * vf_loss * world).backward()
                 sums += torch.stack([pg_loss, vf_loss, vf_clipfrac, ent, pg["clipfrac"], pg["approxkl"], pg["ratio"],
                                      pg["ratio_sq"], ptx_loss]).detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable.parameters(), args.max_grad_norm or float("inf"))
