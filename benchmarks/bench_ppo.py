@@ -10,7 +10,10 @@ too), the same prompt token ids, sizes and sampling settings. Workloads:
 - short: embedded-task prompts, 48 new tokens with no stop token, temperature 0.7, rollout batch 16 in one mini-batch,
   4 PPO epochs, 128 episodes;
 - long: HH-RLHF prompts (../shared/data/hh-rlhf-harmless-base) cut to their last 256 tokens, 128 new tokens, stop at
-  EOS, same sizes, 64 episodes.
+  EOS, same sizes, 64 episodes;
+- long-8k: the long workload with a byte-level BPE tokenizer of 8,000 tokens trained on the HH-RLHF text (its own
+  policy, same shape, and reward model): a vocabulary whose output layer is a third of the model, as in the small
+  pretrained models (GPT-2, Pythia, Qwen2.5-0.5B: a fifth to a third), where the byte-level one is a few percent.
 Episodes/s is over the training loop (TRL: inside train(); ppo.py: the sum of its updates' times). The time split is
 generation; reference + reward + value forwards; learning (the PPO epochs). Peak memory is the process's peak RSS.
 """
@@ -28,8 +31,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 HH = os.path.join(ROOT, "..", "shared", "data", "hh-rlhf-harmless-base", "test.jsonl.gz")
-WORKLOADS = {"short": dict(episodes=128, response_length=48, stop=False, prompt_length=256),
-             "long": dict(episodes=64, response_length=128, stop=True, prompt_length=256)}
+WORKLOADS = {"short": dict(episodes=128, response_length=48, stop=False, prompt_length=256, vocab=258, prompts="short"),
+             "long": dict(episodes=64, response_length=128, stop=True, prompt_length=256, vocab=258, prompts="long"),
+             "long-8k": dict(episodes=64, response_length=128, stop=True, prompt_length=256, vocab=8000,
+                             prompts="long")}
 SIZES = dict(batch=16, epochs=4, temperature=0.7, lr=3e-6, kl_coef=0.05, seed=1)
 
 
@@ -44,32 +49,53 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
+def bpe_tokenizer(texts, vocab_size):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|pad|>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+def model_dir(root, workload, kind):
+    """policy or rm, of the workload's vocabulary."""
+    return os.path.join(root, f"{kind}-{WORKLOADS[workload]['vocab']}")
+
+
 def make_assets(root):
-    """Policy, reward model (rm.py, 60 steps on the embedded task from the policy's weights) and prompt files."""
+    """Per vocabulary: a policy and a reward model (rm.py, 60 steps on the embedded task from the policy's weights);
+    and the prompt files."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import common
     import rm
 
-    tokenizer = byte_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-                         tie_word_embeddings=False)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(os.path.join(root, "policy"))
-    tokenizer.save_pretrained(os.path.join(root, "policy"))
-    with open(os.path.join(root, "pairs.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in common.embedded_pairs(1200, seed=0))
-    rm.main(rm.Args(model_name_or_path=os.path.join(root, "policy"), dataset_name=os.path.join(root, "pairs.jsonl"),
-                    max_steps=60,
-                    per_device_train_batch_size=16, learning_rate=1e-4, num_evals=1, output_dir=os.path.join(root, "rm"),
-                    max_length=256, max_prompt_length=128))
-    rng = random.Random(0)
-    short = [common.embedded_prompt(rng) for _ in range(WORKLOADS["short"]["episodes"])]
     with gzip.open(HH, "rt") as f:
         rows = [json.loads(line) for line in f]
+    with open(os.path.join(root, "pairs.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in common.embedded_pairs(1200, seed=0))
+    for vocab in sorted({w["vocab"] for w in WORKLOADS.values()}):
+        tokenizer = byte_tokenizer() if vocab == 258 else bpe_tokenizer(
+            [r["chosen"] for r in rows] + [r["rejected"] for r in rows], vocab)
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                             bos_token_id=None, tie_word_embeddings=False)
+        policy, rm_dir = os.path.join(root, f"policy-{vocab}"), os.path.join(root, f"rm-{vocab}")
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(policy)
+        tokenizer.save_pretrained(policy)
+        rm.main(rm.Args(model_name_or_path=policy, dataset_name=os.path.join(root, "pairs.jsonl"), max_steps=60,
+                        per_device_train_batch_size=16, learning_rate=1e-4, num_evals=1, output_dir=rm_dir,
+                        max_length=256, max_prompt_length=128))
+    rng = random.Random(0)
+    short = [common.embedded_prompt(rng) for _ in range(WORKLOADS["short"]["episodes"])]
     long = [common.shared_prefix_split(r["chosen"], r["rejected"])[0] for r in rows[:WORKLOADS["long"]["episodes"]]]
     for name, prompts in (("short", short), ("long", long)):
         with open(os.path.join(root, f"{name}.jsonl"), "w") as f:
@@ -81,7 +107,7 @@ def prompt_ids(root, workload, tokenizer):
     """The prompts as ppo.py tokenizes and truncates them; TRL is handed the same ids."""
     import common
 
-    with open(os.path.join(root, f"{workload}.jsonl")) as f:
+    with open(os.path.join(root, f"{WORKLOADS[workload]['prompts']}.jsonl")) as f:
         texts = [json.loads(line)["prompt"] for line in f]
     bos = common.leading_id(tokenizer)
     return [common.truncate_prompt(p, WORKLOADS[workload]["prompt_length"], bos)
@@ -92,8 +118,9 @@ def run_ours(root, workload):
     import ppo
 
     w, out = WORKLOADS[workload], tempfile.mkdtemp()
-    ppo.main(ppo.Args(sft_model_path=os.path.join(root, "policy"), reward_model_path=os.path.join(root, "rm"),
-                      dataset_name=os.path.join(root, f"{workload}.jsonl"), max_prompt_length=w["prompt_length"],
+    ppo.main(ppo.Args(sft_model_path=model_dir(root, workload, "policy"),
+                      reward_model_path=model_dir(root, workload, "rm"),
+                      dataset_name=os.path.join(root, f"{w['prompts']}.jsonl"), max_prompt_length=w["prompt_length"],
                       total_episodes=w["episodes"], per_device_train_batch_size=SIZES["batch"], num_mini_batches=1,
                       num_ppo_epochs=SIZES["epochs"], response_length=w["response_length"],
                       temperature=SIZES["temperature"], stop_token="eos" if w["stop"] else "none",
@@ -115,7 +142,7 @@ def run_trl(root, workload):
     from trl.experimental.ppo import ppo_trainer as module
 
     w = WORKLOADS[workload]
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(root, "policy"), padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir(root, workload, "policy"), padding_side="left")
     timers = {"generation_s": 0.0, "scoring_s": 0.0, "generated_tokens": 0}
     real_generation, real_forward, real_reward = module.batch_generation, module.forward, module.get_reward
 
@@ -153,9 +180,11 @@ def run_trl(root, workload):
                        dataloader_num_workers=0, disable_tqdm=True)
     dataset = Dataset.from_dict({"input_ids": prompt_ids(root, workload, tokenizer)})
     trainer = PPOTrainer(args=config, processing_class=tokenizer,
-                         model=AutoModelForCausalLM.from_pretrained(os.path.join(root, "policy")), ref_model=None,
-                         reward_model=AutoModelForSequenceClassification.from_pretrained(os.path.join(root, "rm")),
-                         value_model=AutoModelForSequenceClassification.from_pretrained(os.path.join(root, "rm")),
+                         model=AutoModelForCausalLM.from_pretrained(model_dir(root, workload, "policy")),
+                         ref_model=None, reward_model=AutoModelForSequenceClassification.from_pretrained(
+                             model_dir(root, workload, "rm")),
+                         value_model=AutoModelForSequenceClassification.from_pretrained(
+                             model_dir(root, workload, "rm")),
                          train_dataset=dataset)
     t = time.time()
     trainer.train()

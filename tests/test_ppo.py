@@ -111,6 +111,29 @@ def test_truncate_after_stop_and_score_index():
     assert mask.sum(1).tolist() == [3, 1, 5, 2]
 
 
+def test_length_groups_cover_every_row_once_at_the_least_padded_cost():
+    """The groups against every way of cutting the length-sorted rows, cost written out: rows x (longest prompt +
+    longest response) per group, plus the overhead per group."""
+    import itertools
+
+    rng = random.Random(0)
+    for n, overhead in [(7, 0), (7, 10), (8, 40), (6, 10**6), (1, 5)]:
+        p = torch.tensor([rng.randint(1, 60) for _ in range(n)])
+        r = torch.tensor([rng.randint(1, 30) for _ in range(n)])
+        groups = ppo.length_groups(p, r, overhead)
+        assert sorted(torch.cat(groups).tolist()) == list(range(n))
+        cost = lambda gs: sum(len(g) * (max(p[g].tolist()) + max(r[g].tolist())) + overhead for g in gs)  # noqa
+        order = sorted(range(n), key=lambda i: (p[i] + r[i], p[i]))
+        best = min(cost([order[a:b] for a, b in zip((0,) + cuts, cuts + (n,))])
+                   for k in range(n) for cuts in itertools.combinations(range(1, n), k))
+        assert cost([g.tolist() for g in groups]) == best
+        if overhead == 10**6:
+            assert len(groups) == 1
+    # no overhead: rows of one length form one group, and every group is unpadded
+    groups = ppo.length_groups(torch.tensor([5, 9, 5, 9]), torch.tensor([3, 3, 3, 3]), 0)
+    assert sorted(sorted(g.tolist()) for g in groups) == [[0, 2], [1, 3]]
+
+
 # --- sampling ---------------------------------------------------------------------------------------------------------
 
 
