@@ -16,6 +16,8 @@ too), the same prompt token ids, sizes and sampling settings. Workloads:
   pretrained models (GPT-2, Pythia, Qwen2.5-0.5B: a fifth to a third), where the byte-level one is a few percent.
 Episodes/s is over the training loop (TRL: inside train(); ppo.py: the sum of its updates' times). The time split is
 generation; reference + reward + value forwards; learning (the PPO epochs). Peak memory is the process's peak RSS.
+Last, ppo.py's learning phase of one update per workload runs under the profiler: its share of time in matrix
+products and their GFLOP/s, against one large product's on the same machine (the ceiling).
 """
 
 import argparse
@@ -114,14 +116,15 @@ def prompt_ids(root, workload, tokenizer):
             for p in common.tokenize_prompts(tokenizer, texts)]
 
 
-def run_ours(root, workload):
+def run_ours(root, workload, episodes=None):
     import ppo
 
     w, out = WORKLOADS[workload], tempfile.mkdtemp()
     ppo.main(ppo.Args(sft_model_path=model_dir(root, workload, "policy"),
                       reward_model_path=model_dir(root, workload, "rm"),
                       dataset_name=os.path.join(root, f"{w['prompts']}.jsonl"), max_prompt_length=w["prompt_length"],
-                      total_episodes=w["episodes"], per_device_train_batch_size=SIZES["batch"], num_mini_batches=1,
+                      total_episodes=episodes or w["episodes"], per_device_train_batch_size=SIZES["batch"],
+                      num_mini_batches=1,
                       num_ppo_epochs=SIZES["epochs"], response_length=w["response_length"],
                       temperature=SIZES["temperature"], stop_token="eos" if w["stop"] else "none",
                       learning_rate=SIZES["lr"], kl_coef=SIZES["kl_coef"], seed=SIZES["seed"], sample_every=10**6,
@@ -193,8 +196,54 @@ def run_trl(root, workload):
             "learning_s": train_s - timers["generation_s"] - timers["scoring_s"]}
 
 
+def matmul_peak(n=2048, reps=10):
+    """GFLOP/s of one large fp32 matrix product on this machine: the ceiling of a matmul-bound phase."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t = time.time()
+    for _ in range(reps):
+        a @ b
+    return 2 * n ** 3 * reps / (time.time() - t) / 1e9
+
+
+def profile_learning(root, workload):
+    """ppo.py's learning phase of one update (the second: warm) under the profiler: the share of its time in matrix
+    products and their GFLOP/s, against matmul_peak()."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import ppo
+
+    real_learn, found = ppo.learn, {}
+
+    def profiled(*a, **k):
+        if a[6] != 1:  # the update index
+            return real_learn(*a, **k)
+        with profile(activities=[ProfilerActivity.CPU], with_flops=True) as p:
+            out = real_learn(*a, **k)
+        ops = p.key_averages()
+        total = sum(e.self_cpu_time_total for e in ops)
+        mm = [e for e in ops if e.key in ("aten::mm", "aten::addmm", "aten::bmm")]
+        attention = [e for e in ops if "scaled_dot_product" in e.key]
+        mm_us = sum(e.self_cpu_time_total for e in mm)
+        found.update(mm_share=mm_us / total, mm_gflops=sum(e.flops for e in mm) / mm_us / 1e3,
+                     attention_share=sum(e.self_cpu_time_total for e in attention) / total,
+                     top=[(e.key, round(e.self_cpu_time_total / total, 3)) for e in
+                          sorted(ops, key=lambda e: -e.self_cpu_time_total)[:6]])
+        return out
+
+    ppo.learn = profiled
+    run_ours(root, workload, episodes=2 * SIZES["batch"])
+    ppo.learn = real_learn
+    return found | {"matmul_peak_gflops": matmul_peak(), "threads": torch.get_num_threads()}
+
+
 def row(args):
     t = time.time()
+    if args.row == "profile":
+        return print("RESULT " + json.dumps(profile_learning(args.assets, args.workload)))
     result = (run_trl if args.row == "trl" else run_ours)(args.assets, args.workload)
     with open("/proc/self/status") as f:  # VmHWM: this process's own peak (ru_maxrss counts the parent's at fork)
         peak_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
@@ -209,7 +258,7 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ppo_cpu.json"))
-    p.add_argument("--row", choices=["trl", "ours"], help=argparse.SUPPRESS)
+    p.add_argument("--row", choices=["trl", "ours", "profile"], help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--assets", help=argparse.SUPPRESS)
     p.add_argument("--startup_s", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -220,20 +269,23 @@ def main():
         sys.exit(f"the long workload needs the HH-RLHF pairs at {HH}")
     assets = tempfile.mkdtemp()
     make_assets(assets)
-    results = []
+    results, profiles = [], {}
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+
+    def child(python, row, workload):
+        proc = subprocess.run([python, __file__, "--row", row, "--workload", workload, "--assets", assets],
+                              capture_output=True, text=True, env=env, cwd=ROOT)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            sys.exit(f"{row} on {workload} failed:\n{proc.stderr[-4000:]}")
+        return json.loads(lines[-1][7:])
+
     for repeat in range(args.repeats):
         for workload in args.workloads:
             for name, python in (("TRL 1.12 PPOTrainer", args.trl_python), ("ppo.py", sys.executable)):
                 t = time.time()
-                proc = subprocess.run([python, __file__, "--row", "trl" if name.startswith("TRL") else "ours",
-                                       "--workload", workload, "--assets", assets], capture_output=True, text=True,
-                                      env=env, cwd=ROOT)
-                lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-                if proc.returncode != 0 or not lines:
-                    sys.exit(f"{name} on {workload} failed:\n{proc.stderr[-4000:]}")
-                r = json.loads(lines[-1][7:]) | {"row": name, "workload": workload, "repeat": repeat,
-                                                 "whole_process_s": time.time() - t}
+                r = child(python, "trl" if name.startswith("TRL") else "ours", workload)
+                r |= {"row": name, "workload": workload, "repeat": repeat, "whole_process_s": time.time() - t}
                 r["episodes_per_s"] = r["episodes"] / r["train_s"]
                 r["generated_tokens_per_s"] = r["generated_tokens"] / r["train_s"]
                 results.append(r)
@@ -241,9 +293,14 @@ def main():
                       f"whole process {r['whole_process_s']:6.1f} s, generation {r['generation_s']:.1f} s, scoring "
                       f"{r['scoring_s']:.1f} s, learning {r['learning_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
                       flush=True)
+    for workload in args.workloads:  # where ppo.py's learning phase spends its time
+        profiles[workload] = p = child(sys.executable, "profile", workload)
+        print(f"{workload}: learning phase {100 * p['mm_share']:.0f}% in matrix products at {p['mm_gflops']:.0f} "
+              f"GFLOP/s (one large product: {p['matmul_peak_gflops']:.0f}), {100 * p['attention_share']:.0f}% in "
+              f"attention; top ops {p['top']}", flush=True)
     with open(args.out, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "sizes": SIZES, "workloads": WORKLOADS, "results": results}, f,
-                  indent=2)
+        json.dump({"date": time.strftime("%Y-%m-%d"), "sizes": SIZES, "workloads": WORKLOADS, "results": results,
+                   "learning_profile": profiles}, f, indent=2)
     print(table(results))
 
 
