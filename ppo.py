@@ -844,11 +844,7 @@ def main(args):
     critic_lr = args.critic_learning_rate if args.critic_learning_rate is not None else lr
 
     tokenizer = load_tokenizer(args)
-    stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
-        args.stop_token, -1))
-    if stop_id == -1:
-        raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
-                               "pass eos, none, or one token as the tokenizer spells it")
+    stop_id = stop_token_id(args, tokenizer)
     prompts, prompt_texts = load_prompts(args, tokenizer)
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
 
@@ -861,17 +857,7 @@ def main(args):
 
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_updates)
 
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                         set_state_dict)
-
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    start, kl_coef, history = 0, args.kl_coef, []
-    if args.resume and (ckpt := common.load_latest_checkpoint(args.output_dir)) is not None:
-        set_state_dict(trainable, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
-        scheduler.load_state_dict(ckpt["scheduler"])
-        common.set_rng_state(ckpt["rng"])
-        start, kl_coef, history = ckpt["update"], ckpt["kl_coef"], ckpt["history"]
+    start, kl_coef, history = resume(trainable, optimizer, scheduler, args)
     logger = common.Logger(args, args.wandb_project, start if args.resume else None) if rank == 0 else None
     samples_file = common.open_log(os.path.join(args.output_dir, "samples.jsonl"),
                                    start if args.resume else None) if rank == 0 else None
@@ -950,28 +936,68 @@ def main(args):
                 write_samples(samples_file, logger, bar, update, tokenizer, query_response, qr_mask, mask, scores,
                               gold if "gold/mean" in m else None, query.shape[1], min(args.num_samples, batch_size))
         if args.save_steps and (update + 1) % args.save_steps == 0 and update + 1 < num_updates:
-            model_sd, optim_sd = get_state_dict(trainable, optimizer, options=full)
-            if rank == 0:
-                common.save_checkpoint(args.output_dir, update + 1, {
-                    "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "update": update + 1,
-                    "kl_coef": kl_coef, "history": history, "rng": common.rng_state()})
+            save_checkpoint(trainable, optimizer, scheduler, update + 1, kl_coef, history, args, rank)
 
-    # The final policy in transformers' format, its tokenizer, the curves and a summary.
-    model_sd = get_model_state_dict(trainable, options=full)
+    save_final(trainable, policy_hf, tokenizer, history, args, rank)
     if rank == 0:
-        policy_sd = {k.removeprefix("policy."): v for k, v in model_sd.items() if k.startswith("policy.")}
-        common.save_pretrained_atomic(policy_hf, tokenizer, args.output_dir, state_dict=policy_sd)
-        plot_curves(history, os.path.join(args.output_dir, "curves.png"))
-        summary = summarize(history)
-        common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
-                                 {**summary, "args": dataclasses.asdict(args)})
-        print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
         logger.close()
         samples_file.close()
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
         dist.barrier()
         dist.destroy_process_group()
     return history
+
+
+def stop_token_id(args, tokenizer):
+    stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
+        args.stop_token, -1))
+    if stop_id == -1:
+        raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
+                               "pass eos, none, or one token as the tokenizer spells it")
+    return stop_id
+
+
+FULL_STATE = dict(full_state_dict=True, cpu_offload=True)  # whole tensors on rank 0's CPU, however they are sharded
+
+
+def resume(trainable, optimizer, scheduler, args):
+    """The update to start from, the KL coefficient and the history: the latest checkpoint's with --resume (weights,
+    optimizer, scheduler and random state restored), else a fresh start."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    if not args.resume or (ckpt := common.load_latest_checkpoint(args.output_dir)) is None:
+        return 0, args.kl_coef, []
+    set_state_dict(trainable, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
+                   options=StateDictOptions(full_state_dict=True))
+    scheduler.load_state_dict(ckpt["scheduler"])
+    common.set_rng_state(ckpt["rng"])
+    return ckpt["update"], ckpt["kl_coef"], ckpt["history"]
+
+
+def save_checkpoint(trainable, optimizer, scheduler, update, kl_coef, history, args, rank):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(trainable, optimizer, options=StateDictOptions(**FULL_STATE))
+    if rank == 0:
+        common.save_checkpoint(args.output_dir, update, {
+            "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "update": update,
+            "kl_coef": kl_coef, "history": history, "rng": common.rng_state()})
+
+
+def save_final(trainable, policy_hf, tokenizer, history, args, rank):
+    """The final policy in transformers' format, its tokenizer, the curves and a summary."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model_sd = get_model_state_dict(trainable, options=StateDictOptions(**FULL_STATE))
+    if rank != 0:
+        return
+    policy_sd = {k.removeprefix("policy."): v for k, v in model_sd.items() if k.startswith("policy.")}
+    common.save_pretrained_atomic(policy_hf, tokenizer, args.output_dir, state_dict=policy_sd)
+    plot_curves(history, os.path.join(args.output_dir, "curves.png"))
+    summary = summarize(history)
+    common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
+                             {**summary, "args": dataclasses.asdict(args)})
+    print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
 
 
 def build_models(args, tokenizer, device):
