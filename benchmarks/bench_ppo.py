@@ -18,6 +18,14 @@ Episodes/s is over the training loop (TRL: inside train(); ppo.py: the sum of it
 generation; reference + reward + value forwards; learning (the PPO epochs). Peak memory is the process's peak RSS.
 Last, ppo.py's learning phase of one update per workload runs under the profiler: its share of time in matrix
 products and their GFLOP/s, against one large product's on the same machine (the ceiling).
+
+On a busy machine: --beside_threads N runs every row beside a second process, a torch matrix-product loop on N threads
+(a second training run, or a test suite), and writes benchmarks/results/ppo_cpu_busy.json; --omp_wait_policy passive
+runs the rows (not that neighbour) with OpenMP threads that sleep at a barrier instead of spinning:
+
+    python benchmarks/bench_ppo.py --trl_python .venv-trl/bin/python --workloads short --beside_threads 2
+    python benchmarks/bench_ppo.py --trl_python .venv-trl/bin/python --workloads short --beside_threads 2 \
+        --omp_wait_policy passive --out benchmarks/results/ppo_cpu_busy_passive.json
 """
 
 import argparse
@@ -257,7 +265,10 @@ def main():
     p.add_argument("--trl_python", default=sys.executable, help="a Python with TRL 1.12 (benchmarks/requirements-ppo.txt)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ppo_cpu.json"))
+    p.add_argument("--out", help="default: benchmarks/results/ppo_cpu.json, ppo_cpu_busy.json with --beside_threads")
+    p.add_argument("--beside_threads", type=int, default=0,
+                   help="run each row beside a torch matrix-product loop on this many threads (0: an idle machine)")
+    p.add_argument("--omp_wait_policy", choices=["passive", "active"], help="OMP_WAIT_POLICY of the rows")
     p.add_argument("--row", choices=["trl", "ours", "profile"], help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--assets", help=argparse.SUPPRESS)
@@ -265,16 +276,29 @@ def main():
     args = p.parse_args()
     if args.row:
         return row(args)
+    busy = args.beside_threads > 0
+    args.out = args.out or os.path.join(ROOT, "benchmarks", "results", f"ppo_cpu{'_busy' if busy else ''}.json")
     if not os.path.exists(HH):
         sys.exit(f"the long workload needs the HH-RLHF pairs at {HH}")
     assets = tempfile.mkdtemp()
     make_assets(assets)
     results, profiles = [], {}
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    neighbour_env = {k: v for k, v in env.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    if args.omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
 
     def child(python, row, workload):
-        proc = subprocess.run([python, __file__, "--row", row, "--workload", workload, "--assets", assets],
-                              capture_output=True, text=True, env=env, cwd=ROOT)
+        neighbour = busy and subprocess.Popen(
+            [sys.executable, "-c", (f"import torch\ntorch.set_num_threads({args.beside_threads})\n"
+                                    "a = torch.randn(512, 512)\nwhile True: a @ a")], env=neighbour_env)
+        try:
+            proc = subprocess.run([python, __file__, "--row", row, "--workload", workload, "--assets", assets],
+                                  capture_output=True, text=True, env=env, cwd=ROOT)
+        finally:
+            if neighbour:
+                neighbour.kill()
+                neighbour.wait()
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             sys.exit(f"{row} on {workload} failed:\n{proc.stderr[-4000:]}")
@@ -285,7 +309,8 @@ def main():
             for name, python in (("TRL 1.12 PPOTrainer", args.trl_python), ("ppo.py", sys.executable)):
                 t = time.time()
                 r = child(python, "trl" if name.startswith("TRL") else "ours", workload)
-                r |= {"row": name, "workload": workload, "repeat": repeat, "whole_process_s": time.time() - t}
+                r |= {"row": name, "workload": workload, "repeat": repeat, "whole_process_s": time.time() - t,
+                      "beside_threads": args.beside_threads, "omp_wait_policy": env.get("OMP_WAIT_POLICY", "default")}
                 r["episodes_per_s"] = r["episodes"] / r["train_s"]
                 r["generated_tokens_per_s"] = r["generated_tokens"] / r["train_s"]
                 results.append(r)
@@ -293,7 +318,7 @@ def main():
                       f"whole process {r['whole_process_s']:6.1f} s, generation {r['generation_s']:.1f} s, scoring "
                       f"{r['scoring_s']:.1f} s, learning {r['learning_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
                       flush=True)
-    for workload in args.workloads:  # where ppo.py's learning phase spends its time
+    for workload in [] if busy else args.workloads:  # where ppo.py's learning phase spends its time
         profiles[workload] = p = child(sys.executable, "profile", workload)
         print(f"{workload}: learning phase {100 * p['mm_share']:.0f}% in matrix products at {p['mm_gflops']:.0f} "
               f"GFLOP/s (one large product: {p['matmul_peak_gflops']:.0f}), {100 * p['attention_share']:.0f}% in "
