@@ -682,17 +682,7 @@ def main(args):
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps, scheduler_specific_kwargs=extra)
 
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                         set_state_dict)
-
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    start_step = 0
-    if args.resume and (ckpt := common.load_latest_checkpoint(args.output_dir)) is not None:
-        set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
-        scheduler.load_state_dict(ckpt["scheduler"])
-        common.set_rng_state(ckpt["rng"])
-        start_step = ckpt["step"]
+    start_step = resume(model, optimizer, scheduler, args)
     logger = common.Logger(args, args.wandb_project, start_step if args.resume else None) if rank == 0 else None
     n_params = sum(p.numel() for p in hf_model.parameters())
     if rank == 0:
@@ -759,38 +749,69 @@ def main(args):
             t_window += time.time() - t_pause  # the speed logged is the training loop's: evaluations are left out
         if args.save_steps and done % args.save_steps == 0 and done < total_steps:
             t_pause = time.time()
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=full)
-            if rank == 0:
-                common.save_checkpoint(args.output_dir, done, {"model": model_sd, "optimizer": optim_sd, "step": done,
-                                                               "scheduler": scheduler.state_dict(),
-                                                               "rng": common.rng_state()})
+            save_checkpoint(model, optimizer, scheduler, done, args, rank)
             t_window += time.time() - t_pause
 
     # 5. Normalize (shift the mean eval reward to 0, optionally scale its std to 1) and save in transformers' format.
-    shift = ev["eval/reward_mean"] if args.reward_normalization != "none" else 0.0
-    scale = ev["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0
-    model_sd = get_model_state_dict(model, options=full)
-    if rank == 0:
-        save_reward_model(hf_model, {k.removeprefix("hf."): v for k, v in model_sd.items()}, tokenizer, args.output_dir,
-                          shift, scale)
-        results = {**{k.removeprefix("eval/"): v for k, v in ev.items()}, "reward_shift": shift, "reward_scale": scale,
-                   "args": dataclasses.asdict(args)}
-        common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), results)
-        logger.close()
-        with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
-            plot_eval(os.path.join(args.output_dir, "eval.png"), eval_rewards, [json.loads(line) for line in f])
-        summary = f"final eval accuracy {ev['eval/accuracy']:.4f}"
-        if "eval/bayes_accuracy" in ev:
-            summary += f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})"
-        print(f"{summary}; saved to {args.output_dir}")
-        if args.push_to_hub:
-            repo = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
-            hf_model.push_to_hub(repo)
-            tokenizer.push_to_hub(repo)
+    save_final(model, hf_model, tokenizer, ev, eval_rewards, logger, args, rank)
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
         dist.barrier()
         dist.destroy_process_group()
     return ev
+
+
+FULL_STATE = {"full_state_dict": True, "cpu_offload": True}  # whole tensors on rank 0's CPU, under DDP and FSDP alike
+
+
+def resume(model, optimizer, scheduler, args):
+    """The step to start from: the latest checkpoint's with --resume (weights, optimizer, scheduler and random state
+    restored), else 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    if not args.resume or (ckpt := common.load_latest_checkpoint(args.output_dir)) is None:
+        return 0
+    set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
+                   options=StateDictOptions(full_state_dict=True))
+    scheduler.load_state_dict(ckpt["scheduler"])
+    common.set_rng_state(ckpt["rng"])
+    return ckpt["step"]
+
+
+def save_checkpoint(model, optimizer, scheduler, step, args, rank):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(**FULL_STATE))
+    if rank == 0:
+        common.save_checkpoint(args.output_dir, step, {"model": model_sd, "optimizer": optim_sd, "step": step,
+                                                       "scheduler": scheduler.state_dict(), "rng": common.rng_state()})
+
+
+def save_final(model, hf_model, tokenizer, ev, eval_rewards, logger, args, rank):
+    """The reward model in transformers' format with its normalization (the mean eval reward shifted to 0, optionally
+    its std scaled to 1), eval_results.json, the evaluation figure and a summary."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    shift = ev["eval/reward_mean"] if args.reward_normalization != "none" else 0.0
+    scale = ev["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0
+    model_sd = get_model_state_dict(model, options=StateDictOptions(**FULL_STATE))
+    if rank != 0:
+        return
+    save_reward_model(hf_model, {k.removeprefix("hf."): v for k, v in model_sd.items()}, tokenizer, args.output_dir,
+                      shift, scale)
+    results = {**{k.removeprefix("eval/"): v for k, v in ev.items()}, "reward_shift": shift, "reward_scale": scale,
+               "args": dataclasses.asdict(args)}
+    common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), results)
+    logger.close()
+    with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
+        plot_eval(os.path.join(args.output_dir, "eval.png"), eval_rewards, [json.loads(line) for line in f])
+    summary = f"final eval accuracy {ev['eval/accuracy']:.4f}"
+    if "eval/bayes_accuracy" in ev:
+        summary += f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})"
+    print(f"{summary}; saved to {args.output_dir}")
+    if args.push_to_hub:
+        repo = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
+        hf_model.push_to_hub(repo)
+        tokenizer.push_to_hub(repo)
 
 
 def train_step(model, micro_batches, args, pad_id, device):
