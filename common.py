@@ -41,6 +41,15 @@ def load_pretrained(loader, name, flag, **kwargs):
                         "name") from None
 
 
+def seed_of(*keys):
+    """A seed for the random stream named by keys (e.g. seed, "prompt order", epoch): streams of different keys are
+    independent (numpy's SeedSequence hashes them), so seed s + 1 never replays a stream of seed s."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([k if isinstance(k, int) else int.from_bytes(k.encode(), "little")
+                                       for k in keys]).generate_state(1, np.uint64)[0] >> 1)
+
+
 def exact_div(a, b, what):
     if b == 0 or a % b != 0:
         raise UserError(f"{what}: {a} is not divisible by {b}; change the sizes so it is")
@@ -320,13 +329,26 @@ def shared_prefix_split(a, b):
     return a[:i], a[i:], b[i:]
 
 
-def check_messages(messages, where, field):
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+ROLE_ALIASES = {"human": "user", "gpt": "assistant"}  # ShareGPT's names for the same turns
+
+
+def checked_messages(messages, tokenizer, where, field):
+    """The messages of a row with ShareGPT's roles renamed (human -> user, gpt -> assistant), after checking that each
+    is {'role': text, 'content': text} with a role the chat template renders."""
     if not isinstance(messages, list):
         raise UserError(f"{where}: field '{field}' is {type(messages).__name__}; expected a list of messages")
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise UserError(f"{where}: field '{field}', message {k}: expected {{'role': text, 'content': text}}, "
                             f"got {str(m)[:60]}")
+    messages = [dict(m, role=ROLE_ALIASES.get(m["role"], m["role"])) for m in messages]
+    for k, m in enumerate(messages):
+        if m["role"] not in ROLES:
+            raise UserError(f"{where}: field '{field}', message {k}: role {m['role']!r} is not one of "
+                            f"{', '.join(sorted(ROLES))} (or ShareGPT's human, gpt); rename it")
+    check_roles(tokenizer, messages, where, field)
+    return messages
 
 
 _RENDERED_ROLES = {}
@@ -371,9 +393,9 @@ def split_pair(row, tokenizer, where):
     if isinstance(chosen, list) or isinstance(rejected, list):  # conversational: lists of {role, content}
         if isinstance(prompt, str):  # a text prompt before message responses is the user's turn
             prompt = [{"role": "user", "content": prompt}]
-        for field, value in (("chosen", chosen), ("rejected", rejected)) + ((("prompt", prompt),) if prompt else ()):
-            check_messages(value, where, field)
-            check_roles(tokenizer, value, where, field)
+        chosen, rejected = (checked_messages(v, tokenizer, where, f) for v, f in ((chosen, "chosen"),
+                                                                                 (rejected, "rejected")))
+        prompt = checked_messages(prompt, tokenizer, where, "prompt") if prompt else prompt
         if not prompt:  # the messages both share are the prompt
             k = 0
             while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
@@ -464,6 +486,17 @@ def truncate_pair(prompt_ids, chosen_ids, rejected_ids, max_length, max_prompt_l
     budget = max_length - len(p)
     c, r = chosen_ids[:budget], rejected_ids[:budget]
     return p, c, r, (len(p), len(c), len(r)) != (len(prompt_ids), len(chosen_ids), len(rejected_ids))
+
+
+def check_position_table(model, length, flag):
+    """A model with a learned position table (GPT-2, OPT, BERT) cannot read past its end: say so before training,
+    not as an index error at the first long batch. (Rotary and ALiBi models have no table to run past.)"""
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m is not model.get_input_embeddings()
+              and limit and limit <= m.num_embeddings <= limit + 2]  # OPT's table has 2 extra rows
+    if tables and length > limit:
+        raise UserError(f"{flag}: {length} tokens, but {model.config.name_or_path or 'the model'} has a learned position "
+                        f"table of {limit}; pass at most {limit}")
 
 
 def without_dropout(config):
@@ -576,11 +609,25 @@ def save_figure(fig, path):
     os.replace(path + ".tmp.png", path)
 
 
+WEIGHT_FILES = ("model.safetensors", "model-", "pytorch_model", "adapter_model")
+
+
 def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
+    """save_pretrained into a temporary folder, then moved in; the weight files of an earlier save that this one does
+    not rewrite (a single file beside a new sharded index) are removed, so a loader never mixes two saves."""
     tmp = os.path.join(output_dir, ".saving")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, **kwargs)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp, **kwargs)
+        tokenizer.save_pretrained(tmp)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise_if_disk_full(output_dir, sum(p.numel() * p.element_size() for p in model.state_dict().values()), e)
+        raise
+    new = set(os.listdir(tmp))
+    for name in os.listdir(output_dir):
+        if name.startswith(WEIGHT_FILES) and name not in new:
+            os.remove(os.path.join(output_dir, name))
     for name in os.listdir(tmp):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
     os.rmdir(tmp)
@@ -610,10 +657,15 @@ def save_checkpoint(output_dir, step, state, keep=2):
     tmp = os.path.join(root, name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    with open(os.path.join(tmp, "state.pt"), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise_if_disk_full(root, state_bytes(state), e)
+        raise
     fsync_dir(tmp)
     os.replace(tmp, os.path.join(root, name))
     fsync_dir(root)
@@ -629,6 +681,22 @@ def save_checkpoint(output_dir, step, state, keep=2):
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
+def state_bytes(obj):
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    return sum(state_bytes(v) for v in obj) if isinstance(obj, (list, tuple)) else 0
+
+
+def raise_if_disk_full(folder, needed, error):
+    free = shutil.disk_usage(folder).free
+    if free < needed * 1.1 or getattr(error, "errno", None) == 28:  # ENOSPC
+        raise UserError(f"{folder}: no room to save ({needed / 1e6:.0f} MB needed, {free / 1e6:.0f} MB free); the "
+                        "partial files were removed and earlier saves are intact: free space or pass another "
+                        "--output_dir") from None
+
+
 def load_latest_checkpoint(output_dir):
     root = os.path.join(output_dir, "checkpoints")
     try:
@@ -636,7 +704,7 @@ def load_latest_checkpoint(output_dir):
             name = f.read().strip()
     except FileNotFoundError:
         return None
-    return torch.load(os.path.join(root, name, "state.pt"), weights_only=False)
+    return torch.load(os.path.join(root, name, "state.pt"), weights_only=True)  # a checkpoint runs no code
 
 
 def rng_state():

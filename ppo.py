@@ -308,13 +308,14 @@ def generate(model, query, query_mask, generators, args, stop_id, pad_id, collec
     mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
         -1, args.response_length)], 1)
     cache = StaticCache(config=model.config, max_cache_len=mask.shape[1])
+    last_only = {"logits_to_keep": 1} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     out = model(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True,
-                **positions_for(model, position))
+                **positions_for(model, position), **last_only)  # B x V logits, not B x prompt x V
     tokens, logprobs = [], []
     done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
     for t in range(args.response_length):
         logits = out.logits[:, -1].float() / args.temperature
-        noise = torch.stack([torch.rand(logits.shape[-1], generator=g) for g in generators]).to(logits.device)
+        noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generators])
         gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
         token = (logits + gumbel).argmax(-1)
         logprobs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1))
@@ -348,9 +349,10 @@ class ScalarHeadModel(torch.nn.Module):
         return self.hf.score(hidden).squeeze(-1).float()
 
 
-def policy_forward(policy, query_response, mask, context_length, temperature, with_entropy_grad=True):
-    """Log-probs and entropies of the response tokens under the policy, at the sampling temperature. Logits are
-    computed for the response positions only (with a large vocabulary, the prompt's would cost a large share)."""
+def policy_forward(policy, query_response, mask, context_length, temperature, with_entropy_grad=True, entropy=True):
+    """Log-probs and (unless entropy=False) entropies of the response tokens under the policy, at the sampling
+    temperature. Logits are computed for the response positions only (with a large vocabulary, the prompt's would
+    cost a large share)."""
     position = (mask.cumsum(1) - 1).clamp(min=0)
     keep = query_response.shape[1] - context_length + 1
     only_kept = {"logits_to_keep": keep} if takes_argument(type(unwrap(policy)), "logits_to_keep") else {}
@@ -358,6 +360,8 @@ def policy_forward(policy, query_response, mask, context_length, temperature, wi
     logits = logits[:, -keep:-1].float() / temperature
     logp_all = torch.log_softmax(logits, -1)
     logprobs = logp_all.gather(-1, query_response[:, context_length:, None]).squeeze(-1)
+    if not entropy:
+        return logprobs, None
     with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):  # a statistic unless ent_coef > 0
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logprobs, entropy
@@ -384,7 +388,9 @@ def load_policy(args, tokenizer):
     if args.sft_model_path.startswith("embedded-"):
         return common.disable_dropout(common.embedded_sft_policy(args.sft_model_path, tokenizer, args.seed))
     config = common.without_dropout(common.load_pretrained(AutoConfig, args.sft_model_path, "--sft_model_path"))
-    return common.disable_dropout(AutoModelForCausalLM.from_pretrained(args.sft_model_path, config=config))
+    # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights
+    return common.disable_dropout(AutoModelForCausalLM.from_pretrained(args.sft_model_path, config=config,
+                                                                       dtype=torch.float32))
 
 
 @dataclass
@@ -421,7 +427,9 @@ def load_reward(args, tokenizer):
     if config.num_labels != 1:
         raise common.UserError(f"--reward_model_path {path}: the model has {config.num_labels} labels; a reward model "
                                "has one (a scalar)")
-    hf = common.disable_dropout(AutoModelForSequenceClassification.from_pretrained(path, config=config))
+    # float32, as rm.py trained it: the critic starts from this model, and the scores are compared across runs
+    hf = common.disable_dropout(AutoModelForSequenceClassification.from_pretrained(path, config=config,
+                                                                                   dtype=torch.float32))
     reward.hf, reward.tokenizer = hf.eval().requires_grad_(False), AutoTokenizer.from_pretrained(path)
     shift, scale = getattr(config, "reward_shift", 0.0), getattr(config, "reward_scale", 1.0)
     if hasattr(hf, "score"):  # a decoder, read at the last real token
@@ -500,24 +508,30 @@ def load_prompts(args, tokenizer):
         texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
     bos_id = common.leading_id(tokenizer)
     ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in common.tokenize_prompts(tokenizer, texts)]
+    empty = next((i for i, p in enumerate(ids) if not p), None)
+    if empty is not None:  # no BOS and no text: the first response token would attend to nothing
+        raise common.UserError(f"{common.where(rows[empty])}: the prompt is empty and {args.sft_model_path}'s "
+                               "tokenizer adds no BOS token, so the policy has nothing to continue; give it a prompt")
     return ids, texts
 
 
 def prompt_text(row, tokenizer, where):
+    """A row's prompt as the policy continues it. A preference row's prompt is the one rm.py trained the reward model
+    on (common.split_pair: a text prompt before message responses is the user's turn); a `prompt` or `messages` list
+    is rendered by the chat template up to the assistant's turn; a text prompt alone is the text."""
     if not isinstance(row, dict):
         raise common.UserError(f"{where}: expected an object with a 'prompt', got {type(row).__name__}")
+    if "chosen" in row:
+        return common.split_pair(row, tokenizer, where)[0]
     field = "prompt" if "prompt" in row else "messages"
     prompt = row.get(field)
-    if isinstance(prompt, list):  # chat messages: everything up to the assistant's turn, then the generation prompt
-        common.check_messages(prompt, where, field)
-        common.check_roles(tokenizer, prompt, where, field)
+    if isinstance(prompt, list):
+        prompt = common.checked_messages(prompt, tokenizer, where, field)
         if prompt and prompt[-1]["role"] == "assistant":
             prompt = prompt[:-1]
         return common.render_chat(tokenizer, prompt, where, generation_prompt=True)
     if isinstance(prompt, str):
         return prompt
-    if "chosen" in row:
-        return common.split_pair(row, tokenizer, where)[0]
     raise common.UserError(f"{where}: no 'prompt', 'messages' or 'chosen' field to take a prompt from")
 
 
@@ -617,7 +631,8 @@ def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collect
     chunk = len(episodes) // args.num_collect_steps
     responses, logprobs = [], []
     for c in range(0, len(episodes), chunk):
-        generators = [torch.Generator().manual_seed(args.seed * 1_000_003 + e) for e in episodes[c:c + chunk]]
+        generators = [torch.Generator(device).manual_seed(common.seed_of(args.seed, "sampling", e))
+                      for e in episodes[c:c + chunk]]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             r, lp = generate(policy, query[c:c + chunk], query_mask[c:c + chunk], generators, args, stop_id, pad_id,
                              collective)
@@ -635,30 +650,32 @@ def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt
     similar length (one group under FSDP, where every rank must make the same calls)."""
     context_length = query.shape[1]
     query_response, qr_mask = torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long()
-    has_stop = (responses == stop_id).any(1) if stop_id is not None else torch.ones(len(responses), dtype=torch.bool,
-                                                                                       device=responses.device)
+    has_stop = (responses == stop_id).any(1) if stop_id is not None else None
     response_texts = [tokenizer.decode(r[m & (r != stop_id)] if stop_id is not None else r[m], skip_special_tokens=True)
                       for r, m in zip(responses.cpu(), mask.cpu())]
     scores = torch.zeros(len(responses), device=responses.device)
     ref_logprobs, values = torch.zeros_like(responses, dtype=torch.float), torch.zeros_like(responses, dtype=torch.float)
     own_tokens = isinstance(reward.model, ScalarHeadModel) and reward.reads_policy_tokens
     groups = [torch.arange(len(responses))] if collective else length_groups(query_mask.sum(1), mask.sum(1))
+    micro = args.per_device_train_batch_size  # peak memory of one micro-batch's forwards, as in learning
     with torch.autocast(responses.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        for rows in (g.to(responses.device) for g in groups):
+        for rows in (g.to(responses.device)[i:i + micro] for g in groups for i in range(0, len(g), micro)):
             ids, ids_mask, context, kept = trim_padding(query_response[rows], qr_mask[rows], context_length)
-            ref_logprobs[rows, :kept] = policy_forward(ref_policy, ids, ids_mask, context, args.temperature)[0]
+            ref_logprobs[rows, :kept] = policy_forward(ref_policy, ids, ids_mask, context, args.temperature,
+                                                       entropy=False)[0]
             values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
             if own_tokens:  # read at the response's last real token
                 s = reward.model(ids, ids_mask).gather(1, last_token_index(ids_mask)[:, None]).squeeze(1)
                 scores[rows] += (s - reward.offset) / reward.scale
-        if reward.model is not None and not own_tokens:  # another vocabulary, or an encoder: the text, retokenized
+        for i in range(0, len(responses) if reward.model is not None and not own_tokens else 0, micro):
+            rows = slice(i, i + micro)  # another vocabulary, or an encoder: the text, retokenized
             ids, ids_mask = (t.to(responses.device) for t in reward_model_tokens(
-                query, query_mask, responses, mask, stop_id, tokenizer, reward, args))
+                query[rows], query_mask[rows], responses[rows], mask[rows], stop_id, tokenizer, reward, args))
             if isinstance(reward.model, ScalarHeadModel):
                 s = reward.model(ids, ids_mask).gather(1, last_token_index(ids_mask)[:, None]).squeeze(1)
             else:  # an encoder, pooled by its own head
                 s = reward.model(input_ids=ids, attention_mask=ids_mask).logits[:, 0].float()
-            scores += (s - reward.offset) / reward.scale
+            scores[rows] += (s - reward.offset) / reward.scale
     if reward.fn is not None:
         scores += call_reward_fn(reward, prompt_texts, response_texts).to(scores.device)
     if args.missing_eos_penalty is not None:
@@ -735,7 +752,7 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
     stats = []
     for ppo_epoch in range(args.num_ppo_epochs):
         order = torch.randperm(len(mask), generator=torch.Generator().manual_seed(
-            args.seed * 7919 + update * 131 + ppo_epoch)).to(device)
+            common.seed_of(args.seed, "mini-batches", update, ppo_epoch))).to(device)
         for mb in range(args.num_mini_batches):
             mini = order[mb * mini_size:(mb + 1) * mini_size]
             n_tokens = mask[mini].sum()
@@ -824,6 +841,9 @@ def check_args(args):
     if args.top_k != 0 or args.top_p != 1.0:
         raise common.UserError("--top_k/--top_p: PPO needs the log-probs of the distribution a token was sampled from; "
                                "top-k/top-p sampling would make the rollout silently off-policy. Use --temperature")
+    if args.missing_eos_penalty is not None and args.stop_token == "none":
+        raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops, so "
+                               "every one would be penalised")
     if args.ptx_coef > 0 and args.ptx_dataset_name is None:
         raise common.UserError(f"--ptx_coef {args.ptx_coef} needs --ptx_dataset_name (a dataset with a 'text' column)")
 
@@ -901,8 +921,8 @@ def main(args):
             ref_policy.to("cpu"), reward.model is not None and reward.model.to("cpu")
         # Every rank takes the whole rollout batch, so the learning phase is the same for any number of ranks.
         query_response, qr_mask, mask, logprobs, ref_logprobs, values, scores, has_stop, gold = (
-            all_gather_cat(t) for t in (query_response, qr_mask, mask, logprobs, ref_logprobs, values, scores,
-                                        has_stop, gold))
+            t if t is None else all_gather_cat(t) for t in (query_response, qr_mask, mask, logprobs, ref_logprobs,
+                                                            values, scores, has_stop, gold))
         mask_f = mask.float()
         t_score = time.time()
 
@@ -1012,6 +1032,9 @@ def build_models(args, tokenizer, device):
                                "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer)
+    length = args.max_prompt_length + args.response_length
+    for model in [policy_hf] + ([reward.hf] if reward.model is not None and reward.reads_policy_tokens else []):
+        common.check_position_table(model, length, f"--max_prompt_length + --response_length ({length})")
     ref_policy = copy.deepcopy(policy_hf).eval().requires_grad_(False).to(device)
     critic_hf = critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
     if reward.model is not None:
@@ -1027,7 +1050,7 @@ def episode_prompts(episodes, n_prompts, seed, orders):
     for e in episodes:
         if e // n_prompts not in orders:
             orders[e // n_prompts] = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(
-                seed + e // n_prompts))
+                common.seed_of(seed, "prompt order", e // n_prompts)))
     return [orders[e // n_prompts][e % n_prompts].item() for e in episodes]
 
 
@@ -1035,8 +1058,9 @@ def rollout_metrics(kl, non_score_reward, logprobs, values, scores, mask, has_st
     m = {"objective/kl": kl.sum(1).mean().item(), "objective/entropy": (-logprobs * mask).sum(1).mean().item(),
          "objective/non_score_reward": non_score_reward.sum(1).mean().item(), "objective/scores": scores.mean().item(),
          "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
-         "val/mean": masked_mean(values, mask).item(), "response/length": mask.sum(1).mean().item(),
-         "response/eos_rate": has_stop.float().mean().item()}
+         "val/mean": masked_mean(values, mask).item(), "response/length": mask.sum(1).mean().item()}
+    if has_stop is not None:  # None with --stop_token none: no response can stop
+        m["response/eos_rate"] = has_stop.float().mean().item()
     if not torch.isnan(gold).all():
         m["gold/mean"], m["gold/std"] = gold.mean().item(), gold.std().item()
     return m

@@ -124,13 +124,9 @@ class Args:
     """Hub repository for --push_to_hub (default: the output directory's name)."""
     # --- systems
     padding_free: bool = True
-    """No pad tokens: the sequences of a micro-batch are laid end to end in one row, position ids restarting, and
-    attention is computed per sequence, so its cost follows each sequence's length; pairs under ONE_ROW_TOKENS on
-    average, and attention kernels that cannot be called per sequence, get rows with a 4D mask instead.
-    --no_padding_free: the plain padded batch."""
-    segment_attention: bool = True
-    """With --padding_free: attention computed sequence by sequence in one row (cost: the sum of squared sequence
-    lengths). --no_segment_attention: rows as wide as the longest sequence with a 4D mask (cost: rows x width^2)."""
+    """No pad tokens: the sequences of a micro-batch lie end to end in one row, position ids restarting, and attention
+    is computed per block of whole pairs (segment_attention), with each layer's own sliding window and softcapping.
+    Encoders, ALiBi models and attention with sinks take the padded batch. --no_padding_free: the plain padded batch."""
     prefix_sharing: bool = True
     """One sequence per pair: prompt + chosen + rejected, the rejected tokens seeing the prompt but not the chosen
     ones, so the shared prompt is computed once. Same rewards as two sequences. --no_prefix_sharing to turn off."""
@@ -176,10 +172,10 @@ def pearson(x, y):
 
 
 class RewardModel(torch.nn.Module):
-    """A transformers sequence-classification model, read at the last real token of each sequence. With a 2D padding
-    mask, the read points and position ids come from the mask (left and right padding give the same rewards); a packed
-    batch (see pack_pairs) passes its 4D mask, position ids and read points. Encoders (BERT, RoBERTa, DeBERTa: a
-    pooled `classifier` head instead of `score`) are read through their own forward, at [CLS]."""
+    """A transformers sequence-classification model, read at the last real token of each sequence. A padded batch
+    (2D mask) is read where the mask ends (left and right padding give the same rewards); a packed row (see
+    pack_segments) brings its position ids, read points and segments. Encoders (BERT, RoBERTa, DeBERTa: a pooled
+    `classifier` head instead of `score`) are read through their own forward, at [CLS]."""
 
     def __init__(self, hf_model):
         super().__init__()
@@ -188,29 +184,19 @@ class RewardModel(torch.nn.Module):
         self.takes_position_ids = "position_ids" in inspect.signature(hf_model.base_model.forward).parameters
 
     def forward(self, input_ids, attention_mask, position_ids=None, read_at=None, segments=None):
+        if not self.reads_last_token:
+            return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
         if segments is not None:  # one padding-free row; segment_attention keeps attention inside each sequence
             if self.hf.config._attn_implementation != "rm_segments":
-                raise ValueError("a batch of segments needs the model's attention set by choose_layout")
+                raise ValueError("a packed row needs the model's attention set by choose_layout")
             hidden = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                         rm_segments=segments).last_hidden_state
             return self.hf.score(hidden[read_at[0], read_at[1]]).squeeze(-1).float()
-        if not self.reads_last_token:
-            return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
-        if attention_mask.dim() == 4 and self.hf.config._attn_implementation != "sdpa":
-            # Eager attention ADDS a 4D mask to the scores (a boolean one would add 1 and 0): make it 0 / very
-            # negative. SDPA reads a boolean mask as it is meant, at a quarter of the memory.
-            device = input_ids.device.type
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.hf.dtype
-            attention_mask = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill(
-                ~attention_mask, torch.finfo(dtype).min)
-        elif position_ids is None:
-            position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        positions = {"position_ids": position_ids} if self.takes_position_ids else {}  # ALiBi models take none
+        positions = {"position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0)} if self.takes_position_ids else {}
         hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                    **positions).last_hidden_state
-        rows, cols = read_at if read_at is not None else (torch.arange(len(hidden), device=hidden.device),
-                                                          last_token_index(attention_mask))
-        return self.hf.score(hidden[rows, cols]).squeeze(-1).float()
+                                    **positions).last_hidden_state  # ALiBi models take no position ids
+        rows = torch.arange(len(hidden), device=hidden.device)
+        return self.hf.score(hidden[rows, last_token_index(attention_mask)]).squeeze(-1).float()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -242,7 +228,9 @@ def load_reward_model(args, tokenizer):
         trained_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
         config.num_labels = 1
         # dropout off, before the model is built: the two passes of a pair must see the same network
-        model = AutoModelForSequenceClassification.from_pretrained(name, config=common.without_dropout(config))
+        # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights
+        model = AutoModelForSequenceClassification.from_pretrained(name, config=common.without_dropout(config),
+                                                                   dtype=torch.float32)
     common.disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
@@ -260,21 +248,33 @@ def tokenize_pairs(rows, tokenizer, args):
     texts = [None] * len(rows)
     for i in in_file_order:  # the first bad row of a file is the one reported, however the rows were shuffled
         texts[i] = common.split_pair(rows[i], tokenizer, common.where(rows[i]))
-        margin = rows[i].get("margin", 0.0)
-        if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not math.isfinite(margin):
-            raise common.UserError(f"{common.where(rows[i])}: field 'margin' is {margin!r}; expected a finite number")
+        rows[i]["margin"] = margin_of(rows[i])
     prompts = common.tokenize_prompts(tokenizer, [t[0] for t in texts])
     chosen = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[1] for t in texts])
     rejected = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[2] for t in texts])
     bos_id, pairs, n_truncated = common.leading_id(tokenizer), [], 0
     for row, p, c, r in zip(rows, prompts, chosen, rejected):
-        margin = row.get("margin", 0.0)
+        margin = row["margin"]
         p, c, r, cut = common.truncate_pair(p, c, r, args.max_length, args.max_prompt_length, bos_id)
         n_truncated += cut
         if c != r:
             pairs.append({"prompt": p, "chosen": c, "rejected": r, "margin": float(margin),
-                          "gold": (row["gold_chosen"], row["gold_rejected"]) if "gold_chosen" in row else None})
+                          "gold": (row["gold_chosen"], row["gold_rejected"]) if row.get("gold_chosen") is not None else None})
     return pairs, n_truncated, len(rows) - len(pairs)
+
+
+def margin_of(row):
+    """A row's margin: a number, or text that reads as one (CSV cells are text); absent or empty is 0."""
+    margin = row.get("margin")
+    if margin is None or margin == "":
+        return 0.0
+    try:
+        value = float(margin.strip()) if isinstance(margin, str) else margin
+    except ValueError:
+        value = None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise common.UserError(f"{common.where(row)}: field 'margin' is {margin!r}; expected a finite number")
+    return float(value)
 
 
 def collate(pairs, pad_id, padding_side="right"):
@@ -289,145 +289,126 @@ def collate(pairs, pad_id, padding_side="right"):
     return ids, mask, torch.tensor([p["margin"] for p in pairs])
 
 
-def pack_pairs(pairs, pad_id, share_prompt=True, pack=True):
-    """A padding-free batch. Each pair is one sequence, prompt + chosen + rejected (share_prompt), or two; sequences
-    are packed first-fit-decreasing into rows as wide as the longest one (pack) or one per row. The boolean mask
-    (rows, 1, W, W) lets a token attend to earlier tokens of its own sequence, and a rejected token to the prompt but
-    never to the chosen tokens; rejected position ids continue from the prompt's end. So each reward equals the one
-    the separate sequence prompt + response gives (Wang et al. 2024, arXiv 2410.20305). Returns ids, mask, position ids
-    and the (row, column) read points of every chosen reward, then every rejected one."""
-    n, seqs = len(pairs), []  # (tokens, branch of each token: 0 shared, 1 chosen, 2 rejected; positions; read points)
-    for i, p in enumerate(pairs):
-        P, C, R = len(p["prompt"]), len(p["chosen"]), len(p["rejected"])
-        if share_prompt:
-            seqs.append((p["prompt"] + p["chosen"] + p["rejected"], [0] * P + [1] * C + [2] * R,
-                         list(range(P + C)) + list(range(P, P + R)), [(i, P + C - 1), (n + i, P + C + R - 1)]))
-        else:
-            seqs.append((p["prompt"] + p["chosen"], [0] * (P + C), list(range(P + C)), [(i, P + C - 1)]))
-            seqs.append((p["prompt"] + p["rejected"], [0] * (P + R), list(range(P + R)), [(n + i, P + R - 1)]))
-    width = max(len(s[0]) for s in seqs)
-    rows, room = [], []
-    for seq in sorted(seqs, key=lambda s: -len(s[0])) if pack else seqs:
-        fit = next((r for r in range(len(rows)) if room[r] >= len(seq[0])), None) if pack else None
-        if fit is None:
-            rows.append([]), room.append(width)
-            fit = len(rows) - 1
-        rows[fit].append(seq)
-        room[fit] -= len(seq[0])
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    seq_id = torch.full((len(rows), width), -1, dtype=torch.long)
-    branch, positions = torch.zeros_like(ids), torch.zeros_like(ids)
-    read = torch.zeros(2, 2 * n, dtype=torch.long)
-    for r, row in enumerate(rows):
-        start = 0
-        for k, (tokens, br, pos, reads) in enumerate(row):
-            end = start + len(tokens)
-            ids[r, start:end], seq_id[r, start:end] = torch.tensor(tokens), k
-            branch[r, start:end], positions[r, start:end] = torch.tensor(br), torch.tensor(pos)
-            for j, last in reads:
-                read[:, j] = torch.tensor([r, start + last])
-            start = end
-    same_seq = (seq_id[:, :, None] == seq_id[:, None, :]) & (seq_id[:, None, :] >= 0)
-    visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
-    mask = same_seq & visible & torch.ones(width, width, dtype=torch.bool).tril()
-    mask |= torch.eye(width, dtype=torch.bool)  # a padding query attends to itself: an empty row would give NaN
-    return ids, mask[:, None], positions, read
+BLOCK_TOKENS = 256
+"""segment_attention makes one SDPA call per block of consecutive pairs of at most this many tokens (a longer pair is
+a block alone): short pairs share a call, which costs more than their attention, and long ones pay only for their
+own length, never for the row's."""
 
 
-def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, rm_segments=None,
-                      **kwargs):
-    """The attention of a model that choose_layout gave the one-row layout: for one padding-free row (see
-    pack_segments), causal attention over each prompt + chosen and over each prompt + rejected (the prompt's queries
-    recomputed, their outputs dropped), so the cost is the sum of the sequences' squared lengths, not the row's; each
-    sequence is one plain causal SDPA call, the fused kernel on CPU and GPU alike. Any other batch (no segments): the
-    model's SDPA, unchanged. A model that cannot pass the segments down, or needs softcapping or sinks, raises here,
-    and choose_layout's probe then keeps its own attention."""
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("the model's attention needs logit softcapping or sinks")
+class Segments:
+    """What segment_attention needs to know of a packed row: each token's sequence, branch (0 prompt, 1 chosen,
+    2 rejected) and position, and the blocks (start, end) of whole sequences it attends within. The mask of a block is
+    built once per sliding window (layers may differ) and kept for the other layers."""
+
+    def __init__(self, sequence, branch, position, blocks):
+        self.sequence, self.branch, self.position, self.blocks = sequence, branch, position, blocks
+        self.masks, self.calls = {}, []
+
+    def mask(self, b, window, device):
+        if (b, window) not in self.masks:
+            s, e = self.blocks[b]
+            seq, branch, pos = (t[s:e].to(device) for t in (self.sequence, self.branch, self.position))
+            # a token sees earlier tokens of its own sequence: the prompt, and its own branch (never the other one)
+            m = (seq[:, None] == seq[None, :]) & ((branch[None, :] == 0) | (branch[:, None] == branch[None, :]))
+            m &= pos[None, :] <= pos[:, None]
+            if window:  # transformers' sliding window: query i sees key j when i - j < window
+                m &= pos[:, None] - pos[None, :] < window
+            self.masks[(b, window)] = m
+        return self.masks[(b, window)]
+
+
+def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                      sliding_window=None, rm_segments=None, **kwargs):
+    """The attention of a model given the packed layout (choose_layout registers it): per block of whole pairs, one
+    SDPA call whose mask keeps each token inside its own sequence (a rejected token sees the prompt, never the chosen
+    tokens) and inside this layer's sliding window; logit softcapping (Gemma 2: softcap * tanh(s / softcap)) in plain
+    operations. Sinks (a learned extra logit) are not supported: such a model keeps the padded batch."""
     if rm_segments is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    sliding_window = kwargs.get("sliding_window")
-    gqa = query.shape[1] != key.shape[1]
-
-    def attend(q, k, v):  # causal, within the model's sliding window if it has one (transformers: i - j < window)
-        if not sliding_window or q.shape[2] <= sliding_window:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
-        i = torch.arange(q.shape[2], device=q.device)
-        band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < sliding_window)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=scaling, enable_gqa=gqa)
-
+        raise ValueError("a model given the packed layout is called with a packed row only (see pack_segments)")
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise NotImplementedError("attention sinks")
+    rm_segments.calls.append(sliding_window)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = None  # (1, heads, tokens, head dim), in the attention's dtype (autocast may differ from the query's)
-    for start, P, C, R in rm_segments:  # slices stay 4D: 3D inputs miss the fused SDPA kernel on CPU
-        end = start + P + C
-        a = attend(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end])
-        out = a.new_zeros(query.shape) if out is None else out
-        out[:, :, start:end] = a
-        if R:
-            prompt_and_rejected = lambda t: torch.cat([t[:, :, start:start + P], t[:, :, end:end + R]], 2)  # noqa: E731
-            out[:, :, end:end + R] = attend(*map(prompt_and_rejected, (query, key, value)))[:, :, P:]
+    for b, (s, e) in enumerate(rm_segments.blocks):  # slices stay 4D: 3D inputs miss the fused kernel on CPU
+        q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
+        mask = rm_segments.mask(b, sliding_window, query.device)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                               enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+            scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scaling / softcap)
+            o = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(v.dtype) @ v
+        out = o.new_empty(query.shape) if out is None else out
+        out[:, :, s:e] = o
     return out.transpose(1, 2).contiguous(), None
 
 
 from transformers import AttentionInterface  # noqa: E402
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 AttentionInterface.register("rm_segments", segment_attention)
-AttentionMaskInterface.register("rm_segments", sdpa_mask)  # padded batches get the masks SDPA gets
+# segment_attention builds its own masks: transformers' (a dense N x N one over a packed row) is never made
+AttentionMaskInterface.register("rm_segments", lambda *args, **kwargs: None)
 
 
 def pack_segments(pairs, share_prompt=True):
-    """A padding-free batch of one row: every pair's prompt + chosen + rejected (share_prompt) or its two sequences,
-    end to end, position ids restarting per sequence (the rejected ones continuing from the prompt's end). Returns ids,
-    None where pack_pairs has its mask, position ids, the (row, column) read points of every chosen reward then every
-    rejected one, and the segments (start, prompt length, chosen length, rejected length) that segment_attention keeps
-    attention inside."""
-    ids, positions, segments, reads = [], [], [], [[], []]
+    """A padding-free batch of one row: every pair's prompt + chosen + rejected (share_prompt: the rejected position
+    ids continuing from the prompt's end) or its two sequences, end to end, position ids restarting per sequence, cut
+    into blocks of whole sequences (BLOCK_TOKENS). So each reward equals the one the separate sequence prompt +
+    response gives (Wang et al. 2024, arXiv 2410.20305). Returns ids, None where a padded batch has its mask, position
+    ids, the (row, column) read points of every chosen reward then every rejected one, and the Segments."""
+    ids, seq, branch, positions, reads, blocks = [], [], [], [], [[], []], []
+
+    def add(tokens, branches, pos):
+        if not blocks or len(ids) + len(tokens) - blocks[-1][0] > BLOCK_TOKENS:
+            blocks.append([len(ids), len(ids)])
+        ids.extend(tokens), branch.extend(branches), positions.extend(pos)
+        seq.extend([len(reads[0]) + len(reads[1])] * len(tokens))
+        blocks[-1][1] = len(ids)
+
     for p in pairs:
         P, C, R = len(p["prompt"]), len(p["chosen"]), len(p["rejected"])
         if share_prompt:
-            start = len(ids)
-            ids += p["prompt"] + p["chosen"] + p["rejected"]
-            positions += list(range(P + C)) + list(range(P, P + R))
-            segments.append((start, P, C, R))
-            reads[0].append(start + P + C - 1), reads[1].append(start + P + C + R - 1)
+            reads[0].append(len(ids) + P + C - 1), reads[1].append(len(ids) + P + C + R - 1)
+            add(p["prompt"] + p["chosen"] + p["rejected"], [0] * P + [1] * C + [2] * R,
+                list(range(P + C)) + list(range(P, P + R)))
         else:
             for side, response in enumerate((p["chosen"], p["rejected"])):
-                start = len(ids)
-                ids += p["prompt"] + response
-                positions += list(range(P + len(response)))
-                segments.append((start, 0, P + len(response), 0))
-                reads[side].append(start + P + len(response) - 1)
+                reads[side].append(len(ids) + P + len(response) - 1)
+                add(p["prompt"] + response, [0] * (P + len(response)), list(range(P + len(response))))
     cols = torch.tensor(reads[0] + reads[1])
+    segments = Segments(torch.tensor(seq), torch.tensor(branch), torch.tensor(positions), [tuple(b) for b in blocks])
     return torch.tensor([ids]), None, torch.tensor([positions]), torch.stack([torch.zeros_like(cols), cols]), segments
 
 
 def model_inputs(pairs, pad_id, args):
-    """(ids, mask, position ids, read points) of a micro-batch in the mode the arguments ask for; with the plain
-    padded batch, position ids and read points come from the mask."""
-    if not args.padding_free and not args.prefix_sharing:
-        ids, mask, _ = collate(pairs, pad_id)
-        return ids, mask, None, None
-    if args.padding_free and args.segment_attention:
-        return pack_segments(pairs, share_prompt=args.prefix_sharing)
-    return pack_pairs(pairs, pad_id, share_prompt=args.prefix_sharing, pack=args.padding_free)
+    """(ids, mask, position ids, read points, segments) of a micro-batch in the layout the arguments ask for; with
+    the plain padded batch, position ids and read points come from the mask."""
+    if not args.padding_free:
+        return collate(pairs, pad_id)[:2] + (None, None, None)
+    return pack_segments(pairs, share_prompt=args.prefix_sharing)
 
 
-ONE_ROW_TOKENS = 256  # measured (benchmarks/bench_rm.py, CPU): one row wins at 703 tokens per pair, ties at 205
+def declared_windows(config):
+    """The sliding window of each layer, as the config declares it (None: full attention)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * \
+        config.num_hidden_layers
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 @torch.no_grad()
-def choose_layout(model, args, vocab_size, pair_tokens=float("inf")):
-    """The fastest batch layout that gives this model exactly the rewards of the plain padded batch, and why: one row
-    with attention per sequence, else rows with a 4D mask, else padded. Packing needs position ids; encoders (pooled
-    over the whole sequence), ALiBi models (positions from a 2D mask) and recurrent ones get the padded batch. A probe
-    on a few random pairs checks each packed layout's rewards against the padded ones, so a family whose attention
-    ignores the segments or the mask is caught here, not later. Pairs shorter than ONE_ROW_TOKENS on average (prompt +
-    chosen + rejected) prefer the 4D-mask rows: there a Python call per sequence costs more than the mask wastes.
-    Returns the arguments and the layout's description."""
-    padded = dataclasses.replace(args, padding_free=False, prefix_sharing=False)
-    if not (args.padding_free or args.prefix_sharing):
+def choose_layout(model, args, vocab_size):
+    """The packed layout (one row, segment_attention) wherever it is right by construction, else the padded batch,
+    and why. Packing needs position ids and a read at the last token: encoders (pooled over the whole sequence) and
+    ALiBi models (positions from a 2D mask) get the padded batch. Otherwise the model's attention is switched to
+    segment_attention, and one packed forward must show that every layer called it, each with the sliding window the
+    config declares for it; a model that does not (attention outside transformers' interface, sinks) keeps its own
+    attention and the padded batch. That forward's rewards are then compared with the padded batch's, a last check."""
+    padded = dataclasses.replace(args, padding_free=False)
+    if not args.padding_free:
         return args, "padded (as asked)"
     if not model.reads_last_token:
         return padded, "padded: an encoder reads its pooled [CLS] over the whole sequence, so sequences cannot share a row"
@@ -438,44 +419,27 @@ def choose_layout(model, args, vocab_size, pair_tokens=float("inf")):
     ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
     pairs = [{"prompt": ids(3 + i), "chosen": ids(2 + i % 3), "rejected": ids(4 - i % 3), "margin": 0.0}
              for i in range(4)]
-    was_training = model.training
+    was_training, own = model.training, model.hf.config._attn_implementation
     model.eval()
     reference = model(*collate(pairs, 0)[:2])
+    model.hf.config._attn_implementation = "rm_segments"
+    inputs = model_inputs(pairs, 0, args)
+    try:
+        rewards, why_not = model(*inputs), None
+    except NotImplementedError as e:
+        why_not = f"its attention needs {e}"
+    if why_not is None and inputs[-1].calls != declared_windows(model.hf.config):
+        why_not = f"its layers called segment_attention with windows {inputs[-1].calls}, not the config's " \
+                  f"{declared_windows(model.hf.config)}"
     tol = 1e-3 if model.hf.dtype == torch.float32 else 5e-2
-
-    def differs(layout_args):  # None if the layout gives the padded batch's rewards, else why not
-        try:
-            rewards = model(*model_inputs(pairs, 0, layout_args))
-        except Exception as e:  # e.g. an attention that takes no 4D mask, or passes no segments
-            return f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
-        if not torch.allclose(rewards, reference, rtol=tol, atol=tol * reference.abs().max().item() + 1e-6):
-            return "its rewards differ from the padded batch's"
-        return None
-
-    why_not = []
-    name = " + ".join(["prefix-shared"] * args.prefix_sharing + ["packed"] * args.padding_free)
-    if args.padding_free and args.segment_attention and pair_tokens < ONE_ROW_TOKENS:
-        mask_rows = dataclasses.replace(args, segment_attention=False)
-        if differs(mask_rows) is None:
-            model.train(was_training)
-            return mask_rows, f"{name}, rows with a 4D mask (rewards checked equal to the padded batch's; pairs of " \
-                              f"{pair_tokens:.0f} tokens are too short for attention per sequence to pay)"
-    if args.padding_free and args.segment_attention:
-        own = model.hf.config._attn_implementation  # other batches keep running SDPA: only an SDPA model may switch
-        model.hf.config._attn_implementation = "rm_segments"
-        if own == "sdpa" and (reason := differs(args)) is None:
-            model.train(was_training)
-            return args, f"{name}, one row, attention per sequence (rewards checked equal to the padded batch's)"
-        model.hf.config._attn_implementation = own
-        why_not.append(f"attention per sequence is not possible ({reason if own == 'sdpa' else own + ' attention'})")
-        args = dataclasses.replace(args, segment_attention=False)
-    reason = differs(args)
+    if why_not is None and not torch.allclose(rewards, reference, rtol=tol, atol=tol * reference.abs().max() + 1e-6):
+        why_not = "its packed rewards differ from the padded batch's"
     model.train(was_training)
-    if reason is None:
-        return args, f"{name}, rows with a 4D mask (rewards checked equal to the padded batch's)" + \
-            "".join(f"; {w}" for w in why_not)
-    return padded, f"padded: this model's attention does not honour a packed 4D mask ({reason})" + \
-        "".join(f"; {w}" for w in why_not)
+    if why_not:
+        model.hf.config._attn_implementation = own
+        return padded, f"padded: {why_not}"
+    name = "prefix-shared + packed" if args.prefix_sharing else "packed"
+    return args, f"{name}: one row, attention per block of pairs (rewards checked equal to the padded batch's)"
 
 
 def load_data(args, tokenizer, rank):
@@ -484,12 +448,14 @@ def load_data(args, tokenizer, rank):
         raise common.UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
     train_rows, eval_rows = [], []
     for name, weight in zip(mixer[::2], mixer[1::2]):  # each dataset its own eval split, or its own held-out pairs
-        train = common.mix_rows([name, weight], args.train_split, args.seed, args.dataset_config)
-        if not train:
-            raise common.UserError(f"{name}: no rows in split '{args.train_split}'; pass --train_split")
         evals = common.mix_rows([name, weight], args.eval_split, args.seed, args.dataset_config)
+        train = [] if args.eval_only and evals else \
+            common.mix_rows([name, weight], args.train_split, args.seed, args.dataset_config)
+        if not train and not (args.eval_only and evals):
+            raise common.UserError(f"{name}: no rows in split '{args.train_split}'"
+                                   + (f" nor '{args.eval_split}'" if args.eval_only else "") + "; pass --train_split")
         if args.eval_only:
-            train, evals = [], evals if evals is not None else train
+            train, evals = [], evals or train
         elif evals is None:
             random.Random(args.seed).shuffle(train)
             n_eval = max(1, int(len(train) * args.eval_holdout))
@@ -606,11 +572,12 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
         "eval/calibration_error": calibration_error(torch.sigmoid(rc - rr)),
         "eval/length_correlation": pearson(torch.cat([rc, rr]), lengths),
     }
-    if pairs[0]["gold"] is not None:  # embedded task: compare with the best possible accuracy
-        gold = torch.tensor([p["gold"] for p in pairs])
+    known = torch.tensor([p["gold"] is not None for p in pairs])
+    if known.any():  # embedded-task pairs (all, or some of a mixture): compare with the best possible accuracy
+        gold, rc, rr = torch.tensor([p["gold"] for p in pairs if p["gold"] is not None]), rc[known], rr[known]
         p_gold = torch.sigmoid(common.PREFERENCE_BETA * (gold[:, 0] - gold[:, 1]))
         metrics["eval/bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
-        metrics["eval/accuracy_vs_bayes"] = metrics["eval/accuracy"] / metrics["eval/bayes_accuracy"]
+        metrics["eval/accuracy_vs_bayes"] = (rc > rr).float().mean().item() / metrics["eval/bayes_accuracy"]
         metrics["eval/gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
     return metrics, rewards
 
@@ -667,9 +634,8 @@ def main(args):
     from transformers import get_scheduler
 
     hf_model = load_reward_model(args, tokenizer)
-    pairs = train or evals
-    pair_tokens = sum(len(p["prompt"]) + len(p["chosen"]) + len(p["rejected"]) for p in pairs) / max(len(pairs), 1)
-    args, layout = choose_layout(RewardModel(hf_model), args, len(tokenizer), pair_tokens)
+    common.check_position_table(hf_model, args.max_length, f"--max_length {args.max_length}")
+    args, layout = choose_layout(RewardModel(hf_model), args, len(tokenizer))
     if args.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(RewardModel(hf_model), args, device)
@@ -704,7 +670,8 @@ def main(args):
     for step in bar:
         epoch, offset = divmod(step, steps_per_epoch)
         if step == start_step or offset == 0:  # the epoch's order depends only on (seed, epoch): resumable anywhere
-            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch)).tolist()
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(
+                common.seed_of(args.seed, "epoch order", epoch))).tolist()
         batch = order[offset * global_batch:(offset + 1) * global_batch]
         mine = batch[rank * micro * accumulation:(rank + 1) * micro * accumulation]
         stats = train_step(model, [[train[i] for i in mine[m * micro:(m + 1) * micro]] for m in range(accumulation)],

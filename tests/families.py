@@ -30,6 +30,8 @@ FAMILIES = {
     "mistral": ("metaspace", dict(bos="<s>", eos="</s>", unk="<unk>"), True, LLAMA2, "MistralConfig", []),
     "gemma2": ("metaspace", dict(bos="<bos>", eos="<end_of_turn>", pad="<pad>", unk="<unk>"), True, GEMMA,
                "Gemma2Config", ["<start_of_turn>"]),
+    "gemma3": ("metaspace", dict(bos="<bos>", eos="<end_of_turn>", pad="<pad>", unk="<unk>"), True, GEMMA,
+               "Gemma3TextConfig", ["<start_of_turn>"]),
     "gpt2": ("bytelevel", dict(bos="<|endoftext|>", eos="<|endoftext|>"), False, None, "GPT2Config", []),
     "neox": ("bytelevel", dict(bos="<|endoftext|>", eos="<|endoftext|>"), False, None, "GPTNeoXConfig", []),
     "opt": ("bytelevel", dict(bos="</s>", eos="</s>", pad="<pad>"), True, None, "OPTConfig", []),
@@ -46,6 +48,10 @@ FAMILIES = {
 DECODERS = [f for f in FAMILIES if f not in ("bert", "roberta", "deberta")]
 ENCODERS = ["bert", "roberta", "deberta"]
 TEMPLATED = [f for f, spec in FAMILIES.items() if spec[3] is not None]
+WINDOWED = ["mistral", "phi3", "qwen2", "gemma2", "gemma3"]
+WINDOW = 8
+# Stored as hub checkpoints are: bfloat16 (Llama 3, Qwen 2.5, Gemma, Mistral), float16 (Pythia), float32 (GPT-2, BERT).
+STORED_DTYPE = {"neox": "float16", "gpt2": "float32", "bert": "float32"}
 
 
 def corpus():
@@ -122,7 +128,13 @@ def build_config(family, tokenizer):
     if family == "neox":
         return cls(intermediate_size=64, max_position_embeddings=256, hidden_dropout=dropout,
                    attention_dropout=dropout, **small)
-    extra = dict(head_dim=8) if family == "gemma2" else {}
+    # Sliding windows shorter than the tests' sequences (12-60 tokens), as real ones are shorter than real contexts:
+    # Mistral and Phi-3 on every layer, Qwen2 from max_window_layers on, Gemma 2 and 3 alternating local and global.
+    extra = {"mistral": dict(sliding_window=WINDOW), "phi3": dict(sliding_window=WINDOW),
+             "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+             "gemma2": dict(head_dim=8, sliding_window=WINDOW),
+             "gemma3": dict(head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+             }.get(family, {})
     return cls(intermediate_size=64, num_key_value_heads=2, max_position_embeddings=256, attention_dropout=dropout,
                tie_word_embeddings=False, **extra, **small)
 
@@ -140,6 +152,6 @@ def save_family(family, path, seed=0):
         model = AutoModelForSequenceClassification.from_config(config)
     else:
         model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(path)
+    model.to(getattr(torch, STORED_DTYPE.get(family, "bfloat16"))).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

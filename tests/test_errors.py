@@ -55,6 +55,11 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
                             "d.jsonl: all 4 training pairs were dropped: chosen and rejected are identical"),
     "array row": ([], {"d.jsonl": GOOD + "\n[1, 2]\n"}, "d.jsonl: line 2: a JSON list is not a row"),
     "string row": ([], {"d.jsonl": '"just text"\n'}, "d.jsonl: line 1: a JSON str is not a row"),
+    "text margin": ([], {"d.jsonl": GOOD + "\n" + GOOD[:-1] + ', "margin": "high"}\n'},
+                    "d.jsonl: line 2: field 'margin' is 'high'; expected a finite number"),
+    "unknown role": ([], {"d.jsonl": '{"chosen": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": '
+                          '"a"}], "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": '
+                          '"b"}]}\n'}, "d.jsonl: line 1: field 'chosen', message 1: role 'wizard' is not one of"),
 }
 
 
@@ -137,3 +142,68 @@ def test_non_finite_ppo_gradient_stops_the_run(tmp_path, reward_model_path, monk
     with pytest.raises(common.UserError, match=r"update 1: the gradient norm is (nan|inf) .*lower --learning_rate"):
         ppo.main(ppo.Args(reward_model_path=reward_model_path, total_episodes=32, output_dir=str(tmp_path)))
     assert not os.path.exists(tmp_path / "model.safetensors")
+
+
+def test_numbers_in_text_cells_are_numbers_and_sharegpt_roles_are_mapped(tmp_path):
+    (tmp_path / "d.csv").write_text('prompt,chosen,rejected,margin\nUser:, cat, dog,"0.5"\nUser:, red, owl,\n')
+    (tmp_path / "d.jsonl").write_text(GOOD[:-1] + ', "margin": " 2.5 "}\n')
+    args = rm.Args(max_length=64, max_prompt_length=32)
+    csv_pairs = rm.tokenize_pairs(common.load_rows(str(tmp_path / "d.csv")), common.embedded_tokenizer(), args)[0]
+    json_pairs = rm.tokenize_pairs(common.load_rows(str(tmp_path / "d.jsonl")), common.embedded_tokenizer(), args)[0]
+    assert [p["margin"] for p in csv_pairs] == [0.5, 0.0] and json_pairs[0]["margin"] == 2.5
+    row = {"chosen": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "cat"}],
+           "rejected": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "dog"}]}
+    mapped = {k: [dict(m, role={"human": "user", "gpt": "assistant"}[m["role"]]) for m in v] for k, v in row.items()}
+    tok = common.embedded_tokenizer()
+    assert common.split_pair(row, tok, "x") == common.split_pair(mapped, tok, "x")
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_partial_files(tmp_path, monkeypatch):
+    common.save_checkpoint(str(tmp_path), 2, {"step": 2, "w": torch.zeros(4)})
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("unexpected pos 64")))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(common.UserError, match=r"checkpoints: no room to save \(0 MB needed, 0 MB free\); the "
+                                               r"partial files were removed"):
+        common.save_checkpoint(str(tmp_path), 4, {"step": 4, "w": torch.zeros(10**4)})
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002"]  # no step_00000004.tmp
+    monkeypatch.undo()
+    assert common.load_latest_checkpoint(str(tmp_path))["step"] == 2
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.mkdir, ("/tmp/rlhf-crafted-checkpoint-ran",))
+
+
+def test_resume_never_runs_code_from_a_checkpoint(tmp_path):
+    shutil.rmtree("/tmp/rlhf-crafted-checkpoint-ran", ignore_errors=True)
+    common.save_checkpoint(str(tmp_path), 2, {"step": 2, "payload": _RunsCode()})
+    with pytest.raises(Exception, match="Weights only load failed"):
+        common.load_latest_checkpoint(str(tmp_path))
+    assert not os.path.exists("/tmp/rlhf-crafted-checkpoint-ran")
+
+
+def test_a_new_save_leaves_no_weight_file_of_an_older_one(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    tok = common.embedded_tokenizer()
+    model = AutoModelForSequenceClassification.from_config(common.embedded_model_config("embedded-llama", len(tok), 1))
+    common.save_pretrained_atomic(model, tok, str(tmp_path))  # one file
+    assert os.path.exists(tmp_path / "model.safetensors")
+    common.save_pretrained_atomic(model, tok, str(tmp_path), max_shard_size="100KB")  # sharded, with an index
+    assert not os.path.exists(tmp_path / "model.safetensors") and os.path.exists(tmp_path / "model.safetensors.index.json")
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in reloaded.state_dict().items())
+
+
+def test_eval_only_reads_a_folder_with_a_test_split_alone_and_mixtures_with_some_gold(tmp_path, saved_run):
+    (tmp_path / "data").mkdir()
+    with open(tmp_path / "data" / "test.jsonl", "w") as f:
+        for r in common.embedded_pairs(40, seed=9):
+            f.write(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n")
+    ev = rm.main(rm.Args(model_name_or_path=str(saved_run), dataset_name=str(tmp_path / "data"), eval_only=True,
+                         output_dir=str(tmp_path / "eval")))
+    assert json.load(open(tmp_path / "eval" / "eval_results.json"))["num_pairs"] == 40 and "eval/accuracy" in ev
+    ev = rm.main(rm.Args(dataset_mixer_list=["embedded", "300", str(tmp_path / "data" / "test.jsonl"), "1.0"],
+                         max_steps=2, per_device_train_batch_size=8, num_evals=1, output_dir=str(tmp_path / "mix")))
+    assert 0.5 < ev["eval/bayes_accuracy"] < 1  # from the embedded pairs, the only ones with gold values

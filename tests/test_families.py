@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import read_metrics, run_script
-from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, save_family
+from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, WINDOW, WINDOWED, save_family
 
 import common
 import ppo
 import rm
 
 PADDED_FAMILIES = ENCODERS + ["bloom"]  # encoders pool over the whole sequence; BLOOM's ALiBi takes no position ids
-MASK_ROW_FAMILIES = ["gemma2"]  # eager attention with logit softcapping: packed rows with a 4D mask, not one row
 
 
 @pytest.fixture(scope="session")
@@ -83,24 +82,25 @@ def tokenized_pairs(family, tokenizer, n=6):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_default_batch_layout_gives_the_padded_rewards_and_gradients(family, family_dir):
     model, tokenizer, args = reward_model_of(family_dir(family))
+    padded_model = reward_model_of(family_dir(family))[0]
+    assert model.hf.dtype == torch.float32  # trained in float32 whatever the stored dtype
     chosen_args, layout = rm.choose_layout(model, args, len(tokenizer))
-    assert layout.startswith("padded" if family in PADDED_FAMILIES else "prefix-shared + packed"), layout
-    if family not in PADDED_FAMILIES:
-        assert ("rows with a 4D mask" if family in MASK_ROW_FAMILIES else "one row, attention per sequence") in layout
+    assert layout.startswith("padded" if family in PADDED_FAMILIES else "prefix-shared + packed: one row"), layout
     pairs = tokenized_pairs(family, tokenizer)
+    if family in WINDOWED:
+        assert max(len(p["prompt"]) + len(p["chosen"]) for p in pairs) > WINDOW  # the window matters here
     pad = tokenizer.pad_token_id
     results = {}
-    model.train()
-    for name, inputs in {"padded": rm.collate(pairs, pad)[:2] + (None, None),
-                         "default": rm.model_inputs(pairs, pad, chosen_args)}.items():
-        model.zero_grad()
-        rewards = model(*inputs)
+    for name, m, inputs in (("padded", padded_model, rm.collate(pairs, pad)[:2] + (None, None, None)),
+                            ("default", model, rm.model_inputs(pairs, pad, chosen_args))):
+        m.train()
+        rewards = m(*inputs)
         rc, rr = rewards.chunk(2)
         rm.preference_loss(rc, rr, torch.zeros(len(pairs))).mean().backward()
-        results[name] = rewards.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results[name] = rewards.detach(), torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
     with torch.no_grad():  # each sequence alone: no padding, no packing
-        alone = torch.cat([model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
-                                                                              dtype=torch.long))
+        alone = torch.cat([padded_model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
+                                                                                     dtype=torch.long))
                            for k in ("chosen", "rejected") for p in pairs])
     assert torch.allclose(results["padded"][0], alone, atol=1e-5)
     assert torch.allclose(results["default"][0], alone, atol=1e-5)
@@ -243,6 +243,9 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
     scores = ppo.score(policy, critic, reward, query, query_mask, responses, mask.bool(), [prompt] * 2, tokenizer,
                        tokenizer.eos_token_id, args)[4]
     assert torch.allclose(scores, expected, atol=1e-5)
+    one_by_one = ppo.score(policy, critic, reward, query, query_mask, responses, mask.bool(), [prompt] * 2, tokenizer,
+                           tokenizer.eos_token_id, ppo.Args(**{**vars(args), "per_device_train_batch_size": 1}))
+    assert torch.allclose(one_by_one[4], scores, atol=1e-6)  # scoring in micro-batches of 1 row changes nothing
     history = ppo.main(ppo.Args(sft_model_path=policy_path, reward_model_path=rm_path, total_episodes=8,
                                 per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1,
                                 response_length=6, output_dir=str(tmp_path / "ppo"), max_prompt_length=32))
@@ -273,3 +276,59 @@ def test_a_role_the_chat_template_drops_is_named_not_silently_lost():
         common.split_pair(row, tokenizer, "d.jsonl: line 2")
     row["rejected"][1]["role"] = "assistant"
     assert common.split_pair(row, tokenizer, "d.jsonl: line 2")[1:] == (" a </s>", " b </s>")
+
+
+def test_a_checkpoint_stored_in_bfloat16_trains_exactly_as_its_float32_copy(family_dir, trained_rm, tmp_path):
+    """Weights and optimizer state are float32 whatever the stored dtype: the same values stored in bfloat16 and in
+    float32 train to the same models, in rm.py and ppo.py (in bfloat16, lr-sized updates would round away)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stored = family_dir("llama")
+    as_float32 = str(tmp_path / "float32")
+    AutoModelForCausalLM.from_pretrained(stored, dtype=torch.float32).save_pretrained(as_float32)
+    AutoTokenizer.from_pretrained(stored).save_pretrained(as_float32)
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 64))
+    for name, path in (("bf16", stored), ("fp32", as_float32)):
+        rm.main(rm.Args(model_name_or_path=path, dataset_name=data, output_dir=str(tmp_path / f"rm-{name}"), max_steps=3,
+                        per_device_train_batch_size=8, learning_rate=1e-5, num_evals=1, max_length=64,
+                        max_prompt_length=32))
+        ppo.main(ppo.Args(sft_model_path=path, reward_model_path=trained_rm("llama"), total_episodes=8,
+                          per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2, response_length=6,
+                          learning_rate=1e-5, max_prompt_length=32, output_dir=str(tmp_path / f"ppo-{name}")))
+    for script, auto in (("rm", "AutoModelForSequenceClassification"), ("ppo", "AutoModelForCausalLM")):
+        import transformers
+
+        saved = [getattr(transformers, auto).from_pretrained(tmp_path / f"{script}-{n}") for n in ("bf16", "fp32")]
+        assert all(m.dtype == torch.float32 for m in saved)  # saved as trained, and config.json says so
+        assert json.load(open(tmp_path / f"{script}-bf16" / "config.json"))["dtype"] == "float32"
+        start = AutoModelForCausalLM.from_pretrained(as_float32).state_dict()
+        for k, v in saved[0].state_dict().items():
+            assert torch.equal(v, saved[1].state_dict()[k]), (script, k)
+        moved = [k for k, v in saved[0].state_dict().items() if k in start and not torch.equal(v, start[k])]
+        assert moved, script  # training changed the weights (lr 1e-5 updates survive)
+
+
+def test_a_text_prompt_before_message_responses_is_one_prompt_in_both_scripts(family_dir, tmp_path):
+    """rm.py renders a text prompt before message responses as the user's turn; ppo.py samples from that same prompt
+    (not the raw text), so the policy continues what the reward model was trained on."""
+    path = family_dir("llama3")
+    rows = [{"prompt": "tell me about foods", "chosen": [{"role": "assistant", "content": "rice"}],
+             "rejected": [{"role": "assistant", "content": "owl"}]}]
+    tokenizer = rm.load_tokenizer(path)
+    pair = rm.tokenize_pairs([dict(rows[0], _source="m", _row=0)], tokenizer, rm.Args(max_length=96))[0][0]
+    args = ppo.Args(sft_model_path=path, dataset_name=write_jsonl(tmp_path / "p.jsonl", rows))
+    prompt_ids, texts = ppo.load_prompts(args, ppo.load_tokenizer(args))
+    assert prompt_ids[0] == pair["prompt"] and "<|start_header_id|>user" in texts[0]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_lengths_beyond_a_learned_position_table_are_refused_at_the_start(family, family_dir, tmp_path):
+    with pytest.raises(common.UserError, match=r"--max_length 300: 300 tokens, but .* has a learned position table of "
+                                               r"256; pass at most 256"):
+        rm.main(rm.Args(model_name_or_path=family_dir(family), max_length=300, max_prompt_length=32,
+                        dataset_name=write_jsonl(tmp_path / "d.jsonl", preference_rows(family, 80)),
+                        output_dir=str(tmp_path / "rm")))
+    with pytest.raises(common.UserError, match=r"--response_length \(272\): .* table of 256"):
+        ppo.main(ppo.Args(sft_model_path=family_dir(family), reward_fn="common:gold_rewards", response_length=16,
+                          max_prompt_length=256, output_dir=str(tmp_path / "ppo")))
+    assert not os.path.exists(tmp_path / "rm" / "metrics.jsonl")  # refused before anything was written

@@ -340,3 +340,34 @@ def test_gold_reward_function_and_separate_critic_learning_rate(tmp_path):
     metrics = read_metrics(tmp_path)
     assert all(m["objective/scores"] == pytest.approx(m["gold/mean"], abs=1e-5) for m in metrics)  # truth is the reward
     assert len(history) == 2 and os.path.getsize(tmp_path / "curves.png") > 10_000
+
+
+def test_seed_streams_are_independent_across_seeds():
+    """Seed s + 1 must not replay seed s's next epoch (prompt order) or its episodes (sampling): a seed sweep is a
+    sweep of independent runs."""
+    orders = {}
+    first = ppo.episode_prompts(range(0, 64), 64, seed=1, orders=orders)
+    second_epoch = ppo.episode_prompts(range(64, 128), 64, seed=1, orders=orders)
+    next_seed = ppo.episode_prompts(range(0, 64), 64, seed=2, orders={})
+    assert sorted(first) == sorted(second_epoch) == list(range(64))
+    assert next_seed != second_epoch and next_seed != first
+    seeds = {common.seed_of(s, "sampling", e) for s in range(20) for e in range(200)}
+    assert len(seeds) == 20 * 200  # no two (seed, episode) share a stream
+
+
+def test_stop_token_none_logs_no_eos_rate_and_refuses_a_missing_eos_penalty(tmp_path, reward_model_path):
+    ppo.main(ppo.Args(reward_model_path=reward_model_path, total_episodes=8, per_device_train_batch_size=4,
+                      num_mini_batches=2, num_ppo_epochs=1, stop_token="none", output_dir=str(tmp_path)))
+    m = read_metrics(tmp_path)[0]
+    assert "response/eos_rate" not in m and m["response/length"] == ppo.Args().response_length
+    with pytest.raises(common.UserError, match="--missing_eos_penalty needs a stop token"):
+        ppo.main(ppo.Args(reward_model_path=reward_model_path, stop_token="none", missing_eos_penalty=1.0,
+                          output_dir=str(tmp_path / "x")))
+
+
+def test_an_empty_prompt_without_bos_is_named(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "User: tell me about animals Assistant:"}\n{"prompt": ""}\n')
+    assert common.leading_id(TOK) is None  # the embedded tokenizer adds no BOS
+    with pytest.raises(common.UserError, match=r"prompts.jsonl: line 2: the prompt is empty and .* adds no BOS"):
+        ppo.load_prompts(ppo.Args(dataset_name=str(path)), TOK)

@@ -297,29 +297,29 @@ def shared_prefix_pairs(n, seed):
 
 @pytest.mark.parametrize("arch", ["embedded-llama", "embedded-neox"])
 @pytest.mark.parametrize("pad_id", [0, 3])  # 3 is the EOS id: pad == eos
-def test_padded_padding_free_and_prefix_shared_rewards_and_gradients_agree(arch, pad_id):
-    model = tiny_reward_model(arch, seed=2)
-    assert "one row, attention per sequence" in rm.choose_layout(model, rm.Args(), TOK.vocab_size)[1]
+def test_padded_packed_and_prefix_shared_rewards_and_gradients_agree(arch, pad_id, monkeypatch):
+    model, padded_model = tiny_reward_model(arch, seed=2), tiny_reward_model(arch, seed=2)
+    assert "one row, attention per block of pairs" in rm.choose_layout(model, rm.Args(), TOK.vocab_size)[1]
     pairs = shared_prefix_pairs(12, seed=4)
-    batches = {"padded right": rm.collate(pairs, pad_id)[:2] + (None, None),
-               "padded left": rm.collate(pairs, pad_id, padding_side="left")[:2] + (None, None),
-               "padding-free": rm.pack_pairs(pairs, pad_id, share_prompt=False, pack=True),
-               "prefix-shared": rm.pack_pairs(pairs, pad_id, share_prompt=True, pack=False),
-               "prefix-shared + packed": rm.pack_pairs(pairs, pad_id, share_prompt=True, pack=True),
-               "one row, per sequence": rm.pack_segments(pairs, share_prompt=False),
-               "one row, prefix-shared, per sequence": rm.pack_segments(pairs, share_prompt=True)}
-    # positions ("padding-free" keeps the padding of its last rows; one row has none at all)
-    assert batches["one row, prefix-shared, per sequence"][0].numel() == \
-        sum(len(p["prompt"]) + len(p["chosen"]) + len(p["rejected"]) for p in pairs)
-    assert batches["one row, prefix-shared, per sequence"][0].numel() < batches["prefix-shared + packed"][0].numel() \
-        < batches["padding-free"][0].numel() < batches["padded right"][0].numel()
+    batches = {"padded right": rm.collate(pairs, pad_id)[:2] + (None, None, None),
+               "padded left": rm.collate(pairs, pad_id, padding_side="left")[:2] + (None, None, None),
+               "packed": rm.pack_segments(pairs, share_prompt=False),
+               "prefix-shared + packed": rm.pack_segments(pairs, share_prompt=True)}
+    for block_tokens in (1, 10**6):  # every pair a block alone; the whole row one block
+        monkeypatch.setattr(rm, "BLOCK_TOKENS", block_tokens)
+        batches[f"prefix-shared + packed, blocks of {block_tokens}"] = rm.pack_segments(pairs)
+    assert len(batches["prefix-shared + packed, blocks of 1"][-1].blocks) == len(pairs)
+    assert len(batches[f"prefix-shared + packed, blocks of {10**6}"][-1].blocks) == 1
+    assert batches["prefix-shared + packed"][0].numel() == \
+        sum(len(p["prompt"]) + len(p["chosen"]) + len(p["rejected"]) for p in pairs)  # no padding at all
     results = {}
     for name, inputs in batches.items():
-        model.zero_grad()
-        rewards = model(*inputs)
+        m = padded_model if name.startswith("padded") else model  # a packed model takes packed rows only
+        m.zero_grad()
+        rewards = m(*inputs)
         rc, rr = rewards.chunk(2)
         rm.preference_loss(rc, rr, torch.zeros(len(pairs))).mean().backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
         results[name] = (rewards.detach(), grads)
     ref_rewards, ref_grads = results["padded right"]
     for name, (rewards, grads) in results.items():
@@ -327,33 +327,26 @@ def test_padded_padding_free_and_prefix_shared_rewards_and_gradients_agree(arch,
         assert torch.allclose(grads, ref_grads, atol=1e-4, rtol=1e-3), name
 
 
-def test_prefix_shared_mask_hides_chosen_from_rejected():
+def test_prefix_shared_mask_hides_chosen_from_rejected_and_blocks_hold_whole_pairs(monkeypatch):
     pair = {"prompt": [30, 31], "chosen": [40, 3], "rejected": [50, 51, 3], "margin": 0.0}
-    ids, mask, positions, read = rm.pack_pairs([pair], pad_id=0, share_prompt=True, pack=True)
-    assert ids[0].tolist() == [30, 31, 40, 3, 50, 51, 3]
-    assert positions[0].tolist() == [0, 1, 2, 3, 2, 3, 4]  # rejected continues from the prompt's end
-    m = mask[0, 0].int()
-    assert m[4].tolist() == [1, 1, 0, 0, 1, 0, 0]  # first rejected token: prompt and itself only
-    assert m[6].tolist() == [1, 1, 0, 0, 1, 1, 1]
-    assert m[3].tolist() == [1, 1, 1, 1, 0, 0, 0]
-    assert read.T.tolist() == [[0, 3], [0, 6]]  # chosen reward at its EOS, rejected at its EOS
-    ids_1, no_mask, positions_1, read_1, segments = rm.pack_segments([pair, pair])
-    assert no_mask is None  # attention is kept inside each segment, not by a mask
-    assert ids_1[0].tolist() == ids[0].tolist() * 2 and positions_1[0].tolist() == positions[0].tolist() * 2
-    assert segments == [(0, 2, 2, 3), (7, 2, 2, 3)]  # (start, prompt, chosen, rejected)
-    assert read_1.T.tolist() == [[0, 3], [0, 10], [0, 6], [0, 13]]  # chosen rewards, then rejected ones
+    monkeypatch.setattr(rm, "BLOCK_TOKENS", 15)  # two pairs of 7 tokens fit, the third starts a block
+    ids, no_mask, positions, read, segments = rm.pack_segments([pair, pair, pair])
+    assert no_mask is None  # attention is kept inside each sequence by segment_attention, not by the model's mask
+    assert ids[0].tolist() == [30, 31, 40, 3, 50, 51, 3] * 3
+    assert positions[0].tolist() == [0, 1, 2, 3, 2, 3, 4] * 3  # rejected continues from the prompt's end
+    assert segments.blocks == [(0, 14), (14, 21)]
+    m = segments.mask(0, None, "cpu").int()
+    assert m[4].tolist() == [1, 1, 0, 0, 1, 0, 0] + [0] * 7  # first rejected token: prompt and itself only
+    assert m[6].tolist() == [1, 1, 0, 0, 1, 1, 1] + [0] * 7
+    assert m[3].tolist() == [1, 1, 1, 1, 0, 0, 0] + [0] * 7
+    assert m[7].tolist() == [0] * 7 + [1] + [0] * 6  # the second pair sees nothing of the first
+    window = segments.mask(0, 2, "cpu").int()  # a sliding window of 2 positions: i - j < 2
+    assert window[6].tolist() == [0, 0, 0, 0, 0, 1, 1] + [0] * 7
+    assert window[4].tolist() == [0, 1, 0, 0, 1, 0, 0] + [0] * 7  # position 2 sees the prompt's position 1
+    assert read.T.tolist() == [[0, 3], [0, 10], [0, 17], [0, 6], [0, 13], [0, 20]]  # chosen rewards, then rejected
 
 
-def test_short_pairs_take_mask_rows_and_long_pairs_one_row():
-    model = tiny_reward_model("embedded-llama")
-    short = rm.choose_layout(model, rm.Args(), TOK.vocab_size, pair_tokens=rm.ONE_ROW_TOKENS - 1)
-    long = rm.choose_layout(model, rm.Args(), TOK.vocab_size, pair_tokens=rm.ONE_ROW_TOKENS)
-    assert "rows with a 4D mask" in short[1] and not short[0].segment_attention
-    assert "one row, attention per sequence" in long[1] and long[0].segment_attention
-    assert model.hf.config._attn_implementation == "rm_segments"  # what the one-row layout needs
-
-
-def test_gradient_checkpointing_recomputes_attention_per_sequence():
+def test_gradient_checkpointing_recomputes_attention_per_block():
     pairs = shared_prefix_pairs(8, seed=5)
     grads = []
     for checkpointing in (False, True):
@@ -368,41 +361,60 @@ def test_gradient_checkpointing_recomputes_attention_per_sequence():
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-5)
 
 
-def test_attention_per_sequence_equals_the_models_own_attention_with_a_sliding_window_and_gqa():
-    from transformers import AutoModelForSequenceClassification, MistralConfig
+@pytest.mark.parametrize("config_name", ["MistralConfig", "Gemma2Config"])
+def test_packed_attention_honours_sliding_windows_softcapping_and_gqa(config_name):
+    import transformers
+    from transformers import AutoModelForSequenceClassification
 
-    torch.manual_seed(0)  # a window of 5 tokens, shorter than most sequences; 2 key/value heads for 4 query heads
-    config = MistralConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=5, num_labels=1,
-                           pad_token_id=0, attn_implementation="sdpa")
+    # a window of 5 tokens, shorter than most sequences; 2 key/value heads for 4 query heads; Gemma 2 alternates
+    # windowed and full layers and squashes its attention logits (softcapping, set low here so that it matters)
+    extra = dict(head_dim=8, attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"]) \
+        if config_name == "Gemma2Config" else {}
+    config, wide = (getattr(transformers, config_name)(
+        vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=window, num_labels=1, pad_token_id=0, **extra) for window in (5, 1000))
+    torch.manual_seed(0)
     model = rm.RewardModel(AutoModelForSequenceClassification.from_config(config)).eval()
-    pairs = shared_prefix_pairs(6, seed=7)
-    with torch.no_grad():
-        before = model(*rm.collate(pairs, 0)[:2])
-    assert "attention per sequence" in rm.choose_layout(model, rm.Args(), TOK.vocab_size)[1]
+    without_window = rm.RewardModel(AutoModelForSequenceClassification.from_config(wide)).eval()
+    without_window.load_state_dict(model.state_dict())  # the same weights, a window longer than any sequence
+    pairs = shared_prefix_pairs(12, seed=7)
     assert max(len(p["prompt"]) + len(p["chosen"]) for p in pairs) > 5
     with torch.no_grad():
         padded = model(*rm.collate(pairs, 0)[:2])
         alone = torch.cat([model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
                                                                               dtype=torch.long))
                            for k in ("chosen", "rejected") for p in pairs])
-        per_sequence = model(*rm.pack_segments(pairs))
+        without_window = without_window(*rm.collate(pairs, 0)[:2])
+    args, layout = rm.choose_layout(model, rm.Args(), TOK.vocab_size)
+    assert "one row" in layout
+    with torch.no_grad():
+        packed = model(*rm.pack_segments(pairs))
+        calls = rm.pack_segments(pairs)[-1]
+        model(*rm.pack_segments(pairs)[:4], calls)
+    assert calls.calls == rm.declared_windows(config) and 5 in calls.calls  # each layer's own window reached it
     assert torch.allclose(padded, alone, atol=1e-5)
-    assert torch.allclose(per_sequence, alone, atol=1e-5)
-    assert torch.equal(padded, before)  # the switched model still runs padded batches through its own SDPA
+    assert torch.allclose(packed, alone, atol=1e-5)
+    assert not torch.allclose(without_window, alone, atol=1e-3)  # the window changes the rewards: the test can fail
+
+
+def test_a_model_whose_attention_cannot_be_packed_keeps_the_padded_batch(monkeypatch):
+    model = tiny_reward_model("embedded-llama")
+    monkeypatch.setattr(rm.RewardModel, "forward", lambda self, *a: torch.zeros(len(a[0]) if a[1] is not None else 8))
+    args, layout = rm.choose_layout(model, rm.Args(), TOK.vocab_size)  # no layer called segment_attention
+    assert not args.padding_free and layout.startswith("padded: its layers called segment_attention with windows []")
+    assert model.hf.config._attn_implementation != "rm_segments"
 
 
 def test_training_curves_of_all_modes_agree(tmp_path, small_pairs_file):
     base = ["--dataset_name", small_pairs_file, "--max_steps", "8", "--logging_steps", "1", "--num_evals", "1",
             "--per_device_train_batch_size", "8"]
     curves = {}
-    for name, flags in {"padded": ["--no_padding_free", "--no_prefix_sharing"], "packed": ["--no_prefix_sharing"],
-                        "rows with a 4D mask": ["--no_segment_attention"], "default": []}.items():
+    for name, flags in {"padded": ["--no_padding_free"], "packed": ["--no_prefix_sharing"], "default": []}.items():
         args = tyro_args(base + flags + ["--output_dir", str(tmp_path / name)])
         rm.main(args)
         curves[name] = [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
     assert len(curves["padded"]) == 8
-    for name in ("packed", "rows with a 4D mask", "default"):
+    for name in ("packed", "default"):
         assert np.allclose(curves[name], curves["padded"], atol=1e-4), (name, curves[name], curves["padded"])
 
 
