@@ -185,7 +185,7 @@ def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
     if estimator == "k1":
         return logprobs - ref_logprobs
     log_ratio = ref_logprobs - logprobs
-    return log_ratio.exp() - 1 - log_ratio
+    return torch.expm1(log_ratio) - log_ratio  # exp(x) - 1 - x, without float32's cancellation near 0 (never < 0)
 
 
 def gae(rewards, values, mask, gamma, lam):

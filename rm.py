@@ -432,7 +432,8 @@ def choose_layout(model, args, vocab_size):
         why_not = f"its layers called segment_attention with windows {inputs[-1].calls}, not the config's " \
                   f"{declared_windows(model.hf.config)}"
     tol = 1e-3 if model.hf.dtype == torch.float32 else 5e-2
-    if why_not is None and not torch.allclose(rewards, reference, rtol=tol, atol=tol * reference.abs().max() + 1e-6):
+    atol = tol * reference.abs().max().item() + 1e-6
+    if why_not is None and not torch.allclose(rewards, reference, rtol=tol, atol=atol):
         why_not = "its packed rewards differ from the padded batch's"
     model.train(was_training)
     if why_not:

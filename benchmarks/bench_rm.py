@@ -36,9 +36,8 @@ TASKS = {  # name: (training pairs, held-out pairs, max length, tokenizer vocabu
     "hh-bytes": (256, 128, 1024, 258),
     "embedded": (512, 512, 512, None),
 }
-MODES = {"rm.py padded": ["--no_padding_free", "--no_prefix_sharing"],
-         "rm.py padding-free": ["--padding_free", "--no_prefix_sharing"],
-         "rm.py prefix-shared + packed rows (4D mask)": ["--padding_free", "--prefix_sharing", "--no_segment_attention"],
+MODES = {"rm.py padded": ["--no_padding_free"],
+         "rm.py packed": ["--padding_free", "--no_prefix_sharing"],
          "rm.py prefix-shared + packed (default)": ["--padding_free", "--prefix_sharing"]}
 
 
