@@ -622,7 +622,7 @@ def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
         tokenizer.save_pretrained(tmp)
     except (OSError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise_if_disk_full(output_dir, sum(p.numel() * p.element_size() for p in model.state_dict().values()), e)
+        raise_if_disk_full(output_dir, state_bytes(kwargs.get("state_dict") or model.state_dict()), e)
         raise
     new = set(os.listdir(tmp))
     for name in os.listdir(output_dir):

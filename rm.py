@@ -245,16 +245,15 @@ def tokenize_pairs(rows, tokenizer, args):
     """Rows -> dicts of prompt/chosen/rejected token ids (+ margin), truncated by common.truncate_pair's policy.
     Pairs whose two sequences are identical after truncation carry no preference and are dropped."""
     in_file_order = sorted(range(len(rows)), key=lambda i: (str(rows[i]["_source"]), rows[i]["_row"]))
-    texts = [None] * len(rows)
+    texts, margins = [None] * len(rows), [None] * len(rows)
     for i in in_file_order:  # the first bad row of a file is the one reported, however the rows were shuffled
         texts[i] = common.split_pair(rows[i], tokenizer, common.where(rows[i]))
-        rows[i]["margin"] = margin_of(rows[i])
+        margins[i] = margin_of(rows[i])
     prompts = common.tokenize_prompts(tokenizer, [t[0] for t in texts])
     chosen = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[1] for t in texts])
     rejected = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[2] for t in texts])
     bos_id, pairs, n_truncated = common.leading_id(tokenizer), [], 0
-    for row, p, c, r in zip(rows, prompts, chosen, rejected):
-        margin = row["margin"]
+    for row, margin, p, c, r in zip(rows, margins, prompts, chosen, rejected):
         p, c, r, cut = common.truncate_pair(p, c, r, args.max_length, args.max_prompt_length, bos_id)
         n_truncated += cut
         if c != r:
