@@ -349,22 +349,82 @@ class ScalarHeadModel(torch.nn.Module):
         return self.hf.score(hidden).squeeze(-1).float()
 
 
+LOGIT_BLOCK = 2 ** 25
+"""Elements (128 MB in float32) of one block of logits: the learning forward computes the response logits in blocks of
+positions of at most this size, each recomputed in the backward pass (activation recomputation, Chen et al. 2016),
+so a micro-batch's logits, 16 x 128 x 152k floats = 1.2 GB, are never held whole. A micro-batch that fits in one
+block is computed directly, with no recomputation."""
+
+
+def output_logits(model, hidden):
+    """A causal LM's logits from the hidden states its output layer reads: that layer, then the transforms transformers'
+    families apply after it (Gemma 2/3's final softcapping, Cohere's logit scale, Granite's logits scaling).
+    check_output_logits confirms at start-up that this reproduces the model's own logits."""
+    logits = model.get_output_embeddings()(hidden)
+    if cap := getattr(model.config, "final_logit_softcapping", None):
+        logits = cap * torch.tanh(logits / cap)
+    if (scale := getattr(model, "logit_scale", None)) is not None:
+        logits = logits * scale
+    if divisor := getattr(model.config, "logits_scaling", None):
+        logits = logits / divisor
+    return logits
+
+
+def head_inputs(model, **inputs):
+    """The hidden states the model's output layer reads, from its own forward (through DDP or FSDP), with the output
+    layer handed an empty slice instead, so that the model's own logits are never computed."""
+    captured = []
+
+    def capture(module, args):
+        captured.append(args[0])
+        return (args[0][:, :0],) + args[1:]
+
+    handle = unwrap(model).get_output_embeddings().register_forward_pre_hook(capture)
+    try:
+        model(**inputs)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
 def policy_forward(policy, query_response, mask, context_length, temperature, with_entropy_grad=True, entropy=True):
     """Log-probs and (unless entropy=False) entropies of the response tokens under the policy, at the sampling
     temperature. Logits are computed for the response positions only (with a large vocabulary, the prompt's would
-    cost a large share)."""
+    cost a large share), in blocks of LOGIT_BLOCK elements."""
+    from torch.utils.checkpoint import checkpoint
+
     position = (mask.cumsum(1) - 1).clamp(min=0)
     keep = query_response.shape[1] - context_length + 1
     only_kept = {"logits_to_keep": keep} if takes_argument(type(unwrap(policy)), "logits_to_keep") else {}
-    logits = policy(input_ids=query_response, attention_mask=mask, **positions_for(policy, position), **only_kept).logits
-    logits = logits[:, -keep:-1].float() / temperature
-    logp_all = torch.log_softmax(logits, -1)
-    logprobs = logp_all.gather(-1, query_response[:, context_length:, None]).squeeze(-1)
-    if not entropy:
-        return logprobs, None
-    with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):  # a statistic unless ent_coef > 0
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logprobs, entropy
+    hidden = head_inputs(policy, input_ids=query_response, attention_mask=mask, **positions_for(policy, position),
+                         **only_kept)[:, -keep:-1]
+    targets, model = query_response[:, context_length:], unwrap(policy)
+
+    def block(h, y):
+        logp_all = torch.log_softmax(output_logits(model, h).float() / temperature, -1)
+        logprobs = logp_all.gather(-1, y[..., None]).squeeze(-1)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):  # a statistic unless ent_coef > 0
+            return logprobs, -(logp_all.exp() * logp_all).sum(-1) if entropy else torch.zeros_like(logprobs)
+
+    n = hidden.shape[1]
+    step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
+    recompute = torch.is_grad_enabled() and step < n
+    parts = [checkpoint(block, hidden[:, s:s + step], targets[:, s:s + step], use_reentrant=False) if recompute
+             else block(hidden[:, s:s + step], targets[:, s:s + step]) for s in range(0, n, step)]
+    logprobs, entropies = (torch.cat(t, 1) for t in zip(*parts))
+    return logprobs, entropies if entropy else None
+
+
+@torch.no_grad()
+def check_output_logits(model, flag, name):
+    """output_logits must give the model's own logits: a family with an output transform it does not know is named
+    here, before training, instead of training on wrong log-probs."""
+    ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % model.get_output_embeddings().weight.shape[0]
+    own = model(input_ids=ids).logits.float()
+    ours = output_logits(model, head_inputs(model, input_ids=ids)).float()
+    if not torch.allclose(own, ours, atol=1e-4, rtol=1e-4):
+        raise common.UserError(f"{flag} {name}: ppo.py's output_logits does not reproduce this model's logits (an "
+                               f"output transform it does not know, in {type(model).__name__}); add it there")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1032,6 +1092,7 @@ def build_models(args, tokenizer, device):
                                "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer)
+    check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path)
     length = args.max_prompt_length + args.response_length
     for model in [policy_hf] + ([reward.hf] if reward.model is not None and reward.reads_policy_tokens else []):
         common.check_position_table(model, length, f"--max_prompt_length + --response_length ({length})")

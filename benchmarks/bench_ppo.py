@@ -44,7 +44,10 @@ HH = os.path.join(ROOT, "..", "shared", "data", "hh-rlhf-harmless-base", "test.j
 WORKLOADS = {"short": dict(episodes=128, response_length=48, stop=False, prompt_length=256, vocab=258, prompts="short"),
              "long": dict(episodes=64, response_length=128, stop=True, prompt_length=256, vocab=258, prompts="long"),
              "long-8k": dict(episodes=64, response_length=128, stop=True, prompt_length=256, vocab=8000,
-                             prompts="long")}
+                             prompts="long"),
+             # memory at a real vocabulary: the short workload with Qwen2's 151,936-row embedding and output layer
+             "short-152k": dict(episodes=128, response_length=48, stop=False, prompt_length=256, vocab=258,
+                                prompts="short", model_vocab=151_936)}
 SIZES = dict(batch=16, epochs=4, temperature=0.7, lr=3e-6, kl_coef=0.05, seed=1)
 
 
@@ -74,7 +77,8 @@ def bpe_tokenizer(texts, vocab_size):
 
 def model_dir(root, workload, kind):
     """policy or rm, of the workload's vocabulary."""
-    return os.path.join(root, f"{kind}-{WORKLOADS[workload]['vocab']}")
+    w = WORKLOADS[workload]
+    return os.path.join(root, f"{kind}-{w['vocab']}-{w.get('model_vocab', w['vocab'])}")
 
 
 def make_assets(root):
@@ -90,14 +94,14 @@ def make_assets(root):
         rows = [json.loads(line) for line in f]
     with open(os.path.join(root, "pairs.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in common.embedded_pairs(1200, seed=0))
-    for vocab in sorted({w["vocab"] for w in WORKLOADS.values()}):
+    for vocab, model_vocab in sorted({(w["vocab"], w.get("model_vocab", w["vocab"])) for w in WORKLOADS.values()}):
         tokenizer = byte_tokenizer() if vocab == 258 else bpe_tokenizer(
             [r["chosen"] for r in rows] + [r["rejected"] for r in rows], vocab)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        config = LlamaConfig(vocab_size=max(len(tokenizer), model_vocab), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                              bos_token_id=None, tie_word_embeddings=False)
-        policy, rm_dir = os.path.join(root, f"policy-{vocab}"), os.path.join(root, f"rm-{vocab}")
+        policy, rm_dir = (os.path.join(root, f"{kind}-{vocab}-{model_vocab}") for kind in ("policy", "rm"))
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(policy)
         tokenizer.save_pretrained(policy)

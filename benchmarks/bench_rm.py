@@ -35,7 +35,9 @@ TASKS = {  # name: (training pairs, held-out pairs, max length, tokenizer vocabu
     "hh-rlhf": (512, 512, 512, 8000),
     "hh-bytes": (256, 128, 1024, 258),
     "embedded": (512, 512, 512, None),
+    "hh-rlhf-152k": (256, 128, 512, 8000),
 }
+MODEL_VOCAB = {"hh-rlhf-152k": 151_936}  # a real-sized embedding (Qwen2's vocabulary), for the memory row
 MODES = {"rm.py padded": ["--no_padding_free"],
          "rm.py packed": ["--padding_free", "--no_prefix_sharing"],
          "rm.py prefix-shared + packed (default)": ["--padding_free", "--prefix_sharing"]}
@@ -103,7 +105,7 @@ def prepare_task(task, args, work):
         ids[split], _, _ = rm.tokenize_pairs([dict(r, _source=task, _row=i) for i, r in enumerate(part)], tok, targs)
     with open(os.path.join(work, "ids.json"), "w") as f:
         json.dump(ids, f)
-    n_params, cfg = build_model(args.shape, len(tok), tok.pad_token_id, tok.eos_token_id, os.path.join(work, "model"),
+    n_params, cfg = build_model(args.shape, MODEL_VOCAB.get(task, len(tok)), tok.pad_token_id, tok.eos_token_id, os.path.join(work, "model"),
                                 args.max_length)
     train = ids["train"]
     pair_tokens = sum(2 * len(p["prompt"]) + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
@@ -117,7 +119,7 @@ def prepare_task(task, args, work):
             "tokenizer": (f"UTF-8 bytes ({len(tok)} tokens)" if args.vocab_size == 258 else
                           f"byte-level BPE, {len(tok)} tokens, trained on the HH-RLHF text" if task.startswith("hh-")
                           else f"embedded word-level, {len(tok)} tokens"), "model": f"{args.shape} ({n_params / 1e6:.1f}M non-embedding "
-        f"parameters)", "tokens_per_pair": pair_tokens, "unique_tokens_per_pair": unique, "flops_per_pair": flops}
+        f"parameters, vocabulary {cfg.vocab_size})", "tokens_per_pair": pair_tokens, "unique_tokens_per_pair": unique, "flops_per_pair": flops}
 
 
 def warmup_steps(args):
@@ -203,7 +205,7 @@ def matmul_peak(device, bf16, n=2048, reps=10):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: " + ", ".join(TASKS))
+    p.add_argument("--tasks", default="hh-rlhf,hh-bytes,embedded", help="comma-separated: " + ", ".join(TASKS))
     p.add_argument("--rows", default="trl," + ",".join(MODES), help="comma-separated: trl and/or rm.py modes")
     p.add_argument("--pairs", type=int, default=None, help="training pairs, one epoch (default: the task's)")
     p.add_argument("--eval_pairs", type=int, default=None, help="held-out pairs (default: the task's)")

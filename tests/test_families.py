@@ -189,14 +189,15 @@ def test_saved_reward_model_reloads_with_transformers_and_gives_the_training_rew
 @pytest.mark.parametrize("family", DECODERS)
 def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(family, family_dir, trained_rm,
                                                                             tmp_path, monkeypatch):
-    """One micro-batch of 8 run as one padded group, against 4 micro-batches of 2 each cut into as many length groups
-    as there are lengths: the same update."""
+    """One micro-batch of 8 run as one padded group with its logits in one block, against 4 micro-batches of 2 each cut
+    into as many length groups as there are lengths, their logits one position at a time: the same update."""
     base = dict(sft_model_path=family_dir(family), reward_model_path=trained_rm(family), total_episodes=8,
                 num_mini_batches=1, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, sample_every=1,
                 max_prompt_length=32)
     monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 10**9)
     ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
     monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
+    monkeypatch.setattr(ppo, "LOGIT_BLOCK", 1)  # and logits one position at a time, recomputed in the backward pass
     ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
                       gradient_accumulation_steps=4, **base))
     whole, micro = read_metrics(tmp_path / "whole")[0], read_metrics(tmp_path / "micro")[0]

@@ -371,3 +371,35 @@ def test_an_empty_prompt_without_bos_is_named(tmp_path):
     assert common.leading_id(TOK) is None  # the embedded tokenizer adds no BOS
     with pytest.raises(common.UserError, match=r"prompts.jsonl: line 2: the prompt is empty and .* adds no BOS"):
         ppo.load_prompts(ppo.Args(dataset_name=str(path)), TOK)
+
+
+def test_logits_in_blocks_give_the_log_probs_entropies_and_gradients_of_the_whole(monkeypatch):
+    """The learning forward computes response logits in blocks (recomputed in the backward pass): the same numbers and
+    gradients as one block, and no block above LOGIT_BLOCK elements."""
+    policy = common.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=5)
+    prompts = sample_prompts(4)
+    query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
+    responses = torch.randint(20, len(TOK), (4, 7), generator=torch.Generator().manual_seed(0))
+    qr, qr_mask = torch.cat([query, responses], 1), torch.cat([qmask, torch.ones_like(responses, dtype=torch.bool)], 1)
+    blocks, real = [], ppo.output_logits
+    monkeypatch.setattr(ppo, "output_logits", lambda m, h: blocks.append(h.shape[:2]) or real(m, h))
+    results = {}
+    for block in (10 ** 9, 8 * len(TOK)):  # the whole micro-batch; blocks of 4 rows x 2 positions x vocabulary
+        monkeypatch.setattr(ppo, "LOGIT_BLOCK", block)
+        policy.zero_grad()
+        blocks.clear()
+        logprobs, entropy = ppo.policy_forward(policy, qr, qr_mask.long(), query.shape[1], 0.7)
+        (logprobs.sum() + entropy.sum()).backward()
+        results[block] = logprobs.detach(), entropy.detach(), torch.cat([p.grad.flatten() for p in policy.parameters()])
+        assert max(b * t for b, t in blocks) * len(TOK) <= block
+    assert len(blocks) == 8  # 7 positions in 4 blocks, each computed again in the backward pass
+    for whole, blocked in zip(*results.values()):
+        assert torch.allclose(whole, blocked, atol=1e-6, rtol=1e-5)
+
+
+def test_a_model_whose_output_transform_is_unknown_is_named_before_training(monkeypatch):
+    policy = common.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=1)
+    ppo.check_output_logits(policy, "--sft_model_path", "embedded-llama")  # a plain output layer: reproduced
+    monkeypatch.setattr(ppo, "output_logits", lambda m, h: m.get_output_embeddings()(h) * 2)
+    with pytest.raises(common.UserError, match="does not reproduce this model's logits .* add it there"):
+        ppo.check_output_logits(policy, "--sft_model_path", "embedded-llama")
