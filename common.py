@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import sys
+import warnings
 
 import torch
 
@@ -33,6 +34,9 @@ def exit_on_user_error(fn, *args):
 def load_pretrained(loader, name, flag, **kwargs):
     """loader.from_pretrained(name), with transformers' long errors about a missing folder or hub repository turned
     into one line naming the flag."""
+    base = adapter_base(name)
+    if base and not (loader.__name__ == "AutoTokenizer" and os.path.exists(os.path.join(name, "tokenizer_config.json"))):
+        name = base  # a peft adapter folder: its base's config and weights, and its own tokenizer if it has one
     try:
         return loader.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
@@ -518,6 +522,78 @@ def disable_dropout(model):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# LoRA (Hu et al. 2021) through peft: adapters on the backbone's linear layers, merged into the weights when saved.
+
+
+def add_lora(model, args, task_type):
+    """Adapters on the model's linear layers, added in place (the transformers model keeps its class and forward), and
+    for a sequence classifier its head trained in full beside them (peft's modules_to_save). Only those are trainable,
+    in float32, whatever dtype the frozen base is held in. Returns the peft model (disable_adapter, the config)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = args.lora_target_modules
+    config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules="all-linear" if targets == ["all-linear"] else targets)
+    try:
+        with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            peft_model = get_peft_model(model, config)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"--lora_target_modules {' '.join(targets)}: peft cannot put LoRA adapters on "
+                        f"{type(model).__name__} ({first[:200]}); name its linear layers, or pass --lora_r 0") from None
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return peft_model
+
+
+def merge_lora(model, peft_model, state_dict):
+    """A LoRA model's full state dict (gathered from any number of ranks) as a peft model on the CPU in float32, for
+    its adapter, and the plain model with the adapters merged into the weights, which loads without peft."""
+    import copy
+
+    from peft import get_peft_model
+
+    with torch.device("meta"):  # no weights allocated: the state dict's tensors are assigned in
+        plain = type(model)(model.config)
+    template = get_peft_model(plain, copy.deepcopy(peft_model.peft_config["default"]))
+    plain.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}, assign=True)
+    return template, copy.deepcopy(template).merge_and_unload()
+
+
+def adapter_base(name):
+    """The base model of a peft adapter folder (adapter_config.json, no config.json), or None for a model."""
+    path = os.path.join(name, "adapter_config.json")
+    if not os.path.exists(path) or os.path.exists(os.path.join(name, "config.json")):
+        return None
+    with open(path) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base or base.startswith("embedded-"):
+        raise UserError(f"{name}: an adapter of {base or 'an unnamed base'}, a model built at random in its run: load "
+                        "the merged model saved beside it (its parent folder)")
+    return base
+
+
+def load_model(loader, name, flag, **kwargs):
+    """loader.from_pretrained(name); for a peft adapter folder, its base model with the adapter merged in (and the
+    reward normalization rm.py saved beside the adapter)."""
+    model = load_pretrained(loader, name, flag, **kwargs)
+    if adapter_base(name):
+        from peft import PeftModel
+        from transformers import AutoTokenizer
+
+        vocab = len(load_pretrained(AutoTokenizer, name, flag))  # a pad token added in training: its embedding row
+        if vocab > model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(vocab, mean_resizing=False)
+        model = PeftModel.from_pretrained(model, name).merge_and_unload()
+        if os.path.exists(norm := os.path.join(name, "reward_normalization.json")):
+            with open(norm) as f:
+                model.config.update(json.load(f))
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Logging: stdout (through tqdm), metrics.jsonl, and optionally Weights & Biases and TensorBoard.
 
 
@@ -616,6 +692,7 @@ def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
     """save_pretrained into a temporary folder, then moved in; the weight files of an earlier save that this one does
     not rewrite (a single file beside a new sharded index) are removed, so a loader never mixes two saves."""
     tmp = os.path.join(output_dir, ".saving")
+    os.makedirs(output_dir, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, **kwargs)

@@ -18,6 +18,7 @@ Schulman et al. 2017 (PPO); Ziegler et al. 2019 and Stiennon et al. 2020 (PPO fo
 ("The N implementation details of RLHF with PPO").
 """
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -137,6 +138,17 @@ class Args:
     """Weight of a language-modelling loss on --ptx_dataset_name (InstructGPT's PPO-ptx, Ouyang et al. 2022)."""
     ptx_dataset_name: str | None = None
     """Text for the ptx loss: a dataset with a `text` column, or `embedded`."""
+    # --- LoRA (through peft)
+    lora_r: int = 0
+    """Rank of the LoRA adapters (Hu et al. 2021) on the linear layers of the policy's and the critic's backbones (the
+    value head trained in full); the reference policy is the policy with its adapter switched off, no second copy.
+    0 trains every weight. The final save is the merged policy, with the adapter in output_dir/adapter."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: an adapter adds (lora_alpha / lora_r) * B A to its layer's weight."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (0: rollout and learning see one network, as everywhere else)."""
+    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
+    """Names (or name suffixes) of the layers that get adapters; all-linear: every linear layer but the output layer."""
     # --- logging, checkpoints, systems
     sample_every: int = 10
     """Print and save a table of sample completions every this many updates."""
@@ -159,7 +171,8 @@ class Args:
     fsdp: bool = False
     """Shard policy and critic per transformer block with FSDP2 (default: DDP)."""
     bf16: bool = False
-    """bfloat16 autocast."""
+    """bfloat16 autocast (weights and optimizer state stay float32; with LoRA, the frozen base weights are held in
+    bfloat16, the adapters and value head in float32)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -443,14 +456,18 @@ def load_tokenizer(args):
 
 
 def load_policy(args, tokenizer):
+    """The initial policy: a causal LM, or a peft adapter folder merged into its base (so that the reference policy,
+    the initial policy, is the SFT adapter's model, not the base's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.sft_model_path.startswith("embedded-"):
         return common.disable_dropout(common.embedded_sft_policy(args.sft_model_path, tokenizer, args.seed))
     config = common.without_dropout(common.load_pretrained(AutoConfig, args.sft_model_path, "--sft_model_path"))
-    # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights
-    return common.disable_dropout(AutoModelForCausalLM.from_pretrained(args.sft_model_path, config=config,
-                                                                       dtype=torch.float32))
+    # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights; a frozen
+    # LoRA base is only read, so it may be held in bfloat16
+    dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
+    return common.disable_dropout(common.load_model(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path",
+                                                    config=config, dtype=dtype))
 
 
 @dataclass
@@ -480,18 +497,21 @@ def load_reward(args, tokenizer):
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     looks_local = os.path.exists(path) or path.startswith((".", "/")) or path == "runs/rm"
-    if looks_local and not os.path.exists(os.path.join(path, "config.json")):
+    if looks_local and not any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
         raise common.UserError(f"--reward_model_path {path}: no reward model there; train one first with "
                                f"`python rm.py --output_dir {path}` (or pass a hub reward model)")
     config = common.without_dropout(common.load_pretrained(AutoConfig, path, "--reward_model_path"))
+    if common.adapter_base(path):  # a reward adapter's base config is its causal LM's; the head it saved is a scalar
+        config.num_labels = 1
     if config.num_labels != 1:
         raise common.UserError(f"--reward_model_path {path}: the model has {config.num_labels} labels; a reward model "
                                "has one (a scalar)")
     # float32, as rm.py trained it: the critic starts from this model, and the scores are compared across runs
-    hf = common.disable_dropout(AutoModelForSequenceClassification.from_pretrained(path, config=config,
-                                                                                   dtype=torch.float32))
-    reward.hf, reward.tokenizer = hf.eval().requires_grad_(False), AutoTokenizer.from_pretrained(path)
-    shift, scale = getattr(config, "reward_shift", 0.0), getattr(config, "reward_scale", 1.0)
+    hf = common.disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
+                                                  config=config, dtype=torch.float32))
+    reward.hf = hf.eval().requires_grad_(False)
+    reward.tokenizer = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
+    shift, scale = getattr(hf.config, "reward_shift", 0.0), getattr(hf.config, "reward_scale", 1.0)
     if hasattr(hf, "score"):  # a decoder, read at the last real token
         with torch.no_grad():  # r' = (w.h - shift) / scale: fold the scale into w, keep the shift as an offset
             hf.score.weight /= scale
@@ -642,12 +662,16 @@ def parallelize(model, args, device, num_layers):
     if not dist.is_initialized():
         return model
     if args.fsdp:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # bf16 is compute only: the sharded parameters, and so the optimizer's steps, stay in their own dtype
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
+            MixedPrecisionPolicy()
 
         blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers)
         for block in blocks:
-            fully_shard(block)
-        return fully_shard(model)
+            fully_shard(block, mp_policy=mp)
+        return fully_shard(model, mp_policy=mp)
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                      broadcast_buffers=False)
 
@@ -704,7 +728,7 @@ def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collect
 
 @torch.no_grad()
 def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt_texts, tokenizer, stop_id, args,
-          collective=False):
+          collective=False, reference_mode=contextlib.nullcontext):
     """2. Reference log-probs, values, and each episode's score: the reward model read at the response's last real
     token (its stop token), plus the reward function, minus the missing-EOS penalty. Forwards run on groups of
     similar length (one group under FSDP, where every rank must make the same calls)."""
@@ -721,8 +745,9 @@ def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt
     with torch.autocast(responses.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for rows in (g.to(responses.device)[i:i + micro] for g in groups for i in range(0, len(g), micro)):
             ids, ids_mask, context, kept = trim_padding(query_response[rows], qr_mask[rows], context_length)
-            ref_logprobs[rows, :kept] = policy_forward(ref_policy, ids, ids_mask, context, args.temperature,
-                                                       entropy=False)[0]
+            with reference_mode():  # under LoRA: the policy with its adapter switched off
+                ref_logprobs[rows, :kept] = policy_forward(ref_policy, ids, ids_mask, context, args.temperature,
+                                                           entropy=False)[0]
             values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
             if own_tokens:  # read at the response's last real token
                 s = reward.model(ids, ids_mask).gather(1, last_token_index(ids_mask)[:, None]).squeeze(1)
@@ -887,7 +912,7 @@ def check_args(args):
             raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
     for name in ("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
                  "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples",
-                 "missing_eos_penalty"):
+                 "missing_eos_penalty", "lora_r", "lora_alpha", "lora_dropout"):
         value = getattr(args, name)
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
@@ -929,10 +954,11 @@ def main(args):
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
 
     # Models: policy and critic are trained; reference and reward model are frozen.
-    policy_hf, policy, critic, ref_policy, reward, critic_init = build_models(args, tokenizer, device)
+    policy_hf, lora, policy, critic, ref_policy, reward, critic_init = build_models(args, tokenizer, device)
     trainable = torch.nn.ModuleDict({"policy": policy, "critic": critic})
-    optimizer = torch.optim.AdamW([{"params": policy.parameters(), "lr": lr}, {"params": critic.parameters(),
-                                  "lr": critic_lr}], eps=1e-5, weight_decay=args.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rate}
+                                   for model, rate in ((policy, lr), (critic, critic_lr))],
+                                  eps=1e-5, weight_decay=args.weight_decay, fused=True)
     from transformers import get_scheduler
 
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_updates)
@@ -943,7 +969,9 @@ def main(args):
                                    start if args.resume else None) if rank == 0 else None
     if rank == 0:
         rm_name = args.reward_model_path or ("runs/rm" if reward.model is not None else None)
-        print(f"policy {args.sft_model_path} ({sum(p.numel() for p in policy_hf.parameters()) / 1e6:.2f}M); reward "
+        n_trained = sum(p.numel() for p in trainable.parameters() if p.requires_grad)
+        print(f"policy {args.sft_model_path} ({sum(p.numel() for p in policy_hf.parameters()) / 1e6:.2f}M; "
+              f"{n_trained / 1e6:.2f}M trained in policy and critic{f', LoRA rank {args.lora_r}' if lora else ''}); reward "
               + " + ".join([f"model {rm_name}" + ("" if reward.reads_policy_tokens else " (reads decoded text)")]
                            * (reward.model is not None) + [f"function {args.reward_fn}"] * (reward.fn is not None))
               + f"; critic from the {critic_init}; world size {world} ({device.type}, "
@@ -961,7 +989,7 @@ def main(args):
         episodes = range(update * batch_size + rank * local_batch, update * batch_size + (rank + 1) * local_batch)
         prompt_index = episode_prompts(episodes, len(prompts), args.seed, orders)
         if args.offload_inference_models:
-            ref_policy.to(device), reward.model is not None and reward.model.to(device)
+            lora or ref_policy.to(device), reward.model is not None and reward.model.to(device)
         policy.eval()
         query, query_mask, responses, mask, logprobs = rollout(sampler, [prompts[i] for i in prompt_index], episodes,
                                                                args, stop_id, tokenizer.pad_token_id, device,
@@ -972,13 +1000,13 @@ def main(args):
         texts = [prompt_texts[i] for i in prompt_index]
         query_response, qr_mask, ref_logprobs, values, scores, has_stop, response_texts = score(
             ref_policy, critic, reward, query, query_mask, responses, mask, texts, tokenizer, stop_id, args,
-            collective=args.fsdp and world > 1)
+            collective=args.fsdp and world > 1, reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
         if embedded and args.dataset_name == "embedded":
             gold = torch.tensor(common.gold_rewards(texts, response_texts), device=device)
         else:
             gold = torch.full_like(scores, float("nan"))
         if args.offload_inference_models:
-            ref_policy.to("cpu"), reward.model is not None and reward.model.to("cpu")
+            lora or ref_policy.to("cpu"), reward.model is not None and reward.model.to("cpu")
         # Every rank takes the whole rollout batch, so the learning phase is the same for any number of ranks.
         query_response, qr_mask, mask, logprobs, ref_logprobs, values, scores, has_stop, gold = (
             t if t is None else all_gather_cat(t) for t in (query_response, qr_mask, mask, logprobs, ref_logprobs,
@@ -1018,7 +1046,7 @@ def main(args):
         if args.save_steps and (update + 1) % args.save_steps == 0 and update + 1 < num_updates:
             save_checkpoint(trainable, optimizer, scheduler, update + 1, kl_coef, history, args, rank)
 
-    save_final(trainable, policy_hf, tokenizer, history, args, rank)
+    save_final(trainable, policy_hf, lora, tokenizer, history, args, rank)
     if rank == 0:
         logger.close()
         samples_file.close()
@@ -1064,14 +1092,19 @@ def save_checkpoint(trainable, optimizer, scheduler, update, kl_coef, history, a
             "kl_coef": kl_coef, "history": history, "rng": common.rng_state()})
 
 
-def save_final(trainable, policy_hf, tokenizer, history, args, rank):
-    """The final policy in transformers' format, its tokenizer, the curves and a summary."""
+def save_final(trainable, policy_hf, lora, tokenizer, history, args, rank):
+    """The final policy in transformers' format (with LoRA: merged, and the adapter in output_dir/adapter), its
+    tokenizer, the curves and a summary."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model_sd = get_model_state_dict(trainable, options=StateDictOptions(**FULL_STATE))
     if rank != 0:
         return
     policy_sd = {k.removeprefix("policy."): v for k, v in model_sd.items() if k.startswith("policy.")}
+    if lora is not None:
+        adapter, policy_hf = common.merge_lora(policy_hf, lora, policy_sd)
+        common.save_pretrained_atomic(adapter, tokenizer, os.path.join(args.output_dir, "adapter"))
+        policy_sd = policy_hf.state_dict()
     common.save_pretrained_atomic(policy_hf, tokenizer, args.output_dir, state_dict=policy_sd)
     plot_curves(history, os.path.join(args.output_dir, "curves.png"))
     summary = summarize(history)
@@ -1096,13 +1129,19 @@ def build_models(args, tokenizer, device):
     length = args.max_prompt_length + args.response_length
     for model in [policy_hf] + ([reward.hf] if reward.model is not None and reward.reads_policy_tokens else []):
         common.check_position_table(model, length, f"--max_prompt_length + --response_length ({length})")
-    ref_policy = copy.deepcopy(policy_hf).eval().requires_grad_(False).to(device)
     critic_hf = critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
+    lora = None
+    if args.lora_r:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        lora = common.add_lora(policy_hf.to(dtype), args, "CAUSAL_LM")
+        common.add_lora(critic_hf.to(dtype), args, "SEQ_CLS")
+    else:
+        ref_policy = copy.deepcopy(policy_hf).eval().requires_grad_(False).to(device)
     if reward.model is not None:
         reward.model.to(device)
     policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
     critic = parallelize(ScalarHeadModel(critic_hf), args, device, critic_hf.config.num_hidden_layers)
-    return policy_hf, policy, critic, ref_policy, reward, critic_init
+    return policy_hf, lora, policy, critic, policy if lora else ref_policy, reward, critic_init
 
 
 def episode_prompts(episodes, n_prompts, seed, orders):

@@ -96,6 +96,16 @@ class Args:
     """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1))."""
     reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
     """After training: make the mean reward over the eval set 0 (shift) and optionally its std 1 (shift_scale)."""
+    # --- LoRA (through peft)
+    lora_r: int = 0
+    """Rank of the LoRA adapters on the backbone's linear layers (Hu et al. 2021), the scalar head trained in full
+    beside them; 0 trains every weight. The final save is the merged model, with the adapter in output_dir/adapter."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: an adapter adds (lora_alpha / lora_r) * B A to its layer's weight."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (0: the two passes of a pair see one network, as everywhere else)."""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Names (or name suffixes) of the layers that get adapters; all-linear: every linear layer of the backbone."""
     # --- evaluation, logging, checkpoints
     eval_steps: int = 0
     """Evaluate every this many steps (0: use --num_evals)."""
@@ -133,7 +143,8 @@ class Args:
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state per transformer block with FSDP2 (default: DDP)."""
     bf16: bool = False
-    """bfloat16 autocast for the forward and backward passes."""
+    """bfloat16 autocast for the forward and backward passes (weights and optimizer state stay float32; with LoRA,
+    the frozen base weights are held in bfloat16, the adapters and head in float32)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
 
@@ -216,21 +227,25 @@ def load_tokenizer(name):
 
 
 def load_reward_model(args, tokenizer):
+    """The reward model (a transformers sequence classifier) and, with --lora_r, the peft model holding its adapters."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     torch.manual_seed(args.seed)
     name = args.model_name_or_path
+    # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights; a frozen
+    # LoRA base is only read, so it may be held in bfloat16
+    dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     if name.startswith("embedded-"):
         config = common.embedded_model_config(name, len(tokenizer), num_labels=1)
-        model, trained_head = AutoModelForSequenceClassification.from_config(config), False
+        model, trained_head = AutoModelForSequenceClassification.from_config(config).to(dtype), False
     else:
         config = common.load_pretrained(AutoConfig, name, "--model_name_or_path")
-        trained_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+        trained_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or \
+            common.adapter_base(name) is not None
         config.num_labels = 1
         # dropout off, before the model is built: the two passes of a pair must see the same network
-        # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights
-        model = AutoModelForSequenceClassification.from_pretrained(name, config=common.without_dropout(config),
-                                                                   dtype=torch.float32)
+        model = common.load_model(AutoModelForSequenceClassification, name, "--model_name_or_path",
+                                  config=common.without_dropout(config), dtype=dtype)
     common.disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
@@ -238,7 +253,7 @@ def load_reward_model(args, tokenizer):
     if not trained_head and hasattr(model, "score"):  # encoders' pooled heads keep transformers' initialisation
         hidden = model.score.in_features
         torch.nn.init.normal_(model.score.weight, std=args.head_init_std or 1 / math.sqrt(hidden + 1))
-    return model
+    return model, common.add_lora(model, args, "SEQ_CLS") if args.lora_r and not args.eval_only else None
 
 
 def tokenize_pairs(rows, tokenizer, args):
@@ -420,11 +435,15 @@ def choose_layout(model, args, vocab_size):
              for i in range(4)]
     was_training, own = model.training, model.hf.config._attn_implementation
     model.eval()
-    reference = model(*collate(pairs, 0)[:2])
+    # a LoRA base held in bfloat16 runs under autocast, as in training, beside its float32 head
+    half = torch.autocast("cpu", dtype=torch.bfloat16, enabled=model.hf.dtype == torch.bfloat16)
+    with half:
+        reference = model(*collate(pairs, 0)[:2])
     model.hf.config._attn_implementation = "rm_segments"
     inputs = model_inputs(pairs, 0, args)
     try:
-        rewards, why_not = model(*inputs), None
+        with half:
+            rewards, why_not = model(*inputs), None
     except NotImplementedError as e:
         why_not = f"its attention needs {e}"
     if why_not is None and inputs[-1].calls != declared_windows(model.hf.config):
@@ -499,13 +518,17 @@ def parallelize(model, args, device):
     if not dist.is_initialized():
         return model
     if args.fsdp:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # bf16 is compute only: the sharded parameters, and so the optimizer's steps, stay in their own dtype
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
+            MixedPrecisionPolicy()
 
         blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
                       and len(m) == model.hf.config.num_hidden_layers)
         for block in blocks:
-            fully_shard(block)
-        return fully_shard(model)
+            fully_shard(block, mp_policy=mp)
+        return fully_shard(model, mp_policy=mp)
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                      broadcast_buffers=False)
 
@@ -592,7 +615,8 @@ def check_args(args):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
     for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
-                 "max_grad_norm", "center_rewards_coefficient", "eval_steps", "save_steps", "head_init_std"):
+                 "max_grad_norm", "center_rewards_coefficient", "eval_steps", "save_steps", "head_init_std", "lora_r",
+                 "lora_alpha", "lora_dropout"):
         value = getattr(args, name)
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
@@ -633,7 +657,7 @@ def main(args):
     # 2. Model, optimizer, schedule.
     from transformers import get_scheduler
 
-    hf_model = load_reward_model(args, tokenizer)
+    hf_model, lora = load_reward_model(args, tokenizer)
     common.check_position_table(hf_model, args.max_length, f"--max_length {args.max_length}")
     args, layout = choose_layout(RewardModel(hf_model), args, len(tokenizer))
     if args.gradient_checkpointing:
@@ -641,7 +665,8 @@ def main(args):
     model = parallelize(RewardModel(hf_model), args, device)
     if args.eval_only:
         return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                  weight_decay=args.weight_decay, fused=True)
     warmup = args.warmup_steps or int(args.warmup_ratio * total_steps)
     extra = {"polynomial": {"lr_end": args.lr_end}, "cosine_with_restarts": {"num_cycles": int(args.num_cycles)},
              "cosine": {"num_cycles": args.num_cycles / 2}}.get(args.lr_scheduler_type, {})
@@ -651,9 +676,11 @@ def main(args):
     start_step = resume(model, optimizer, scheduler, args)
     logger = common.Logger(args, args.wandb_project, start_step if args.resume else None) if rank == 0 else None
     n_params = sum(p.numel() for p in hf_model.parameters())
+    n_trained = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
     if rank == 0:
         mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
-        print(f"model {args.model_name_or_path}: {n_params / 1e6:.2f}M parameters; world size {world} ({device.type}, "
+        print(f"model {args.model_name_or_path}: {n_params / 1e6:.2f}M parameters, {n_trained / 1e6:.2f}M trained"
+              f"{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} ({device.type}, "
               f"{'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})")
         print(f"batch layout: {layout}")
         print(f"global batch {global_batch} pairs = {args.per_device_train_batch_size} x {args.gradient_accumulation_steps}"
@@ -720,7 +747,7 @@ def main(args):
             t_window += time.time() - t_pause
 
     # 5. Normalize (shift the mean eval reward to 0, optionally scale its std to 1) and save in transformers' format.
-    save_final(model, hf_model, tokenizer, ev, eval_rewards, logger, args, rank)
+    save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank)
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
         dist.barrier()
         dist.destroy_process_group()
@@ -753,7 +780,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, rank):
                                                        "scheduler": scheduler.state_dict(), "rng": common.rng_state()})
 
 
-def save_final(model, hf_model, tokenizer, ev, eval_rewards, logger, args, rank):
+def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank):
     """The reward model in transformers' format with its normalization (the mean eval reward shifted to 0, optionally
     its std scaled to 1), eval_results.json, the evaluation figure and a summary."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -763,8 +790,8 @@ def save_final(model, hf_model, tokenizer, ev, eval_rewards, logger, args, rank)
     model_sd = get_model_state_dict(model, options=StateDictOptions(**FULL_STATE))
     if rank != 0:
         return
-    save_reward_model(hf_model, {k.removeprefix("hf."): v for k, v in model_sd.items()}, tokenizer, args.output_dir,
-                      shift, scale)
+    saved = save_reward_model(hf_model, lora, {k.removeprefix("hf."): v for k, v in model_sd.items()}, tokenizer,
+                              args.output_dir, shift, scale)
     results = {**{k.removeprefix("eval/"): v for k, v in ev.items()}, "reward_shift": shift, "reward_scale": scale,
                "args": dataclasses.asdict(args)}
     common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), results)
@@ -777,7 +804,7 @@ def save_final(model, hf_model, tokenizer, ev, eval_rewards, logger, args, rank)
     print(f"{summary}; saved to {args.output_dir}")
     if args.push_to_hub:
         repo = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
-        hf_model.push_to_hub(repo)
+        saved.push_to_hub(repo)
         tokenizer.push_to_hub(repo)
 
 
@@ -871,12 +898,20 @@ def plot_eval(path, rewards, metrics):
     common.save_figure(fig, path)
 
 
-def save_reward_model(hf_model, state_dict, tokenizer, output_dir, shift, scale):
-    """Weights in transformers' format. A linear head without a bias cannot hold a shift, so the normalization travels
-    in config.json: reward = (score - reward_shift) / reward_scale (ppo.py's load_reward_model applies it)."""
-    hf_model.config.reward_shift, hf_model.config.reward_scale = shift, scale
+def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, scale):
+    """Weights in transformers' format (with LoRA: merged, and the adapter in output_dir/adapter). A linear head
+    without a bias cannot hold a shift, so the normalization travels in config.json (beside an adapter, in
+    reward_normalization.json): reward = (score - reward_shift) / reward_scale (ppo.py's load_reward applies it)."""
+    normalization = {"reward_shift": shift, "reward_scale": scale}
+    if lora is not None:
+        adapter, hf_model = common.merge_lora(hf_model, lora, state_dict)
+        state_dict = hf_model.state_dict()
+        common.save_pretrained_atomic(adapter, tokenizer, os.path.join(output_dir, "adapter"))
+        common.write_json_atomic(os.path.join(output_dir, "adapter", "reward_normalization.json"), normalization)
+    hf_model.config.update(normalization)
     hf_model.config.architectures = [type(hf_model).__name__]
     common.save_pretrained_atomic(hf_model, tokenizer, output_dir, state_dict=state_dict)
+    return hf_model
 
 
 if __name__ == "__main__":

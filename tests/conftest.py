@@ -63,3 +63,17 @@ def reward_model_path(tmp_path_factory, small_pairs_file):
     run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size", "16",
                 "--num_evals", "1", "--output_dir", str(out)])
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory):
+    """A tiny saved model of a family in tests/families.py, by path (made once per session)."""
+    from families import save_family
+
+    root, made = tmp_path_factory.mktemp("families"), {}
+
+    def get(family):
+        if family not in made:
+            made[family] = str(save_family(family, root / family))
+        return made[family]
+    return get

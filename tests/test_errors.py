@@ -38,6 +38,8 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
     "zero epochs": (["--num_train_epochs", "0"], {}, "--num_train_epochs 0.0: must be above 0"),
     "negative prompt length": (["--max_prompt_length", "-1"], {}, "--max_prompt_length -1: must be at least 1"),
     "missing model": (["--model_name_or_path", "./no_such_model"], {}, "--model_name_or_path ./no_such_model: no such"),
+    "lora target": (["--lora_r", "4", "--lora_target_modules", "no_such_layer"], {},
+                    "--lora_target_modules no_such_layer: peft cannot put LoRA adapters on LlamaForSequenceClassification"),
     "message without role": ([], {"d.jsonl": GOOD + '\n{"chosen": [{"content": "x"}], "rejected": [{"role": '
                                   '"assistant", "content": "y"}]}\n'},
                              "d.jsonl: line 2: field 'chosen', message 0: expected {'role': text"),

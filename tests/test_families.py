@@ -9,24 +9,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import read_metrics, run_script
-from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, WINDOW, WINDOWED, save_family
+from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, WINDOW, WINDOWED, save_family  # noqa: F401
 
 import common
 import ppo
 import rm
 
 PADDED_FAMILIES = ENCODERS + ["bloom"]  # encoders pool over the whole sequence; BLOOM's ALiBi takes no position ids
-
-
-@pytest.fixture(scope="session")
-def family_dir(tmp_path_factory):
-    root, made = tmp_path_factory.mktemp("families"), {}
-
-    def get(family):
-        if family not in made:
-            made[family] = str(save_family(family, root / family))
-        return made[family]
-    return get
 
 
 def preference_rows(family, n, seed=0):
@@ -70,7 +59,7 @@ def trained_rm(family_dir, tmp_path_factory):
 def reward_model_of(path, **kw):
     args = rm.Args(model_name_or_path=path, **kw)
     tokenizer = rm.load_tokenizer(path)
-    return rm.RewardModel(rm.load_reward_model(args, tokenizer)), tokenizer, args
+    return rm.RewardModel(rm.load_reward_model(args, tokenizer)[0]), tokenizer, args
 
 
 def tokenized_pairs(family, tokenizer, n=6):

@@ -17,7 +17,7 @@ TOK = common.embedded_tokenizer()
 
 def tiny_reward_model(arch="embedded-llama", seed=0):
     args = rm.Args(model_name_or_path=arch, seed=seed)
-    return rm.RewardModel(rm.load_reward_model(args, TOK)).eval()
+    return rm.RewardModel(rm.load_reward_model(args, TOK)[0]).eval()
 
 
 def random_pairs(n, seed, margin=0.0):
@@ -85,9 +85,9 @@ def test_fused_forward_equals_separate_unpadded_forwards(arch):
 
 def test_new_head_init_std_and_dropout_off():
     args = rm.Args(model_name_or_path="embedded-llama", head_init_std=0.5)
-    hf = rm.load_reward_model(args, TOK)
+    hf, _ = rm.load_reward_model(args, TOK)
     assert hf.score.weight.std().item() == pytest.approx(0.5, rel=0.2)
-    default = rm.load_reward_model(rm.Args(), TOK)
+    default, _ = rm.load_reward_model(rm.Args(), TOK)
     assert default.score.weight.std().item() == pytest.approx(1 / math.sqrt(64 + 1), rel=0.2)
     assert all(m.p == 0 for m in default.modules() if isinstance(m, torch.nn.Dropout))
 

@@ -1,0 +1,214 @@
+"""LoRA through peft: merged saves equal the adapted model, the reference is the policy with its adapter off, only
+adapters and heads train, and runs split over ranks or resumed equal one uninterrupted process."""
+
+import copy
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_saved_models_equal, read_metrics, run_script
+from families import DECODERS, FAMILIES
+from test_families import preference_rows, tokenized_pairs, write_jsonl
+
+import common
+import ppo
+import rm
+
+LORA = dict(lora_r=4, lora_alpha=8.0)
+
+
+def perturb_adapters(model, seed=0):
+    """LoRA's B starts at zero (the adapted model is the base): give every adapter and head copy other values, so that
+    a merge or a switched-off adapter that is wrong shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def policy_logprobs(model, tokenizer, n=3):
+    rng = random.Random(0)
+    seqs = common.tokenize_prompts(tokenizer, [common.embedded_prompt(rng) + " cat dog" * i for i in range(n)])
+    ids, mask = ppo.pad_left(seqs, max(map(len, seqs)), tokenizer.pad_token_id)
+    with torch.no_grad():
+        return ppo.policy_forward(model, ids, mask.long(), 4, 1.0, entropy=False)[0]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_merged_reward_model_loads_without_peft_and_gives_the_adapted_rewards(family, family_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    args = rm.Args(model_name_or_path=family_dir(family), padding_free=False, **LORA)
+    tokenizer = rm.load_tokenizer(args.model_name_or_path)
+    hf, lora = rm.load_reward_model(args, tokenizer)
+    trained = {n for n, p in hf.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n or "modules_to_save" in n for n in trained), trained
+    assert any("modules_to_save" in n for n in trained)  # the head is trained in full beside the adapters
+    assert all(p.dtype == torch.float32 for n, p in hf.named_parameters() if n in trained)
+    ids, mask, _ = rm.collate(tokenized_pairs(family, tokenizer), tokenizer.pad_token_id)
+    with torch.no_grad():
+        before = rm.RewardModel(hf.eval())(ids, mask)
+        perturb_adapters(hf)
+        adapted = rm.RewardModel(hf)(ids, mask)
+    assert not torch.allclose(adapted, before, atol=1e-3)
+    rm.save_reward_model(hf, lora, hf.state_dict(), tokenizer, str(tmp_path), 0.0, 1.0)
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.allclose(rm.RewardModel(merged)(ids, mask), adapted, atol=1e-4, rtol=1e-4)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_reference_is_the_initial_policy_with_the_adapter_off_and_the_merged_policy_the_adapted_one(
+        family, family_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    args = ppo.Args(sft_model_path=family_dir(family), **LORA)
+    tokenizer = ppo.load_tokenizer(args)
+    policy = ppo.load_policy(args, tokenizer).eval()
+    initial = policy_logprobs(copy.deepcopy(policy), tokenizer)
+    lora = common.add_lora(policy, args, "CAUSAL_LM")
+    assert torch.equal(policy_logprobs(policy, tokenizer), initial)  # B = 0: the first update's ratio is exactly 1
+    perturb_adapters(policy)
+    adapted = policy_logprobs(policy, tokenizer)
+    assert not torch.allclose(adapted, initial, atol=1e-3)
+    with lora.disable_adapter():
+        assert torch.equal(policy_logprobs(policy, tokenizer), initial)
+    _, merged = common.merge_lora(policy, lora, policy.state_dict())
+    merged.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.allclose(policy_logprobs(reloaded, tokenizer), adapted, atol=1e-4)
+
+
+def test_an_sft_adapter_as_the_initial_policy_is_the_reference_not_its_base(family_dir, tmp_path):
+    """A policy given as a peft adapter folder starts from the adapter's model: merged at load, so the new adapter's
+    switched-off state (the reference) is the SFT model, not the base it was trained from."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base_path = family_dir("llama")
+    tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=base_path))
+    sft = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
+                         LoraConfig(r=4, target_modules="all-linear"))
+    perturb_adapters(sft, seed=1)
+    sft.save_pretrained(tmp_path / "sft")
+    sft_logprobs = policy_logprobs(sft.eval(), tokenizer)
+    base_logprobs = policy_logprobs(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), tokenizer)
+    assert not torch.allclose(sft_logprobs, base_logprobs, atol=1e-3)
+
+    args = ppo.Args(sft_model_path=str(tmp_path / "sft"), **LORA)
+    assert len(ppo.load_tokenizer(args)) == len(tokenizer)  # the base's tokenizer: the adapter folder has none
+    policy = ppo.load_policy(args, tokenizer).eval()
+    lora = common.add_lora(policy, args, "CAUSAL_LM")
+    perturb_adapters(policy, seed=2)
+    with lora.disable_adapter():
+        assert torch.allclose(policy_logprobs(policy, tokenizer), sft_logprobs, atol=1e-5)
+    assert isinstance(sft, PeftModel)
+
+
+def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike(family_dir, tmp_path):
+    out = tmp_path / "rm"
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 96))
+    rm.main(rm.Args(model_name_or_path=family_dir("llama"), dataset_name=data, output_dir=str(out), max_steps=3,
+                    per_device_train_batch_size=8, learning_rate=3e-2, num_evals=1, max_length=64,
+                    max_prompt_length=32, reward_normalization="shift_scale", **LORA))
+    shift = json.load(open(out / "eval_results.json"))["reward_shift"]
+    tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=family_dir("llama")))
+    rewards = [ppo.load_reward(ppo.Args(reward_model_path=str(p)), tokenizer) for p in (out, out / "adapter")]
+    assert rewards[0].offset == rewards[1].offset != 0 and shift != 0
+    ids = torch.tensor([tokenizer("tell me about animals such as cat dog")["input_ids"]])
+    with torch.no_grad():
+        scores = [r.model(ids, torch.ones_like(ids)) for r in rewards]
+    assert torch.allclose(scores[0], scores[1], atol=1e-5)
+    evals = {}
+    for name in ("rm", "rm/adapter"):
+        rm.main(rm.Args(model_name_or_path=str(tmp_path / name), dataset_name=data, eval_only=True,
+                        output_dir=str(tmp_path / f"eval-{len(evals)}"), max_length=64, max_prompt_length=32))
+        evals[name] = json.load(open(tmp_path / f"eval-{len(evals)}" / "eval_results.json"))
+    for key in ("accuracy", "loss", "reward_shift", "reward_scale", "normalized_reward_mean"):
+        assert evals["rm"][key] == pytest.approx(evals["rm/adapter"][key], abs=1e-5), key
+
+
+# --- training runs ----------------------------------------------------------------------------------------------------
+
+RM_SHORT = ["--max_steps", "6", "--logging_steps", "1", "--num_evals", "1", "--per_device_train_batch_size", "4",
+            "--lora_r", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
+
+
+def test_rm_lora_trains_only_adapters_and_head_and_two_ranks_equal_one(tmp_path, small_pairs_file):
+    base = ["rm.py", "--dataset_name", small_pairs_file, *RM_SHORT]
+    run_script(base + ["--gradient_accumulation_steps", "2", "--save_steps", "5", "--output_dir", str(tmp_path / "one")])
+    run_script(base + ["--output_dir", str(tmp_path / "ddp")], nproc=2)
+    run_script(base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")], nproc=2)
+    runs = {k: [m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("one", "ddp", "fsdp")}
+    for key in ("train/loss", "train/grad_norm"):
+        one = [m[key] for m in runs["one"]]
+        for k in ("ddp", "fsdp"):
+            assert np.allclose([m[key] for m in runs[k]], one, atol=1e-5, rtol=0), (key, k)
+    assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForSequenceClassification")
+
+    tokenizer = rm.load_tokenizer("embedded-llama")
+    initial, _ = rm.load_reward_model(rm.Args(seed=1, lora_r=4, lora_alpha=8.0), tokenizer)
+    trained = common.load_latest_checkpoint(str(tmp_path / "one"))["model"]
+    moved = {k.removeprefix("hf.") for k, v in trained.items() if not torch.equal(v, initial.state_dict()[
+        k.removeprefix("hf.")])}
+    assert moved and all("lora_" in k or "modules_to_save" in k for k in moved), moved
+    assert any("lora_B" in k for k in moved) and any("modules_to_save" in k for k in moved)
+
+
+PPO_TINY = ["--total_episodes", "32", "--per_device_train_batch_size", "4", "--num_mini_batches", "2",
+            "--num_ppo_epochs", "2", "--response_length", "8", "--lora_r", "4", "--lora_alpha", "8"]
+
+
+def test_ppo_lora_two_ranks_equal_one_and_under_fsdp_bf16_the_adapters_stay_float32(tmp_path, reward_model_path):
+    base = ["ppo.py", "--reward_model_path", reward_model_path, *PPO_TINY]
+    run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
+    run_script(base + ["--output_dir", str(tmp_path / "ddp")], nproc=2)
+    runs = {k: read_metrics(tmp_path / k) for k in ("one", "ddp")}
+    assert abs(runs["one"][0]["objective/kl"]) < 1e-5  # the reference is the policy with its adapter (B = 0) off
+    for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/approxkl", "policy/grad_norm"):
+        one = [m[key] for m in runs["one"]]
+        assert np.allclose([m[key] for m in runs["ddp"]], one, atol=1e-5, rtol=1e-5), key
+    assert runs["one"][-1]["objective/kl"] != 0  # the policy moved
+    assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForCausalLM")
+
+    run_script(base + ["--fsdp", "--bf16", "--save_steps", "1", "--output_dir", str(tmp_path / "bf16")], nproc=2)
+    ckpt = common.load_latest_checkpoint(str(tmp_path / "bf16"))
+    dtypes = {("lora_" in k or "modules_to_save" in k): v.dtype for k, v in ckpt["model"].items()
+              if v.is_floating_point() and "layers" in k or "score" in k}
+    assert dtypes == {True: torch.float32, False: torch.bfloat16}  # adapters train in float32, the base is held in bf16
+    assert {v.dtype for s in ckpt["optimizer"]["state"].values() for v in s.values() if v.numel() > 1} == \
+        {torch.float32}
+
+
+@pytest.mark.parametrize("script", ["rm", "ppo"])
+def test_lora_resume_after_interruption_reproduces_uninterrupted_run(script, tmp_path, small_pairs_file,
+                                                                    reward_model_path, monkeypatch):
+    if script == "rm":
+        main, args, crash_at = rm.main, rm.Args(dataset_name=small_pairs_file, max_steps=6, logging_steps=1,
+                                               num_evals=2, save_steps=2, per_device_train_batch_size=8, **LORA), 4
+    else:
+        main, args, crash_at = ppo.main, ppo.Args(reward_model_path=reward_model_path, total_episodes=48,
+                                                 per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2,
+                                                 response_length=8, save_steps=2, **LORA), 4
+    main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "full")}))
+    real_save = common.save_checkpoint
+
+    def save_then_crash(output_dir, step, state, keep=2):
+        real_save(output_dir, step, state, keep)
+        if step == crash_at:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "cut")}))
+    monkeypatch.setattr(common, "save_checkpoint", real_save)
+    main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "cut"), "resume": True}))
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
+    assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))
+    auto = "AutoModelForSequenceClassification" if script == "rm" else "AutoModelForCausalLM"
+    assert_saved_models_equal([tmp_path / "cut", tmp_path / "full"], auto)
