@@ -559,6 +559,7 @@ def merge_lora(model, peft_model, state_dict):
         plain = type(model)(model.config)
     template = get_peft_model(plain, copy.deepcopy(peft_model.peft_config["default"]))
     plain.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}, assign=True)
+    plain.tie_weights()  # assigned tensors are separate: tie the output layer to the embedding again where tied
     return template, copy.deepcopy(template).merge_and_unload()
 
 
