@@ -161,12 +161,6 @@ def embedded_pairs(n, seed):
     return rows
 
 
-def bayes_accuracy(rows):
-    """Expected accuracy of the gold reward itself on these pairs: the best any reward model can do."""
-    ps = [1 / (1 + math.exp(-PREFERENCE_BETA * (r["gold_chosen"] - r["gold_rejected"]))) for r in rows]
-    return sum(max(p, 1 - p) for p in ps) / len(ps)
-
-
 def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     """The embedded task's initial (SFT) policy: a tiny causal LM trained briefly to answer prompts with a few random
     words and EOS, so it starts from well-formed responses of average gold reward, as a real SFT model would."""
@@ -598,17 +592,27 @@ def load_model(loader, name, flag, **kwargs):
 # Logging: stdout (through tqdm), metrics.jsonl, and optionally Weights & Biases and TensorBoard.
 
 
+RUNNING = ".running"
+
+
 def open_log(path, resume_step=None):
-    """A JSON-lines log for appending; on resume, lines after the resumed step are dropped (they will be redone), and
-    a new run starts it afresh."""
+    """A JSON-lines log for appending, kept as path + RUNNING until close_log names it path: an earlier run's log in
+    the same folder stays whole until this run has finished. On resume, the interrupted run's lines after the resumed
+    step are dropped (they will be redone)."""
     kept = []
-    if resume_step is not None and os.path.exists(path):
-        with open(path) as f:
+    source = next((p for p in (path + RUNNING, path) if os.path.exists(p)), None)
+    if resume_step is not None and source is not None:
+        with open(source) as f:
             kept = [line for line in f if json.loads(line).get("step", 0) <= resume_step]
-    with open(path + ".tmp", "w") as f:
+    with open(path + RUNNING + ".tmp", "w") as f:
         f.writelines(kept)
-    os.replace(path + ".tmp", path)
-    return open(path, "a")
+    os.replace(path + RUNNING + ".tmp", path + RUNNING)
+    return open(path + RUNNING, "a")
+
+
+def close_log(file):
+    file.close()
+    os.replace(file.name, file.name.removesuffix(RUNNING))
 
 
 class Logger:
@@ -651,7 +655,7 @@ class Logger:
             self.tensorboard.add_text(name, "\n\n".join(json.dumps(r) for r in rows), step)
 
     def close(self):
-        self.file.close()
+        close_log(self.file)
         if self.wandb is not None:
             self.wandb.finish()
         if self.tensorboard is not None:

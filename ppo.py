@@ -101,12 +101,8 @@ class Args:
     response_length: int = 16
     """Maximum new tokens per response."""
     temperature: float = 1.0
-    """Sampling temperature; log-probs in training use the same temperature."""
-    top_k: int = 0
-    """Must stay 0: PPO's ratio and KL need the log-probs of the distribution a token was sampled from, and top-k
-    sampling draws from another one (the rollout would be silently off-policy). Use --temperature."""
-    top_p: float = 1.0
-    """Must stay 1.0, for the reason given under --top_k."""
+    """Sampling temperature; log-probs in training use the same temperature. (No top-k / top-p: PPO's ratio and KL
+    need the log-probs of the distribution a token was sampled from, and filtered sampling draws from another one.)"""
     stop_token: str = "eos"
     """Token that ends a response: `eos`, a token string, or `none`. Tokens after it are padding."""
     missing_eos_penalty: float | None = None
@@ -923,9 +919,6 @@ def check_args(args):
         raise common.UserError(f"--temperature {args.temperature}: must be above 0")
     if args.target_kl is not None and not args.target_kl > 0:
         raise common.UserError(f"--target_kl {args.target_kl}: must be above 0")
-    if args.top_k != 0 or args.top_p != 1.0:
-        raise common.UserError("--top_k/--top_p: PPO needs the log-probs of the distribution a token was sampled from; "
-                               "top-k/top-p sampling would make the rollout silently off-policy. Use --temperature")
     if args.missing_eos_penalty is not None and args.stop_token == "none":
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops, so "
                                "every one would be penalised")
@@ -1049,7 +1042,7 @@ def main(args):
     save_final(trainable, policy_hf, lora, tokenizer, history, args, rank)
     if rank == 0:
         logger.close()
-        samples_file.close()
+        common.close_log(samples_file)
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
         dist.barrier()
         dist.destroy_process_group()

@@ -3,12 +3,12 @@
     python benchmarks/bench_lora.py                      # CPU; writes benchmarks/results/lora_cpu.json
     python benchmarks/bench_lora.py --device cuda --out benchmarks/results/lora_gpu.json
 
-The model is Qwen2-shaped (8 layers of width 512, grouped-query attention) with Qwen2's vocabulary of 151,936 rows,
+The model is Llama-shaped (8 layers of width 512, grouped-query attention) with Qwen2's vocabulary of 151,936 rows,
 so that the embedding and output layers weigh what they weigh in the small released models; it is initialised at
 random and stored in bfloat16, as released checkpoints are. Prompts and pairs are the embedded task's (its
 word-level tokenizer is saved with the model). Rows, each in its own process, one after the other, repeated:
-full fine-tuning, LoRA (rank 16 on every linear layer of the backbone), and LoRA with --bf16 (the frozen base held in
-bfloat16). ppo.py's reward model is the full fine-tuning rm.py row's output, the same for every ppo.py row.
+full fine-tuning, LoRA (rank 16 on every linear layer of the backbone), and on a GPU, LoRA with --bf16 (the frozen
+base held in bfloat16; a CPU without bfloat16 instructions emulates them, many times slower). ppo.py's reward model is the full fine-tuning rm.py row's output, the same for every ppo.py row.
 Peak memory is the process's peak RSS on CPU (torch.cuda.max_memory_allocated on a GPU); time per step is the
 training loop's: rm.py's optimizer steps per second from its logged pairs/s, ppo.py's seconds per update (rollout,
 score, learn), the first update left out.
@@ -23,20 +23,20 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-MODES = {"full fine-tuning": [], "LoRA r=16": ["--lora_r", "16", "--lora_alpha", "32"],
-         "LoRA r=16, bf16 base": ["--lora_r", "16", "--lora_alpha", "32", "--bf16"]}
+MODES = {"full fine-tuning": [], "LoRA r=16": ["--lora_r", "16", "--lora_alpha", "32"]}
+BF16_MODE = {"LoRA r=16, bf16 base": ["--lora_r", "16", "--lora_alpha", "32", "--bf16"]}  # GPU only: see below
 GPU_PEAK = ("import atexit, torch; atexit.register(lambda: print('PEAK_GPU_MB', "
             "torch.cuda.max_memory_allocated() / 2**20))")
 
 
 def build_assets(work):
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     import common
 
     tokenizer = common.embedded_tokenizer()
-    config = Qwen2Config(vocab_size=151_936, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+    config = LlamaConfig(vocab_size=151_936, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
@@ -75,28 +75,30 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rm_steps", type=int, default=20)
-    p.add_argument("--ppo_episodes", type=int, default=96)
+    p.add_argument("--ppo_episodes", type=int, default=64)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "lora_cpu.json"))
     args = p.parse_args()
     work = tempfile.mkdtemp(prefix="bench_lora_")
     n_params = build_assets(work)
     model, pairs = os.path.join(work, "model"), os.path.join(work, "pairs.jsonl")
-    rows = {f"{script} {mode}": {"peak_mb": [], "s_per_step": []} for script in ("rm.py", "ppo.py") for mode in MODES}
+    modes = {**MODES, **(BF16_MODE if args.device == "cuda" else {})}
+    rows = {f"{script} {mode}": {"peak_mb": [], "s_per_step": []} for script in ("rm.py", "ppo.py") for mode in modes}
     for r in range(args.repeats):
-        for mode, flags in MODES.items():
+        for mode, flags in modes.items():
             out = os.path.join(work, f"rm-{r}-{len(flags)}")
             batch = 16
             metrics, peak, trained = run(["rm.py", "--model_name_or_path", model, "--dataset_name", pairs,
                                           "--max_steps", str(args.rm_steps), "--logging_steps", str(args.rm_steps),
                                           "--num_evals", "1", "--per_device_train_batch_size", str(batch),
-                                          "--learning_rate", "1e-4", "--output_dir", out, *flags], args.device)
+                                          "--learning_rate", "1e-4", "--eval_holdout", "0.02", "--output_dir", out,
+                                          *flags], args.device)
             pairs_per_s = next(m["perf/pairs_per_s"] for m in metrics if "perf/pairs_per_s" in m)
             rows[f"rm.py {mode}"]["peak_mb"].append(peak)
             rows[f"rm.py {mode}"]["s_per_step"].append(batch / pairs_per_s)
             rows[f"rm.py {mode}"]["trained"] = trained
             print(f"repeat {r} rm.py {mode}: {peak:.0f} MB, {batch / pairs_per_s:.3f} s/step", flush=True)
         reward = os.path.join(work, f"rm-{r}-0")
-        for mode, flags in MODES.items():
+        for mode, flags in modes.items():
             out = os.path.join(work, f"ppo-{r}-{len(flags)}")
             metrics, peak, trained = run(["ppo.py", "--sft_model_path", model, "--reward_model_path", reward,
                                           "--total_episodes", str(args.ppo_episodes), "--per_device_train_batch_size",
@@ -114,7 +116,7 @@ def main():
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"\nmodel: {n_params / 1e6:.1f}M parameters (Qwen2-shaped, vocabulary 151,936); {args.repeats} repeats")
+    print(f"\nmodel: {n_params / 1e6:.1f}M parameters (Llama-shaped, vocabulary 151,936); {args.repeats} repeats")
     print(f"{'row':<34} {'peak MB (min-max)':>20} {'s/step (min-max)':>20}")
     for name, row in rows.items():
         mb, s = row["peak_mb"], row["s_per_step"]

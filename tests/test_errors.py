@@ -125,6 +125,30 @@ def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tm
     assert not os.path.exists(tmp_path / "model.safetensors")  # no final model from a diverged run
 
 
+def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, saved_run, small_pairs_file,
+                                                                 monkeypatch):
+    """A new run into a folder holding a finished one logs under its own name until it finishes: stopped half-way, it
+    leaves the earlier run's model, results and logs byte for byte, not its model beside a new metrics.jsonl."""
+    out = tmp_path / "out"
+    shutil.copytree(saved_run, out)
+    before = snapshot(out)
+    real_loss = rm.preference_loss
+    calls = {"n": 0}
+
+    def poisoned(*a, **k):
+        calls["n"] += 1
+        return real_loss(*a, **k) * (float("nan") if calls["n"] == 3 else 1.0)
+
+    monkeypatch.setattr(rm, "preference_loss", poisoned)
+    with pytest.raises(common.UserError, match="step 3: the gradient norm is nan"):
+        rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=4, logging_steps=1, num_evals=1,
+                        per_device_train_batch_size=8, output_dir=str(out)))
+    after = snapshot(out)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert set(after) - set(before) == {"metrics.jsonl.running"}
+    assert [json.loads(line)["step"] for line in after["metrics.jsonl.running"].splitlines()] == [1, 2]
+
+
 def test_checkpoints_of_an_earlier_run_never_take_the_place_of_latest(tmp_path):
     for step in (7, 8):  # an earlier run into the same folder reached step 8
         common.save_checkpoint(str(tmp_path), step, {"step": step, "run": "old"})

@@ -287,8 +287,6 @@ def test_ptx_loss_of_a_left_padded_batch_is_the_mean_over_real_transitions():
 
 
 @pytest.mark.parametrize("flags,expected", [
-    (["--top_k", "20"], "--top_k/--top_p: PPO needs the log-probs"),
-    (["--top_p", "0.9"], "--top_k/--top_p: PPO needs the log-probs"),
     (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1"),
     (["--learning_rate", "-1"], "--learning_rate -1.0: must be a finite number >= 0"),
     (["--ptx_coef", "0.5"], "--ptx_coef 0.5 needs --ptx_dataset_name"),
