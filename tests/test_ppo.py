@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
+import tyro
 from conftest import assert_saved_models_equal, read_metrics, run_script
 
 import common
@@ -322,13 +323,19 @@ def test_reward_function_that_pays_for_a_word_makes_ppo_say_it(tmp_path):
     ("def reward(p, r):\n    return [1.0]\n", "returned 1 values for 32 episodes"),
     ("def reward(p, r):\n    return [float('nan')] * len(p)\n", "returned nan"),
 ])
-def test_reward_function_errors_name_the_function(tmp_path, body, expected):
+def test_reward_function_errors_name_the_function(tmp_path, body, expected, capsys):
     (tmp_path / "bad_reward.py").write_text(body)
     spec = str(tmp_path / "bad_reward.py") + ":reward"
-    proc = run_script(["ppo.py", "--reward_fn", spec, "--total_episodes", "32", "--output_dir", str(tmp_path / "o")],
-                      check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]  # (under the progress bar: the function ran during the first update)
+    argv = ["--reward_fn", spec, "--total_episodes", "32", "--output_dir", str(tmp_path / "o")]
+    if "raise" in body:  # as a user runs it: a process of its own
+        proc = run_script(["ppo.py", *argv], check=False)
+        code, stderr = proc.returncode, proc.stderr
+    else:  # the same entry point in this process (a process costs seconds of imports)
+        with pytest.raises(SystemExit) as exit_:
+            common.exit_on_user_error(ppo.main, tyro.cli(ppo.Args, args=argv, use_underscores=True))
+        code, stderr = exit_.value.code, capsys.readouterr().err
+    assert code == 2 and "Traceback" not in stderr, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]  # (under the progress bar: the function ran during the first update)
     assert last.startswith("error: ") and f"--reward_fn {spec} {expected}" in last, last
 
 
