@@ -451,6 +451,15 @@ def load_tokenizer(args):
     return tokenizer
 
 
+def stop_token_id(args, tokenizer):
+    stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
+        args.stop_token, -1))
+    if stop_id == -1:
+        raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
+                               "pass eos, none, or one token as the tokenizer spells it")
+    return stop_id
+
+
 def load_policy(args, tokenizer):
     """The initial policy: a causal LM, or a peft adapter folder merged into its base (so that the reference policy,
     the initial policy, is the SFT adapter's model, not the base's)."""
@@ -570,6 +579,37 @@ def critic_from(args, policy, reward):
                                f"sequence-classification model ({str(e).splitlines()[0]})") from None
     torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
     return critic
+
+
+def build_models(args, tokenizer, device):
+    """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
+    function). Returns the policy's transformers model too, and where the critic started from."""
+    reward = load_reward(args, tokenizer)
+    critic_init = args.critic_init
+    if critic_init == "auto":
+        critic_init = "reward" if reward.model is not None and reward.reads_policy_tokens else "policy"
+    elif critic_init == "reward" and not (reward.model is not None and reward.reads_policy_tokens):
+        raise common.UserError("--critic_init reward: the critic reads the policy's tokens at every position, so it "
+                               "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
+    torch.manual_seed(args.seed)
+    policy_hf = load_policy(args, tokenizer)
+    check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path)
+    length = args.max_prompt_length + args.response_length
+    for model in [policy_hf] + ([reward.hf] if reward.model is not None and reward.reads_policy_tokens else []):
+        common.check_position_table(model, length, f"--max_prompt_length + --response_length ({length})")
+    critic_hf = critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
+    lora = None
+    if args.lora_r:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        lora = common.add_lora(policy_hf.to(dtype), args, "CAUSAL_LM")
+        common.add_lora(critic_hf.to(dtype), args, "SEQ_CLS")
+    else:
+        ref_policy = copy.deepcopy(policy_hf).eval().requires_grad_(False).to(device)
+    if reward.model is not None:
+        reward.model.to(device)
+    policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
+    critic = parallelize(ScalarHeadModel(critic_hf), args, device, critic_hf.config.num_hidden_layers)
+    return policy_hf, lora, policy, critic, policy if lora else ref_policy, reward, critic_init
 
 
 def load_prompts(args, tokenizer):
@@ -1049,15 +1089,6 @@ def main(args):
     return history
 
 
-def stop_token_id(args, tokenizer):
-    stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
-        args.stop_token, -1))
-    if stop_id == -1:
-        raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
-                               "pass eos, none, or one token as the tokenizer spells it")
-    return stop_id
-
-
 FULL_STATE = dict(full_state_dict=True, cpu_offload=True)  # whole tensors on rank 0's CPU, however they are sharded
 
 
@@ -1104,37 +1135,6 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, args, rank):
     common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
                              {**summary, "args": dataclasses.asdict(args)})
     print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
-
-
-def build_models(args, tokenizer, device):
-    """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
-    function). Returns the policy's transformers model too, and where the critic started from."""
-    reward = load_reward(args, tokenizer)
-    critic_init = args.critic_init
-    if critic_init == "auto":
-        critic_init = "reward" if reward.model is not None and reward.reads_policy_tokens else "policy"
-    elif critic_init == "reward" and not (reward.model is not None and reward.reads_policy_tokens):
-        raise common.UserError("--critic_init reward: the critic reads the policy's tokens at every position, so it "
-                               "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
-    torch.manual_seed(args.seed)
-    policy_hf = load_policy(args, tokenizer)
-    check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path)
-    length = args.max_prompt_length + args.response_length
-    for model in [policy_hf] + ([reward.hf] if reward.model is not None and reward.reads_policy_tokens else []):
-        common.check_position_table(model, length, f"--max_prompt_length + --response_length ({length})")
-    critic_hf = critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
-    lora = None
-    if args.lora_r:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
-        lora = common.add_lora(policy_hf.to(dtype), args, "CAUSAL_LM")
-        common.add_lora(critic_hf.to(dtype), args, "SEQ_CLS")
-    else:
-        ref_policy = copy.deepcopy(policy_hf).eval().requires_grad_(False).to(device)
-    if reward.model is not None:
-        reward.model.to(device)
-    policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
-    critic = parallelize(ScalarHeadModel(critic_hf), args, device, critic_hf.config.num_hidden_layers)
-    return policy_hf, lora, policy, critic, policy if lora else ref_policy, reward, critic_init
 
 
 def episode_prompts(episodes, n_prompts, seed, orders):

@@ -210,6 +210,30 @@ class RewardModel(torch.nn.Module):
         return self.hf.score(hidden[rows, last_token_index(attention_mask)]).squeeze(-1).float()
 
 
+def train_step(model, micro_batches, args, pad_id, device):
+    """The forward and backward passes of one optimizer step: per micro-batch, chosen and rejected in one forward,
+    the Bradley-Terry loss, gradients accumulated (all-reduced across ranks on the last micro-batch only). Returns
+    the step's mean loss, accuracy and margin, its token count and the clipped gradient norm."""
+    stats = dict.fromkeys(("loss", "accuracy", "margin", "tokens"), 0.0)
+    for m, pairs in enumerate(micro_batches):
+        inputs = [x.to(device) if torch.is_tensor(x) else x for x in model_inputs(pairs, pad_id, args)]
+        margin = torch.tensor([p["margin"] for p in pairs], device=device)
+        set_grad_sync(model, m == len(micro_batches) - 1)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            r_chosen, r_rejected = model(*inputs).chunk(2)
+        loss = preference_loss(r_chosen, r_rejected, margin, args.loss_type).mean()
+        if args.center_rewards_coefficient:  # Eisenstein et al. 2023
+            loss = loss + args.center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).mean()
+        (loss / len(micro_batches)).backward()
+        stats["loss"] += loss.item() / len(micro_batches)
+        stats["accuracy"] += (r_chosen > r_rejected).float().mean().item() / len(micro_batches)
+        stats["margin"] += (r_chosen - r_rejected).mean().item() / len(micro_batches)
+        stats["tokens"] += sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in pairs)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+    stats["grad_norm"] = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+    return stats
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Model and data.
 
@@ -806,30 +830,6 @@ def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args,
         repo = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
         saved.push_to_hub(repo)
         tokenizer.push_to_hub(repo)
-
-
-def train_step(model, micro_batches, args, pad_id, device):
-    """The forward and backward passes of one optimizer step: per micro-batch, chosen and rejected in one forward,
-    the Bradley-Terry loss, gradients accumulated (all-reduced across ranks on the last micro-batch only). Returns
-    the step's mean loss, accuracy and margin, its token count and the clipped gradient norm."""
-    stats = dict.fromkeys(("loss", "accuracy", "margin", "tokens"), 0.0)
-    for m, pairs in enumerate(micro_batches):
-        inputs = [x.to(device) if torch.is_tensor(x) else x for x in model_inputs(pairs, pad_id, args)]
-        margin = torch.tensor([p["margin"] for p in pairs], device=device)
-        set_grad_sync(model, m == len(micro_batches) - 1)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            r_chosen, r_rejected = model(*inputs).chunk(2)
-        loss = preference_loss(r_chosen, r_rejected, margin, args.loss_type).mean()
-        if args.center_rewards_coefficient:  # Eisenstein et al. 2023
-            loss = loss + args.center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).mean()
-        (loss / len(micro_batches)).backward()
-        stats["loss"] += loss.item() / len(micro_batches)
-        stats["accuracy"] += (r_chosen > r_rejected).float().mean().item() / len(micro_batches)
-        stats["margin"] += (r_chosen - r_rejected).mean().item() / len(micro_batches)
-        stats["tokens"] += sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in pairs)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
-    stats["grad_norm"] = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
-    return stats
 
 
 def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout):
