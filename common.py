@@ -542,9 +542,10 @@ def add_lora(model, args, task_type):
     return peft_model
 
 
-def merge_lora(model, peft_model, state_dict):
-    """A LoRA model's full state dict (gathered from any number of ranks) as a peft model on the CPU in float32, for
-    its adapter, and the plain model with the adapters merged into the weights, which loads without peft."""
+def save_lora(model, peft_model, state_dict, tokenizer, output_dir):
+    """A LoRA model's full state dict (gathered from any number of ranks): its adapter saved in output_dir/adapter, and
+    returned, the plain model with the adapters merged into its weights (float32, on the CPU), which loads without
+    peft."""
     import copy
 
     from peft import get_peft_model
@@ -554,7 +555,8 @@ def merge_lora(model, peft_model, state_dict):
     template = get_peft_model(plain, copy.deepcopy(peft_model.peft_config["default"]))
     plain.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}, assign=True)
     plain.tie_weights()  # assigned tensors are separate: tie the output layer to the embedding again where tied
-    return template, copy.deepcopy(template).merge_and_unload()
+    save_pretrained_atomic(template, tokenizer, os.path.join(output_dir, "adapter"))
+    return template.merge_and_unload()
 
 
 def adapter_base(name):

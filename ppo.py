@@ -1003,8 +1003,9 @@ def main(args):
     if rank == 0:
         rm_name = args.reward_model_path or ("runs/rm" if reward.model is not None else None)
         n_trained = sum(p.numel() for p in trainable.parameters() if p.requires_grad)
+        lora_rank = f", LoRA rank {args.lora_r}" if lora else ""
         print(f"policy {args.sft_model_path} ({sum(p.numel() for p in policy_hf.parameters()) / 1e6:.2f}M; "
-              f"{n_trained / 1e6:.2f}M trained in policy and critic{f', LoRA rank {args.lora_r}' if lora else ''}); reward "
+              f"{n_trained / 1e6:.2f}M trained in policy and critic{lora_rank}); reward "
               + " + ".join([f"model {rm_name}" + ("" if reward.reads_policy_tokens else " (reads decoded text)")]
                            * (reward.model is not None) + [f"function {args.reward_fn}"] * (reward.fn is not None))
               + f"; critic from the {critic_init}; world size {world} ({device.type}, "
@@ -1126,8 +1127,7 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, args, rank):
         return
     policy_sd = {k.removeprefix("policy."): v for k, v in model_sd.items() if k.startswith("policy.")}
     if lora is not None:
-        adapter, policy_hf = common.merge_lora(policy_hf, lora, policy_sd)
-        common.save_pretrained_atomic(adapter, tokenizer, os.path.join(args.output_dir, "adapter"))
+        policy_hf = common.save_lora(policy_hf, lora, policy_sd, tokenizer, args.output_dir)
         policy_sd = policy_hf.state_dict()
     common.save_pretrained_atomic(policy_hf, tokenizer, args.output_dir, state_dict=policy_sd)
     plot_curves(history, os.path.join(args.output_dir, "curves.png"))

@@ -904,9 +904,8 @@ def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, 
     reward_normalization.json): reward = (score - reward_shift) / reward_scale (ppo.py's load_reward applies it)."""
     normalization = {"reward_shift": shift, "reward_scale": scale}
     if lora is not None:
-        adapter, hf_model = common.merge_lora(hf_model, lora, state_dict)
+        hf_model = common.save_lora(hf_model, lora, state_dict, tokenizer, output_dir)
         state_dict = hf_model.state_dict()
-        common.save_pretrained_atomic(adapter, tokenizer, os.path.join(output_dir, "adapter"))
         common.write_json_atomic(os.path.join(output_dir, "adapter", "reward_normalization.json"), normalization)
     hf_model.config.update(normalization)
     hf_model.config.architectures = [type(hf_model).__name__]

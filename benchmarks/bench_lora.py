@@ -8,7 +8,8 @@ so that the embedding and output layers weigh what they weigh in the small relea
 random and stored in bfloat16, as released checkpoints are. Prompts and pairs are the embedded task's (its
 word-level tokenizer is saved with the model). Rows, each in its own process, one after the other, repeated:
 full fine-tuning, LoRA (rank 16 on every linear layer of the backbone), and on a GPU, LoRA with --bf16 (the frozen
-base held in bfloat16; a CPU without bfloat16 instructions emulates them, many times slower). ppo.py's reward model is the full fine-tuning rm.py row's output, the same for every ppo.py row.
+base held in bfloat16; a CPU without bfloat16 instructions emulates them, many times slower). ppo.py's reward model
+is the full fine-tuning rm.py row's output, the same for every ppo.py row.
 Peak memory is the process's peak RSS on CPU (torch.cuda.max_memory_allocated on a GPU); time per step is the
 training loop's: rm.py's optimizer steps per second from its logged pairs/s, ppo.py's seconds per update (rollout,
 score, learn), the first update left out.

@@ -78,8 +78,8 @@ def test_reference_is_the_initial_policy_with_the_adapter_off_and_the_merged_pol
     assert not torch.allclose(adapted, initial, atol=1e-3)
     with lora.disable_adapter():
         assert torch.equal(policy_logprobs(policy, tokenizer), initial)
-    _, merged = common.merge_lora(policy, lora, policy.state_dict())
-    merged.save_pretrained(tmp_path)
+    common.save_lora(policy, lora, policy.state_dict(), tokenizer, str(tmp_path)).save_pretrained(tmp_path)
+    assert os.path.exists(tmp_path / "adapter" / "adapter_model.safetensors")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert torch.allclose(policy_logprobs(reloaded, tokenizer), adapted, atol=1e-4)
 
