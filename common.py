@@ -54,12 +54,6 @@ def seed_of(*keys):
                                        for k in keys]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def exact_div(a, b, what):
-    if b == 0 or a % b != 0:
-        raise UserError(f"{what}: {a} is not divisible by {b}; change the sizes so it is")
-    return a // b
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The embedded task: no download needed. A user asks about a topic; a response is a few words. Every word has a hidden
 # value, and words of the asked topic are worth one more. The gold reward of a response is the mean value of its words,
@@ -477,15 +471,6 @@ def truncate_prompt(ids, max_prompt_length, bos_id=None):
     return ids[:keep] + ids[len(ids) - max_prompt_length + keep:]
 
 
-def truncate_pair(prompt_ids, chosen_ids, rejected_ids, max_length, max_prompt_length, bos_id=None):
-    """The truncation policy: the prompt by truncate_prompt, then each response cut so that prompt + response fits in
-    max_length. Returns the three id lists and whether anything was cut."""
-    p = truncate_prompt(prompt_ids, max_prompt_length, bos_id)
-    budget = max_length - len(p)
-    c, r = chosen_ids[:budget], rejected_ids[:budget]
-    return p, c, r, (len(p), len(c), len(r)) != (len(prompt_ids), len(chosen_ids), len(rejected_ids))
-
-
 def check_position_table(model, length, flag):
     """A model with a learned position table (GPT-2, OPT, BERT) cannot read past its end: say so before training,
     not as an index error at the first long batch. (Rotary and ALiBi models have no table to run past.)"""
@@ -791,13 +776,33 @@ def load_latest_checkpoint(output_dir):
     return torch.load(os.path.join(root, name, "state.pt"), weights_only=True)  # a checkpoint runs no code
 
 
-def rng_state():
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+def save_training(model, optimizer, scheduler, step, rank, output_dir, **extra):
+    """A resumable checkpoint of a training run: whole weights and optimizer state gathered on rank 0's CPU (the same
+    under DDP and FSDP), the schedule, the random streams, and the script's own extra state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))
+    if rank == 0:
+        save_checkpoint(output_dir, step, {
+            "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "step": step, **extra,
+            "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}})
 
 
-def set_rng_state(state):
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def resume_training(model, optimizer, scheduler, output_dir):
+    """The latest checkpoint in output_dir restored into the model, optimizer, schedule and random streams; returns
+    its step and extra state (None if there is no checkpoint)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    if (ckpt := load_latest_checkpoint(output_dir)) is None:
+        return None
+    set_state_dict(model, optimizer, model_state_dict=ckpt.pop("model"), optim_state_dict=ckpt.pop("optimizer"),
+                   options=StateDictOptions(full_state_dict=True))
+    scheduler.load_state_dict(ckpt.pop("scheduler"))
+    rng = ckpt.pop("rng")
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return ckpt

@@ -23,12 +23,12 @@ import copy
 import dataclasses
 import functools
 import importlib
-import importlib.util
 import inspect
 import json
 import math
 import os
 import random
+import runpy
 import sys
 import time
 from dataclasses import dataclass
@@ -268,25 +268,21 @@ model of width 256; more on a GPU): a batch is cut into length groups only where
 
 def length_groups(prompt_lengths, response_lengths, overhead=None):
     """The rows of a batch in groups of similar length, each to run as its own trimmed forward (the real tokens'
-    outputs do not depend on the batch they are in): rows sorted by length, cut where the padding saved outweighs one
-    more call, at the cuts that minimise rows x width + overhead per group (a dynamic programme). A group's width is
-    its longest prompt plus its longest response: prompts are left-padded, responses right-padded."""
+    outputs do not depend on the batch they are in): rows sorted by length, each joining the group before it unless
+    the padding that adds costs more than one more call. A group's width is its longest prompt plus its longest
+    response: prompts are left-padded, responses right-padded."""
     overhead = GROUP_OVERHEAD_TOKENS if overhead is None else overhead
     p, r = prompt_lengths.tolist(), response_lengths.tolist()
-    order = sorted(range(len(p)), key=lambda i: (p[i] + r[i], p[i]))
-    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
-    for j in range(1, len(order) + 1):
-        longest_p = longest_r = 0
-        for i in range(j - 1, -1, -1):
-            longest_p, longest_r = max(longest_p, p[order[i]]), max(longest_r, r[order[i]])
-            cost = best[i] + (j - i) * (longest_p + longest_r) + overhead
-            if cost <= best[j]:  # on a tie, the longer group: fewer calls
-                best[j], cut[j] = cost, i
-    groups, j = [], len(order)
-    while j > 0:
-        groups.append(torch.tensor(order[cut[j]:j]))
-        j = cut[j]
-    return groups[::-1]
+    groups, longest = [], (0, 0)
+    for i in sorted(range(len(p)), key=lambda i: (p[i] + r[i], p[i])):
+        grown = (max(longest[0], p[i]), max(longest[1], r[i]))
+        if groups and (len(groups[-1]) + 1) * sum(grown) - len(groups[-1]) * sum(longest) <= p[i] + r[i] + overhead:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            grown = (p[i], r[i])
+        longest = grown
+    return [torch.tensor(g) for g in groups]
 
 
 @functools.cache
@@ -343,9 +339,8 @@ def generate(model, query, query_mask, generators, args, stop_id, pad_id, collec
     return F.pad(responses, (0, width), value=pad_id), F.pad(logprobs, (0, width))
 
 
-class ScalarHeadModel(torch.nn.Module):
-    """A decoder sequence-classification model's scalar head applied at every position: the critic's values, and the
-    reward model's score (read at the last real token)."""
+class Critic(torch.nn.Module):
+    """A decoder sequence-classification model's scalar head applied at every position: the value of each state."""
 
     def __init__(self, hf_model):
         super().__init__()
@@ -477,25 +472,25 @@ def load_policy(args, tokenizer):
 
 @dataclass
 class Reward:
-    """Where an episode's score comes from: a reward model (with its tokenizer and rm.py's normalization), a reward
-    function, or both (added)."""
-    model: torch.nn.Module | None = None
-    """ScalarHeadModel of a decoder reward model, or an encoder's own sequence-classification model."""
-    hf: object = None
+    """Where an episode's score comes from: a reward model (rm.py's normalization applied), a function, or both."""
+    model: object = None
+    """A transformers sequence classifier: a decoder read at the last real token, or an encoder's pooled head."""
     tokenizer: object = None
-    reads_policy_tokens: bool = True
-    """A decoder with the policy's vocabulary reads the policy's tokens; any other reads the decoded text."""
-    offset: float = 0.0
-    """rm.py's normalization (score - reward_shift) / reward_scale, the scale folded into a decoder's head."""
+    """None: the model reads the policy's tokens. Else its own tokenizer (another vocabulary, an encoder), through
+    which it reads the decoded text."""
+    shift: float = 0.0
+    """rm.py's normalization: score = (model output - shift) / scale."""
     scale: float = 1.0
     fn: object = None
     fn_name: str | None = None
 
+    @property
+    def reads_policy_tokens(self):
+        return self.model is not None and self.tokenizer is None
+
 
 def load_reward(args, tokenizer):
-    reward = Reward()
-    if args.reward_fn is not None:
-        reward.fn, reward.fn_name = load_reward_fn(args.reward_fn), args.reward_fn
+    reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None, fn_name=args.reward_fn)
     path = args.reward_model_path if args.reward_model_path is not None else None if args.reward_fn else "runs/rm"
     if path is None:
         return reward
@@ -512,40 +507,32 @@ def load_reward(args, tokenizer):
         raise common.UserError(f"--reward_model_path {path}: the model has {config.num_labels} labels; a reward model "
                                "has one (a scalar)")
     # float32, as rm.py trained it: the critic starts from this model, and the scores are compared across runs
-    hf = common.disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
-                                                  config=config, dtype=torch.float32))
-    reward.hf = hf.eval().requires_grad_(False)
-    reward.tokenizer = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
-    shift, scale = getattr(hf.config, "reward_shift", 0.0), getattr(hf.config, "reward_scale", 1.0)
-    if hasattr(hf, "score"):  # a decoder, read at the last real token
-        with torch.no_grad():  # r' = (w.h - shift) / scale: fold the scale into w, keep the shift as an offset
-            hf.score.weight /= scale
-        reward.model, reward.offset = ScalarHeadModel(hf), shift / scale
-        reward.reads_policy_tokens = all(reward.tokenizer.convert_tokens_to_ids(t) == i
-                                         for t, i in tokenizer.get_vocab().items())
-    else:  # an encoder (BERT, RoBERTa, DeBERTa): pooled by its own head, reads text in its own tokenizer
-        reward.model, reward.offset, reward.scale, reward.reads_policy_tokens = hf, shift, scale, False
-    return reward
+    model = common.disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
+                                                     config=config, dtype=torch.float32)).eval().requires_grad_(False)
+    own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
+    if own.pad_token is None:
+        own.pad_token = own.eos_token  # read by the mask, never by pad ids
+    same_tokens = hasattr(model, "score") and all(own.convert_tokens_to_ids(t) == i for t, i in tokenizer.get_vocab().items())
+    return dataclasses.replace(reward, model=model, tokenizer=None if same_tokens else own,
+                               shift=getattr(model.config, "reward_shift", 0.0),
+                               scale=getattr(model.config, "reward_scale", 1.0))
 
 
 def load_reward_fn(spec):
-    module_name, _, fn_name = spec.rpartition(":")
-    if not module_name or not fn_name:
+    """module:function, the module importable from the working directory or given as a path to a .py file."""
+    module, _, name = spec.rpartition(":")
+    if not module or not name:
         raise common.UserError(f"--reward_fn {spec}: expected module:function, e.g. my_rewards:exact_match")
     try:
-        if module_name.endswith(".py") or os.sep in module_name:
-            loader = importlib.util.spec_from_file_location(os.path.basename(module_name).removesuffix(".py"),
-                                                            module_name)
-            module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)
+        if module.endswith(".py"):
+            fn = runpy.run_path(module).get(name)
         else:
             sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(module_name)
+            fn = getattr(importlib.import_module(module), name, None)
     except Exception as e:
-        raise common.UserError(f"--reward_fn {spec}: cannot import {module_name} ({type(e).__name__}: {e})") from None
-    fn = getattr(module, fn_name, None)
+        raise common.UserError(f"--reward_fn {spec}: cannot import {module} ({type(e).__name__}: {e})") from None
     if not callable(fn):
-        raise common.UserError(f"--reward_fn {spec}: {module_name} has no function {fn_name}")
+        raise common.UserError(f"--reward_fn {spec}: {module} has no function {name}")
     return fn
 
 
@@ -563,12 +550,24 @@ def call_reward_fn(reward, prompts, responses):
     return torch.tensor(out, dtype=torch.float)
 
 
+def reward_model_output(model, ids, mask):
+    """A sequence classifier's scalar: a decoder's head at the last real token, an encoder's pooled head."""
+    if not hasattr(model, "score"):
+        return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
+                              **positions_for(model.base_model, (mask.cumsum(1) - 1).clamp(min=0))).last_hidden_state
+    return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
+
+
 def critic_from(args, policy, reward):
     """The critic, from the reward model (value head = reward head) or from the policy's backbone and a new head."""
     from transformers import AutoModelForSequenceClassification
 
     if args.critic_init == "reward":
-        return copy.deepcopy(reward.hf).requires_grad_(True)
+        critic = copy.deepcopy(reward.model).requires_grad_(True)
+        with torch.no_grad():  # values in the units of the normalized score, (w.h - shift) / scale
+            critic.score.weight /= reward.scale
+        return critic
     config = common.without_dropout(copy.deepcopy(policy.config))
     config.num_labels = 1
     critic = AutoModelForSequenceClassification.from_config(config)
@@ -581,21 +580,21 @@ def critic_from(args, policy, reward):
     return critic
 
 
-def build_models(args, tokenizer, device):
+def build_models(args, tokenizer, device, rank, world):
     """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
-    function). Returns the policy's transformers model too, and where the critic started from."""
+    function). Returns the policy's transformers model too, and with LoRA the peft model holding its adapter."""
     reward = load_reward(args, tokenizer)
     critic_init = args.critic_init
     if critic_init == "auto":
-        critic_init = "reward" if reward.model is not None and reward.reads_policy_tokens else "policy"
-    elif critic_init == "reward" and not (reward.model is not None and reward.reads_policy_tokens):
+        critic_init = "reward" if reward.reads_policy_tokens else "policy"
+    elif critic_init == "reward" and not reward.reads_policy_tokens:
         raise common.UserError("--critic_init reward: the critic reads the policy's tokens at every position, so it "
                                "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer)
     check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path)
     length = args.max_prompt_length + args.response_length
-    for model in [policy_hf] + ([reward.hf] if reward.model is not None and reward.reads_policy_tokens else []):
+    for model in [policy_hf] + [reward.model] * reward.reads_policy_tokens:
         common.check_position_table(model, length, f"--max_prompt_length + --response_length ({length})")
     critic_hf = critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
     lora = None
@@ -608,8 +607,17 @@ def build_models(args, tokenizer, device):
     if reward.model is not None:
         reward.model.to(device)
     policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
-    critic = parallelize(ScalarHeadModel(critic_hf), args, device, critic_hf.config.num_hidden_layers)
-    return policy_hf, lora, policy, critic, policy if lora else ref_policy, reward, critic_init
+    critic = parallelize(Critic(critic_hf), args, device, critic_hf.config.num_hidden_layers)
+    if rank == 0:
+        n_trained = sum(p.numel() for m in (policy, critic) for p in m.parameters() if p.requires_grad)
+        sources = [f"model {args.reward_model_path or 'runs/rm'}" + ("" if reward.reads_policy_tokens else
+                                                                     " (reads decoded text)")] * (reward.model is not None)
+        print(f"policy {args.sft_model_path} ({sum(p.numel() for p in policy_hf.parameters()) / 1e6:.2f}M; "
+              f"{n_trained / 1e6:.2f}M trained in policy and critic{f', LoRA rank {args.lora_r}' if lora else ''}); "
+              f"reward {' + '.join(sources + [f'function {args.reward_fn}'] * (reward.fn is not None))}; critic from "
+              f"the {critic_init}; world size {world} ({device.type}, "
+              f"{'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})")
+    return policy_hf, lora, policy, critic, policy if lora else ref_policy, reward
 
 
 def load_prompts(args, tokenizer):
@@ -669,14 +677,6 @@ def pad_left(seqs, width, pad_id):
     for i, s in enumerate(seqs):
         ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
     return ids, torch.arange(width) >= width - torch.tensor([len(s) for s in seqs])[:, None]
-
-
-def pad_right(seqs, pad_id):
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-    return ids, (torch.arange(width) < torch.tensor([len(s) for s in seqs])[:, None]).long()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -775,7 +775,6 @@ def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt
                       for r, m in zip(responses.cpu(), mask.cpu())]
     scores = torch.zeros(len(responses), device=responses.device)
     ref_logprobs, values = torch.zeros_like(responses, dtype=torch.float), torch.zeros_like(responses, dtype=torch.float)
-    own_tokens = isinstance(reward.model, ScalarHeadModel) and reward.reads_policy_tokens
     groups = [torch.arange(len(responses))] if collective else length_groups(query_mask.sum(1), mask.sum(1))
     micro = args.per_device_train_batch_size  # peak memory of one micro-batch's forwards, as in learning
     with torch.autocast(responses.device.type, dtype=torch.bfloat16, enabled=args.bf16):
@@ -785,18 +784,10 @@ def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt
                 ref_logprobs[rows, :kept] = policy_forward(ref_policy, ids, ids_mask, context, args.temperature,
                                                            entropy=False)[0]
             values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
-            if own_tokens:  # read at the response's last real token
-                s = reward.model(ids, ids_mask).gather(1, last_token_index(ids_mask)[:, None]).squeeze(1)
-                scores[rows] += (s - reward.offset) / reward.scale
-        for i in range(0, len(responses) if reward.model is not None and not own_tokens else 0, micro):
-            rows = slice(i, i + micro)  # another vocabulary, or an encoder: the text, retokenized
-            ids, ids_mask = (t.to(responses.device) for t in reward_model_tokens(
-                query[rows], query_mask[rows], responses[rows], mask[rows], stop_id, tokenizer, reward, args))
-            if isinstance(reward.model, ScalarHeadModel):
-                s = reward.model(ids, ids_mask).gather(1, last_token_index(ids_mask)[:, None]).squeeze(1)
-            else:  # an encoder, pooled by its own head
-                s = reward.model(input_ids=ids, attention_mask=ids_mask).logits[:, 0].float()
-            scores[rows] += (s - reward.offset) / reward.scale
+            if reward.model is not None:  # another vocabulary, or an encoder: the text in its own tokens
+                own = (ids, ids_mask) if reward.tokenizer is None else (t.to(ids.device) for t in reward_model_tokens(
+                    query[rows], query_mask[rows], responses[rows], mask[rows], stop_id, tokenizer, reward, args))
+                scores[rows] = (reward_model_output(reward.model, *own) - reward.shift) / reward.scale
     if reward.fn is not None:
         scores += call_reward_fn(reward, prompt_texts, response_texts).to(scores.device)
     if args.missing_eos_penalty is not None:
@@ -819,14 +810,14 @@ def reward_model_tokens(query, query_mask, responses, mask, stop_id, tokenizer, 
         full = tokenizer.decode(p_ids + r_ids, skip_special_tokens=False)
         texts.append(full[len(p_text):] if full.startswith(p_text) else tokenizer.decode(r_ids))
         prompts.append(p_text[len(lead):] if lead and p_text.startswith(lead) else p_text)
-    rm_tokenizer, encoder = reward.tokenizer, not isinstance(reward.model, ScalarHeadModel)
+    rm_tokenizer, encoder = reward.tokenizer, not hasattr(reward.model, "score")
     bos_id = common.leading_id(rm_tokenizer)
     p_ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id)
              for p in common.tokenize_prompts(rm_tokenizer, prompts)]
     r_ids = common.tokenize_responses(rm_tokenizer, prompts, texts)
     seqs = [p + (r if s or encoder else r[:-1]) for p, r, s in zip(p_ids, r_ids, stopped)]
-    pad = rm_tokenizer.pad_token_id if rm_tokenizer.pad_token_id is not None else 0
-    return pad_right(seqs, pad)
+    batch = rm_tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
+    return batch["input_ids"], batch["attention_mask"]
 
 
 def advantages(logprobs, ref_logprobs, values, scores, mask, kl_coef, args):
@@ -856,10 +847,6 @@ def language_modelling_loss(policy, seqs, pad_id, n_tokens, device):
     return masked_mean(nll, (ids_mask[:, 1:] * ids_mask[:, :-1]).flatten().float(), n_tokens)
 
 
-STAT_NAMES = ["loss/policy", "loss/value", "val/clipfrac", "policy/entropy", "policy/clipfrac", "policy/approxkl",
-              "policy/ratio", "ratio_sq", "loss/ptx"]
-
-
 def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world, ptx, pad_id):
     """4. num_ppo_epochs passes over the rollout batch, num_mini_batches optimizer steps each. Every loss is a token
     mean over the WHOLE mini-batch (all its micro-batches, on all ranks): each micro-batch adds its tokens' sum
@@ -870,7 +857,7 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     mini_size, device = micro * accumulation * world, query_response.device
     prompt_lengths, collective = qr_mask[:, :context_length].sum(1), args.fsdp and world > 1
-    stats = []
+    stats = []  # per optimizer step, each statistic's mean over the mini-batch
     for ppo_epoch in range(args.num_ppo_epochs):
         order = torch.randperm(len(mask), generator=torch.Generator().manual_seed(
             common.seed_of(args.seed, "mini-batches", update, ppo_epoch))).to(device)
@@ -881,7 +868,7 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
                 first = ((update * args.num_ppo_epochs + ppo_epoch) * args.num_mini_batches + mb) * mini_size
                 ptx_seqs = [ptx[i % len(ptx)] for i in range(first, first + mini_size)]
                 ptx_tokens = sum(len(s) - 1 for s in ptx_seqs)
-            sums = torch.zeros(len(STAT_NAMES), device=device)
+            sums = {}
             for m in range(accumulation):
                 start = (rank * accumulation + m) * micro
                 idx = mini[start:start + micro]
@@ -908,15 +895,16 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
                     vf_loss, vf_clipfrac = value_loss(new_values, values[rows][:, :kept], returns[rows][:, :kept],
                                                       m_rows, args.cliprange_value, n_tokens)
                     (args.vf_coef * vf_loss * world).backward()
-                    sums += torch.stack([pg_loss, vf_loss, vf_clipfrac, ent, pg["clipfrac"], pg["approxkl"],
-                                         pg["ratio"], pg["ratio_sq"], torch.zeros_like(pg_loss)]).detach()
+                    for k, v in {"loss/policy": pg_loss, "loss/value": vf_loss, "val/clipfrac": vf_clipfrac,
+                                 "policy/entropy": ent, **{f"policy/{k}": v for k, v in pg.items()}}.items():
+                        sums[k] = sums.get(k, 0) + v.detach()
                 if ptx is not None:
                     set_grad_sync([policy], m == accumulation - 1)
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
                         ptx_loss = language_modelling_loss(policy, ptx_seqs[start:start + micro], pad_id, ptx_tokens,
                                                            device)
                     (args.ptx_coef * ptx_loss * world).backward()
-                    sums[STAT_NAMES.index("loss/ptx")] += ptx_loss.detach()
+                    sums["loss/ptx"] = sums.get("loss/ptx", 0) + ptx_loss.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable.parameters(), args.max_grad_norm or float("inf"))
             norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             if not math.isfinite(norm):  # stop before the step: the last checkpoint stays the last good state
@@ -926,13 +914,9 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             stats.append(sums)
-    per_step = all_reduce(torch.stack(stats))  # each row: one mini-batch's means
-    means = dict(zip(STAT_NAMES, per_step.mean(0).tolist()))
-    means["policy/ratio_var"] = (per_step[:, STAT_NAMES.index("ratio_sq")]
-                                 - per_step[:, STAT_NAMES.index("policy/ratio")] ** 2).mean().item()
-    del means["ratio_sq"]
-    if ptx is None:
-        del means["loss/ptx"]
+    per_step = dict(zip(stats[0], all_reduce(torch.stack([torch.stack(list(s.values())) for s in stats])).T))
+    means = {k: v.mean().item() for k, v in per_step.items() if k != "policy/ratio_sq"}
+    means["policy/ratio_var"] = (per_step["policy/ratio_sq"] - per_step["policy/ratio"] ** 2).mean().item()
     return means, norm
 
 
@@ -970,77 +954,52 @@ def main(args):
     check_args(args)
     rank, world, device = setup_distributed()
     micro = args.per_device_train_batch_size
-    local_mini_batch = micro * args.gradient_accumulation_steps
-    local_batch = local_mini_batch * args.num_mini_batches  # episodes each rank rolls out per update
-    batch_size = local_batch * world
-    common.exact_div(local_batch, args.num_collect_steps, "episodes per rank per update / --num_collect_steps")
-    num_updates = args.total_episodes // batch_size
+    local_batch = micro * args.gradient_accumulation_steps * args.num_mini_batches  # episodes per rank per update
+    batch_size, num_updates = local_batch * world, args.total_episodes // (local_batch * world)
+    if local_batch % args.num_collect_steps:
+        raise common.UserError(f"--num_collect_steps {args.num_collect_steps}: must divide the {local_batch} episodes "
+                               "each rank rolls out per update")
     if num_updates == 0:
         raise common.UserError(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
-    embedded = args.sft_model_path.startswith("embedded-")
-    lr = args.learning_rate if args.learning_rate is not None else 3e-4 if embedded else 3e-6
-    critic_lr = args.critic_learning_rate if args.critic_learning_rate is not None else lr
 
     tokenizer = load_tokenizer(args)
     stop_id = stop_token_id(args, tokenizer)
     prompts, prompt_texts = load_prompts(args, tokenizer)
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
-
     # Models: policy and critic are trained; reference and reward model are frozen.
-    policy_hf, lora, policy, critic, ref_policy, reward, critic_init = build_models(args, tokenizer, device)
-    trainable = torch.nn.ModuleDict({"policy": policy, "critic": critic})
-    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rate}
-                                   for model, rate in ((policy, lr), (critic, critic_lr))],
-                                  eps=1e-5, weight_decay=args.weight_decay, fused=True)
-    from transformers import get_scheduler
-
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_updates)
-
-    start, kl_coef, history = resume(trainable, optimizer, scheduler, args)
-    logger = common.Logger(args, args.wandb_project, start if args.resume else None) if rank == 0 else None
-    samples_file = common.open_log(os.path.join(args.output_dir, "samples.jsonl"),
-                                   start if args.resume else None) if rank == 0 else None
+    policy_hf, lora, policy, critic, ref_policy, reward = build_models(args, tokenizer, device, rank, world)
+    trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
+    start, kl_coef, history = 0, args.kl_coef, []
+    if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir)):
+        start, kl_coef, history = ckpt["step"], ckpt["kl_coef"], ckpt["history"]
+    logs = open_logs(args, rank, start)
     if rank == 0:
-        rm_name = args.reward_model_path or ("runs/rm" if reward.model is not None else None)
-        n_trained = sum(p.numel() for p in trainable.parameters() if p.requires_grad)
-        lora_rank = f", LoRA rank {args.lora_r}" if lora else ""
-        print(f"policy {args.sft_model_path} ({sum(p.numel() for p in policy_hf.parameters()) / 1e6:.2f}M; "
-              f"{n_trained / 1e6:.2f}M trained in policy and critic{lora_rank}); reward "
-              + " + ".join([f"model {rm_name}" + ("" if reward.reads_policy_tokens else " (reads decoded text)")]
-                           * (reward.model is not None) + [f"function {args.reward_fn}"] * (reward.fn is not None))
-              + f"; critic from the {critic_init}; world size {world} ({device.type}, "
-              f"{'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})")
         print(f"rollout batch {batch_size} episodes = {micro} x {args.gradient_accumulation_steps} accumulation x "
               f"{args.num_mini_batches} mini-batches x {world} ranks; {num_updates} updates x {args.num_ppo_epochs} "
-              f"epochs; lr {lr:g} (critic {critic_lr:g}); {len(prompts)} prompts")
+              f"epochs; lr {optimizer.param_groups[0]['lr']:g} (critic {optimizer.param_groups[1]['lr']:g}); "
+              f"{len(prompts)} prompts" + (f"; resumed at update {start}" if start else ""))
 
-    orders = {}
-    sampler = policy if args.fsdp else unwrap(policy)
+    orders, collective = {}, args.fsdp and world > 1  # under FSDP every rank must make the same forward calls
+    frozen = [m for m in [None if lora else ref_policy, reward.model] if m is not None]
     bar = tqdm(range(start, num_updates), disable=rank != 0, initial=start, total=num_updates, desc="ppo")
     for update in bar:
         t0 = time.time()
         # 1. Rollout: this rank's contiguous share of the update's episodes, each with its own sampling stream.
         episodes = range(update * batch_size + rank * local_batch, update * batch_size + (rank + 1) * local_batch)
         prompt_index = episode_prompts(episodes, len(prompts), args.seed, orders)
-        if args.offload_inference_models:
-            lora or ref_policy.to(device), reward.model is not None and reward.model.to(device)
         policy.eval()
-        query, query_mask, responses, mask, logprobs = rollout(sampler, [prompts[i] for i in prompt_index], episodes,
-                                                               args, stop_id, tokenizer.pad_token_id, device,
-                                                               collective=args.fsdp and world > 1)
+        query, query_mask, responses, mask, logprobs = rollout(policy if args.fsdp else unwrap(policy),
+                                                               [prompts[i] for i in prompt_index], episodes, args,
+                                                               stop_id, tokenizer.pad_token_id, device, collective)
         t_rollout = time.time()
 
         # 2. Score: reference log-probs, values, reward at the response's stop token.
         texts = [prompt_texts[i] for i in prompt_index]
-        query_response, qr_mask, ref_logprobs, values, scores, has_stop, response_texts = score(
-            ref_policy, critic, reward, query, query_mask, responses, mask, texts, tokenizer, stop_id, args,
-            collective=args.fsdp and world > 1, reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
-        if embedded and args.dataset_name == "embedded":
-            gold = torch.tensor(common.gold_rewards(texts, response_texts), device=device)
-        else:
-            gold = torch.full_like(scores, float("nan"))
-        if args.offload_inference_models:
-            lora or ref_policy.to("cpu"), reward.model is not None and reward.model.to("cpu")
+        with offloaded(frozen, device, args.offload_inference_models):
+            query_response, qr_mask, ref_logprobs, values, scores, has_stop, response_texts = score(
+                ref_policy, critic, reward, query, query_mask, responses, mask, texts, tokenizer, stop_id, args,
+                collective, reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
+        gold = gold_scores(args, texts, response_texts, scores)
         # Every rank takes the whole rollout batch, so the learning phase is the same for any number of ranks.
         query_response, qr_mask, mask, logprobs, ref_logprobs, values, scores, has_stop, gold = (
             t if t is None else all_gather_cat(t) for t in (query_response, qr_mask, mask, logprobs, ref_logprobs,
@@ -1070,59 +1029,50 @@ def main(args):
         history.append({k: m[k] for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean",
                                           "gold/std") if k in m})
         if rank == 0:
-            logger.log(m)
-            bar.set_postfix(score=f"{m['objective/scores']:.3f}", kl=f"{m['objective/kl']:.3f}",
-                            **({"gold": f"{m['gold/mean']:.3f}"} if "gold/mean" in m else {}))
-            if update % args.sample_every == 0 or update == num_updates - 1:
-                bar.write(common.format_metrics(m))
-                write_samples(samples_file, logger, bar, update, tokenizer, query_response, qr_mask, mask, scores,
-                              gold if "gold/mean" in m else None, query.shape[1], min(args.num_samples, batch_size))
+            log_update(logs, bar, m, update == num_updates - 1, args, tokenizer, query_response, qr_mask, mask,
+                       scores, gold, query.shape[1])
         if args.save_steps and (update + 1) % args.save_steps == 0 and update + 1 < num_updates:
-            save_checkpoint(trainable, optimizer, scheduler, update + 1, kl_coef, history, args, rank)
+            common.save_training(trainable, optimizer, scheduler, update + 1, rank, args.output_dir, kl_coef=kl_coef,
+                                 history=history)
 
-    save_final(trainable, policy_hf, lora, tokenizer, history, args, rank)
-    if rank == 0:
-        logger.close()
-        common.close_log(samples_file)
+    save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
         dist.barrier()
         dist.destroy_process_group()
     return history
 
 
-FULL_STATE = dict(full_state_dict=True, cpu_offload=True)  # whole tensors on rank 0's CPU, however they are sharded
+def build_optimizer(policy, critic, args, num_updates):
+    """AdamW over the trainable parameters of policy and critic, each at its own learning rate, and the schedule."""
+    from transformers import get_scheduler
+
+    embedded = args.sft_model_path.startswith("embedded-")
+    lr = args.learning_rate if args.learning_rate is not None else 3e-4 if embedded else 3e-6
+    critic_lr = args.critic_learning_rate if args.critic_learning_rate is not None else lr
+    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rate}
+                                   for model, rate in ((policy, lr), (critic, critic_lr))],
+                                  eps=1e-5, weight_decay=args.weight_decay, fused=True)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_updates)
+    return torch.nn.ModuleDict({"policy": policy, "critic": critic}), optimizer, scheduler
 
 
-def resume(trainable, optimizer, scheduler, args):
-    """The update to start from, the KL coefficient and the history: the latest checkpoint's with --resume (weights,
-    optimizer, scheduler and random state restored), else a fresh start."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    if not args.resume or (ckpt := common.load_latest_checkpoint(args.output_dir)) is None:
-        return 0, args.kl_coef, []
-    set_state_dict(trainable, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
-                   options=StateDictOptions(full_state_dict=True))
-    scheduler.load_state_dict(ckpt["scheduler"])
-    common.set_rng_state(ckpt["rng"])
-    return ckpt["update"], ckpt["kl_coef"], ckpt["history"]
+@contextlib.contextmanager
+def offloaded(models, device, enabled):
+    """--offload_inference_models: the frozen models on the device only while they score, on the CPU while the
+    policy and critic learn."""
+    for model in models * enabled:
+        model.to(device)
+    yield
+    for model in models * enabled:
+        model.to("cpu")
 
 
-def save_checkpoint(trainable, optimizer, scheduler, update, kl_coef, history, args, rank):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    model_sd, optim_sd = get_state_dict(trainable, optimizer, options=StateDictOptions(**FULL_STATE))
-    if rank == 0:
-        common.save_checkpoint(args.output_dir, update, {
-            "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "update": update,
-            "kl_coef": kl_coef, "history": history, "rng": common.rng_state()})
-
-
-def save_final(trainable, policy_hf, lora, tokenizer, history, args, rank):
+def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank):
     """The final policy in transformers' format (with LoRA: merged, and the adapter in output_dir/adapter), its
-    tokenizer, the curves and a summary."""
+    tokenizer, the curves and a summary; the logs closed."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    model_sd = get_model_state_dict(trainable, options=StateDictOptions(**FULL_STATE))
+    model_sd = get_model_state_dict(trainable, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return
     policy_sd = {k.removeprefix("policy."): v for k, v in model_sd.items() if k.startswith("policy.")}
@@ -1134,6 +1084,8 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, args, rank):
     summary = summarize(history)
     common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
                              {**summary, "args": dataclasses.asdict(args)})
+    logs[0].close()
+    common.close_log(logs[1])
     print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
 
 
@@ -1167,19 +1119,43 @@ def timing_metrics(times, batch_size, qr_mask, args):
             "perf/tokens_per_s": qr_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
 
 
-def write_samples(samples_file, logger, bar, update, tokenizer, query_response, qr_mask, mask, scores, gold,
-                  context_length, n):
-    table = [{"step": update + 1, "prompt": tokenizer.decode(query_response[i, :context_length][
+def gold_scores(args, prompts, responses, like):
+    """The embedded task's true reward of each episode (NaN elsewhere): what the proxy reward is meant to measure."""
+    if args.sft_model_path.startswith("embedded-") and args.dataset_name == "embedded":
+        return torch.tensor(common.gold_rewards(prompts, responses), device=like.device)
+    return torch.full_like(like, float("nan"))
+
+
+def open_logs(args, rank, start):
+    """Rank 0's metrics logger and samples.jsonl (on resume, continued after the resumed update)."""
+    if rank != 0:
+        return None
+    resumed = start if args.resume else None
+    return common.Logger(args, args.wandb_project, resumed), \
+        common.open_log(os.path.join(args.output_dir, "samples.jsonl"), resumed)
+
+
+def log_update(logs, bar, m, last, args, tokenizer, query_response, qr_mask, mask, scores, gold, context_length):
+    """The update's metrics to every log; every --sample_every updates, and at the last, a table of samples."""
+    logger, samples_file = logs
+    logger.log(m)
+    bar.set_postfix(score=f"{m['objective/scores']:.3f}", kl=f"{m['objective/kl']:.3f}",
+                    **({"gold": f"{m['gold/mean']:.3f}"} if "gold/mean" in m else {}))
+    if (m["step"] - 1) % args.sample_every and not last:
+        return
+    bar.write(common.format_metrics(m))
+    table = [{"step": m["step"], "prompt": tokenizer.decode(query_response[i, :context_length][
               qr_mask[i, :context_length].bool()]), "response": tokenizer.decode(
               query_response[i, context_length:][mask[i]]), "score": scores[i].item(),
-              **({"gold": gold[i].item()} if gold is not None else {})} for i in range(n)]
+              **({"gold": gold[i].item()} if "gold/mean" in m else {})} for i in range(min(args.num_samples,
+                                                                                         len(scores)))]
     for row in table:
         bar.write(f"  {row['prompt'][-60:]!r} -> {row['response'][:80]!r}  score {row['score']:.3f}"
                   + (f"  gold {row['gold']:.3f}" if "gold" in row else ""))
         samples_file.write(json.dumps(row) + "\n")
     samples_file.flush()
     if table:
-        logger.log_table("samples", table, update + 1)
+        logger.log_table("samples", table, m["step"])
 
 
 def plot_curves(history, path):

@@ -281,7 +281,7 @@ def load_reward_model(args, tokenizer):
 
 
 def tokenize_pairs(rows, tokenizer, args):
-    """Rows -> dicts of prompt/chosen/rejected token ids (+ margin), truncated by common.truncate_pair's policy.
+    """Rows -> dicts of prompt/chosen/rejected token ids (+ margin), truncated by truncate_pair's policy.
     Pairs whose two sequences are identical after truncation carry no preference and are dropped."""
     in_file_order = sorted(range(len(rows)), key=lambda i: (str(rows[i]["_source"]), rows[i]["_row"]))
     texts, margins = [None] * len(rows), [None] * len(rows)
@@ -293,12 +293,20 @@ def tokenize_pairs(rows, tokenizer, args):
     rejected = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[2] for t in texts])
     bos_id, pairs, n_truncated = common.leading_id(tokenizer), [], 0
     for row, margin, p, c, r in zip(rows, margins, prompts, chosen, rejected):
-        p, c, r, cut = common.truncate_pair(p, c, r, args.max_length, args.max_prompt_length, bos_id)
+        p, c, r, cut = truncate_pair(p, c, r, args.max_length, args.max_prompt_length, bos_id)
         n_truncated += cut
         if c != r:
             pairs.append({"prompt": p, "chosen": c, "rejected": r, "margin": float(margin),
                           "gold": (row["gold_chosen"], row["gold_rejected"]) if row.get("gold_chosen") is not None else None})
     return pairs, n_truncated, len(rows) - len(pairs)
+
+
+def truncate_pair(prompt_ids, chosen_ids, rejected_ids, max_length, max_prompt_length, bos_id=None):
+    """The truncation policy: the prompt by common.truncate_prompt (ppo.py's rule for its prompts), then each response
+    cut so that prompt + response fits in max_length. Returns the three id lists and whether anything was cut."""
+    p = common.truncate_prompt(prompt_ids, max_prompt_length, bos_id)
+    c, r = chosen_ids[:max_length - len(p)], rejected_ids[:max_length - len(p)]
+    return p, c, r, (len(p), len(c), len(r)) != (len(prompt_ids), len(chosen_ids), len(rejected_ids))
 
 
 def margin_of(row):
@@ -664,8 +672,6 @@ def main(args):
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
     check_args(args)
     rank, world, device = setup_distributed()
-    lr = args.learning_rate if args.learning_rate is not None else \
-        1e-3 if args.model_name_or_path.startswith("embedded-") else 1e-5
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
 
@@ -678,9 +684,7 @@ def main(args):
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
     eval_every = args.eval_steps or math.ceil(total_steps / max(args.num_evals, 1))  # the last one at the end
 
-    # 2. Model, optimizer, schedule.
-    from transformers import get_scheduler
-
+    # 2. Model, batch layout, optimizer, schedule.
     hf_model, lora = load_reward_model(args, tokenizer)
     common.check_position_table(hf_model, args.max_length, f"--max_length {args.max_length}")
     args, layout = choose_layout(RewardModel(hf_model), args, len(tokenizer))
@@ -689,35 +693,26 @@ def main(args):
     model = parallelize(RewardModel(hf_model), args, device)
     if args.eval_only:
         return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                  weight_decay=args.weight_decay, fused=True)
-    warmup = args.warmup_steps or int(args.warmup_ratio * total_steps)
-    extra = {"polynomial": {"lr_end": args.lr_end}, "cosine_with_restarts": {"num_cycles": int(args.num_cycles)},
-             "cosine": {"num_cycles": args.num_cycles / 2}}.get(args.lr_scheduler_type, {})
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                              num_training_steps=total_steps, scheduler_specific_kwargs=extra)
-
-    start_step = resume(model, optimizer, scheduler, args)
+    optimizer, scheduler = build_optimizer(model, args, total_steps)
+    start_step = 0
+    if args.resume and (ckpt := common.resume_training(model, optimizer, scheduler, args.output_dir)):
+        start_step = ckpt["step"]
     logger = common.Logger(args, args.wandb_project, start_step if args.resume else None) if rank == 0 else None
-    n_params = sum(p.numel() for p in hf_model.parameters())
-    n_trained = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
     if rank == 0:
+        n_trained = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
         mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
-        print(f"model {args.model_name_or_path}: {n_params / 1e6:.2f}M parameters, {n_trained / 1e6:.2f}M trained"
-              f"{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} ({device.type}, "
-              f"{'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})")
-        print(f"batch layout: {layout}")
-        print(f"global batch {global_batch} pairs = {args.per_device_train_batch_size} x {args.gradient_accumulation_steps}"
-              f" accumulation x {world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
-              f"({total_steps / steps_per_epoch:.2f} epochs); lr {lr:g}, {args.lr_scheduler_type}, warmup {warmup}")
-        if start_step:
-            print(f"resumed from step {start_step}")
+        print(f"model {args.model_name_or_path}: {sum(p.numel() for p in hf_model.parameters()) / 1e6:.2f}M parameters"
+              f", {n_trained / 1e6:.2f}M trained{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} "
+              f"({device.type}, {'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})\n"
+              f"batch layout: {layout}\nglobal batch {global_batch} pairs = {micro} x {accumulation} accumulation x "
+              f"{world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
+              f"({total_steps / steps_per_epoch:.2f} epochs); lr {optimizer.param_groups[0]['lr']:g}, "
+              f"{args.lr_scheduler_type}" + (f"; resumed from step {start_step}" if start_step else ""))
 
     # 3. Training loop: per step, one fused forward per micro-batch, Bradley-Terry loss, one optimizer step.
     model.train()
     bar = tqdm(range(start_step, total_steps), disable=rank != 0, initial=start_step, total=total_steps, desc="rm")
-    window = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "tokens": 0.0, "grad_norm": 0.0, "n": 0}
-    t_window = time.time()
+    window, t_window = [], time.time()
     for step in bar:
         epoch, offset = divmod(step, steps_per_epoch)
         if step == start_step or offset == 0:  # the epoch's order depends only on (seed, epoch): resumable anywhere
@@ -731,32 +726,19 @@ def main(args):
             raise common.UserError(f"step {step + 1}: the gradient norm is {stats['grad_norm']} (loss "
                                    f"{stats['loss']:.4g}); training diverged: lower --learning_rate; --resume "
                                    f"continues from the last checkpoint in {args.output_dir}")
-        for k, v in stats.items():
-            window[k] += v
-        window["n"] += 1
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        window.append(stats)
 
-        # 4. Log, evaluate, checkpoint.
+        # 4. Log, evaluate, checkpoint (the speed logged is the training loop's: evaluations and saves are left out).
         done = step + 1
         if done % args.logging_steps == 0 or done == total_steps:
-            loss_m, acc_m, margin_m, gn_m = all_reduce_mean(
-                [window[k] / window["n"] for k in ("loss", "accuracy", "margin", "grad_norm")], device)
-            tokens = all_reduce_mean([window["tokens"]], device)[0] * world
-            elapsed = time.time() - t_window
-            m = {"step": done, "epoch": done / steps_per_epoch, "train/loss": loss_m, "train/accuracy": acc_m,
-                 "train/margin": margin_m, "train/grad_norm": gn_m, "lr": scheduler.get_last_lr()[0],
-                 "perf/tokens_per_s": tokens / elapsed, "perf/pairs_per_s": window["n"] * global_batch / elapsed}
-            if rank == 0:
-                logger.log(m)
-                bar.set_postfix(loss=f"{loss_m:.4f}", acc=f"{acc_m:.3f}", tok_s=f"{tokens / elapsed:.0f}")
-                bar.write(common.format_metrics(m))
-            window = dict.fromkeys(window, 0.0)
-            window["n"] = 0
-            t_window = time.time()
+            log_train(logger, bar, window, done, steps_per_epoch, scheduler.get_last_lr()[0], global_batch,
+                      time.time() - t_window, device, world)
+            window, t_window = [], time.time()
+        t_pause = time.time()
         if done % eval_every == 0 or done == total_steps:
-            t_pause = time.time()
             model.eval()
             ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
             ev = {"step": done, **ev, "perf/eval_pairs_per_s": len(evals) / (time.time() - t_pause)}
@@ -764,11 +746,9 @@ def main(args):
             if rank == 0:
                 logger.log(ev)
                 bar.write(common.format_metrics(ev))
-            t_window += time.time() - t_pause  # the speed logged is the training loop's: evaluations are left out
         if args.save_steps and done % args.save_steps == 0 and done < total_steps:
-            t_pause = time.time()
-            save_checkpoint(model, optimizer, scheduler, done, args, rank)
-            t_window += time.time() - t_pause
+            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir)
+        t_window += time.time() - t_pause
 
     # 5. Normalize (shift the mean eval reward to 0, optionally scale its std to 1) and save in transformers' format.
     save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank)
@@ -778,30 +758,33 @@ def main(args):
     return ev
 
 
-FULL_STATE = {"full_state_dict": True, "cpu_offload": True}  # whole tensors on rank 0's CPU, under DDP and FSDP alike
+def build_optimizer(model, args, total_steps):
+    """AdamW over the trainable parameters and transformers' learning-rate schedule, with warm-up."""
+    from transformers import get_scheduler
+
+    lr = args.learning_rate if args.learning_rate is not None else \
+        1e-3 if args.model_name_or_path.startswith("embedded-") else 1e-5
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                  weight_decay=args.weight_decay, fused=True)
+    extra = {"polynomial": {"lr_end": args.lr_end}, "cosine_with_restarts": {"num_cycles": int(args.num_cycles)},
+             "cosine": {"num_cycles": args.num_cycles / 2}}.get(args.lr_scheduler_type, {})
+    return optimizer, get_scheduler(args.lr_scheduler_type, optimizer, scheduler_specific_kwargs=extra,
+                                    num_warmup_steps=args.warmup_steps or int(args.warmup_ratio * total_steps),
+                                    num_training_steps=total_steps)
 
 
-def resume(model, optimizer, scheduler, args):
-    """The step to start from: the latest checkpoint's with --resume (weights, optimizer, scheduler and random state
-    restored), else 0."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    if not args.resume or (ckpt := common.load_latest_checkpoint(args.output_dir)) is None:
-        return 0
-    set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
-                   options=StateDictOptions(full_state_dict=True))
-    scheduler.load_state_dict(ckpt["scheduler"])
-    common.set_rng_state(ckpt["rng"])
-    return ckpt["step"]
-
-
-def save_checkpoint(model, optimizer, scheduler, step, args, rank):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(**FULL_STATE))
-    if rank == 0:
-        common.save_checkpoint(args.output_dir, step, {"model": model_sd, "optimizer": optim_sd, "step": step,
-                                                       "scheduler": scheduler.state_dict(), "rng": common.rng_state()})
+def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world):
+    """The training statistics of the steps since the last log, averaged over them and over ranks, and the speed."""
+    loss, accuracy, margin, grad_norm, tokens = all_reduce_mean(
+        [sum(s[k] for s in window) / len(window) for k in ("loss", "accuracy", "margin", "grad_norm", "tokens")], device)
+    tokens *= len(window) * world
+    m = {"step": step, "epoch": step / steps_per_epoch, "train/loss": loss, "train/accuracy": accuracy,
+         "train/margin": margin, "train/grad_norm": grad_norm, "lr": lr, "perf/tokens_per_s": tokens / elapsed,
+         "perf/pairs_per_s": len(window) * global_batch / elapsed}
+    if logger is not None:
+        logger.log(m)
+        bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / elapsed:.0f}")
+        bar.write(common.format_metrics(m))
 
 
 def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank):
@@ -811,7 +794,7 @@ def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args,
 
     shift = ev["eval/reward_mean"] if args.reward_normalization != "none" else 0.0
     scale = ev["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0
-    model_sd = get_model_state_dict(model, options=StateDictOptions(**FULL_STATE))
+    model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return
     saved = save_reward_model(hf_model, lora, {k.removeprefix("hf."): v for k, v in model_sd.items()}, tokenizer,

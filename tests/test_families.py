@@ -215,7 +215,8 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
     query, query_mask = ppo.pad_left(common.tokenize_prompts(tokenizer, [prompt] * 2), len(
         common.tokenize_prompts(tokenizer, [prompt])[0]), tokenizer.pad_token_id)
     responses = common.tokenize_responses(tokenizer, [prompt] * 2, answers)
-    responses, mask = ppo.pad_right(responses, tokenizer.pad_token_id)
+    padded = tokenizer.pad({"input_ids": responses}, padding_side="right", return_tensors="pt")
+    responses, mask = padded["input_ids"], padded["attention_mask"]
     ids, ids_mask = ppo.reward_model_tokens(query, query_mask, responses, mask.bool(), tokenizer.eos_token_id,
                                             tokenizer, reward, args)
     rm_tokenizer = AutoTokenizer.from_pretrained(rm_path)
@@ -229,7 +230,7 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
     with torch.no_grad():
         expected = (rm.RewardModel(hf)(c_ids, c_mask) - hf.config.reward_shift) / hf.config.reward_scale
     policy = ppo.load_policy(args, tokenizer)
-    critic = ppo.ScalarHeadModel(ppo.critic_from(ppo.Args(critic_init="policy"), policy, reward))
+    critic = ppo.Critic(ppo.critic_from(ppo.Args(critic_init="policy"), policy, reward))
     scores = ppo.score(policy, critic, reward, query, query_mask, responses, mask.bool(), [prompt] * 2, tokenizer,
                        tokenizer.eos_token_id, args)[4]
     assert torch.allclose(scores, expected, atol=1e-5)

@@ -119,10 +119,10 @@ def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike
     shift = json.load(open(out / "eval_results.json"))["reward_shift"]
     tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=family_dir("llama")))
     rewards = [ppo.load_reward(ppo.Args(reward_model_path=str(p)), tokenizer) for p in (out, out / "adapter")]
-    assert rewards[0].offset == rewards[1].offset != 0 and shift != 0
+    assert rewards[0].shift == rewards[1].shift != 0 and shift != 0
     ids = torch.tensor([tokenizer("tell me about animals such as cat dog")["input_ids"]])
     with torch.no_grad():
-        scores = [r.model(ids, torch.ones_like(ids)) for r in rewards]
+        scores = [ppo.reward_model_output(r.model, ids, torch.ones_like(ids)) for r in rewards]
     assert torch.allclose(scores[0], scores[1], atol=1e-5)
     evals = {}
     for name in ("rm", "rm/adapter"):

@@ -112,22 +112,25 @@ def test_truncate_after_stop_and_score_index():
     assert mask.sum(1).tolist() == [3, 1, 5, 2]
 
 
-def test_length_groups_cover_every_row_once_at_the_least_padded_cost():
-    """The groups against every way of cutting the length-sorted rows, cost written out: rows x (longest prompt +
-    longest response) per group, plus the overhead per group."""
+def test_length_groups_cover_every_row_once_near_the_least_padded_cost():
+    """The greedy groups against every way of cutting the length-sorted rows, cost written out: rows x (longest prompt
+    + longest response) per group, plus the overhead per group. Within 15% of the best cut on small random batches,
+    within 3% on batches shaped like the benchmark's long-8k workload."""
     import itertools
 
     rng = random.Random(0)
-    for n, overhead in [(7, 0), (7, 10), (8, 40), (6, 10**6), (1, 5)]:
-        p = torch.tensor([rng.randint(1, 60) for _ in range(n)])
-        r = torch.tensor([rng.randint(1, 30) for _ in range(n)])
+    cases = [(n, overhead, 60, 30) for n, overhead in [(7, 0), (7, 10), (8, 40), (6, 10**6), (1, 5)] * 20]
+    for n, overhead, max_p, max_r in cases + [(13, 64, 256, 48)] * 3:
+        p = torch.tensor([rng.randint(1, max_p) for _ in range(n)])
+        r = torch.tensor([rng.randint(1, max_r) for _ in range(n)])
         groups = ppo.length_groups(p, r, overhead)
         assert sorted(torch.cat(groups).tolist()) == list(range(n))
         cost = lambda gs: sum(len(g) * (max(p[g].tolist()) + max(r[g].tolist())) + overhead for g in gs)  # noqa
         order = sorted(range(n), key=lambda i: (p[i] + r[i], p[i]))
+        assert [i for g in groups for i in g.tolist()] == order  # consecutive runs of the sorted rows
         best = min(cost([order[a:b] for a, b in zip((0,) + cuts, cuts + (n,))])
                    for k in range(n) for cuts in itertools.combinations(range(1, n), k))
-        assert cost([g.tolist() for g in groups]) == best
+        assert cost([g.tolist() for g in groups]) <= best * (1.03 if n == 13 else 1.15)
         if overhead == 10**6:
             assert len(groups) == 1
     # no overhead: rows of one length form one group, and every group is unpadded

@@ -135,11 +135,11 @@ def test_implicit_prompt_extraction_on_real_hh_rlhf(hh_path):
 
 def test_truncation_keeps_prompt_end_and_bos_and_caps_responses():
     prompt, chosen, rejected = [2, 10, 11, 12, 13, 14], [20, 21, 22, 3], [30, 3]
-    p, c, r, cut = common.truncate_pair(prompt, chosen, rejected, max_length=7, max_prompt_length=4, bos_id=2)
+    p, c, r, cut = rm.truncate_pair(prompt, chosen, rejected, max_length=7, max_prompt_length=4, bos_id=2)
     assert p == [2, 12, 13, 14] and c == [20, 21, 22] and r == [30, 3] and cut
-    p, c, r, cut = common.truncate_pair(prompt[1:], chosen, rejected, max_length=7, max_prompt_length=4, bos_id=2)
+    p, c, r, cut = rm.truncate_pair(prompt[1:], chosen, rejected, max_length=7, max_prompt_length=4, bos_id=2)
     assert p == [11, 12, 13, 14] and c == [20, 21, 22]
-    assert common.truncate_pair([5], [6, 3], [7, 3], 10, 5) == ([5], [6, 3], [7, 3], False)
+    assert rm.truncate_pair([5], [6, 3], [7, 3], 10, 5) == ([5], [6, 3], [7, 3], False)
     # a pair whose responses are identical after truncation carries no preference: dropped and counted
     rows = [{"prompt": "User:", "chosen": " cat dog red", "rejected": " cat dog blue", "_source": "m", "_row": 0}]
     pairs, truncated, dropped = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=3, max_prompt_length=1))
