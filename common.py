@@ -155,33 +155,6 @@ def embedded_pairs(n, seed):
     return rows
 
 
-def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
-    """The embedded task's initial (SFT) policy: a tiny causal LM trained briefly to answer prompts with a few random
-    words and EOS, so it starts from well-formed responses of average gold reward, as a real SFT model would."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(embedded_model_config(name, len(tokenizer)))
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    rng = random.Random(seed)
-    for _ in range(steps):
-        rows = [embedded_prompt(rng) for _ in range(batch_size)]
-        prompts = tokenize_prompts(tokenizer, rows)
-        responses = tokenize_responses(tokenizer, rows, [embedded_response(rng) for _ in rows])
-        width = max(len(p) + len(r) for p, r in zip(prompts, responses))
-        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
-        labels = torch.full((batch_size, width), -100)
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p):len(p) + len(r)] = torch.tensor(r)  # learn the responses, not the prompts
-        loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id),
-                     labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return model.eval()
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Preference data: a hub name, a local file, or the embedded task, in explicit, implicit or conversational format.
 
@@ -606,12 +579,12 @@ class Logger:
     """The same metrics to metrics.jsonl, and to Weights & Biases (--track) and TensorBoard (--tensorboard)."""
 
     def __init__(self, args, project, resume_step=None):
-        import dataclasses
-
         os.makedirs(args.output_dir, exist_ok=True)
         self.file = open_log(os.path.join(args.output_dir, "metrics.jsonl"), resume_step)
         self.wandb = self.tensorboard = None
         if args.track:
+            import dataclasses
+
             import wandb
 
             self.wandb = wandb.init(project=project, name=args.run_name, config=dataclasses.asdict(args),
@@ -626,27 +599,23 @@ class Logger:
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
         scalars = {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float))}
-        if self.wandb is not None:
+        if self.wandb:
             self.wandb.log(scalars, step=metrics["step"])
-        if self.tensorboard is not None:
-            for k, v in scalars.items():
-                self.tensorboard.add_scalar(k, v, metrics["step"])
-            self.tensorboard.flush()
+        for k, v in scalars.items() if self.tensorboard else ():
+            self.tensorboard.add_scalar(k, v, metrics["step"])
 
     def log_table(self, name, rows, step):
-        if self.wandb is not None:
+        if self.wandb:
             import wandb
 
             self.wandb.log({name: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
-        if self.tensorboard is not None:
+        if self.tensorboard:
             self.tensorboard.add_text(name, "\n\n".join(json.dumps(r) for r in rows), step)
 
     def close(self):
         close_log(self.file)
-        if self.wandb is not None:
-            self.wandb.finish()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for sink in (self.wandb and self.wandb.finish, self.tensorboard and self.tensorboard.close):
+            sink and sink()
 
 
 def format_metrics(m):

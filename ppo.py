@@ -287,13 +287,9 @@ def length_groups(prompt_lengths, response_lengths, overhead=None):
 
 @functools.cache
 def takes_argument(model_class, name):
+    """Whether the model's forward takes this argument: every causal LM of transformers takes logits_to_keep, a remote
+    code model may not. (Position ids every model takes: ALiBi models such as BLOOM ignore them.)"""
     return name in inspect.signature(model_class.forward).parameters
-
-
-def positions_for(model, position_ids):
-    """Position ids as keyword arguments, for the models that take them (ALiBi models such as BLOOM take none: their
-    positions come from the attention mask)."""
-    return {"position_ids": position_ids} if takes_argument(type(unwrap(model)), "position_ids") else {}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -315,7 +311,7 @@ def generate(model, query, query_mask, generators, args, stop_id, pad_id, collec
     cache = StaticCache(config=model.config, max_cache_len=mask.shape[1])
     last_only = {"logits_to_keep": 1} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     out = model(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True,
-                **positions_for(model, position), **last_only)  # B x V logits, not B x prompt x V
+                position_ids=position, **last_only)  # B x V logits, not B x prompt x V
     tokens, logprobs = [], []
     done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
     for t in range(args.response_length):
@@ -333,7 +329,7 @@ def generate(model, query, query_mask, generators, args, stop_id, pad_id, collec
         if all_done or t == args.response_length - 1:
             break
         out = model(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
-                    **positions_for(model, position[:, -1:] + t + 1))
+                    position_ids=position[:, -1:] + t + 1)
     responses, logprobs = torch.stack(tokens, 1), torch.stack(logprobs, 1)
     width = args.response_length - responses.shape[1]
     return F.pad(responses, (0, width), value=pad_id), F.pad(logprobs, (0, width))
@@ -349,7 +345,7 @@ class Critic(torch.nn.Module):
     def forward(self, input_ids, attention_mask):
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                    **positions_for(self.hf.base_model, position_ids)).last_hidden_state
+                                    position_ids=position_ids).last_hidden_state
         return self.hf.score(hidden).squeeze(-1).float()
 
 
@@ -400,7 +396,7 @@ def policy_forward(policy, query_response, mask, context_length, temperature, wi
     position = (mask.cumsum(1) - 1).clamp(min=0)
     keep = query_response.shape[1] - context_length + 1
     only_kept = {"logits_to_keep": keep} if takes_argument(type(unwrap(policy)), "logits_to_keep") else {}
-    hidden = head_inputs(policy, input_ids=query_response, attention_mask=mask, **positions_for(policy, position),
+    hidden = head_inputs(policy, input_ids=query_response, attention_mask=mask, position_ids=position,
                          **only_kept)[:, -keep:-1]
     targets, model = query_response[:, context_length:], unwrap(policy)
 
@@ -455,13 +451,37 @@ def stop_token_id(args, tokenizer):
     return stop_id
 
 
+def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
+    """The embedded task's initial (SFT) policy: a tiny causal LM trained briefly to answer prompts with a few random
+    words and EOS, so it starts from well-formed responses of average gold reward, as a real SFT model would."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer)))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        texts = [common.embedded_prompt(rng) for _ in range(batch_size)]
+        prompts = common.tokenize_prompts(tokenizer, texts)
+        responses = common.tokenize_responses(tokenizer, texts, [common.embedded_response(rng) for _ in texts])
+        batch = tokenizer.pad({"input_ids": [p + r for p, r in zip(prompts, responses)]}, padding_side="right",
+                              return_tensors="pt")
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        for i, p in enumerate(prompts):
+            labels[i, :len(p)] = -100  # learn the responses, not the prompts
+        model(**batch, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
 def load_policy(args, tokenizer):
     """The initial policy: a causal LM, or a peft adapter folder merged into its base (so that the reference policy,
     the initial policy, is the SFT adapter's model, not the base's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.sft_model_path.startswith("embedded-"):
-        return common.disable_dropout(common.embedded_sft_policy(args.sft_model_path, tokenizer, args.seed))
+        return common.disable_dropout(embedded_sft_policy(args.sft_model_path, tokenizer, args.seed))
     config = common.without_dropout(common.load_pretrained(AutoConfig, args.sft_model_path, "--sft_model_path"))
     # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights; a frozen
     # LoRA base is only read, so it may be held in bfloat16
@@ -555,7 +575,7 @@ def reward_model_output(model, ids, mask):
     if not hasattr(model, "score"):
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
     hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
-                              **positions_for(model.base_model, (mask.cumsum(1) - 1).clamp(min=0))).last_hidden_state
+                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
     return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
 
 
@@ -841,7 +861,7 @@ def language_modelling_loss(policy, seqs, pad_id, n_tokens, device):
     ids, ids_mask = pad_left(seqs, max(map(len, seqs)), pad_id)
     ids, ids_mask = ids.to(device), ids_mask.long().to(device)
     logits = policy(input_ids=ids, attention_mask=ids_mask,
-                    **positions_for(policy, (ids_mask.cumsum(1) - 1).clamp(min=0))).logits[:, :-1]
+                    position_ids=(ids_mask.cumsum(1) - 1).clamp(min=0)).logits[:, :-1]
     nll = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
     # a target counts only after a real token: no pad -> first-token transition on left-padded rows
     return masked_mean(nll, (ids_mask[:, 1:] * ids_mask[:, :-1]).flatten().float(), n_tokens)
@@ -895,9 +915,9 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
                     vf_loss, vf_clipfrac = value_loss(new_values, values[rows][:, :kept], returns[rows][:, :kept],
                                                       m_rows, args.cliprange_value, n_tokens)
                     (args.vf_coef * vf_loss * world).backward()
-                    for k, v in {"loss/policy": pg_loss, "loss/value": vf_loss, "val/clipfrac": vf_clipfrac,
-                                 "policy/entropy": ent, **{f"policy/{k}": v for k, v in pg.items()}}.items():
-                        sums[k] = sums.get(k, 0) + v.detach()
+                    for name, value in {"loss/policy": pg_loss, "loss/value": vf_loss, "val/clipfrac": vf_clipfrac,
+                                        "policy/entropy": ent, **{f"policy/{k}": v for k, v in pg.items()}}.items():
+                        sums[name] = sums.get(name, 0) + value.detach()
                 if ptx is not None:
                     set_grad_sync([policy], m == accumulation - 1)
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):

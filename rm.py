@@ -799,12 +799,9 @@ def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args,
         return
     saved = save_reward_model(hf_model, lora, {k.removeprefix("hf."): v for k, v in model_sd.items()}, tokenizer,
                               args.output_dir, shift, scale)
-    results = {**{k.removeprefix("eval/"): v for k, v in ev.items()}, "reward_shift": shift, "reward_scale": scale,
-               "args": dataclasses.asdict(args)}
-    common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), results)
     logger.close()
     with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
-        plot_eval(os.path.join(args.output_dir, "eval.png"), eval_rewards, [json.loads(line) for line in f])
+        write_results(ev, eval_rewards, [json.loads(line) for line in f], args, reward_shift=shift, reward_scale=scale)
     summary = f"final eval accuracy {ev['eval/accuracy']:.4f}"
     if "eval/bayes_accuracy" in ev:
         summary += f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})"
@@ -821,11 +818,8 @@ def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, 
     if rank == 0:
         shift, scale = getattr(hf_model.config, "reward_shift", 0.0), getattr(hf_model.config, "reward_scale", 1.0)
         os.makedirs(args.output_dir, exist_ok=True)
-        common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), {
-            **{k.removeprefix("eval/"): v for k, v in ev.items()}, "num_pairs": len(evals), "reward_shift": shift,
-            "reward_scale": scale, "normalized_reward_mean": (ev["eval/reward_mean"] - shift) / scale,
-            "batch_layout": layout, "args": dataclasses.asdict(args)})
-        plot_eval(os.path.join(args.output_dir, "eval.png"), rewards, [])
+        write_results(ev, rewards, [], args, num_pairs=len(evals), reward_shift=shift, reward_scale=scale,
+                      normalized_reward_mean=(ev["eval/reward_mean"] - shift) / scale, batch_layout=layout)
         print(common.format_metrics(ev))
         print(f"evaluated {args.model_name_or_path} on {len(evals)} pairs: accuracy {ev['eval/accuracy']:.4f}; "
               f"eval_results.json and eval.png in {args.output_dir}")
@@ -833,6 +827,13 @@ def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, 
         dist.barrier()
         dist.destroy_process_group()
     return ev
+
+
+def write_results(ev, rewards, metrics, args, **extra):
+    """eval_results.json (the evaluation's metrics, extra and the arguments) and eval.png."""
+    common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), {
+        **{k.removeprefix("eval/"): v for k, v in ev.items()}, **extra, "args": dataclasses.asdict(args)})
+    plot_eval(os.path.join(args.output_dir, "eval.png"), rewards, metrics)
 
 
 def plot_eval(path, rewards, metrics):

@@ -149,7 +149,7 @@ def sample_prompts(n, seed=0):
 
 @pytest.mark.parametrize("arch", ["embedded-llama", "embedded-neox"])
 def test_sampling_logprobs_equal_training_forward_and_do_not_depend_on_batch(arch):
-    policy = common.embedded_sft_policy(arch, TOK, seed=0, steps=20)
+    policy = ppo.embedded_sft_policy(arch, TOK, seed=0, steps=20)
     args = ppo.Args(temperature=0.7, response_length=8)
     prompts = sample_prompts(5)
     width = max(map(len, prompts))
@@ -208,7 +208,7 @@ def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, rew
     from transformers import AutoModelForCausalLM
 
     trained = AutoModelForCausalLM.from_pretrained(out).eval()
-    initial = common.embedded_sft_policy("embedded-llama", TOK, seed=1)
+    initial = ppo.embedded_sft_policy("embedded-llama", TOK, seed=1)
     prompts = sample_prompts(48, seed=3)
     query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
     golds = {}
@@ -280,7 +280,7 @@ def test_missing_reward_model_and_unknown_stop_token_are_clear_errors(tmp_path, 
 
 
 def test_ptx_loss_of_a_left_padded_batch_is_the_mean_over_real_transitions():
-    policy = common.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=5)
+    policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=5)
     seqs = [[2, 4, 6, 20, 21, 3], [2, 30, 3], [4, 40, 41, 42, 43, 44, 3]]
     n = sum(len(s) - 1 for s in seqs)
     with torch.no_grad():
@@ -304,7 +304,7 @@ def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, flag
 
 
 def test_critic_from_policy_takes_the_whole_backbone():
-    policy = common.embedded_sft_policy("embedded-neox", TOK, seed=0, steps=2)
+    policy = ppo.embedded_sft_policy("embedded-neox", TOK, seed=0, steps=2)
     critic = ppo.critic_from(ppo.Args(critic_init="policy"), policy, ppo.Reward())
     mine, theirs = critic.base_model.state_dict(), policy.base_model.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
@@ -384,7 +384,7 @@ def test_an_empty_prompt_without_bos_is_named(tmp_path):
 def test_logits_in_blocks_give_the_log_probs_entropies_and_gradients_of_the_whole(monkeypatch):
     """The learning forward computes response logits in blocks (recomputed in the backward pass): the same numbers and
     gradients as one block, and no block above LOGIT_BLOCK elements."""
-    policy = common.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=5)
+    policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=5)
     prompts = sample_prompts(4)
     query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
     responses = torch.randint(20, len(TOK), (4, 7), generator=torch.Generator().manual_seed(0))
@@ -406,7 +406,7 @@ def test_logits_in_blocks_give_the_log_probs_entropies_and_gradients_of_the_whol
 
 
 def test_a_model_whose_output_transform_is_unknown_is_named_before_training(monkeypatch):
-    policy = common.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=1)
+    policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=1)
     ppo.check_output_logits(policy, "--sft_model_path", "embedded-llama")  # a plain output layer: reproduced
     monkeypatch.setattr(ppo, "output_logits", lambda m, h: m.get_output_embeddings()(h) * 2)
     with pytest.raises(common.UserError, match="does not reproduce this model's logits .* add it there"):
