@@ -356,18 +356,22 @@ so a micro-batch's logits, 16 x 128 x 152k floats = 1.2 GB, are never held whole
 block is computed directly, with no recomputation."""
 
 
-def output_logits(model, hidden):
-    """A causal LM's logits from the hidden states its output layer reads: that layer, then the transforms transformers'
-    families apply after it (Gemma 2/3's final softcapping, Cohere's logit scale, Granite's logits scaling).
-    check_output_logits confirms at start-up that this reproduces the model's own logits."""
-    logits = model.get_output_embeddings()(hidden)
-    if cap := getattr(model.config, "final_logit_softcapping", None):
+def output_logits(model, hidden, temperature=1.0):
+    """A causal LM's logits from the hidden states its output layer reads, divided by the temperature: that layer,
+    then the transforms transformers' families apply after it (Gemma 2/3's final softcapping, Cohere's logit scale,
+    Granite's logits scaling). check_output_logits confirms at start-up that this reproduces the model's own logits.
+    Where the layer and the transforms are linear (no bias, no softcapping), the hidden states are divided instead of
+    the logits: (h / T) W = (h W) / T, one pass over hidden x positions instead of vocabulary x positions."""
+    head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
+    linear = cap is None and getattr(head, "bias", None) is None
+    logits = head(hidden / temperature if linear else hidden)
+    if cap:
         logits = cap * torch.tanh(logits / cap)
     if (scale := getattr(model, "logit_scale", None)) is not None:
         logits = logits * scale
     if divisor := getattr(model.config, "logits_scaling", None):
         logits = logits / divisor
-    return logits
+    return logits if linear else logits / temperature
 
 
 def head_inputs(model, **inputs):
@@ -401,10 +405,11 @@ def policy_forward(policy, query_response, mask, context_length, temperature, wi
     targets, model = query_response[:, context_length:], unwrap(policy)
 
     def block(h, y):
-        logp_all = torch.log_softmax(output_logits(model, h).float() / temperature, -1)
+        logp_all = torch.log_softmax(output_logits(model, h, temperature).float(), -1)
         logprobs = logp_all.gather(-1, y[..., None]).squeeze(-1)
         with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):  # a statistic unless ent_coef > 0
-            return logprobs, -(logp_all.exp() * logp_all).sum(-1) if entropy else torch.zeros_like(logprobs)
+            # -sum p log p as one fused product per row (no vocabulary-wide temporary for p * log p)
+            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all) if entropy else torch.zeros_like(logprobs)
 
     n = hidden.shape[1]
     step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))

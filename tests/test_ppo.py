@@ -390,7 +390,7 @@ def test_logits_in_blocks_give_the_log_probs_entropies_and_gradients_of_the_whol
     responses = torch.randint(20, len(TOK), (4, 7), generator=torch.Generator().manual_seed(0))
     qr, qr_mask = torch.cat([query, responses], 1), torch.cat([qmask, torch.ones_like(responses, dtype=torch.bool)], 1)
     blocks, real = [], ppo.output_logits
-    monkeypatch.setattr(ppo, "output_logits", lambda m, h: blocks.append(h.shape[:2]) or real(m, h))
+    monkeypatch.setattr(ppo, "output_logits", lambda m, h, t=1.0: blocks.append(h.shape[:2]) or real(m, h, t))
     results = {}
     for block in (10 ** 9, 8 * len(TOK)):  # the whole micro-batch; blocks of 4 rows x 2 positions x vocabulary
         monkeypatch.setattr(ppo, "LOGIT_BLOCK", block)
@@ -403,11 +403,17 @@ def test_logits_in_blocks_give_the_log_probs_entropies_and_gradients_of_the_whol
     assert len(blocks) == 8  # 7 positions in 4 blocks, each computed again in the backward pass
     for whole, blocked in zip(*results.values()):
         assert torch.allclose(whole, blocked, atol=1e-6, rtol=1e-5)
+    # ... and both are the formulas written out on the model's own logits at temperature 0.7
+    with torch.no_grad():
+        logp = torch.log_softmax(policy(input_ids=qr, attention_mask=qr_mask.long()).logits[:, query.shape[1] - 1:-1]
+                                 / 0.7, -1)
+    assert torch.allclose(results[10 ** 9][0], logp.gather(-1, responses[..., None]).squeeze(-1), atol=1e-5)
+    assert torch.allclose(results[10 ** 9][1], -(logp.exp() * logp).sum(-1), atol=1e-5)
 
 
 def test_a_model_whose_output_transform_is_unknown_is_named_before_training(monkeypatch):
     policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=1)
     ppo.check_output_logits(policy, "--sft_model_path", "embedded-llama")  # a plain output layer: reproduced
-    monkeypatch.setattr(ppo, "output_logits", lambda m, h: m.get_output_embeddings()(h) * 2)
+    monkeypatch.setattr(ppo, "output_logits", lambda m, h, t=1.0: m.get_output_embeddings()(h) * 2)
     with pytest.raises(common.UserError, match="does not reproduce this model's logits .* add it there"):
         ppo.check_output_logits(policy, "--sft_model_path", "embedded-llama")
