@@ -23,6 +23,11 @@ class UserError(Exception):
     """Bad input (file, row, field, value): main() prints the message and exits with code 2."""
 
 
+def first_line(error):
+    """The first line of an exception's message (a library's own errors can run to pages), or its type's name."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def exit_on_user_error(fn, *args):
     try:
         return fn(*args)
@@ -40,8 +45,7 @@ def load_pretrained(loader, name, flag, **kwargs):
     try:
         return loader.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{flag} {name}: cannot load it ({first[:200]}); pass a local model folder or a hub "
+        raise UserError(f"{flag} {name}: cannot load it ({first_line(e)[:200]}); pass a local model folder or a hub "
                         "name") from None
 
 
@@ -184,8 +188,8 @@ def load_rows(name, config=None, split="train"):
             if ext == ".jsonl":  # read here: errors name the line, and no Arrow cache is written beside the user's data
                 return read_jsonl(name)
             rows = list(datasets.load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train"))
-            first_line = 2 if ext == ".csv" else None  # a CSV row's line in an editor: after the header
-            return [dict(r, _source=name, _row=i, **({"_line": i + first_line} if first_line else {}))
+            line_of_first = 2 if ext == ".csv" else None  # a CSV row's line in an editor: after the header
+            return [dict(r, _source=name, _row=i, **({"_line": i + line_of_first} if line_of_first else {}))
                     for i, r in enumerate(rows)]
         splits = datasets.get_dataset_split_names(name, config)
         if split not in splits:
@@ -193,9 +197,9 @@ def load_rows(name, config=None, split="train"):
         return [dict(r, _source=name, _row=i) for i, r in enumerate(datasets.load_dataset(name, config, split=split))]
     except UserError:
         raise
-    except Exception as e:  # the loaders' own errors are long; the first line says what is wrong
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{name}: cannot load dataset ({first}); check the name, config and file format") from None
+    except Exception as e:
+        raise UserError(f"{name}: cannot load dataset ({first_line(e)}); check the name, config and file "
+                        "format") from None
 
 
 def load_folder(path, config, split):
@@ -343,8 +347,7 @@ def render_chat(tokenizer, messages, where, generation_prompt=False):
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{where}: the chat template cannot render these messages ({first})") from None
+        raise UserError(f"{where}: the chat template cannot render these messages ({first_line(e)})") from None
 
 
 def split_pair(row, tokenizer, where):
@@ -389,6 +392,9 @@ def split_pair(row, tokenizer, where):
 def special_affixes(tokenizer):
     """The special token ids the tokenizer's post-processor writes before and after a text."""
     plain = tokenizer("a b", add_special_tokens=False)["input_ids"]
+    if not plain:  # e.g. a word-level tokenizer saved beside a Qwen2 config, loaded by AutoTokenizer as Qwen2Tokenizer
+        raise UserError(f"tokenizer {tokenizer.name_or_path!r} ({type(tokenizer).__name__}) gives no tokens for the "
+                        "text 'a b': it is loaded as the wrong class; name its class in tokenizer_config.json")
     full = tokenizer("a b", add_special_tokens=True)["input_ids"]
     for k in range(len(full) - len(plain) + 1):
         if full[k:k + len(plain)] == plain:
@@ -491,9 +497,9 @@ def add_lora(model, args, task_type):
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             peft_model = get_peft_model(model, config)
     except (ValueError, TypeError, NotImplementedError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"--lora_target_modules {' '.join(targets)}: peft cannot put LoRA adapters on "
-                        f"{type(model).__name__} ({first[:200]}); name its linear layers, or pass --lora_r 0") from None
+                        f"{type(model).__name__} ({first_line(e)[:200]}); name its linear layers, or pass --lora_r "
+                        "0") from None
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()

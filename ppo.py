@@ -537,7 +537,8 @@ def load_reward(args, tokenizer):
     own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
     if own.pad_token is None:
         own.pad_token = own.eos_token  # read by the mask, never by pad ids
-    same_tokens = hasattr(model, "score") and all(own.convert_tokens_to_ids(t) == i for t, i in tokenizer.get_vocab().items())
+    same_tokens = hasattr(model, "score") and all(own.convert_tokens_to_ids(t) == i
+                                                  for t, i in tokenizer.get_vocab().items())
     return dataclasses.replace(reward, model=model, tokenizer=None if same_tokens else own,
                                shift=getattr(model.config, "reward_shift", 0.0),
                                scale=getattr(model.config, "reward_scale", 1.0))
@@ -600,7 +601,7 @@ def critic_from(args, policy, reward):
         critic.base_model.load_state_dict(policy.base_model.state_dict())
     except RuntimeError as e:
         raise common.UserError(f"--critic_init policy: {args.sft_model_path}'s backbone does not load into a "
-                               f"sequence-classification model ({str(e).splitlines()[0]})") from None
+                               f"sequence-classification model ({common.first_line(e)})") from None
     torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
     return critic
 
@@ -809,7 +810,7 @@ def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt
                 ref_logprobs[rows, :kept] = policy_forward(ref_policy, ids, ids_mask, context, args.temperature,
                                                            entropy=False)[0]
             values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
-            if reward.model is not None:  # another vocabulary, or an encoder: the text in its own tokens
+            if reward.model is not None:  # with its own tokenizer (another vocabulary, an encoder): the text
                 own = (ids, ids_mask) if reward.tokenizer is None else (t.to(ids.device) for t in reward_model_tokens(
                     query[rows], query_mask[rows], responses[rows], mask[rows], stop_id, tokenizer, reward, args))
                 scores[rows] = (reward_model_output(reward.model, *own) - reward.shift) / reward.scale
@@ -1001,8 +1002,9 @@ def main(args):
     if rank == 0:
         print(f"rollout batch {batch_size} episodes = {micro} x {args.gradient_accumulation_steps} accumulation x "
               f"{args.num_mini_batches} mini-batches x {world} ranks; {num_updates} updates x {args.num_ppo_epochs} "
-              f"epochs; lr {optimizer.param_groups[0]['lr']:g} (critic {optimizer.param_groups[1]['lr']:g}); "
-              f"{len(prompts)} prompts" + (f"; resumed at update {start}" if start else ""))
+              f"epochs; lr {optimizer.param_groups[0]['initial_lr']:g} (critic "
+              f"{optimizer.param_groups[1]['initial_lr']:g}); {len(prompts)} prompts"
+              + (f"; resumed at update {start}" if start else ""))
 
     orders, collective = {}, args.fsdp and world > 1  # under FSDP every rank must make the same forward calls
     frozen = [m for m in [None if lora else ref_policy, reward.model] if m is not None]

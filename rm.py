@@ -706,8 +706,9 @@ def main(args):
               f"({device.type}, {'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})\n"
               f"batch layout: {layout}\nglobal batch {global_batch} pairs = {micro} x {accumulation} accumulation x "
               f"{world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
-              f"({total_steps / steps_per_epoch:.2f} epochs); lr {optimizer.param_groups[0]['lr']:g}, "
-              f"{args.lr_scheduler_type}" + (f"; resumed from step {start_step}" if start_step else ""))
+              f"({total_steps / steps_per_epoch:.2f} epochs); lr {optimizer.param_groups[0]['initial_lr']:g}, "
+              f"{args.lr_scheduler_type}, warmup {args.warmup_steps or int(args.warmup_ratio * total_steps)}"
+              + (f"; resumed from step {start_step}" if start_step else ""))
 
     # 3. Training loop: per step, one fused forward per micro-batch, Bradley-Terry loss, one optimizer step.
     model.train()

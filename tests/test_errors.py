@@ -243,3 +243,17 @@ def test_eval_only_reads_a_folder_with_a_test_split_alone_and_mixtures_with_some
     ev = rm.main(rm.Args(dataset_mixer_list=["embedded", "300", str(tmp_path / "data" / "test.jsonl"), "1.0"],
                          max_steps=2, per_device_train_batch_size=8, num_evals=1, output_dir=str(tmp_path / "mix")))
     assert 0.5 < ev["eval/bayes_accuracy"] < 1  # from the embedded pairs, the only ones with gold values
+
+
+def test_a_tokenizer_loaded_as_the_wrong_class_is_named_before_any_pair_is_dropped(tmp_path):
+    """transformers' AutoTokenizer loads a word-level tokenizer saved beside a Qwen2 config as Qwen2Tokenizer, which
+    turns every text into no tokens: without a check, every pair would be dropped as identical."""
+    from transformers import AutoTokenizer, Qwen2Config
+
+    common.embedded_tokenizer().save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert common.tokenize_prompts(common.embedded_tokenizer(), ["User: tell"]) != [[]]  # the right class works
+    with pytest.raises(common.UserError, match=r"gives no tokens for the text 'a b': it is loaded as the wrong class"):
+        common.tokenize_prompts(tokenizer, ["User: tell me about animals Assistant:"])
