@@ -417,3 +417,18 @@ def test_a_model_whose_output_transform_is_unknown_is_named_before_training(monk
     monkeypatch.setattr(ppo, "output_logits", lambda m, h, t=1.0: m.get_output_embeddings()(h) * 2)
     with pytest.raises(common.UserError, match="does not reproduce this model's logits .* add it there"):
         ppo.check_output_logits(policy, "--sft_model_path", "embedded-llama")
+
+
+def test_offloaded_models_are_on_the_device_only_while_they_score():
+    moves = []
+
+    class Frozen:
+        def to(self, device):
+            moves.append(device)
+
+    with ppo.offloaded([Frozen(), Frozen()], "cuda:0", enabled=True):
+        assert moves == ["cuda:0", "cuda:0"]
+    assert moves == ["cuda:0", "cuda:0", "cpu", "cpu"]
+    with ppo.offloaded([Frozen()], "cuda:0", enabled=False):  # without --offload_inference_models nothing moves
+        pass
+    assert len(moves) == 4
