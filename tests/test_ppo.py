@@ -178,19 +178,19 @@ TINY = ["--total_episodes", "64", "--per_device_train_batch_size", "4", "--num_m
 
 def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, reward_model_path):
     base = ["ppo.py", "--reward_model_path", reward_model_path, *TINY]
-    # The same rollout batch of 16 and mini-batches of 8, split four ways: 8 x 1 process, 4 x 2 accumulation, 4 x 2
+    # The same rollout batch of 16 and mini-batches of 8, split three ways: 4 x 2 accumulation in one process, 4 x 2
     # ranks (DDP and FSDP), with ptx. Losses are token means over the whole mini-batch, so every split is one run.
     base = base + ["--ptx_coef", "0.1", "--ptx_dataset_name", "embedded"]
-    run_script(base + ["--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "whole")])
+    # (8 x 1 against 4 x 2 accumulation in one process: also on every decoder family, in test_families.py)
     run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
     run_script(base + ["--output_dir", str(tmp_path / "ddp")], nproc=2)
     run_script(base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")], nproc=2)
-    runs = {k: read_metrics(tmp_path / k) for k in ("whole", "one", "ddp", "fsdp")}
+    runs = {k: read_metrics(tmp_path / k) for k in ("one", "ddp", "fsdp")}
     assert len(runs["one"]) == 4
     for key in ("objective/scores", "objective/kl", "gold/mean", "loss/policy", "loss/value", "loss/ptx",
                 "policy/entropy", "policy/approxkl", "policy/grad_norm"):
-        whole = [m[key] for m in runs["whole"]]
-        for k in ("one", "ddp", "fsdp"):
+        whole = [m[key] for m in runs["one"]]
+        for k in ("ddp", "fsdp"):
             assert np.allclose([m[key] for m in runs[k]], whole, atol=1e-5, rtol=1e-5), (key, k, runs[k], whole)
     assert runs["one"][-1]["objective/kl"] != 0  # the policy moved
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForCausalLM")
@@ -262,10 +262,10 @@ def test_neox_policy_with_chat_template_prompts_and_ptx(tmp_path, reward_model_p
 
 
 def test_missing_eos_penalty_lowers_scores_by_penalty_times_missing_rate(tmp_path, reward_model_path):
-    base = ["ppo.py", "--reward_model_path", reward_model_path, "--total_episodes", "16",
-            "--per_device_train_batch_size", "8", "--response_length", "4"]
-    run_script(base + ["--output_dir", str(tmp_path / "a")])
-    run_script(base + ["--missing_eos_penalty", "10", "--output_dir", str(tmp_path / "b")])
+    base = dict(reward_model_path=reward_model_path, total_episodes=16, per_device_train_batch_size=8,
+                response_length=4)
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "a"), **base))
+    ppo.main(ppo.Args(missing_eos_penalty=10, output_dir=str(tmp_path / "b"), **base))
     a, b = read_metrics(tmp_path / "a")[0], read_metrics(tmp_path / "b")[0]
     assert a["response/eos_rate"] < 1
     assert b["objective/scores"] == pytest.approx(a["objective/scores"] - 10 * (1 - a["response/eos_rate"]), abs=1e-4)
