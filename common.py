@@ -620,8 +620,10 @@ class Logger:
 
     def close(self):
         close_log(self.file)
-        for sink in (self.wandb and self.wandb.finish, self.tensorboard and self.tensorboard.close):
-            sink and sink()
+        if self.wandb:
+            self.wandb.finish()
+        if self.tensorboard:
+            self.tensorboard.close()
 
 
 def format_metrics(m):
