@@ -450,6 +450,22 @@ def truncate_prompt(ids, max_prompt_length, bos_id=None):
     return ids[:keep] + ids[len(ids) - max_prompt_length + keep:]
 
 
+def last_token_index(mask):
+    """Index of the last real token of each row, for right or left padding, and also when pad == eos (a pad id cannot
+    tell a real trailing EOS from padding; the attention mask can)."""
+    return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
+
+
+def sequence_reward(model, ids, mask):
+    """A transformers sequence classifier's scalar per row, where both scripts read a reward: a decoder's head at the
+    last real token (the response's EOS), position ids from the mask; an encoder's own pooled head at [CLS]."""
+    if not hasattr(model, "score"):  # BERT, RoBERTa, DeBERTa: a pooled `classifier`
+        return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
+                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state  # ALiBi: ignored
+    return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
+
+
 def check_position_table(model, length, flag):
     """A model with a learned position table (GPT-2, OPT, BERT) cannot read past its end: say so before training,
     not as an index error at the first long batch. (Rotary and ALiBi models have no table to run past.)"""

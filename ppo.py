@@ -246,11 +246,6 @@ def truncate_after_stop(responses, stop_id, pad_id):
     return responses.masked_fill(after_stop, pad_id), ~after_stop
 
 
-def last_token_index(mask):
-    """Index of the last real token of each row (any padding side, pad id == eos id included)."""
-    return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
-
-
 def trim_padding(query_response, mask, context_length):
     """Drop the columns that are padding in every row: left of the longest prompt, right of the longest response.
     The real tokens' outputs are unchanged (position ids come from the mask), for less work. Returns the trimmed
@@ -576,15 +571,6 @@ def call_reward_fn(reward, prompts, responses):
     return torch.tensor(out, dtype=torch.float)
 
 
-def reward_model_output(model, ids, mask):
-    """A sequence classifier's scalar: a decoder's head at the last real token, an encoder's pooled head."""
-    if not hasattr(model, "score"):
-        return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
-    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
-                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
-    return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
-
-
 def critic_from(args, policy, reward):
     """The critic, from the reward model (value head = reward head) or from the policy's backbone and a new head."""
     from transformers import AutoModelForSequenceClassification
@@ -803,6 +789,9 @@ def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt
     ref_logprobs, values = torch.zeros_like(responses, dtype=torch.float), torch.zeros_like(responses, dtype=torch.float)
     groups = [torch.arange(len(responses))] if collective else length_groups(query_mask.sum(1), mask.sum(1))
     micro = args.per_device_train_batch_size  # peak memory of one micro-batch's forwards, as in learning
+    if reward.tokenizer is not None:  # another vocabulary, an encoder: it reads the text, in its own tokens
+        rm_ids, rm_mask = (t.to(responses.device) for t in reward_model_tokens(
+            query, query_mask, responses, mask, stop_id, tokenizer, reward, args))
     with torch.autocast(responses.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for rows in (g.to(responses.device)[i:i + micro] for g in groups for i in range(0, len(g), micro)):
             ids, ids_mask, context, kept = trim_padding(query_response[rows], qr_mask[rows], context_length)
@@ -810,10 +799,10 @@ def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt
                 ref_logprobs[rows, :kept] = policy_forward(ref_policy, ids, ids_mask, context, args.temperature,
                                                            entropy=False)[0]
             values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
-            if reward.model is not None:  # with its own tokenizer (another vocabulary, an encoder): the text
-                own = (ids, ids_mask) if reward.tokenizer is None else (t.to(ids.device) for t in reward_model_tokens(
-                    query[rows], query_mask[rows], responses[rows], mask[rows], stop_id, tokenizer, reward, args))
-                scores[rows] = (reward_model_output(reward.model, *own) - reward.shift) / reward.scale
+            if reward.model is not None:
+                own = (ids, ids_mask) if reward.tokenizer is None else \
+                    (t[rows][:, rm_mask[rows].bool().any(0)] for t in (rm_ids, rm_mask))  # no all-padding column
+                scores[rows] = (common.sequence_reward(reward.model, *own) - reward.shift) / reward.scale
     if reward.fn is not None:
         scores += call_reward_fn(reward, prompt_texts, response_texts).to(scores.device)
     if args.missing_eos_penalty is not None:
@@ -853,7 +842,7 @@ def advantages(logprobs, ref_logprobs, values, scores, mask, kl_coef, args):
     kl = kl_per_token(logprobs, ref_logprobs, args.kl_estimator) * mask
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
-    rewards[torch.arange(len(rewards), device=rewards.device), last_token_index(mask)] += scores
+    rewards[torch.arange(len(rewards), device=rewards.device), common.last_token_index(mask)] += scores
     if args.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
     values = values * mask

@@ -153,13 +153,6 @@ class Args:
 # The math.
 
 
-def last_token_index(attention_mask):
-    """Index of the last real token of each row, for right or left padding, and also when pad == eos (a pad id cannot
-    tell a real trailing EOS from padding; the attention mask can)."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask).argmax(dim=1)
-
-
 def preference_loss(r_chosen, r_rejected, margin, loss_type="sigmoid"):
     """Per-pair Bradley-Terry negative log-likelihood, with the Llama 2 margin (Touvron et al. 2023, eq. 2)."""
     if loss_type == "sigmoid":
@@ -167,14 +160,22 @@ def preference_loss(r_chosen, r_rejected, margin, loss_type="sigmoid"):
     return torch.log1p(torch.exp(r_rejected - r_chosen + margin))
 
 
-def calibration_error(p_chosen, n_bins=10):
-    """Expected calibration error of P(chosen wins) = sigmoid(r_c - r_r). Each pair counts in both orders (p, won) and
-    (1 - p, lost), so a model that predicts 0.7 and is right 70% of the time scores 0."""
+def reliability(p_chosen, n_bins=10):
+    """Per bin of predicted P(chosen wins) = sigmoid(r_c - r_r): how many predictions, their mean, and how often they
+    came true. Each pair counts in both orders, (p, won) and (1 - p, lost)."""
     p = torch.cat([p_chosen, 1 - p_chosen]).double()
     won = torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)]).double()
     bins = (p * n_bins).long().clamp(max=n_bins - 1)
-    # sum over bins of (bin size / N) * |mean confidence - mean outcome| = sum over bins of |sum(p - won)| / N
-    return (torch.bincount(bins, weights=p - won, minlength=n_bins).abs().sum() / len(p)).item()
+    count = torch.bincount(bins, minlength=n_bins)
+    mean = lambda x: torch.bincount(bins, weights=x, minlength=n_bins) / count.clamp(min=1)  # noqa: E731
+    return count, mean(p), mean(won)
+
+
+def calibration_error(p_chosen, n_bins=10):
+    """Expected calibration error: sum over bins of (bin size / N) * |mean prediction - frequency|, so a model that
+    predicts 0.7 and is right 70% of the time scores 0."""
+    count, confidence, frequency = reliability(p_chosen, n_bins)
+    return (count / count.sum() * (confidence - frequency).abs()).sum().item()
 
 
 def pearson(x, y):
@@ -184,9 +185,8 @@ def pearson(x, y):
 
 class RewardModel(torch.nn.Module):
     """A transformers sequence-classification model, read at the last real token of each sequence. A padded batch
-    (2D mask) is read where the mask ends (left and right padding give the same rewards); a packed row (see
-    pack_segments) brings its position ids, read points and segments. Encoders (BERT, RoBERTa, DeBERTa: a pooled
-    `classifier` head instead of `score`) are read through their own forward, at [CLS]."""
+    (2D mask) is read by common.sequence_reward, the reading ppo.py applies to the rewards it trains on; a packed row
+    (see pack_segments) brings its position ids, read points and segments."""
 
     def __init__(self, hf_model):
         super().__init__()
@@ -195,19 +195,13 @@ class RewardModel(torch.nn.Module):
         self.takes_position_ids = "position_ids" in inspect.signature(hf_model.base_model.forward).parameters
 
     def forward(self, input_ids, attention_mask, position_ids=None, read_at=None, segments=None):
-        if not self.reads_last_token:
-            return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
         if segments is not None:  # one padding-free row; segment_attention keeps attention inside each sequence
             if self.hf.config._attn_implementation != "rm_segments":
                 raise ValueError("a packed row needs the model's attention set by choose_layout")
             hidden = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                         rm_segments=segments).last_hidden_state
             return self.hf.score(hidden[read_at[0], read_at[1]]).squeeze(-1).float()
-        positions = {"position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0)} if self.takes_position_ids else {}
-        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                    **positions).last_hidden_state  # ALiBi models take no position ids
-        rows = torch.arange(len(hidden), device=hidden.device)
-        return self.hf.score(hidden[rows, last_token_index(attention_mask)]).squeeze(-1).float()
+        return common.sequence_reward(self.hf, input_ids, attention_mask)
 
 
 def train_step(model, micro_batches, args, pad_id, device):
@@ -855,15 +849,10 @@ def plot_eval(path, rewards, metrics):
            ylabel="pairs")
     ax.legend()
     p_chosen = torch.sigmoid(rewards[:, 0] - rewards[:, 1])
-    p, won = torch.cat([p_chosen, 1 - p_chosen]), torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)])
-    bin_of = (p * 10).long().clamp(max=9)
-    count = torch.bincount(bin_of, minlength=10).float()
-    seen = count > 0
-    confidence = torch.bincount(bin_of, weights=p, minlength=10)[seen] / count[seen]
-    frequency = torch.bincount(bin_of, weights=won, minlength=10)[seen] / count[seen]
+    count, confidence, frequency = reliability(p_chosen)
     ax = axes[0, 1]
     ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
-    ax.plot(confidence.numpy(), frequency.numpy(), "o-", color="tab:blue", label="reward model")
+    ax.plot(confidence[count > 0], frequency[count > 0], "o-", color="tab:blue", label="reward model")
     ax.set(title=f"Reliability (ECE {calibration_error(p_chosen):.3f})", xlabel="predicted P(this response wins)",
            ylabel="observed frequency", xlim=(0, 1), ylim=(0, 1))
     ax.legend()

@@ -106,7 +106,7 @@ def test_truncate_after_stop_and_score_index():
     # the reward is read at the stop token itself (not the token after it, nor the last position)
     query_mask = torch.tensor([[0, 1, 1]] * 4).bool()
     full = torch.cat([query_mask, mask], 1)
-    assert ppo.last_token_index(full.long()).tolist() == [5, 3, 7, 4]
+    assert common.last_token_index(full.long()).tolist() == [5, 3, 7, 4]
     # with pad == stop id, the mask still finds the real EOS
     out, mask = ppo.truncate_after_stop(responses, stop, pad_id=stop)
     assert mask.sum(1).tolist() == [3, 1, 5, 2]

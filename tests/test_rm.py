@@ -37,7 +37,7 @@ def test_last_token_index_right_left_and_pad_equals_eos():
     # right padding, left padding, and pad id == eos id with a real trailing EOS: only the mask can tell them apart
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
     ids = torch.tensor([[5, 6, eos, eos, eos], [eos, eos, 5, 6, eos], [5, eos, 6, eos, eos], [5, 6, 7, 8, eos]])
-    assert rm.last_token_index(mask).tolist() == [2, 4, 3, 4]
+    assert common.last_token_index(mask).tolist() == [2, 4, 3, 4]
     naive_first_pad = (ids == eos).int().argmax(1) - 1  # what pad-id search would return for row 0
     assert naive_first_pad[0].item() == 1  # ... which is the wrong token, hence the mask
 
