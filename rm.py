@@ -274,6 +274,43 @@ def load_reward_model(args, tokenizer):
     return model, common.add_lora(model, args, "SEQ_CLS") if args.lora_r and not args.eval_only else None
 
 
+def load_data(args, tokenizer, rank):
+    mixer = args.dataset_mixer_list or [args.dataset_name, "1.0"]
+    if len(mixer) % 2:
+        raise common.UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
+    train_rows, eval_rows = [], []
+    for name, weight in zip(mixer[::2], mixer[1::2]):  # each dataset its own eval split, or its own held-out pairs
+        evals = common.mix_rows([name, weight], args.eval_split, args.seed, args.dataset_config)
+        train = [] if args.eval_only and evals else \
+            common.mix_rows([name, weight], args.train_split, args.seed, args.dataset_config)
+        if not train and not (args.eval_only and evals):
+            raise common.UserError(f"{name}: no rows in split '{args.train_split}'"
+                                   + (f" nor '{args.eval_split}'" if args.eval_only else "") + "; pass --train_split")
+        if args.eval_only:
+            train, evals = [], evals or train
+        elif evals is None:
+            random.Random(args.seed).shuffle(train)
+            n_eval = max(1, int(len(train) * args.eval_holdout))
+            train, evals = train[n_eval:], train[:n_eval]
+            if rank == 0:
+                print(f"{name}: no '{args.eval_split}' split: holding out {n_eval} training pairs "
+                      f"({args.eval_holdout:.0%}) for eval")
+        train_rows += train
+        eval_rows += evals
+    train, cut, dropped = tokenize_pairs(train_rows, tokenizer, args)
+    if train_rows and not train:
+        raise common.UserError(f"{' '.join(mixer[::2])}: all {len(train_rows)} training pairs were dropped: chosen and "
+                               "rejected are identical (after truncation to --max_length); check the data or raise "
+                               "--max_length")
+    evals, cut_e, dropped_e = tokenize_pairs(eval_rows, tokenizer, args)
+    if not evals:
+        raise common.UserError(f"{' '.join(mixer[::2])}: no evaluation pairs left after tokenization")
+    if rank == 0:
+        print(f"pairs: {len(train)} train, {len(evals)} eval; truncated {cut + cut_e}, dropped {dropped + dropped_e} "
+              f"(identical after truncation); max_length {args.max_length}, max_prompt_length {args.max_prompt_length}")
+    return train, evals
+
+
 def tokenize_pairs(rows, tokenizer, args):
     """Rows -> dicts of prompt/chosen/rejected token ids (+ margin), truncated by truncate_pair's policy.
     Pairs whose two sequences are identical after truncation carry no preference and are dropped."""
@@ -315,6 +352,10 @@ def margin_of(row):
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise common.UserError(f"{common.where(row)}: field 'margin' is {margin!r}; expected a finite number")
     return float(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batch layout: the padded batch, or pairs packed end to end in one row.
 
 
 def collate(pairs, pad_id, padding_side="right"):
@@ -485,43 +526,6 @@ def choose_layout(model, args, vocab_size):
         return padded, f"padded: {why_not}"
     name = "prefix-shared + packed" if args.prefix_sharing else "packed"
     return args, f"{name}: one row, attention per block of pairs (rewards checked equal to the padded batch's)"
-
-
-def load_data(args, tokenizer, rank):
-    mixer = args.dataset_mixer_list or [args.dataset_name, "1.0"]
-    if len(mixer) % 2:
-        raise common.UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
-    train_rows, eval_rows = [], []
-    for name, weight in zip(mixer[::2], mixer[1::2]):  # each dataset its own eval split, or its own held-out pairs
-        evals = common.mix_rows([name, weight], args.eval_split, args.seed, args.dataset_config)
-        train = [] if args.eval_only and evals else \
-            common.mix_rows([name, weight], args.train_split, args.seed, args.dataset_config)
-        if not train and not (args.eval_only and evals):
-            raise common.UserError(f"{name}: no rows in split '{args.train_split}'"
-                                   + (f" nor '{args.eval_split}'" if args.eval_only else "") + "; pass --train_split")
-        if args.eval_only:
-            train, evals = [], evals or train
-        elif evals is None:
-            random.Random(args.seed).shuffle(train)
-            n_eval = max(1, int(len(train) * args.eval_holdout))
-            train, evals = train[n_eval:], train[:n_eval]
-            if rank == 0:
-                print(f"{name}: no '{args.eval_split}' split: holding out {n_eval} training pairs "
-                      f"({args.eval_holdout:.0%}) for eval")
-        train_rows += train
-        eval_rows += evals
-    train, cut, dropped = tokenize_pairs(train_rows, tokenizer, args)
-    if train_rows and not train:
-        raise common.UserError(f"{' '.join(mixer[::2])}: all {len(train_rows)} training pairs were dropped: chosen and "
-                               "rejected are identical (after truncation to --max_length); check the data or raise "
-                               "--max_length")
-    evals, cut_e, dropped_e = tokenize_pairs(eval_rows, tokenizer, args)
-    if not evals:
-        raise common.UserError(f"{' '.join(mixer[::2])}: no evaluation pairs left after tokenization")
-    if rank == 0:
-        print(f"pairs: {len(train)} train, {len(evals)} eval; truncated {cut + cut_e}, dropped {dropped + dropped_e} "
-              f"(identical after truncation); max_length {args.max_length}, max_prompt_length {args.max_prompt_length}")
-    return train, evals
 
 
 # ---------------------------------------------------------------------------------------------------------------------

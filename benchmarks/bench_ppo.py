@@ -81,9 +81,9 @@ def model_dir(root, workload, kind):
     return os.path.join(root, f"{kind}-{w['vocab']}-{w.get('model_vocab', w['vocab'])}")
 
 
-def make_assets(root):
-    """Per vocabulary: a policy and a reward model (rm.py, 60 steps on the embedded task from the policy's weights);
-    and the prompt files."""
+def make_assets(root, workloads):
+    """Per vocabulary the workloads use: a policy and a reward model (rm.py, 60 steps on the embedded task from the
+    policy's weights); and the prompt files."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -94,7 +94,8 @@ def make_assets(root):
         rows = [json.loads(line) for line in f]
     with open(os.path.join(root, "pairs.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in common.embedded_pairs(1200, seed=0))
-    for vocab, model_vocab in sorted({(w["vocab"], w.get("model_vocab", w["vocab"])) for w in WORKLOADS.values()}):
+    for vocab, model_vocab in sorted({(WORKLOADS[w]["vocab"], WORKLOADS[w].get("model_vocab", WORKLOADS[w]["vocab"]))
+                                      for w in workloads}):
         tokenizer = byte_tokenizer() if vocab == 258 else bpe_tokenizer(
             [r["chosen"] for r in rows] + [r["rejected"] for r in rows], vocab)
         config = LlamaConfig(vocab_size=max(len(tokenizer), model_vocab), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
@@ -268,7 +269,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--trl_python", default=sys.executable, help="a Python with TRL 1.12 (benchmarks/requirements-ppo.txt)")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", help="default: benchmarks/results/ppo_cpu.json, ppo_cpu_busy.json with --beside_threads")
     p.add_argument("--beside_threads", type=int, default=0,
                    help="run each row beside a torch matrix-product loop on this many threads (0: an idle machine)")
@@ -285,7 +286,7 @@ def main():
     if not os.path.exists(HH):
         sys.exit(f"the long workload needs the HH-RLHF pairs at {HH}")
     assets = tempfile.mkdtemp()
-    make_assets(assets)
+    make_assets(assets, args.workloads)
     results, profiles = [], {}
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
     neighbour_env = {k: v for k, v in env.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
