@@ -526,9 +526,10 @@ def load_reward(args, tokenizer):
     if config.num_labels != 1:
         raise common.UserError(f"--reward_model_path {path}: the model has {config.num_labels} labels; a reward model "
                                "has one (a scalar)")
-    # float32, as rm.py trained it: the critic starts from this model, and the scores are compared across runs
+    # float32, as rm.py trained it; with LoRA and --bf16 held in bfloat16, as every frozen base weight is then
+    dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     model = common.disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
-                                                     config=config, dtype=torch.float32)).eval().requires_grad_(False)
+                                                     config=config, dtype=dtype)).eval().requires_grad_(False)
     own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
     if own.pad_token is None:
         own.pad_token = own.eos_token  # read by the mask, never by pad ids

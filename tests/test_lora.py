@@ -185,6 +185,17 @@ def test_ppo_lora_two_ranks_equal_one_and_under_fsdp_bf16_the_adapters_stay_floa
         {torch.float32}
 
 
+def test_ppo_lora_bf16_holds_every_frozen_weight_in_bfloat16_and_trains_in_float32(reward_model_path):
+    args = ppo.Args(reward_model_path=reward_model_path, bf16=True, **LORA)
+    policy_hf, lora, policy, critic, ref_policy, reward = ppo.build_models(
+        args, ppo.load_tokenizer(args), torch.device("cpu"), 0, 1)
+    assert ref_policy is policy  # the reference is the policy with its adapter off: no copy
+    assert {p.dtype for p in reward.model.parameters()} == {torch.bfloat16}
+    for model in (policy, critic):
+        dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
+        assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}, dtypes
+
+
 @pytest.mark.parametrize("script", ["rm", "ppo"])
 def test_lora_resume_after_interruption_reproduces_uninterrupted_run(script, tmp_path, small_pairs_file,
                                                                     reward_model_path, monkeypatch):
