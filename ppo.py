@@ -503,10 +503,13 @@ class Reward:
     scale: float = 1.0
     fn: object = None
     fn_name: str | None = None
+    in_critic: object = None
+    """With LoRA and the critic initialised from the reward model: the critic's adapter switched off (a context), which
+    is the reward model with its head divided by scale. The model is then not held a second time (model is None)."""
 
     @property
     def reads_policy_tokens(self):
-        return self.model is not None and self.tokenizer is None
+        return (self.model is not None or self.in_critic is not None) and self.tokenizer is None
 
 
 def load_reward(args, tokenizer):
@@ -614,7 +617,9 @@ def build_models(args, tokenizer, device, rank, world):
     if args.lora_r:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         lora = common.add_lora(policy_hf.to(dtype), args, "CAUSAL_LM")
-        common.add_lora(critic_hf.to(dtype), args, "SEQ_CLS")
+        critic_lora = common.add_lora(critic_hf.to(dtype), args, "SEQ_CLS")
+        if critic_init == "reward":  # the reward model is the critic with its adapter off: no second copy
+            reward = dataclasses.replace(reward, model=None, in_critic=critic_lora.disable_adapter)
     else:
         ref_policy = copy.deepcopy(policy_hf).eval().requires_grad_(False).to(device)
     if reward.model is not None:
@@ -624,7 +629,8 @@ def build_models(args, tokenizer, device, rank, world):
     if rank == 0:
         n_trained = sum(p.numel() for m in (policy, critic) for p in m.parameters() if p.requires_grad)
         sources = [f"model {args.reward_model_path or 'runs/rm'}" + ("" if reward.reads_policy_tokens else
-                                                                     " (reads decoded text)")] * (reward.model is not None)
+                                                                     " (reads decoded text)")] * \
+            (reward.model is not None or reward.in_critic is not None)
         print(f"policy {args.sft_model_path} ({sum(p.numel() for p in policy_hf.parameters()) / 1e6:.2f}M; "
               f"{n_trained / 1e6:.2f}M trained in policy and critic{f', LoRA rank {args.lora_r}' if lora else ''}); "
               f"reward {' + '.join(sources + [f'function {args.reward_fn}'] * (reward.fn is not None))}; critic from "
@@ -800,7 +806,11 @@ def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt
                 ref_logprobs[rows, :kept] = policy_forward(ref_policy, ids, ids_mask, context, args.temperature,
                                                            entropy=False)[0]
             values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
-            if reward.model is not None:
+            if reward.in_critic is not None:  # (w / scale) . h - shift / scale = (w . h - shift) / scale
+                with reward.in_critic():
+                    at_end = critic(ids, ids_mask).gather(1, common.last_token_index(ids_mask)[:, None])[:, 0]
+                scores[rows] = at_end - reward.shift / reward.scale
+            elif reward.model is not None:
                 own = (ids, ids_mask) if reward.tokenizer is None else \
                     (t[rows][:, rm_mask[rows].bool().any(0)] for t in (rm_ids, rm_mask))  # no all-padding column
                 scores[rows] = (common.sequence_reward(reward.model, *own) - reward.shift) / reward.scale

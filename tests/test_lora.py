@@ -5,6 +5,7 @@ import copy
 import json
 import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -185,15 +186,49 @@ def test_ppo_lora_two_ranks_equal_one_and_under_fsdp_bf16_the_adapters_stay_floa
         {torch.float32}
 
 
-def test_ppo_lora_bf16_holds_every_frozen_weight_in_bfloat16_and_trains_in_float32(reward_model_path):
-    args = ppo.Args(reward_model_path=reward_model_path, bf16=True, **LORA)
+@pytest.mark.parametrize("critic_init", ["reward", "policy"])
+def test_ppo_lora_bf16_holds_every_frozen_weight_in_bfloat16_and_trains_in_float32(critic_init, reward_model_path):
+    args = ppo.Args(reward_model_path=reward_model_path, bf16=True, critic_init=critic_init, **LORA)
     policy_hf, lora, policy, critic, ref_policy, reward = ppo.build_models(
         args, ppo.load_tokenizer(args), torch.device("cpu"), 0, 1)
     assert ref_policy is policy  # the reference is the policy with its adapter off: no copy
-    assert {p.dtype for p in reward.model.parameters()} == {torch.bfloat16}
+    if critic_init == "reward":  # ... and the reward model is the critic with its adapter off
+        assert reward.model is None and reward.in_critic is not None
+    else:
+        assert {p.dtype for p in reward.model.parameters()} == {torch.bfloat16}
     for model in (policy, critic):
         dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
         assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}, dtypes
+
+
+def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_reward_model(reward_model_path,
+                                                                                           tmp_path):
+    """With LoRA and the critic initialised from the reward model, the scores come from the critic with its adapter
+    (and its value-head copy) switched off: they must equal the reward model's own normalized rewards, however far the
+    critic has trained."""
+    shutil.copytree(reward_model_path, tmp_path / "rm")
+    config = json.load(open(tmp_path / "rm" / "config.json"))
+    json.dump(dict(config, reward_scale=2.5), open(tmp_path / "rm" / "config.json", "w"))  # shift_scale's normalization
+    args = ppo.Args(reward_model_path=str(tmp_path / "rm"), **LORA)
+    tokenizer = ppo.load_tokenizer(args)
+    _, lora, policy, critic, _, reward = ppo.build_models(args, tokenizer, torch.device("cpu"), 0, 1)
+    separate = ppo.load_reward(args, tokenizer)
+    assert reward.model is None and separate.model is not None and separate.scale != 1 and separate.shift != 0
+    perturb_adapters(critic)
+    rng = random.Random(0)
+    texts = [common.embedded_prompt(rng) for _ in range(6)]
+    prompts = common.tokenize_prompts(tokenizer, texts)
+    query, query_mask = ppo.pad_left(prompts, max(map(len, prompts)), tokenizer.pad_token_id)
+    responses = common.tokenize_responses(tokenizer, texts, [" cat dog red" * (1 + i % 3) for i in range(6)])
+    padded = tokenizer.pad({"input_ids": responses}, padding_side="right", return_tensors="pt")
+    out = [ppo.score(policy, critic, r, query, query_mask, padded["input_ids"], padded["attention_mask"].bool(), texts,
+                     tokenizer, tokenizer.eos_token_id, args, reference_mode=lora.disable_adapter)
+           for r in (reward, separate)]
+    assert torch.allclose(out[0][4], out[1][4], atol=1e-4), (out[0][4], out[1][4])  # scores
+    ids, mask = out[0][:2]
+    with torch.no_grad():  # with its adapter on, the critic reads otherwise: the switch is what makes them equal
+        adapted = critic(ids, mask).gather(1, common.last_token_index(mask)[:, None])[:, 0]
+    assert not torch.allclose(adapted - reward.shift / reward.scale, out[1][4], atol=1e-2)
 
 
 @pytest.mark.parametrize("script", ["rm", "ppo"])
