@@ -14,6 +14,7 @@ import sys
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Errors a user can fix: one line, exit code 2, no traceback.
@@ -56,6 +57,29 @@ def seed_of(*keys):
 
     return int(np.random.SeedSequence([k if isinstance(k, int) else int.from_bytes(k.encode(), "little")
                                        for k in keys]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def attention_without_nan(device):
+    """Two guards against NaN in attention on CUDA, set once at start-up by both scripts.
+    1. No query attends to nothing. A left-padded row's padding positions (ppo.py's prompts) see no real key, and
+       some SDPA kernels answer such a row with NaN, which reaches the real tokens through 0 x NaN in the next layer.
+       transformers' SDPA mask is given the diagonal too: each position sees at least itself. Real tokens see
+       themselves already, so their outputs are unchanged; padding positions' outputs are never read.
+    2. cuDNN's SDPA is switched off on CUDA: with a boolean mask its backward gives NaN gradients at some sequence
+       lengths in torch 2.13 (pytorch #196678; trl #7181). The flash and memory-efficient kernels take its place."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def sdpa_mask_with_diagonal(*args, q_offset=0, kv_offset=0, **kwargs):
+        mask = sdpa_mask(*args, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
+        if not torch.is_tensor(mask):  # None: no mask needed (is_causal)
+            return mask
+        q = torch.arange(mask.shape[-2], device=mask.device) + q_offset
+        kv = torch.arange(mask.shape[-1], device=mask.device) + kv_offset
+        return mask | (q[:, None] == kv[None, :])
+
+    AttentionMaskInterface.register("sdpa", sdpa_mask_with_diagonal)
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -263,11 +287,12 @@ def where(row):
     return f"{row['_source']}: " + (f"line {row['_line']}" if "_line" in row else f"row {row['_row']}")
 
 
-def mix_rows(mixer, split, seed, config=None):
-    """open-instruct's dataset mixer: [name, weight, name, weight, ...]; weight <= 1 is a fraction, > 1 a count."""
+def mixture(mixer):
+    """open-instruct's dataset mixer, [name, weight, name, weight, ...], as (name, weight) pairs: a weight <= 1 is a
+    fraction of a dataset's training rows, > 1 a count."""
     if len(mixer) % 2:
         raise UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
-    out, any_split = [], False
+    pairs = []
     for name, weight in zip(mixer[::2], mixer[1::2]):
         try:
             w = float(weight)
@@ -275,16 +300,17 @@ def mix_rows(mixer, split, seed, config=None):
             raise UserError(f"--dataset_mixer_list: weight {weight!r} of {name} is not a number") from None
         if not (w > 0 and math.isfinite(w)):
             raise UserError(f"--dataset_mixer_list: weight {weight} of {name} must be above 0")
-        rows = load_rows(name, config, split)
-        if rows is None:
-            continue
-        any_split = True
-        n = int(round(w * len(rows))) if w <= 1 else int(w)
-        if n < len(rows):
-            rows = list(rows)
-            random.Random(seed).shuffle(rows)
-        out += rows[:n]
-    return out if any_split else None
+        pairs.append((name, w))
+    return pairs
+
+
+def take_share(rows, weight, seed):
+    """A mixture weight's share of a dataset's rows: a fraction (<= 1) or a count (> 1), drawn at random by seed."""
+    n = int(round(weight * len(rows))) if weight <= 1 else int(weight)
+    if n < len(rows):
+        rows = list(rows)
+        random.Random(seed).shuffle(rows)
+    return rows[:n]
 
 
 def shared_prefix_split(a, b):
@@ -466,15 +492,55 @@ def sequence_reward(model, ids, mask):
     return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
 
 
-def check_position_table(model, length, flag):
-    """A model with a learned position table (GPT-2, OPT, BERT) cannot read past its end: say so before training,
-    not as an index error at the first long batch. (Rotary and ALiBi models have no table to run past.)"""
+class Float32Linear(torch.nn.Linear):
+    """A linear layer computed in float32 whatever autocast asks and whatever dtype its weights are held in. A scalar
+    head is one: a reward or a value rounded to bfloat16 moves in steps of 1/128 of its size (0.03 at 4, 0.06 at 8),
+    so close pairs would tie and evaluation would count the ties."""
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+
+
+def scalar_head_in_float32(model):
+    """A sequence classifier with its final linear layer (a decoder's `score`, the last linear layer of an encoder's
+    `classifier`) computed in float32 (Float32Linear; its weights and their dtype unchanged). Returns the model."""
+    head = getattr(model, "score", None)
+    if head is None and hasattr(model, "classifier"):
+        head = [m for m in model.classifier.modules() if isinstance(m, torch.nn.Linear)][-1]
+    if type(head) is torch.nn.Linear:
+        head.__class__ = Float32Linear
+    return model
+
+
+def position_table(model):
+    """The length of a model's learned position table (GPT-2, OPT, BERT), which it cannot read past; None for rotary
+    and ALiBi models, which have no table to run past."""
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m is not model.get_input_embeddings()
               and limit and limit <= m.num_embeddings <= limit + 2]  # OPT's table has 2 extra rows
-    if tables and length > limit:
+    return limit if tables else None
+
+
+def check_position_table(model, length, flag):
+    """Say before training, not as an index error at the first long batch, that a length the user asked for runs past
+    the model's learned position table."""
+    limit = position_table(model)
+    if limit and length > limit:
         raise UserError(f"{flag}: {length} tokens, but {model.config.name_or_path or 'the model'} has a learned position "
                         f"table of {limit}; pass at most {limit}")
+
+
+def length_default(given, default, limit, flag, rank):
+    """A length flag's value: the user's as given (check_position_table refuses it if too long), else the default,
+    clamped to the model's limit with a line saying so: a value the user did not choose is never why a run fails."""
+    if given is not None:
+        return given
+    if limit is not None and default > limit:
+        if rank == 0:
+            print(f"{flag}: {limit}, not the default {default}: the model reads at most {limit} tokens")
+        return limit
+    return default
 
 
 def without_dropout(config):

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 from tqdm import tqdm
+from transformers import StaticCache
 
 import common
 
@@ -67,8 +68,9 @@ class Args:
     """Hub dataset configuration name."""
     dataset_train_split: str = "train"
     """Split to take prompts from."""
-    max_prompt_length: int = 256
-    """Longer prompts keep their last tokens and their leading BOS (the rule rm.py applies)."""
+    max_prompt_length: int | None = None
+    """Longer prompts keep their last tokens and their leading BOS (the rule rm.py applies). Default: 256, or what a
+    learned position table leaves beside --response_length if less."""
     output_dir: str = "runs/ppo"
     """Where the final policy, metrics.jsonl, samples.jsonl, curves.png and checkpoints are written."""
     # --- sizes
@@ -294,23 +296,22 @@ def takes_argument(model_class, name):
 
 @torch.no_grad()
 def generate(model, query, query_mask, generators, args, stop_id, pad_id, collective=False):
-    """KV-cached sampling (Gumbel-max with per-row noise). Returns responses (B, response_length) and the log-probs of
-    the sampled tokens at the sampling temperature. The cache is allocated once for prompt + response (a growing cache
-    copies itself at every token); the attention mask covers that whole width from the start, causality hiding the
-    tokens not yet sampled."""
-    from transformers import StaticCache
-
+    """KV-cached sampling (Gumbel-max with per-row noise) from the logits the learning forward computes
+    (output_logits, in float32). Returns responses (B, response_length) and the log-probs of the sampled tokens at
+    the sampling temperature. The cache is allocated once for prompt + response (a growing cache copies itself at
+    every token); the attention mask covers that whole width from the start, causality hiding the tokens not yet
+    sampled."""
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
     mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
         -1, args.response_length)], 1)
-    cache = StaticCache(config=model.config, max_cache_len=mask.shape[1])
+    cache = ComputeDtypeCache(config=unwrap(model).config, max_cache_len=mask.shape[1])
     last_only = {"logits_to_keep": 1} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
-    out = model(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True,
-                position_ids=position, **last_only)  # B x V logits, not B x prompt x V
+    inputs = dict(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position,
+                  **last_only)  # the prompt's last position only, not B x prompt x V
     tokens, logprobs = [], []
     done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
     for t in range(args.response_length):
-        logits = out.logits[:, -1].float() / args.temperature
+        logits = output_logits(unwrap(model), head_inputs(model, **inputs)[:, -1], args.temperature)
         noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generators])
         gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
         token = (logits + gumbel).argmax(-1)
@@ -323,25 +324,39 @@ def generate(model, query, query_mask, generators, args, stop_id, pad_id, collec
             dist.all_reduce(all_done, op=dist.ReduceOp.MIN)
         if all_done or t == args.response_length - 1:
             break
-        out = model(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
-                    position_ids=position[:, -1:] + t + 1)
+        inputs = dict(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
+                      position_ids=position[:, -1:] + t + 1)
     responses, logprobs = torch.stack(tokens, 1), torch.stack(logprobs, 1)
     width = args.response_length - responses.shape[1]
     return F.pad(responses, (0, width), value=pad_id), F.pad(logprobs, (0, width))
 
 
-class Critic(torch.nn.Module):
-    """A decoder sequence-classification model's scalar head applied at every position: the value of each state."""
+class ComputeDtypeCache(StaticCache):
+    """transformers' StaticCache with keys and values held in the dtype attention computes in. Under bfloat16 autocast
+    over float32 weights, a rotary family's keys leave the rotary embedding in float32 while its values are bfloat16;
+    StaticCache sizes both buffers from the keys, then refuses the values. Attention casts both to bfloat16 anyway (its
+    matrix products are on autocast's list), so holding them there changes no number."""
 
-    def __init__(self, hf_model):
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        kind = key_states.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else value_states.dtype
+        return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
+
+
+class Critic(torch.nn.Module):
+    """A decoder sequence-classification model's scalar head (in float32) applied at every position, minus a constant
+    offset: the value of each state. Initialised from rm.py's reward model, the head is divided by its scale and the
+    offset is shift / scale, so the critic starts out reading the normalized score (w.h - shift) / scale."""
+
+    def __init__(self, hf_model, offset=0.0):
         super().__init__()
-        self.hf = hf_model
+        self.hf, self.offset = hf_model, offset
 
     def forward(self, input_ids, attention_mask):
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                     position_ids=position_ids).last_hidden_state
-        return self.hf.score(hidden).squeeze(-1).float()
+        return self.hf.score(hidden).squeeze(-1).float() - self.offset
 
 
 LOGIT_BLOCK = 2 ** 25
@@ -352,21 +367,25 @@ block is computed directly, with no recomputation."""
 
 
 def output_logits(model, hidden, temperature=1.0):
-    """A causal LM's logits from the hidden states its output layer reads, divided by the temperature: that layer,
-    then the transforms transformers' families apply after it (Gemma 2/3's final softcapping, Cohere's logit scale,
-    Granite's logits scaling). check_output_logits confirms at start-up that this reproduces the model's own logits.
-    Where the layer and the transforms are linear (no bias, no softcapping), the hidden states are divided instead of
-    the logits: (h / T) W = (h W) / T, one pass over hidden x positions instead of vocabulary x positions."""
+    """A causal LM's logits from the hidden states its output layer reads, divided by the temperature, in float32
+    whatever the autocast and the dtype the weights are held in: that layer, then the transforms transformers'
+    families apply after it (Gemma 2/3's final softcapping, Cohere's logit scale, Granite's logits scaling).
+    check_output_logits confirms at start-up that this reproduces the model's own logits. Where the layer and the
+    transforms are linear (no bias, no softcapping), the hidden states are divided instead of the logits:
+    (h / T) W = (h W) / T, one pass over hidden x positions instead of vocabulary x positions."""
     head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
     linear = cap is None and getattr(head, "bias", None) is None
-    logits = head(hidden / temperature if linear else hidden)
-    if cap:
-        logits = cap * torch.tanh(logits / cap)
-    if (scale := getattr(model, "logit_scale", None)) is not None:
-        logits = logits * scale
-    if divisor := getattr(model.config, "logits_scaling", None):
-        logits = logits / divisor
-    return logits if linear else logits / temperature
+    with torch.autocast(hidden.device.type, enabled=False):
+        hidden = hidden.float() / temperature if linear else hidden.float()
+        logits = F.linear(hidden, head.weight.float(), None if head.bias is None else head.bias.float()) \
+            if type(head) is torch.nn.Linear else head(hidden.to(head.weight.dtype)).float()
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        if (scale := getattr(model, "logit_scale", None)) is not None:
+            logits = logits * scale
+        if divisor := getattr(model.config, "logits_scaling", None):
+            logits = logits / divisor
+        return logits if linear else logits / temperature
 
 
 def head_inputs(model, **inputs):
@@ -399,12 +418,15 @@ def policy_forward(policy, query_response, mask, context_length, temperature, wi
                          **only_kept)[:, -keep:-1]
     targets, model = query_response[:, context_length:], unwrap(policy)
 
-    def block(h, y):
-        logp_all = torch.log_softmax(output_logits(model, h, temperature).float(), -1)
+    def block(h, y):  # float32 throughout: logits, log-softmax and entropy
+        logp_all = torch.log_softmax(output_logits(model, h, temperature), -1)
         logprobs = logp_all.gather(-1, y[..., None]).squeeze(-1)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):  # a statistic unless ent_coef > 0
+        if not entropy:
+            return logprobs, torch.zeros_like(logprobs)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad), \
+                torch.autocast(h.device.type, enabled=False):  # (vecdot is on autocast's bfloat16 list)
             # -sum p log p as one fused product per row (no vocabulary-wide temporary for p * log p)
-            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all) if entropy else torch.zeros_like(logprobs)
+            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all)
 
     n = hidden.shape[1]
     step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
@@ -533,6 +555,7 @@ def load_reward(args, tokenizer):
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     model = common.disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
                                                      config=config, dtype=dtype)).eval().requires_grad_(False)
+    common.scalar_head_in_float32(model)
     own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
     if own.pad_token is None:
         own.pad_token = own.eos_token  # read by the mask, never by pad ids
@@ -581,7 +604,7 @@ def critic_from(args, policy, reward):
 
     if args.critic_init == "reward":
         critic = copy.deepcopy(reward.model).requires_grad_(True)
-        with torch.no_grad():  # values in the units of the normalized score, (w.h - shift) / scale
+        with torch.no_grad():  # values in the units of the normalized score, (w.h - shift) / scale (Critic's offset)
             critic.score.weight /= reward.scale
         return critic
     config = common.without_dropout(copy.deepcopy(policy.config))
@@ -593,7 +616,7 @@ def critic_from(args, policy, reward):
         raise common.UserError(f"--critic_init policy: {args.sft_model_path}'s backbone does not load into a "
                                f"sequence-classification model ({common.first_line(e)})") from None
     torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
-    return critic
+    return common.scalar_head_in_float32(critic)
 
 
 def build_models(args, tokenizer, device, rank, world):
@@ -609,8 +632,12 @@ def build_models(args, tokenizer, device, rank, world):
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer)
     check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path)
+    readers = [policy_hf] + ([reward.model] if reward.model is not None and reward.tokenizer is None else [])
+    limit = min((n for n in map(common.position_table, readers) if n), default=None)
+    args.max_prompt_length = common.length_default(  # (args is read by the phases after this)
+        args.max_prompt_length, 256, limit and limit - args.response_length, "--max_prompt_length", rank)
     length = args.max_prompt_length + args.response_length
-    for model in [policy_hf] + [reward.model] * reward.reads_policy_tokens:
+    for model in readers:
         common.check_position_table(model, length, f"--max_prompt_length + --response_length ({length})")
     critic_hf = critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
     lora = None
@@ -620,12 +647,14 @@ def build_models(args, tokenizer, device, rank, world):
         critic_lora = common.add_lora(critic_hf.to(dtype), args, "SEQ_CLS")
         if critic_init == "reward":  # the reward model is the critic with its adapter off: no second copy
             reward = dataclasses.replace(reward, model=None, in_critic=critic_lora.disable_adapter)
-    else:
-        ref_policy = copy.deepcopy(policy_hf).eval().requires_grad_(False).to(device)
+    else:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
+        ref_policy = parallelize(copy.deepcopy(policy_hf).eval().requires_grad_(False), args, device,
+                                 policy_hf.config.num_hidden_layers, frozen=True)
     if reward.model is not None:
         reward.model.to(device)
     policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
-    critic = parallelize(Critic(critic_hf), args, device, critic_hf.config.num_hidden_layers)
+    offset = reward.shift / reward.scale if critic_init == "reward" else 0.0
+    critic = parallelize(Critic(critic_hf, offset), args, device, critic_hf.config.num_hidden_layers)
     if rank == 0:
         n_trained = sum(p.numel() for m in (policy, critic) for p in m.parameters() if p.requires_grad)
         sources = [f"model {args.reward_model_path or 'runs/rm'}" + ("" if reward.reads_policy_tokens else
@@ -645,7 +674,7 @@ def load_prompts(args, tokenizer):
         rng = random.Random(args.seed)
         texts = [common.embedded_prompt(rng) for _ in range(4096)]
     else:
-        rows = common.mix_rows([args.dataset_name, "1.0"], args.dataset_train_split, args.seed, args.dataset_config)
+        rows = common.load_rows(args.dataset_name, args.dataset_config, args.dataset_train_split)
         if not rows:
             raise common.UserError(f"{args.dataset_name}: no split '{args.dataset_train_split}'")
         texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
@@ -683,7 +712,7 @@ def load_ptx(args, tokenizer):
         rng = random.Random(args.seed + 1)
         texts = [common.embedded_prompt(rng) + common.embedded_response(rng) for _ in range(4096)]
     else:
-        rows = common.mix_rows([args.ptx_dataset_name, "1.0"], "train", args.seed)
+        rows = common.load_rows(args.ptx_dataset_name)
         if not rows or "text" not in rows[0]:
             raise common.UserError(f"{args.ptx_dataset_name}: --ptx_dataset_name needs a 'text' column")
         texts = [r["text"] for r in rows]
@@ -705,6 +734,7 @@ def pad_left(seqs, width, pad_id):
 def setup_distributed():
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+    common.attention_without_nan(device)
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -712,9 +742,11 @@ def setup_distributed():
     return rank, world, device
 
 
-def parallelize(model, args, device, num_layers):
+def parallelize(model, args, device, num_layers, frozen=False):
+    """DDP, or FSDP2 with one shard group per transformer block. A frozen model is sharded too under FSDP (so it
+    computes as the trained ones do), and under DDP stays a plain replica (it has no gradients to all-reduce)."""
     model.to(device)
-    if not dist.is_initialized():
+    if not dist.is_initialized() or (frozen and not args.fsdp):
         return model
     if args.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -751,6 +783,12 @@ def all_gather_cat(t):
     return torch.cat(out)
 
 
+def all_gather_rollout(batch):
+    """Every rank's rows of the rollout batch, in rank order, field by field."""
+    return dataclasses.replace(batch, **{f.name: all_gather_cat(getattr(batch, f.name)) for f in
+                                         dataclasses.fields(batch) if torch.is_tensor(getattr(batch, f.name))})
+
+
 def all_reduce(t, op=None):
     if dist.is_initialized():
         dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
@@ -761,10 +799,45 @@ def all_reduce(t, op=None):
 # The phases of an update, in the order main() runs them.
 
 
+@dataclass
+class Rollout:
+    """The rollout batch the phases hand each other, one row per episode. The rollout fills the first five fields,
+    each later phase its own; then every rank takes the whole batch (all_gather), so that learning is the same for any
+    number of ranks."""
+    query_response: torch.Tensor
+    """(B, context_length + response_length) token ids: the left-padded prompt, then the right-padded response."""
+    attention_mask: torch.Tensor
+    """Same shape: 1 on real tokens."""
+    context_length: int
+    """Prompt columns; the response starts there."""
+    mask: torch.Tensor
+    """(B, response_length) bool: the response's real tokens, through its stop token."""
+    logprobs: torch.Tensor
+    """(B, response_length) the sampled tokens' log-probs under the policy that sampled them: the ratio's "old"."""
+    scores: torch.Tensor | None = None
+    """(B,) the episode's score (reward model and/or function, missing-EOS penalty)."""
+    values: torch.Tensor | None = None
+    """(B, response_length) the critic's value of each state (0 after the response)."""
+    has_stop: torch.Tensor | None = None
+    """(B,) whether the response emitted the stop token (None with --stop_token none)."""
+    gold: torch.Tensor | None = None
+    """(B,) the embedded task's true reward (NaN elsewhere)."""
+    ref_logprobs: torch.Tensor | None = None
+    """(B, response_length) the reference policy's log-probs of the sampled tokens."""
+    advantages: torch.Tensor | None = None
+    """(B, response_length) whitened GAE advantages."""
+    returns: torch.Tensor | None = None
+    """(B, response_length) value targets."""
+
+    @property
+    def responses(self):
+        return self.query_response[:, self.context_length:]
+
+
 def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collective):
     """1. Sample a response to each of this rank's episodes, in --num_collect_steps chunks, each episode with its own
-    random stream. Returns the left-padded queries, the responses (padding after the stop token), their real-token
-    mask and the sampling log-probs."""
+    random stream. Returns the Rollout's first fields: prompts left-padded, responses with padding after the stop
+    token, their real-token mask and the sampling log-probs."""
     width = all_reduce(torch.tensor(max(map(len, prompt_ids)), device=device), dist.ReduceOp.MAX)  # same on all ranks
     query, query_mask = (t.to(device) for t in pad_left(prompt_ids, int(width), pad_id))
     chunk = len(episodes) // args.num_collect_steps
@@ -778,38 +851,35 @@ def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collect
         responses.append(r)
         logprobs.append(lp)
     responses, mask = truncate_after_stop(torch.cat(responses), stop_id, pad_id)
-    return query, query_mask, responses, mask, torch.cat(logprobs).masked_fill(~mask, 0.0)
+    return Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask,
+                   torch.cat(logprobs).masked_fill(~mask, 0.0))
 
 
 @torch.no_grad()
-def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt_texts, tokenizer, stop_id, args,
-          collective=False, reference_mode=contextlib.nullcontext):
-    """2. Reference log-probs, values, and each episode's score: the reward model read at the response's last real
-    token (its stop token), plus the reward function, minus the missing-EOS penalty. Forwards run on groups of
-    similar length (one group under FSDP, where every rank must make the same calls)."""
-    context_length = query.shape[1]
-    query_response, qr_mask = torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long()
+def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collective=False):
+    """2. Each episode's values and score: the reward model read at the response's last real token (its stop token),
+    plus the reward function, minus the missing-EOS penalty. Forwards run on groups of similar length (one group
+    under FSDP, where every rank must make the same calls). Fills scores, values and has_stop; returns the response
+    texts."""
+    responses, mask, context_length = batch.responses, batch.mask, batch.context_length
     has_stop = (responses == stop_id).any(1) if stop_id is not None else None
     response_texts = [tokenizer.decode(r[m & (r != stop_id)] if stop_id is not None else r[m], skip_special_tokens=True)
                       for r, m in zip(responses.cpu(), mask.cpu())]
     scores = torch.zeros(len(responses), device=responses.device)
-    ref_logprobs, values = torch.zeros_like(responses, dtype=torch.float), torch.zeros_like(responses, dtype=torch.float)
-    groups = [torch.arange(len(responses))] if collective else length_groups(query_mask.sum(1), mask.sum(1))
+    values = torch.zeros_like(responses, dtype=torch.float)
+    groups = [torch.arange(len(responses))] if collective else length_groups(
+        batch.attention_mask[:, :context_length].sum(1), mask.sum(1))
     micro = args.per_device_train_batch_size  # peak memory of one micro-batch's forwards, as in learning
     if reward.tokenizer is not None:  # another vocabulary, an encoder: it reads the text, in its own tokens
-        rm_ids, rm_mask = (t.to(responses.device) for t in reward_model_tokens(
-            query, query_mask, responses, mask, stop_id, tokenizer, reward, args))
+        rm_ids, rm_mask = (t.to(responses.device) for t in reward_model_tokens(batch, stop_id, tokenizer, reward, args))
     with torch.autocast(responses.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for rows in (g.to(responses.device)[i:i + micro] for g in groups for i in range(0, len(g), micro)):
-            ids, ids_mask, context, kept = trim_padding(query_response[rows], qr_mask[rows], context_length)
-            with reference_mode():  # under LoRA: the policy with its adapter switched off
-                ref_logprobs[rows, :kept] = policy_forward(ref_policy, ids, ids_mask, context, args.temperature,
-                                                           entropy=False)[0]
+            ids, ids_mask, context, kept = trim_padding(batch.query_response[rows], batch.attention_mask[rows],
+                                                        context_length)
             values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
-            if reward.in_critic is not None:  # (w / scale) . h - shift / scale = (w . h - shift) / scale
+            if reward.in_critic is not None:  # LoRA: the reward model is the critic with its adapter off
                 with reward.in_critic():
-                    at_end = critic(ids, ids_mask).gather(1, common.last_token_index(ids_mask)[:, None])[:, 0]
-                scores[rows] = at_end - reward.shift / reward.scale
+                    scores[rows] = critic(ids, ids_mask).gather(1, common.last_token_index(ids_mask)[:, None])[:, 0]
             elif reward.model is not None:
                 own = (ids, ids_mask) if reward.tokenizer is None else \
                     (t[rows][:, rm_mask[rows].bool().any(0)] for t in (rm_ids, rm_mask))  # no all-padding column
@@ -818,17 +888,44 @@ def score(ref_policy, critic, reward, query, query_mask, responses, mask, prompt
         scores += call_reward_fn(reward, prompt_texts, response_texts).to(scores.device)
     if args.missing_eos_penalty is not None:
         scores = scores - args.missing_eos_penalty * (~has_stop).float()
-    return query_response, qr_mask, ref_logprobs, values, scores, has_stop, response_texts
+    batch.scores, batch.values, batch.has_stop = scores, values * mask, has_stop
+    return response_texts
 
 
-def reward_model_tokens(query, query_mask, responses, mask, stop_id, tokenizer, reward, args):
+@torch.no_grad()
+def rollout_logprobs(policy, ref_policy, batch, args, update, rank, world, reference_mode=contextlib.nullcontext):
+    """3. The sampled tokens' log-probs under the reference policy, and under --bf16 under the policy again, computed
+    by the learning forward on the very rows and groups the first PPO epoch will run (epoch_plan): so the first
+    ratio is exactly 1, and the KL at initialisation exactly 0, in any precision. (A one-token KV-cached decode and a
+    whole-sequence forward, or one group's padding and another's, can round differently in bfloat16; in float32 the
+    sampling log-probs equal the learning forward's, which tests check on every family, and are kept.) Each rank
+    computes the rows it will learn on; a sum over ranks assembles the batch. Fills ref_logprobs (and logprobs)."""
+    ref, old = torch.zeros_like(batch.logprobs), torch.zeros_like(batch.logprobs)
+    with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        for step in epoch_plan(batch, args, update, 0, rank, world):
+            for rows in step.forwards:
+                ids, ids_mask, context, kept = trim_padding(batch.query_response[rows], batch.attention_mask[rows],
+                                                            batch.context_length)
+                with reference_mode():  # under LoRA: the policy with its adapter switched off
+                    ref[rows, :kept] = policy_forward(ref_policy, ids, ids_mask, context, args.temperature,
+                                                      entropy=False)[0]
+                if args.bf16:
+                    old[rows, :kept] = policy_forward(policy, ids, ids_mask, context, args.temperature,
+                                                      entropy=False)[0]
+    batch.ref_logprobs = all_reduce(ref).masked_fill(~batch.mask, 0.0)
+    if args.bf16:
+        batch.logprobs = all_reduce(old).masked_fill(~batch.mask, 0.0)
+
+
+def reward_model_tokens(batch, stop_id, tokenizer, reward, args):
     """Episodes in the reward model's own tokens, when it does not share the policy's vocabulary or is an encoder,
     made as rm.py makes a pair: the prompt as the policy saw it (truncated; its BOS replaced by the reward model's),
     the response decoded in context (so that word boundaries survive), ended with the reward model's end token where
     the policy stopped (always, for an encoder)."""
     lead = tokenizer.decode(common.special_affixes(tokenizer)[0])
     prompts, texts, stopped = [], [], []
-    for q, qm, r, m in zip(query.cpu(), query_mask.cpu(), responses.cpu(), mask.cpu()):
+    query, query_mask = batch.query_response[:, :batch.context_length], batch.attention_mask[:, :batch.context_length]
+    for q, qm, r, m in zip(query.cpu(), query_mask.bool().cpu(), batch.responses.cpu(), batch.mask.cpu()):
         p_ids, r_ids = q[qm].tolist(), r[m].tolist()
         stopped.append(stop_id is not None and bool(r_ids) and r_ids[-1] == stop_id)
         r_ids = r_ids[:-1] if stopped[-1] else r_ids
@@ -846,19 +943,20 @@ def reward_model_tokens(query, query_mask, responses, mask, stop_id, tokenizer, 
     return batch["input_ids"], batch["attention_mask"]
 
 
-def advantages(logprobs, ref_logprobs, values, scores, mask, kl_coef, args):
-    """3. Per-token rewards: -kl_coef * KL to the reference, plus the score at the last real token (Ziegler et al.
-    2019, eq. 2); advantages by GAE, whitened. Returns the KL, the KL part of the rewards, the masked values, the
-    advantages and the returns."""
-    kl = kl_per_token(logprobs, ref_logprobs, args.kl_estimator) * mask
+def advantages(batch, kl_coef, args):
+    """4. Per-token rewards: -kl_coef * KL to the reference, plus the score at the last real token (Ziegler et al.
+    2019, eq. 2); advantages by GAE, whitened. Fills advantages and returns; returns the per-token KL and the KL part
+    of the rewards, for the logs."""
+    mask = batch.mask.float()
+    kl = kl_per_token(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * mask
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
-    rewards[torch.arange(len(rewards), device=rewards.device), common.last_token_index(mask)] += scores
+    rewards[torch.arange(len(rewards), device=rewards.device), common.last_token_index(mask)] += batch.scores
     if args.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
-    values = values * mask
-    adv, returns = gae(rewards, values, mask, args.gamma, args.lam)
-    return kl, non_score_reward, values, masked_whiten(adv, mask), returns
+    adv, batch.returns = gae(rewards, batch.values, mask, args.gamma, args.lam)
+    batch.advantages = masked_whiten(adv, mask)
+    return kl, non_score_reward
 
 
 def language_modelling_loss(policy, seqs, pad_id, n_tokens, device):
@@ -873,64 +971,87 @@ def language_modelling_loss(policy, seqs, pad_id, n_tokens, device):
     return masked_mean(nll, (ids_mask[:, 1:] * ids_mask[:, :-1]).flatten().float(), n_tokens)
 
 
-def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world, ptx, pad_id):
-    """4. num_ppo_epochs passes over the rollout batch, num_mini_batches optimizer steps each. Every loss is a token
-    mean over the WHOLE mini-batch (all its micro-batches, on all ranks): each micro-batch adds its tokens' sum
-    divided by the mini-batch's token count, so micro-batching, accumulation, world size and the length groups each
-    micro-batch runs in (one group under FSDP, where every rank must make the same calls) change nothing. Returns the
-    mean of each statistic over the optimizer steps, and the last gradient norm."""
-    query_response, qr_mask, mask, logprobs, values, adv, returns, context_length = batch
+@dataclass
+class OptimizerStep:
+    """One mini-batch of a PPO epoch, as this rank runs it."""
+    rows: torch.Tensor
+    """The whole mini-batch's rows (every rank's): its real-token count normalises every loss."""
+    forwards: list
+    """This rank's forward calls, in order: its rows of each accumulation step, in groups of similar length."""
+
+
+def epoch_plan(batch, args, update, epoch, rank, world):
+    """One PPO epoch's optimizer steps: the rollout batch shuffled (seeded by update and epoch) and cut into
+    --num_mini_batches mini-batches; of each, this rank takes per_device_train_batch_size x gradient_accumulation_steps
+    rows and runs each accumulation step's rows as groups of similar length (length_groups; one group under FSDP,
+    where every rank must make the same calls). rollout_logprobs runs epoch 0's plan, learn every epoch's."""
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    mini_size, device = micro * accumulation * world, query_response.device
-    prompt_lengths, collective = qr_mask[:, :context_length].sum(1), args.fsdp and world > 1
-    stats = []  # per optimizer step, each statistic's mean over the mini-batch
-    for ppo_epoch in range(args.num_ppo_epochs):
-        order = torch.randperm(len(mask), generator=torch.Generator().manual_seed(
-            common.seed_of(args.seed, "mini-batches", update, ppo_epoch))).to(device)
-        for mb in range(args.num_mini_batches):
-            mini = order[mb * mini_size:(mb + 1) * mini_size]
-            n_tokens = mask[mini].sum()
-            if ptx is not None:  # the mini-batch's ptx sequences, counted the same way
-                first = ((update * args.num_ppo_epochs + ppo_epoch) * args.num_mini_batches + mb) * mini_size
-                ptx_seqs = [ptx[i % len(ptx)] for i in range(first, first + mini_size)]
-                ptx_tokens = sum(len(s) - 1 for s in ptx_seqs)
-            sums = {}
-            for m in range(accumulation):
-                start = (rank * accumulation + m) * micro
-                idx = mini[start:start + micro]
-                groups = [idx] if collective else [idx[g.to(device)] for g in length_groups(
-                    prompt_lengths[idx], mask[idx].sum(1))]
-                for k, rows in enumerate(groups):
-                    last = m == accumulation - 1 and k == len(groups) - 1  # gradients are all-reduced then
-                    ids, ids_mask, context, kept = trim_padding(query_response[rows], qr_mask[rows], context_length)
-                    m_rows = mask[rows][:, :kept]
-                    # Policy and critic share no weights: each loss goes backward on its own graph, so only one
-                    # model's activations are alive at a time (the sum's gradients, at half the peak memory).
-                    set_grad_sync([policy], last and ptx is None)
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                        new_logprobs, entropy = policy_forward(policy, ids, ids_mask, context, args.temperature,
-                                                               with_entropy_grad=args.ent_coef > 0)
-                    pg_loss, pg = policy_loss(new_logprobs, logprobs[rows][:, :kept], adv[rows][:, :kept], m_rows,
-                                              args.cliprange, n_tokens)
-                    ent = masked_mean(entropy, m_rows, n_tokens)
-                    # DDP and FSDP average gradients over ranks; the sum is what is wanted, hence * world
-                    ((pg_loss - args.ent_coef * ent) * world).backward()
-                    set_grad_sync([critic], last)
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                        new_values = critic(ids, ids_mask)[:, context - 1:-1]
-                    vf_loss, vf_clipfrac = value_loss(new_values, values[rows][:, :kept], returns[rows][:, :kept],
-                                                      m_rows, args.cliprange_value, n_tokens)
-                    (args.vf_coef * vf_loss * world).backward()
-                    for name, value in {"loss/policy": pg_loss, "loss/value": vf_loss, "val/clipfrac": vf_clipfrac,
-                                        "policy/entropy": ent, **{f"policy/{k}": v for k, v in pg.items()}}.items():
-                        sums[name] = sums.get(name, 0) + value.detach()
-                if ptx is not None:
-                    set_grad_sync([policy], m == accumulation - 1)
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                        ptx_loss = language_modelling_loss(policy, ptx_seqs[start:start + micro], pad_id, ptx_tokens,
-                                                           device)
-                    (args.ptx_coef * ptx_loss * world).backward()
+    size, device = micro * accumulation * world, batch.mask.device
+    order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(
+        common.seed_of(args.seed, "mini-batches", update, epoch))).to(device)
+    prompt_lengths, response_lengths = batch.attention_mask[:, :batch.context_length].sum(1), batch.mask.sum(1)
+    steps = []
+    for mb in range(args.num_mini_batches):
+        mini, forwards = order[mb * size:(mb + 1) * size], []
+        for m in range(accumulation):
+            rows = mini[(rank * accumulation + m) * micro:][:micro]
+            forwards += [rows] if args.fsdp and world > 1 else [
+                rows[g.to(device)] for g in length_groups(prompt_lengths[rows], response_lengths[rows])]
+        steps.append(OptimizerStep(mini, forwards))
+    return steps
+
+
+def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world, ptx, pad_id):
+    """5. num_ppo_epochs passes over the rollout batch, num_mini_batches optimizer steps each. Every loss is a token
+    mean over the WHOLE mini-batch (all its forwards, on all ranks): each forward adds its tokens' sum divided by the
+    mini-batch's token count, so micro-batching, accumulation, world size and length groups change nothing. Returns
+    the mean of each statistic over the optimizer steps, and the last gradient norm."""
+    mask, device = batch.mask.float(), batch.mask.device
+    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)
+
+    def backward(loss):
+        """DDP and FSDP average gradients over ranks, and the mini-batch's gradient is their sum: hence * world, the
+        one place a loss is scaled."""
+        (loss * world).backward()
+
+    stats = {}  # name -> per optimizer step, the mini-batch's mean (this rank's share of it, until summed over ranks)
+    for epoch in range(args.num_ppo_epochs):
+        for mb, step in enumerate(epoch_plan(batch, args, update, epoch, rank, world)):
+            n_tokens, sums = mask[step.rows].sum(), {}
+            if ptx is not None:  # PPO-ptx: this rank's share of the mini-batch's pretraining text, counted the same way
+                first = ((update * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb) * len(step.rows)
+                seqs = [ptx[i % len(ptx)] for i in range(first, first + len(step.rows))]
+                micro, share = args.per_device_train_batch_size, len(step.rows) // world
+                set_grad_sync([policy], False)  # its gradients are all-reduced with the PPO losses'
+                for i in range(rank * share, (rank + 1) * share, micro):
+                    with autocast():
+                        ptx_loss = language_modelling_loss(policy, seqs[i:i + micro], pad_id,
+                                                           sum(len(s) - 1 for s in seqs), device)
+                    backward(args.ptx_coef * ptx_loss)
                     sums["loss/ptx"] = sums.get("loss/ptx", 0) + ptx_loss.detach()
+            for i, rows in enumerate(step.forwards):
+                # gradients are all-reduced in the step's last backward only (DDP decides it at the forward)
+                set_grad_sync([policy, critic], i == len(step.forwards) - 1)
+                ids, ids_mask, context, kept = trim_padding(batch.query_response[rows], batch.attention_mask[rows],
+                                                            batch.context_length)
+                real = mask[rows][:, :kept]
+                # Policy and critic share no weights: each loss goes backward on its own graph, so only one model's
+                # activations are alive at a time (the sum's gradients, at half the peak memory).
+                with autocast():
+                    new_logprobs, entropy = policy_forward(policy, ids, ids_mask, context, args.temperature,
+                                                           with_entropy_grad=args.ent_coef > 0)
+                pg_loss, pg = policy_loss(new_logprobs, batch.logprobs[rows][:, :kept],
+                                          batch.advantages[rows][:, :kept], real, args.cliprange, n_tokens)
+                ent = masked_mean(entropy, real, n_tokens)
+                backward(pg_loss - args.ent_coef * ent)
+                with autocast():
+                    new_values = critic(ids, ids_mask)[:, context - 1:-1]
+                vf_loss, vf_clipfrac = value_loss(new_values, batch.values[rows][:, :kept],
+                                                  batch.returns[rows][:, :kept], real, args.cliprange_value, n_tokens)
+                backward(args.vf_coef * vf_loss)
+                for name, value in {"loss/policy": pg_loss, "loss/value": vf_loss, "val/clipfrac": vf_clipfrac,
+                                    "policy/entropy": ent, **{f"policy/{k}": v for k, v in pg.items()}}.items():
+                    sums[name] = sums.get(name, 0) + value.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable.parameters(), args.max_grad_norm or float("inf"))
             norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             if not math.isfinite(norm):  # stop before the step: the last checkpoint stays the last good state
@@ -939,8 +1060,10 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
                                        "lower --learning_rate; --resume continues from the last checkpoint")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            stats.append(sums)
-    per_step = dict(zip(stats[0], all_reduce(torch.stack([torch.stack(list(s.values())) for s in stats])).T))
+            for name, value in sums.items():
+                stats.setdefault(name, []).append(value)
+    names = list(stats)  # one all-reduce for every statistic of every step: the sum over ranks is the mean
+    per_step = dict(zip(names, all_reduce(torch.stack([torch.stack(stats[k]) for k in names]))))
     means = {k: v.mean().item() for k, v in per_step.items() if k != "policy/ratio_sq"}
     means["policy/ratio_var"] = (per_step["policy/ratio_sq"] - per_step["policy/ratio"] ** 2).mean().item()
     return means, norm
@@ -954,7 +1077,7 @@ def check_args(args):
     for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                  "num_collect_steps", "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every",
                  "kl_horizon"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
     for name in ("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
                  "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples",
@@ -990,10 +1113,10 @@ def main(args):
 
     tokenizer = load_tokenizer(args)
     stop_id = stop_token_id(args, tokenizer)
-    prompts, prompt_texts = load_prompts(args, tokenizer)
-    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     # Models: policy and critic are trained; reference and reward model are frozen.
     policy_hf, lora, policy, critic, ref_policy, reward = build_models(args, tokenizer, device, rank, world)
+    prompts, prompt_texts = load_prompts(args, tokenizer)
+    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
     start, kl_coef, history = 0, args.kl_coef, []
     if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir)):
@@ -1007,7 +1130,6 @@ def main(args):
               + (f"; resumed at update {start}" if start else ""))
 
     orders, collective = {}, args.fsdp and world > 1  # under FSDP every rank must make the same forward calls
-    frozen = [m for m in [None if lora else ref_policy, reward.model] if m is not None]
     bar = tqdm(range(start, num_updates), disable=rank != 0, initial=start, total=num_updates, desc="ppo")
     for update in bar:
         t0 = time.time()
@@ -1015,49 +1137,45 @@ def main(args):
         episodes = range(update * batch_size + rank * local_batch, update * batch_size + (rank + 1) * local_batch)
         prompt_index = episode_prompts(episodes, len(prompts), args.seed, orders)
         policy.eval()
-        query, query_mask, responses, mask, logprobs = rollout(policy if args.fsdp else unwrap(policy),
-                                                               [prompts[i] for i in prompt_index], episodes, args,
-                                                               stop_id, tokenizer.pad_token_id, device, collective)
+        batch = rollout(policy if args.fsdp else unwrap(policy), [prompts[i] for i in prompt_index], episodes, args,
+                        stop_id, tokenizer.pad_token_id, device, collective)
         t_rollout = time.time()
 
-        # 2. Score: reference log-probs, values, reward at the response's stop token.
+        # 2. Score: values and the reward at the response's stop token; then every rank takes the whole batch, so the
+        # learning phase is the same for any number of ranks.
         texts = [prompt_texts[i] for i in prompt_index]
-        with offloaded(frozen, device, args.offload_inference_models):
-            query_response, qr_mask, ref_logprobs, values, scores, has_stop, response_texts = score(
-                ref_policy, critic, reward, query, query_mask, responses, mask, texts, tokenizer, stop_id, args,
-                collective, reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
-        gold = gold_scores(args, texts, response_texts, scores)
-        # Every rank takes the whole rollout batch, so the learning phase is the same for any number of ranks.
-        query_response, qr_mask, mask, logprobs, ref_logprobs, values, scores, has_stop, gold = (
-            t if t is None else all_gather_cat(t) for t in (query_response, qr_mask, mask, logprobs, ref_logprobs,
-                                                            values, scores, has_stop, gold))
-        mask_f = mask.float()
+        with offloaded([reward.model], device, args.offload_inference_models):
+            response_texts = score(critic, reward, batch, texts, tokenizer, stop_id, args, collective)
+        batch.gold = gold_scores(args, texts, response_texts, batch.scores)
+        batch = all_gather_rollout(batch)
+
+        # 3. Log-probs under the reference (and, in bfloat16, the policy again) on the first epoch's partition.
+        with offloaded([None if lora else ref_policy], device, args.offload_inference_models):
+            rollout_logprobs(policy, ref_policy, batch, args, update, rank, world,
+                             reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
         t_score = time.time()
 
-        # 3. Advantages: KL-penalised per-token rewards, GAE, whitening.
-        kl, non_score_reward, values, adv, returns = advantages(logprobs, ref_logprobs, values, scores, mask_f,
-                                                                kl_coef, args)
+        # 4. Advantages: KL-penalised per-token rewards, GAE, whitening.
+        kl, non_score_reward = advantages(batch, kl_coef, args)
 
-        # 4. Learn: num_ppo_epochs x num_mini_batches optimizer steps on the clipped policy and value losses.
+        # 5. Learn: num_ppo_epochs x num_mini_batches optimizer steps on the clipped policy and value losses.
         policy.train(), critic.train()
-        batch = (query_response, qr_mask, mask_f, logprobs, values, adv, returns, query.shape[1])
         update_stats, grad_norm = learn(policy, critic, trainable, optimizer, batch, args, update, rank, world, ptx,
                                         tokenizer.pad_token_id)
         scheduler.step()
         t_learn = time.time()
 
-        # 5. Adapt the KL coefficient; log; save samples and checkpoints.
+        # 6. Adapt the KL coefficient; log; save samples and checkpoints.
         m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef,
              "lr": scheduler.get_last_lr()[0], "policy/grad_norm": grad_norm, **update_stats,
-             **rollout_metrics(kl, non_score_reward, logprobs, values, scores, mask_f, has_stop, gold),
-             **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, qr_mask, args)}
+             **rollout_metrics(batch, kl, non_score_reward),
+             **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, batch.attention_mask, args)}
         if args.target_kl is not None:
             kl_coef = adaptive_kl_coef(kl_coef, m["objective/kl"], args.target_kl, args.kl_horizon, batch_size)
         history.append({k: m[k] for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean",
                                           "gold/std") if k in m})
         if rank == 0:
-            log_update(logs, bar, m, update == num_updates - 1, args, tokenizer, query_response, qr_mask, mask,
-                       scores, gold, query.shape[1])
+            log_update(logs, bar, m, update == num_updates - 1, args, tokenizer, batch)
         if args.save_steps and (update + 1) % args.save_steps == 0 and update + 1 < num_updates:
             common.save_training(trainable, optimizer, scheduler, update + 1, rank, args.output_dir, kl_coef=kl_coef,
                                  history=history)
@@ -1087,10 +1205,11 @@ def build_optimizer(policy, critic, args, num_updates):
 def offloaded(models, device, enabled):
     """--offload_inference_models: the frozen models on the device only while they score, on the CPU while the
     policy and critic learn."""
-    for model in models * enabled:
+    models = [m for m in models if m is not None and enabled]
+    for model in models:
         model.to(device)
     yield
-    for model in models * enabled:
+    for model in models:
         model.to("cpu")
 
 
@@ -1126,15 +1245,17 @@ def episode_prompts(episodes, n_prompts, seed, orders):
     return [orders[e // n_prompts][e % n_prompts].item() for e in episodes]
 
 
-def rollout_metrics(kl, non_score_reward, logprobs, values, scores, mask, has_stop, gold):
-    m = {"objective/kl": kl.sum(1).mean().item(), "objective/entropy": (-logprobs * mask).sum(1).mean().item(),
-         "objective/non_score_reward": non_score_reward.sum(1).mean().item(), "objective/scores": scores.mean().item(),
-         "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
-         "val/mean": masked_mean(values, mask).item(), "response/length": mask.sum(1).mean().item()}
-    if has_stop is not None:  # None with --stop_token none: no response can stop
-        m["response/eos_rate"] = has_stop.float().mean().item()
-    if not torch.isnan(gold).all():
-        m["gold/mean"], m["gold/std"] = gold.mean().item(), gold.std().item()
+def rollout_metrics(batch, kl, non_score_reward):
+    mask = batch.mask.float()
+    m = {"objective/kl": kl.sum(1).mean().item(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean().item(),
+         "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
+         "objective/scores": batch.scores.mean().item(),
+         "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean().item(),
+         "val/mean": masked_mean(batch.values, mask).item(), "response/length": mask.sum(1).mean().item()}
+    if batch.has_stop is not None:  # None with --stop_token none: no response can stop
+        m["response/eos_rate"] = batch.has_stop.float().mean().item()
+    if not torch.isnan(batch.gold).all():
+        m["gold/mean"], m["gold/std"] = batch.gold.mean().item(), batch.gold.std().item()
     return m
 
 
@@ -1162,7 +1283,7 @@ def open_logs(args, rank, start):
         common.open_log(os.path.join(args.output_dir, "samples.jsonl"), resumed)
 
 
-def log_update(logs, bar, m, last, args, tokenizer, query_response, qr_mask, mask, scores, gold, context_length):
+def log_update(logs, bar, m, last, args, tokenizer, batch):
     """The update's metrics to every log; every --sample_every updates, and at the last, a table of samples."""
     logger, samples_file = logs
     logger.log(m)
@@ -1171,11 +1292,12 @@ def log_update(logs, bar, m, last, args, tokenizer, query_response, qr_mask, mas
     if (m["step"] - 1) % args.sample_every and not last:
         return
     bar.write(common.format_metrics(m))
-    table = [{"step": m["step"], "prompt": tokenizer.decode(query_response[i, :context_length][
-              qr_mask[i, :context_length].bool()]), "response": tokenizer.decode(
-              query_response[i, context_length:][mask[i]]), "score": scores[i].item(),
-              **({"gold": gold[i].item()} if "gold/mean" in m else {})} for i in range(min(args.num_samples,
-                                                                                         len(scores)))]
+    context = batch.context_length
+    table = [{"step": m["step"], "prompt": tokenizer.decode(batch.query_response[i, :context][
+              batch.attention_mask[i, :context].bool()]), "response": tokenizer.decode(batch.responses[i][
+              batch.mask[i]]), "score": batch.scores[i].item(), **({"gold": batch.gold[i].item()} if "gold/mean" in m
+                                                                   else {})}
+             for i in range(min(args.num_samples, len(batch.scores)))]
     for row in table:
         bar.write(f"  {row['prompt'][-60:]!r} -> {row['response'][:80]!r}  score {row['score']:.3f}"
                   + (f"  gold {row['gold']:.3f}" if "gold" in row else ""))

@@ -11,6 +11,7 @@ so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_
 1952; Ouyang et al. 2022, eq. 1).
 """
 
+import collections
 import dataclasses
 import inspect
 import json
@@ -45,14 +46,17 @@ class Args:
     the rows, > 1: a number of rows)."""
     train_split: str = "train"
     """Split to train on."""
-    eval_split: str = "test"
-    """Split to evaluate on; if a dataset has none, --eval_holdout of its training rows are held out instead."""
+    eval_split: str | None = None
+    """Split to evaluate on (default: test, else validation); a dataset with none holds out --eval_holdout of its
+    training pairs instead, by prompt."""
     eval_holdout: float = 0.1
     """Fraction of training pairs held out for evaluation when there is no eval split."""
-    max_length: int = 512
-    """Maximum tokens of prompt + response. Longer pairs are truncated (see --max_prompt_length), never dropped."""
-    max_prompt_length: int = 384
-    """Maximum prompt tokens; a longer prompt keeps its END (the turn being answered) and its BOS token."""
+    max_length: int | None = None
+    """Maximum tokens of prompt + response (default: 512, or the model's learned position table if shorter). Longer
+    pairs are truncated (see --max_prompt_length), never dropped."""
+    max_prompt_length: int | None = None
+    """Maximum prompt tokens (default: 384, or 3/4 of --max_length if less); a longer prompt keeps its END (the turn
+    being answered) and its BOS token."""
     output_dir: str = "runs/rm"
     """Where the reward model, tokenizer, metrics.jsonl, eval_results.json and checkpoints are written."""
     # --- optimisation
@@ -160,6 +164,13 @@ def preference_loss(r_chosen, r_rejected, margin, loss_type="sigmoid"):
     return torch.log1p(torch.exp(r_rejected - r_chosen + margin))
 
 
+def reward_model_loss(r_chosen, r_rejected, margin, loss_type="sigmoid", center_coefficient=0.0):
+    """The objective train_step minimises and evaluate reports: the mean preference loss, plus center_coefficient *
+    mean((r_c + r_r)^2), which keeps rewards centred at 0 (Eisenstein et al. 2023)."""
+    return preference_loss(r_chosen, r_rejected, margin, loss_type).mean() + \
+        center_coefficient * ((r_chosen + r_rejected) ** 2).mean()
+
+
 def reliability(p_chosen, n_bins=10):
     """Per bin of predicted P(chosen wins) = sigmoid(r_c - r_r): how many predictions, their mean, and how often they
     came true. Each pair counts in both orders, (p, won) and (1 - p, lost)."""
@@ -215,9 +226,7 @@ def train_step(model, micro_batches, args, pad_id, device):
         set_grad_sync(model, m == len(micro_batches) - 1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             r_chosen, r_rejected = model(*inputs).chunk(2)
-        loss = preference_loss(r_chosen, r_rejected, margin, args.loss_type).mean()
-        if args.center_rewards_coefficient:  # Eisenstein et al. 2023
-            loss = loss + args.center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).mean()
+        loss = reward_model_loss(r_chosen, r_rejected, margin, args.loss_type, args.center_rewards_coefficient)
         (loss / len(micro_batches)).backward()
         stats["loss"] += loss.item() / len(micro_batches)
         stats["accuracy"] += (r_chosen > r_rejected).float().mean().item() / len(micro_batches)
@@ -271,44 +280,78 @@ def load_reward_model(args, tokenizer):
     if not trained_head and hasattr(model, "score"):  # encoders' pooled heads keep transformers' initialisation
         hidden = model.score.in_features
         torch.nn.init.normal_(model.score.weight, std=args.head_init_std or 1 / math.sqrt(hidden + 1))
+    common.scalar_head_in_float32(model)
     return model, common.add_lora(model, args, "SEQ_CLS") if args.lora_r and not args.eval_only else None
 
 
+def resolve_lengths(args, model, rank):
+    """--max_length and --max_prompt_length as given, or their defaults fitted to the model (common.length_default);
+    a length the user gave that the model cannot read is refused here, before any pair is read."""
+    max_length = common.length_default(args.max_length, 512, common.position_table(model), "--max_length", rank)
+    common.check_position_table(model, max_length, f"--max_length {max_length}")
+    max_prompt_length = args.max_prompt_length or min(384, max_length * 3 // 4)
+    if max_length <= max_prompt_length:
+        raise common.UserError(f"--max_prompt_length {max_prompt_length} must be below --max_length {max_length} to "
+                               "leave room for the responses")
+    return dataclasses.replace(args, max_length=max_length, max_prompt_length=max_prompt_length)
+
+
 def load_data(args, tokenizer, rank):
-    mixer = args.dataset_mixer_list or [args.dataset_name, "1.0"]
-    if len(mixer) % 2:
-        raise common.UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
+    """Training and evaluation pairs of every dataset of the mixture, tokenized. A dataset is evaluated on the whole of
+    its eval split (--eval_split; by default test, else validation), or where it has none, on --eval_holdout of its
+    training pairs held out by prompt, so that no prompt is in both; its mixture weight then takes its share of the
+    training pairs left."""
+    mixer = common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
     train_rows, eval_rows = [], []
-    for name, weight in zip(mixer[::2], mixer[1::2]):  # each dataset its own eval split, or its own held-out pairs
-        evals = common.mix_rows([name, weight], args.eval_split, args.seed, args.dataset_config)
-        train = [] if args.eval_only and evals else \
-            common.mix_rows([name, weight], args.train_split, args.seed, args.dataset_config)
+    for name, weight in mixer:
+        tried = [args.eval_split] if args.eval_split else ["test", "validation"]
+        split, evals = next(((s, rows) for s in tried if (rows := common.load_rows(name, args.dataset_config, s))
+                             is not None), (None, None))
+        train = [] if args.eval_only and evals else common.load_rows(name, args.dataset_config, args.train_split)
         if not train and not (args.eval_only and evals):
             raise common.UserError(f"{name}: no rows in split '{args.train_split}'"
-                                   + (f" nor '{args.eval_split}'" if args.eval_only else "") + "; pass --train_split")
+                                   + (f" nor {' or '.join(repr(s) for s in tried)}" if args.eval_only else "") + "; pass --train_split")
         if args.eval_only:
             train, evals = [], evals or train
         elif evals is None:
-            random.Random(args.seed).shuffle(train)
-            n_eval = max(1, int(len(train) * args.eval_holdout))
-            train, evals = train[n_eval:], train[:n_eval]
+            train, evals = hold_out_by_prompt(train, args.eval_holdout, args.seed, tokenizer)
             if rank == 0:
-                print(f"{name}: no '{args.eval_split}' split: holding out {n_eval} training pairs "
-                      f"({args.eval_holdout:.0%}) for eval")
-        train_rows += train
+                print(f"{name}: no {' or '.join(repr(s) for s in tried)} split: holding out {len(evals)} training "
+                      f"pairs ({args.eval_holdout:.0%}) for eval, whole prompts, none in both")
+        elif rank == 0 and split != "test":
+            print(f"{name}: evaluating on its '{split}' split")
+        train_rows += common.take_share(train, weight, args.seed)
         eval_rows += evals
     train, cut, dropped = tokenize_pairs(train_rows, tokenizer, args)
     if train_rows and not train:
-        raise common.UserError(f"{' '.join(mixer[::2])}: all {len(train_rows)} training pairs were dropped: chosen and "
+        raise common.UserError(f"{' '.join(n for n, _ in mixer)}: all {len(train_rows)} training pairs were dropped: chosen and "
                                "rejected are identical (after truncation to --max_length); check the data or raise "
                                "--max_length")
     evals, cut_e, dropped_e = tokenize_pairs(eval_rows, tokenizer, args)
     if not evals:
-        raise common.UserError(f"{' '.join(mixer[::2])}: no evaluation pairs left after tokenization")
+        raise common.UserError(f"{' '.join(n for n, _ in mixer)}: no evaluation pairs left after tokenization")
     if rank == 0:
         print(f"pairs: {len(train)} train, {len(evals)} eval; truncated {cut + cut_e}, dropped {dropped + dropped_e} "
               f"(identical after truncation); max_length {args.max_length}, max_prompt_length {args.max_prompt_length}")
     return train, evals
+
+
+def hold_out_by_prompt(rows, fraction, seed, tokenizer):
+    """(train, eval): about `fraction` of the rows for evaluation, whole prompts at a time (drawn at random by seed),
+    so that a dataset with several pairs per prompt leaks none into the evaluation. A dataset of one prompt is split
+    by row."""
+    prompts = [common.split_pair(r, tokenizer, common.where(r))[0] for r in rows]
+    order = list(dict.fromkeys(prompts))
+    random.Random(seed).shuffle(order)
+    if len(order) == 1:
+        prompts, order = list(range(len(rows))), random.Random(seed).sample(range(len(rows)), len(rows))
+    n_eval, held, count, n_held = max(1, int(len(rows) * fraction)), set(), collections.Counter(prompts), 0
+    for p in order:
+        if n_held >= n_eval:
+            break
+        held.add(p)
+        n_held += count[p]
+    return [r for r, p in zip(rows, prompts) if p not in held], [r for r, p in zip(rows, prompts) if p in held]
 
 
 def tokenize_pairs(rows, tokenizer, args):
@@ -481,13 +524,15 @@ def declared_windows(config):
 
 
 @torch.no_grad()
-def choose_layout(model, args, vocab_size):
+def choose_layout(model, args, vocab_size, rank=0):
     """The packed layout (one row, segment_attention) wherever it is right by construction, else the padded batch,
     and why. Packing needs position ids and a read at the last token: encoders (pooled over the whole sequence) and
     ALiBi models (positions from a 2D mask) get the padded batch. Otherwise the model's attention is switched to
     segment_attention, and one packed forward must show that every layer called it, each with the sliding window the
     config declares for it; a model that does not (attention outside transformers' interface, sinks) keeps its own
-    attention and the padded batch. That forward's rewards are then compared with the padded batch's, a last check."""
+    attention and the padded batch. That forward's rewards are then compared with the padded batch's, a last check.
+    The check runs once, on rank 0, on the model's device and in the run's precision (the kernels the run will use);
+    every rank takes its verdict."""
     padded = dataclasses.replace(args, padding_free=False)
     if not args.padding_free:
         return args, "padded (as asked)"
@@ -496,36 +541,46 @@ def choose_layout(model, args, vocab_size):
     if not model.takes_position_ids:
         return padded, "padded: the model takes no position ids (ALiBi or recurrent), so packed sequences would get " \
                        "wrong positions"
+    why_not = [packed_layout_fault(model, args, vocab_size) if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(why_not, src=0)
+    if why_not[0]:
+        return padded, f"padded: {why_not[0]}"
+    model.hf.config._attn_implementation = "rm_segments"
+    name = "prefix-shared + packed" if args.prefix_sharing else "packed"
+    return args, f"{name}: one row, attention per block of pairs (rewards checked equal to the padded batch's)"
+
+
+def packed_layout_fault(model, args, vocab_size):
+    """What is wrong with the packed layout for this model (None: nothing): 4 pairs of random tokens, packed and
+    padded, on the model's device under the run's autocast."""
+    device = next(model.parameters()).device
     g = torch.Generator().manual_seed(0)
     ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
     pairs = [{"prompt": ids(3 + i), "chosen": ids(2 + i % 3), "rejected": ids(4 - i % 3), "margin": 0.0}
              for i in range(4)]
+    on_device = lambda xs: [x.to(device) if torch.is_tensor(x) else x for x in xs]  # noqa: E731
     was_training, own = model.training, model.hf.config._attn_implementation
     model.eval()
-    # a LoRA base held in bfloat16 runs under autocast, as in training, beside its float32 head
-    half = torch.autocast("cpu", dtype=torch.bfloat16, enabled=model.hf.dtype == torch.bfloat16)
-    with half:
-        reference = model(*collate(pairs, 0)[:2])
-    model.hf.config._attn_implementation = "rm_segments"
-    inputs = model_inputs(pairs, 0, args)
-    try:
-        with half:
-            rewards, why_not = model(*inputs), None
-    except NotImplementedError as e:
-        why_not = f"its attention needs {e}"
+    low = args.bf16 or model.hf.dtype == torch.bfloat16  # a LoRA base held in bfloat16 runs under autocast too
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=low):
+        reference = model(*on_device(collate(pairs, 0)[:2]))
+        model.hf.config._attn_implementation = "rm_segments"
+        inputs = model_inputs(pairs, 0, args)
+        try:
+            rewards, why_not = model(*on_device(inputs)), None
+        except NotImplementedError as e:
+            why_not = f"its attention needs {e}"
     if why_not is None and inputs[-1].calls != declared_windows(model.hf.config):
         why_not = f"its layers called segment_attention with windows {inputs[-1].calls}, not the config's " \
                   f"{declared_windows(model.hf.config)}"
-    tol = 1e-3 if model.hf.dtype == torch.float32 else 5e-2
-    atol = tol * reference.abs().max().item() + 1e-6
-    if why_not is None and not torch.allclose(rewards, reference, rtol=tol, atol=atol):
+    tol = 5e-2 if low else 1e-3
+    if why_not is None and not torch.allclose(rewards, reference, rtol=tol, atol=tol * reference.abs().max().item()
+                                              + 1e-6):
         why_not = "its packed rewards differ from the padded batch's"
     model.train(was_training)
-    if why_not:
-        model.hf.config._attn_implementation = own
-        return padded, f"padded: {why_not}"
-    name = "prefix-shared + packed" if args.prefix_sharing else "packed"
-    return args, f"{name}: one row, attention per block of pairs (rewards checked equal to the padded batch's)"
+    model.hf.config._attn_implementation = own
+    return why_not
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -535,6 +590,7 @@ def choose_layout(model, args, vocab_size):
 def setup_distributed():
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+    common.attention_without_nan(device)
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -616,7 +672,7 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
     lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
     metrics = {
         "eval/accuracy": (rc > rr).float().mean().item(),
-        "eval/loss": preference_loss(rc, rr, margin, args.loss_type).mean().item(),
+        "eval/loss": reward_model_loss(rc, rr, margin, args.loss_type, args.center_rewards_coefficient).item(),
         "eval/margin": (rc - rr).mean().item(),
         "eval/chosen_reward": rc.mean().item(),
         "eval/rejected_reward": rr.mean().item(),
@@ -656,7 +712,7 @@ def check_args(args):
         raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
     if not args.warmup_ratio <= 1:
         raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
-    if args.max_length <= args.max_prompt_length:
+    if None not in (args.max_length, args.max_prompt_length) and args.max_length <= args.max_prompt_length:
         raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
                                f"{args.max_length} to leave room for the responses")
     name = args.model_name_or_path
@@ -673,8 +729,10 @@ def main(args):
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
 
-    # 1. Data: preference pairs -> token ids (same on every rank; each rank takes its slice of every global batch).
+    # 1. Model and data: preference pairs -> token ids (the same on every rank; each takes its slice of every batch).
     tokenizer = load_tokenizer(args.model_name_or_path)
+    hf_model, lora = load_reward_model(args, tokenizer)
+    args = resolve_lengths(args, hf_model, rank)
     train, evals = load_data(args, tokenizer, rank)
     steps_per_epoch = len(train) // global_batch
     if steps_per_epoch == 0 and not args.eval_only:
@@ -682,10 +740,8 @@ def main(args):
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
     eval_every = args.eval_steps or math.ceil(total_steps / max(args.num_evals, 1))  # the last one at the end
 
-    # 2. Model, batch layout, optimizer, schedule.
-    hf_model, lora = load_reward_model(args, tokenizer)
-    common.check_position_table(hf_model, args.max_length, f"--max_length {args.max_length}")
-    args, layout = choose_layout(RewardModel(hf_model), args, len(tokenizer))
+    # 2. Batch layout, optimizer, schedule.
+    args, layout = choose_layout(RewardModel(hf_model.to(device)), args, len(tokenizer), rank)
     if args.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(RewardModel(hf_model), args, device)

@@ -217,8 +217,9 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
     responses = common.tokenize_responses(tokenizer, [prompt] * 2, answers)
     padded = tokenizer.pad({"input_ids": responses}, padding_side="right", return_tensors="pt")
     responses, mask = padded["input_ids"], padded["attention_mask"]
-    ids, ids_mask = ppo.reward_model_tokens(query, query_mask, responses, mask.bool(), tokenizer.eos_token_id,
-                                            tokenizer, reward, args)
+    batch = ppo.Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask.bool()], 1).long(),
+                        query.shape[1], mask.bool(), torch.zeros(responses.shape))
+    ids, ids_mask = ppo.reward_model_tokens(batch, tokenizer.eos_token_id, tokenizer, reward, args)
     rm_tokenizer = AutoTokenizer.from_pretrained(rm_path)
     rows = [{"prompt": prompt, "chosen": answers[0], "rejected": answers[1], "_source": "m", "_row": 0}]
     pair = rm.tokenize_pairs(rows, rm_tokenizer, rm.Args(max_length=64, max_prompt_length=32))[0][0]
@@ -231,12 +232,12 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
         expected = (rm.RewardModel(hf)(c_ids, c_mask) - hf.config.reward_shift) / hf.config.reward_scale
     policy = ppo.load_policy(args, tokenizer)
     critic = ppo.Critic(ppo.critic_from(ppo.Args(critic_init="policy"), policy, reward))
-    scores = ppo.score(policy, critic, reward, query, query_mask, responses, mask.bool(), [prompt] * 2, tokenizer,
-                       tokenizer.eos_token_id, args)[4]
+    ppo.score(critic, reward, batch, [prompt] * 2, tokenizer, tokenizer.eos_token_id, args)
+    scores = batch.scores
     assert torch.allclose(scores, expected, atol=1e-5)
-    one_by_one = ppo.score(policy, critic, reward, query, query_mask, responses, mask.bool(), [prompt] * 2, tokenizer,
-                           tokenizer.eos_token_id, ppo.Args(**{**vars(args), "per_device_train_batch_size": 1}))
-    assert torch.allclose(one_by_one[4], scores, atol=1e-6)  # scoring in micro-batches of 1 row changes nothing
+    ppo.score(critic, reward, batch, [prompt] * 2, tokenizer, tokenizer.eos_token_id,
+              ppo.Args(**{**vars(args), "per_device_train_batch_size": 1}))
+    assert torch.allclose(batch.scores, scores, atol=1e-6)  # scoring in micro-batches of 1 row changes nothing
     history = ppo.main(ppo.Args(sft_model_path=policy_path, reward_model_path=rm_path, total_episodes=8,
                                 per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1,
                                 response_length=6, output_dir=str(tmp_path / "ppo"), max_prompt_length=32))
@@ -306,7 +307,7 @@ def test_a_text_prompt_before_message_responses_is_one_prompt_in_both_scripts(fa
     rows = [{"prompt": "tell me about foods", "chosen": [{"role": "assistant", "content": "rice"}],
              "rejected": [{"role": "assistant", "content": "owl"}]}]
     tokenizer = rm.load_tokenizer(path)
-    pair = rm.tokenize_pairs([dict(rows[0], _source="m", _row=0)], tokenizer, rm.Args(max_length=96))[0][0]
+    pair = rm.tokenize_pairs([dict(rows[0], _source="m", _row=0)], tokenizer, rm.Args(max_length=96, max_prompt_length=72))[0][0]
     args = ppo.Args(sft_model_path=path, dataset_name=write_jsonl(tmp_path / "p.jsonl", rows))
     prompt_ids, texts = ppo.load_prompts(args, ppo.load_tokenizer(args))
     assert prompt_ids[0] == pair["prompt"] and "<|start_header_id|>user" in texts[0]

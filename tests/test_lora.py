@@ -221,14 +221,18 @@ def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_re
     query, query_mask = ppo.pad_left(prompts, max(map(len, prompts)), tokenizer.pad_token_id)
     responses = common.tokenize_responses(tokenizer, texts, [" cat dog red" * (1 + i % 3) for i in range(6)])
     padded = tokenizer.pad({"input_ids": responses}, padding_side="right", return_tensors="pt")
-    out = [ppo.score(policy, critic, r, query, query_mask, padded["input_ids"], padded["attention_mask"].bool(), texts,
-                     tokenizer, tokenizer.eos_token_id, args, reference_mode=lora.disable_adapter)
-           for r in (reward, separate)]
-    assert torch.allclose(out[0][4], out[1][4], atol=1e-4), (out[0][4], out[1][4])  # scores
-    ids, mask = out[0][:2]
+    mask = padded["attention_mask"].bool()
+    batch = ppo.Rollout(torch.cat([query, padded["input_ids"]], 1), torch.cat([query_mask, mask], 1).long(),
+                        query.shape[1], mask, torch.zeros(mask.shape))
+    out = []
+    for r in (reward, separate):
+        ppo.score(critic, r, batch, texts, tokenizer, tokenizer.eos_token_id, args)
+        out.append(batch.scores)
+    assert torch.allclose(out[0], out[1], atol=1e-4), out
     with torch.no_grad():  # with its adapter on, the critic reads otherwise: the switch is what makes them equal
-        adapted = critic(ids, mask).gather(1, common.last_token_index(mask)[:, None])[:, 0]
-    assert not torch.allclose(adapted - reward.shift / reward.scale, out[1][4], atol=1e-2)
+        ids, ids_mask = batch.query_response, batch.attention_mask
+        adapted = critic(ids, ids_mask).gather(1, common.last_token_index(ids_mask)[:, None])[:, 0]
+    assert not torch.allclose(adapted, out[1], atol=1e-2)
 
 
 @pytest.mark.parametrize("script", ["rm", "ppo"])

@@ -107,7 +107,7 @@ def test_explicit_implicit_and_conversational_formats_give_the_same_ids():
     rows = [{"prompt": prompt, "chosen": chosen, "rejected": rejected},
             {"chosen": prompt + chosen, "rejected": prompt + rejected}, conv]
     rows = [dict(r, _source="mem", _row=i) for i, r in enumerate(rows)]
-    pairs, truncated, dropped = rm.tokenize_pairs(rows, TOK, rm.Args())
+    pairs, truncated, dropped = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=512, max_prompt_length=384))
     assert (truncated, dropped) == (0, 0)
     eos = TOK.eos_token_id
     for p in pairs[:2]:
@@ -482,7 +482,8 @@ def test_each_mixed_dataset_is_evaluated_on_its_split_or_its_own_held_out_pairs(
     with open(alone, "w") as f:
         for i in range(50):
             f.write(json.dumps({"prompt": "User:", "chosen": " red", "rejected": " blue"}) + "\n")
-    args = rm.Args(dataset_mixer_list=[str(with_split), "1.0", str(alone), "1.0"], eval_holdout=0.2)
+    args = rm.Args(dataset_mixer_list=[str(with_split), "1.0", str(alone), "1.0"], eval_holdout=0.2,
+                   max_length=64, max_prompt_length=32)
     train, evals = rm.load_data(args, TOK, 0)
     red, cat = TOK.convert_tokens_to_ids("red"), TOK.convert_tokens_to_ids("cat")
     assert sum(p["chosen"][0] == red for p in evals) == 10 and sum(p["chosen"][0] == cat for p in evals) == 7

@@ -1,0 +1,305 @@
+"""What a GPU shows that a CPU cannot: attention kernels and NaN, both scripts end to end in bfloat16, packed vs padded
+rewards, memory and speed at Llama-3-8B shapes, sampling vs learning log-probs. Run it when a device is lent:
+
+    python benchmarks/gpu_check.py --out gpu_report            # one CUDA device, about 25 minutes
+    python benchmarks/gpu_check.py --quick --out /tmp/gpu       # tiny shapes, any device (a smoke run on a CPU)
+
+Writes report.json and report.md (device, torch / CUDA / cuDNN versions, every figure) to --out. Each section is
+independent: one that fails is reported as such and the others still run. See ../shared/gpu-checks.md for what each
+section must show.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import common  # noqa: E402
+import ppo  # noqa: E402
+import rm  # noqa: E402
+
+
+def sdpa_kernels(fn):
+    """The SDPA kernels fn ran, from the profiler's event names (cuDNN, flash, memory-efficient, math)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as p:
+        fn()
+    names = {e.key for e in p.key_averages()}
+    kinds = {"cudnn": "cudnn_attention", "flash": "flash_attention", "efficient": "efficient_attention",
+             "math": "_scaled_dot_product_attention_math"}
+    return sorted(k for k, marker in kinds.items() if any(marker in n for n in names))
+
+
+def tiny_llama(width, layers, heads, kv_heads, vocab, device, dtype=torch.float32, seq_cls=False):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=width * 4, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                         num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    loader = AutoModelForSequenceClassification if seq_cls else AutoModelForCausalLM
+    model = loader.from_config(config).to(device=device, dtype=dtype)
+    return common.scalar_head_in_float32(model) if seq_cls else model
+
+
+def check_attention(device, quick):
+    """1. Kernels chosen and NaN: a fully masked query row (a left-padded prompt), and cuDNN's backward with a boolean
+    mask at L % 128 == 64 with a row of very low log-sum-exp, with cuDNN on (the bug) and off (the fix)."""
+    out = {}
+    model = tiny_llama(128 if quick else 1024, 2, 8, 2, 1000, device)
+    ids = torch.randint(3, 1000, (4, 96), device=device)
+    mask = torch.ones_like(ids)
+    mask[:2, :40] = 0  # two left-padded rows
+    position = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out["ppo_left_padded_kernels"] = sdpa_kernels(lambda: model(input_ids=ids, attention_mask=mask,
+                                                                    position_ids=position))
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position).logits
+    out["ppo_left_padded_nan"] = bool(torch.isnan(logits[mask.bool()]).any())
+    rm_model = rm.RewardModel(tiny_llama(128 if quick else 512, 2, 8, 2, 1000, device, seq_cls=True))
+    pairs = [{"prompt": list(range(3, 40 + i)), "chosen": list(range(5, 20)), "rejected": list(range(6, 30)),
+              "margin": 0.0} for i in range(4)]
+    rm_model.hf.config._attn_implementation = "rm_segments"
+    inputs = [x.to(device) if torch.is_tensor(x) else x for x in rm.pack_segments(pairs)]
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out["rm_packed_kernels"] = sdpa_kernels(lambda: rm_model(*inputs))
+    # the raw kernel: a boolean mask, L % 128 == 64, one query row whose scores are all very low
+    length = 192
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, 8, length, 64, generator=g, device=device, dtype=torch.bfloat16) for _ in range(3))
+    q[:, :, 5] = -200.0
+    k[:, :, :6] = 10.0  # row 5 sees keys 0-5 only: log-sum-exp far below -88.7
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    for cudnn in (True, False):
+        if device.type == "cuda":
+            torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        qq = q.clone().requires_grad_(True)
+        o = F.scaled_dot_product_attention(qq, k, v, attn_mask=causal)
+        o.float().sum().backward()
+        out[f"boolean_mask_backward_nan_cudnn_{'on' if cudnn else 'off'}"] = bool(torch.isnan(qq.grad).any())
+    common.attention_without_nan(device)  # the scripts' setting: cuDNN off again
+    return out
+
+
+def check_scripts(device, quick, scratch):
+    """2. Both scripts end to end in bf16: rm.py, then ppo.py full fine-tuning, with LoRA, and on prompts of very
+    different lengths (heavy left padding). Finite metrics and the last samples."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    steps, episodes = ("20", "64") if quick else ("60", "1024")
+
+    def run(*argv):
+        t = time.time()
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+        if proc.returncode:
+            return {"exit": proc.returncode, "stderr": proc.stderr[-1500:]}
+        out = argv[argv.index("--output_dir") + 1]
+        metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        finite = all(v == v and abs(v) != float("inf") for m in metrics for v in m.values() if isinstance(v, float))
+        return {"exit": 0, "seconds": round(time.time() - t, 1), "all_finite": finite, "last": metrics[-1]}
+
+    rm_dir = os.path.join(scratch, "rm")
+    prompts = os.path.join(scratch, "prompts.jsonl")
+    with open(prompts, "w") as f:
+        for i in range(256):
+            f.write(json.dumps({"prompt": "User: tell me about animals such as" + " cat" * (i % 60) + " Assistant:"})
+                    + "\n")
+    ppo_base = ["ppo.py", "--bf16", "--reward_model_path", rm_dir, "--total_episodes", episodes]
+    return {"rm": run("rm.py", "--bf16", "--max_steps", steps, "--output_dir", rm_dir),
+            "ppo": run(*ppo_base, "--output_dir", os.path.join(scratch, "ppo")),
+            "ppo_lora": run(*ppo_base, "--lora_r", "8", "--learning_rate", "1e-3",
+                            "--output_dir", os.path.join(scratch, "ppo_lora")),
+            "ppo_left_padded": run(*ppo_base, "--dataset_name", prompts, "--max_prompt_length", "128",
+                                   "--output_dir", os.path.join(scratch, "ppo_pad"))}
+
+
+def check_packed_vs_padded(device, quick):
+    """3. A GQA Llama (width 512, 4 layers, 8 heads, 2 KV heads), 8 pairs of 300-600 tokens: packed rewards and
+    gradients against the padded batch's, in fp32 and bf16 autocast, cuDNN on and off."""
+    out = {}
+    n, lo, hi = (4, 30, 60) if quick else (8, 300, 600)
+    g = torch.Generator().manual_seed(0)
+    pairs = []
+    for _ in range(n):
+        p, c, r = (int(torch.randint(lo // 3, hi // 3, (1,), generator=g)) for _ in range(3))
+        pairs.append({k: torch.randint(3, 1000, (m,), generator=g).tolist() for k, m in
+                      (("prompt", p), ("chosen", c), ("rejected", r))} | {"margin": 0.0})
+    for precision in ("fp32", "bf16"):
+        for cudnn in ((True, False) if device.type == "cuda" else (False,)):
+            if device.type == "cuda":
+                torch.backends.cuda.enable_cudnn_sdp(cudnn)
+            results = []
+            for packed in (False, True):
+                model = rm.RewardModel(tiny_llama(128 if quick else 512, 4, 8, 2, 1000, device, seq_cls=True))
+                if packed:
+                    model.hf.config._attn_implementation = "rm_segments"
+                inputs = rm.pack_segments(pairs) if packed else rm.collate(pairs, 0)[:2]
+                inputs = [x.to(device) if torch.is_tensor(x) else x for x in inputs]
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    rewards = model(*inputs)
+                rewards.sum().backward()
+                results.append((rewards.detach().float(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+            (r0, g0), (r1, g1) = results
+            out[f"{precision}_cudnn_{'on' if cudnn else 'off'}"] = {
+                "max_reward_diff": (r0 - r1).abs().max().item(), "max_reward": r0.abs().max().item(),
+                "grad_rel_diff": ((g0 - g1).norm() / g0.norm()).item(), "nan": bool(torch.isnan(g1).any())}
+    common.attention_without_nan(device)
+    return out
+
+
+def check_8b_shapes(device, quick):
+    """4. Llama-3-8B shapes from a config, random bf16 weights: the learning forward + backward of ppo.py's
+    policy_forward at micro-batches of 768 tokens (peak memory, time, OOM), with and without activation
+    checkpointing; the rollout of 64 prompts x 256 new tokens; rm.py's packed forward + backward of 8 pairs of
+    ~1,000 tokens. The second of two timings."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
+
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256)
+    if quick:
+        shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=1000)
+    config = LlamaConfig(**shape, max_position_embeddings=8192, num_labels=1, pad_token_id=0)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def timed(fn):
+        out = {}
+        try:
+            for _ in range(2):
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                sync()
+                t = time.time()
+                fn()
+                sync()
+                out = {"seconds": round(time.time() - t, 3)}
+            if cuda:
+                out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+        except torch.OutOfMemoryError:
+            out = {"oom": True}
+        return out
+
+    result = {}
+    with torch.device(device):
+        policy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    length = 96 if quick else 768
+    for micro in ((2, 4) if quick else (4, 8, 16)):
+        for checkpointing in (False, True):
+            if checkpointing:
+                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                policy.gradient_checkpointing_disable()
+            ids = torch.randint(3, shape["vocab_size"], (micro, length), device=device)
+            mask = torch.ones_like(ids)
+
+            def step():
+                logprobs, _ = ppo.policy_forward(policy, ids, mask, length // 2, 1.0)
+                logprobs.sum().backward()
+                policy.zero_grad(set_to_none=True)
+            result[f"learn_micro{micro}_ckpt{int(checkpointing)}"] = timed(step)
+    policy.gradient_checkpointing_disable()
+    n_prompts, new = (8, 16) if quick else (64, 256)
+    args = ppo.Args(response_length=new)
+    query = torch.randint(3, shape["vocab_size"], (n_prompts, 128), device=device)
+    qmask = torch.ones_like(query, dtype=torch.bool)
+    gens = [torch.Generator(device).manual_seed(i) for i in range(n_prompts)]
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        rollout = timed(lambda: ppo.generate(policy, query, qmask, gens, args, None, 0))
+    noise = timed(lambda: [torch.stack([torch.rand(shape["vocab_size"], generator=g, device=device) for g in gens])
+                           for _ in range(new)])
+    if "seconds" in rollout:
+        rollout["ms_per_token"] = round(rollout["seconds"] / new * 1000, 2)
+        rollout["noise_share"] = round(noise.get("seconds", 0) / rollout["seconds"], 3)
+    result["rollout"] = rollout
+    del policy
+    with torch.device(device):
+        reward_model = rm.RewardModel(common.scalar_head_in_float32(
+            AutoModelForSequenceClassification.from_config(config, dtype=torch.bfloat16)))
+    reward_model.hf.config._attn_implementation = "rm_segments"
+    k = 100 if quick else 1000
+    pairs = [{"prompt": list(range(3, 3 + k // 2)), "chosen": list(range(5, 5 + k // 2)),
+              "rejected": list(range(7, 7 + k // 2)), "margin": 0.0} for _ in range(8)]
+    inputs = [x.to(device) if torch.is_tensor(x) else x for x in rm.pack_segments(pairs)]
+
+    def rm_step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            reward_model(*inputs).sum().backward()
+        reward_model.zero_grad(set_to_none=True)
+    result["rm_packed_8_pairs"] = timed(rm_step)
+    return result
+
+
+def check_logprobs(device, quick):
+    """5. Sampling vs learning log-probs at initialisation, on a policy trained first (random weights hide the
+    effect): |new - old| over the response tokens, the fraction of ratios outside 1 +- 0.2 and the KL per sequence
+    at initialisation, for bf16 weights and for fp32 weights under bf16 autocast; then rollout_logprobs' (the fix)."""
+    tok = common.embedded_tokenizer()
+    policy = ppo.embedded_sft_policy("embedded-llama", tok, seed=0, steps=50 if quick else 400).to(device)
+    args = ppo.Args(response_length=16, per_device_train_batch_size=32, num_mini_batches=2, bf16=True)
+    import random
+    rng = random.Random(0)
+    prompts = common.tokenize_prompts(tok, [common.embedded_prompt(rng) + " cat" * rng.randint(0, 20)
+                                            for _ in range(64)])
+    out = {}
+    for name, dtype in (("bf16_weights", torch.bfloat16), ("fp32_weights_autocast", torch.float32)):
+        model = policy.to(dtype)
+        batch = ppo.rollout(model, prompts, range(64), args, tok.eos_token_id, tok.pad_token_id, device, False)
+        sampled = batch.logprobs.clone()
+        ppo.rollout_logprobs(model, model, batch, args, 0, 0, 1)
+        real = batch.mask
+        diff = (batch.logprobs - sampled)[real]
+        ratio = diff.exp()
+        out[name] = {"mean_abs_diff": diff.abs().mean().item(), "max_abs_diff": diff.abs().max().item(),
+                     "ratio_outside_0.2": ((ratio - 1).abs() > 0.2).float().mean().item(),
+                     "kl_per_sequence_sampling_vs_reference": ((sampled - batch.ref_logprobs) * real).sum(1)
+                     .mean().item(),
+                     "kl_per_sequence_after_fix": ((batch.logprobs - batch.ref_logprobs) * real).sum(1).mean().item()}
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu_report")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, on any device")
+    parser.add_argument("--sections", nargs="*", default=["attention", "scripts", "packed", "shapes", "logprobs"])
+    a = parser.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    common.attention_without_nan(device)
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+              "quick": a.quick, "date": time.strftime("%Y-%m-%d")}
+    checks = {"attention": lambda: check_attention(device, a.quick),
+              "scripts": lambda: check_scripts(device, a.quick, os.path.join(a.out, "runs")),
+              "packed": lambda: check_packed_vs_padded(device, a.quick),
+              "shapes": lambda: check_8b_shapes(device, a.quick),
+              "logprobs": lambda: check_logprobs(device, a.quick)}
+    for name in a.sections:
+        t = time.time()
+        try:
+            report[name] = checks[name]()
+        except Exception:
+            report[name] = {"error": traceback.format_exc()[-2000:]}
+        report[name + "_seconds"] = round(time.time() - t, 1)
+        print(name, json.dumps(report[name])[:400], flush=True)
+        common.write_json_atomic(os.path.join(a.out, "report.json"), report)
+    with open(os.path.join(a.out, "report.md"), "w") as f:
+        f.write(f"# GPU check: {report['device']} (torch {report['torch']}, CUDA {report['cuda']}, cuDNN "
+                f"{report['cudnn']}), {report['date']}\n\n")
+        for name in a.sections:
+            f.write(f"## {name} ({report[name + '_seconds']} s)\n\n```json\n{json.dumps(report[name], indent=1)}\n```\n\n")
+
+
+if __name__ == "__main__":
+    main()

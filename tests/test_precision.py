@@ -1,0 +1,252 @@
+"""bfloat16 that is right, and attention that cannot produce NaN: what the scripts compute under --bf16, checked
+under CPU bfloat16 autocast against formulas computed in float32."""
+
+import json
+import os
+import random
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ROOT, read_metrics, run_script
+from families import DECODERS
+
+import common
+import ppo
+import rm
+
+TOK = common.embedded_tokenizer()
+
+
+def first_mini_batch_spy(monkeypatch):
+    """Record, for each policy_loss call of the first optimizer step, the largest |new - old| log-prob."""
+    calls, real = [], ppo.policy_loss
+
+    def spy(new, old, adv, mask, *a, **k):
+        calls.append(((new - old).abs() * mask).max().item())
+        return real(new, old, adv, mask, *a, **k)
+    monkeypatch.setattr(ppo, "policy_loss", spy)
+    return calls
+
+
+FIRST_UPDATE = dict(total_episodes=16, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                    num_mini_batches=2, num_ppo_epochs=1, bf16=True)
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_bf16_first_mini_batch_is_on_policy_and_the_kl_at_initialisation_is_zero(lora, reward_model_path, tmp_path,
+                                                                                 monkeypatch):
+    """Under bfloat16 the sampling decode and the learning forward round differently; the old log-probs are
+    recomputed on the first epoch's own partition, so its first mini-batch's ratio is exactly 1 (clip fraction 0) and
+    the reference equals the policy at initialisation (KL 0). Full fine-tuning with the KV cache in bfloat16 (it
+    crashed at the first rollout), and LoRA with its frozen base held in bfloat16."""
+    calls = first_mini_batch_spy(monkeypatch)
+    ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(tmp_path), lora_r=lora, **FIRST_UPDATE))
+    steps_per_mini_batch = len(calls) // 2
+    assert calls[:steps_per_mini_batch] == [0.0] * steps_per_mini_batch  # every forward of the first mini-batch
+    assert max(calls[steps_per_mini_batch:]) > 0  # the policy moved after the first step
+    m = read_metrics(tmp_path)[0]
+    assert m["objective/kl"] == 0.0 and np.isfinite(m["loss/policy"])
+
+
+def test_bf16_fsdp_on_two_ranks_first_mini_batch_is_on_policy(reward_model_path, tmp_path):
+    """The same under FSDP2 on 2 ranks: the reference is sharded as the policy is, so it computes as the policy does."""
+    driver = tmp_path / "first_ratio.py"
+    driver.write_text(
+        "import json, sys, torch.distributed as dist\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "import ppo\n"
+        "calls, real = [], ppo.policy_loss\n"
+        "def spy(new, old, adv, mask, *a, **k):\n"
+        "    calls.append(((new - old).abs() * mask).max().item())\n"
+        "    return real(new, old, adv, mask, *a, **k)\n"
+        "ppo.policy_loss = spy\n"
+        f"ppo.main(ppo.Args(reward_model_path={reward_model_path!r}, output_dir={str(tmp_path / 'out')!r}, fsdp=True, "
+        "total_episodes=16, per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1, bf16=True))\n"
+        f"json.dump(calls, open({str(tmp_path)!r} + '/calls' + __import__('os').environ['RANK'], 'w'))\n")
+    run_script([str(driver)], nproc=2)
+    for r in (0, 1):
+        calls = json.load(open(tmp_path / f"calls{r}"))
+        assert calls[0] == 0.0 and calls[1] > 0, calls  # one forward per mini-batch per rank under FSDP
+    assert read_metrics(tmp_path / "out")[0]["objective/kl"] == 0.0
+
+
+def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_path, small_pairs_file):
+    """rm.py and ppo.py --bf16 on the embedded task against the same runs in float32: held-out accuracy within 3
+    points, and PPO's gold score improving by as much as float32's within noise."""
+    results = {}
+    for precision in ("fp32", "bf16"):
+        flags = ["--bf16"] if precision == "bf16" else []
+        out = tmp_path / precision
+        run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size",
+                    "16", "--num_evals", "1", "--output_dir", str(out / "rm"), *flags])
+        history = ppo.main(ppo.Args(reward_model_path=str(out / "rm"), output_dir=str(out / "ppo"),
+                                    total_episodes=384, sample_every=100, bf16=precision == "bf16"))
+        results[precision] = (json.load(open(out / "rm" / "eval_results.json"))["accuracy"],
+                              np.mean([h["gold/mean"] for h in history[-3:]]) - np.mean([h["gold/mean"]
+                                                                                        for h in history[:3]]))
+    (acc32, gain32), (acc16, gain16) = results["fp32"], results["bf16"]
+    assert abs(acc16 - acc32) < 0.03, results
+    assert gain32 > 0.1 and gain16 > 0.5 * gain32, results
+
+
+def test_scalar_heads_logits_and_entropy_are_float32_under_bf16_autocast():
+    """Rewards, values, log-probs and entropies computed under bfloat16 autocast equal the formulas computed in float32
+    on the same hidden states: no bfloat16 rounding of a reward (ties) or of the output layer."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    reward_model = common.scalar_head_in_float32(AutoModelForSequenceClassification.from_config(
+        common.embedded_model_config("embedded-llama", len(TOK), num_labels=1)))
+    with torch.no_grad():
+        reward_model.score.weight.mul_(40)  # rewards of size 4-16, where bfloat16's steps are 0.03-0.06
+    ids = torch.randint(20, len(TOK), (6, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        rewards = common.sequence_reward(reward_model, ids, mask)
+        hidden = reward_model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -1]
+        values = ppo.Critic(reward_model)(ids, mask)[:, -1]
+    expected = hidden.double() @ reward_model.score.weight.double().T
+    assert rewards.dtype == torch.float32 and rewards.abs().max() > 4
+    assert torch.allclose(rewards.double(), expected[:, 0], atol=1e-4) and torch.allclose(values, rewards)
+
+    policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=3)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs, entropy = ppo.policy_forward(policy, ids, mask, 4, 0.7)
+        h = ppo.head_inputs(policy, input_ids=ids, attention_mask=mask)[:, 3:-1]
+    logp = torch.log_softmax(h.double() @ policy.lm_head.weight.double().T / 0.7, -1)
+    assert torch.allclose(logprobs.double(), logp.gather(-1, ids[:, 4:, None]).squeeze(-1), atol=1e-5)
+    assert torch.allclose(entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-5)
+
+
+def test_critic_initialised_from_the_reward_model_starts_at_the_normalized_reward(reward_model_path, tmp_path):
+    """(w / scale) . h - shift / scale: the critic's value at the last token is the normalized score, shift included."""
+    shutil.copytree(reward_model_path, tmp_path / "rm")
+    config = json.load(open(tmp_path / "rm" / "config.json"))
+    json.dump(dict(config, reward_shift=0.7, reward_scale=2.5), open(tmp_path / "rm" / "config.json", "w"))
+    args = ppo.Args(reward_model_path=str(tmp_path / "rm"))
+    _, _, _, critic, _, reward = ppo.build_models(args, TOK, torch.device("cpu"), 0, 1)
+    rng = random.Random(0)
+    texts = [common.embedded_prompt(rng) for _ in range(4)]
+    seqs = [p + r for p, r in zip(common.tokenize_prompts(TOK, texts), common.tokenize_responses(
+        TOK, texts, [" cat dog", " red", " rice soup cake", " owl"]))]
+    ids, mask = ppo.pad_left(seqs, max(map(len, seqs)), TOK.pad_token_id)
+    with torch.no_grad():
+        values = critic(ids, mask.long())[:, -1]
+        scores = (common.sequence_reward(reward.model, ids, mask.long()) - 0.7) / 2.5
+    assert torch.allclose(values, scores, atol=1e-5), (values, scores)
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_no_query_attends_to_nothing_and_real_tokens_are_unchanged(family, family_dir, monkeypatch):
+    """A left-padded batch (ppo.py's prompts): every query row of every SDPA mask sees at least one key (a fully
+    masked row gives NaN on some CUDA kernels), and the real tokens' logits are those of transformers' own mask."""
+    from transformers import AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32).eval()
+    ids = torch.randint(5, 50, (3, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :4], mask[1, :1] = 0, 0
+    position = (mask.cumsum(1) - 1).clamp(min=0)
+    masks, real = [], F.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        masks.append(k.get("attn_mask"))
+        return real(*a, **k)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "sdpa", sdpa_mask)  # transformers' own
+    with torch.no_grad():
+        own = model(input_ids=ids, attention_mask=mask, position_ids=position).logits
+    common.attention_without_nan(torch.device("cpu"))
+    masks.clear()
+    with torch.no_grad():
+        guarded = model(input_ids=ids, attention_mask=mask, position_ids=position).logits
+    for m in masks:
+        if torch.is_tensor(m) and m.dtype == torch.bool:
+            assert m.any(-1).all()
+    assert torch.allclose(own[mask.bool()], guarded[mask.bool()], atol=1e-6)
+
+
+def test_default_lengths_fit_a_short_position_table_and_given_ones_are_refused(family_dir, tmp_path, capsys):
+    """rm.py's default --max_length 512 and ppo.py's default --max_prompt_length 256 on a model with a learned
+    position table of 256: the defaults are clamped with a line saying so, and the runs finish; a length the user
+    gives beyond the table is refused (tests/test_families.py)."""
+    from test_families import preference_rows, write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", preference_rows("gpt2", 40))
+    rm.main(rm.Args(model_name_or_path=family_dir("gpt2"), dataset_name=data, max_steps=2,
+                    per_device_train_batch_size=4, num_evals=1, output_dir=str(tmp_path / "rm")))
+    assert "--max_length: 256, not the default 512" in capsys.readouterr().out
+    saved = json.load(open(tmp_path / "rm" / "eval_results.json"))["args"]
+    assert (saved["max_length"], saved["max_prompt_length"]) == (256, 192)
+    ppo.main(ppo.Args(sft_model_path=family_dir("gpt2"), reward_fn="common:gold_rewards", total_episodes=8,
+                      per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1,
+                      output_dir=str(tmp_path / "ppo")))
+    assert "--max_prompt_length: 240, not the default 256" in capsys.readouterr().out
+
+
+def test_layout_check_runs_once_on_rank_0_in_the_runs_precision(monkeypatch):
+    """rm.py's packed-layout check: one forward pair, on rank 0 only (the other ranks take its verdict), under the
+    run's autocast."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = rm.RewardModel(AutoModelForSequenceClassification.from_config(
+        common.embedded_model_config("embedded-llama", len(TOK), num_labels=1)))
+    seen, real = [], rm.RewardModel.forward
+
+    def spy(self, *a, **k):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return real(self, *a, **k)
+    monkeypatch.setattr(rm.RewardModel, "forward", spy)
+    args, layout = rm.choose_layout(model, rm.Args(bf16=True), len(TOK), rank=0)
+    assert seen == [True, True] and args.padding_free and "packed" in layout
+    model.hf.config._attn_implementation = "sdpa"
+    seen.clear()
+    args, layout = rm.choose_layout(model, rm.Args(), len(TOK), rank=1)  # no process group: rank 0's verdict is None
+    assert seen == [] and model.hf.config._attn_implementation == "rm_segments"
+
+
+def write_rows(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_evaluation_holds_out_whole_prompts_uses_validation_and_whole_eval_splits(tmp_path, capsys):
+    """Several pairs per prompt: no prompt in both the training and the held-out pairs. A dataset whose held-out
+    split is `validation` is evaluated on it (said in a line). The mixture's weight cuts training pairs only."""
+    rng = random.Random(0)
+    rows = [{"prompt": f"User: tell me about {t} such as {w} Assistant:", "chosen": f" {rng.choice([w for w in common.WORDS if w != 'gold'])}",
+             "rejected": " gold"} for t in common.TOPICS for w in common.TOPICS[t] for _ in range(5)]
+    write_rows(tmp_path / "many.jsonl", rows)
+    args = rm.Args(dataset_name=str(tmp_path / "many.jsonl"), max_length=64, max_prompt_length=32)
+    train, evals = rm.load_data(args, TOK, 0)
+    prompts = lambda pairs: {tuple(p["prompt"]) for p in pairs}  # noqa: E731
+    assert not prompts(train) & prompts(evals) and len(evals) >= 0.1 * len(rows) - 5
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_rows(folder / "train.jsonl", rows[:100])
+    write_rows(folder / "validation.jsonl", rows[100:130])
+    args = rm.Args(dataset_mixer_list=[str(folder), "0.5"], max_length=64, max_prompt_length=32)
+    train, evals = rm.load_data(args, TOK, 0)
+    assert len(evals) == 30 and len(train) == 50  # the weight halves the training pairs, never the eval split
+    assert "evaluating on its 'validation' split" in capsys.readouterr().out
+
+
+def test_eval_loss_is_the_training_objective_with_its_centering_term():
+    r_c, r_r, margin = torch.tensor([1.0, -0.5, 2.0]), torch.tensor([0.2, 0.5, 1.5]), torch.zeros(3)
+    expected = np.mean([np.log1p(np.exp(-(c - r))) for c, r in zip(r_c.tolist(), r_r.tolist())]) + \
+        0.1 * np.mean([(c + r) ** 2 for c, r in zip(r_c.tolist(), r_r.tolist())])
+    assert rm.reward_model_loss(r_c, r_r, margin, "sigmoid", 0.1).item() == pytest.approx(expected, rel=1e-6)
+    pairs = [{"prompt": [2, 4], "chosen": [20, 3], "rejected": [21, 22, 3], "margin": 0.0, "gold": None}] * 4
+    model = rm.RewardModel(rm.load_reward_model(rm.Args(), TOK)[0]).eval()
+    for coefficient in (0.0, 0.5):
+        ev, rewards = rm.evaluate(model, pairs, rm.Args(center_rewards_coefficient=coefficient, padding_free=False),
+                                  0, torch.device("cpu"), 0, 1)
+        assert ev["eval/loss"] == pytest.approx(rm.reward_model_loss(rewards[:, 0], rewards[:, 1], torch.zeros(4),
+                                                                     "sigmoid", coefficient).item(), rel=1e-6)
