@@ -164,8 +164,8 @@ def test_saved_reward_model_reloads_with_transformers_and_gives_the_training_rew
     hf = AutoModelForSequenceClassification.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     rows = [dict(r, _source="m", _row=i) for i, r in enumerate(preference_rows(family, 160))]
-    random.Random(1).shuffle(rows)  # rm.py's hold-out: the first 10% after its shuffle (seed 1)
-    evals, _, _ = rm.tokenize_pairs(rows[:16], tokenizer, rm.Args(max_length=64, max_prompt_length=32))
+    held_out = rm.hold_out_by_prompt(rows, 0.1, 1, tokenizer)[1]  # rm.py's hold-out (seed 1)
+    evals, _, _ = rm.tokenize_pairs(held_out, tokenizer, rm.Args(max_length=64, max_prompt_length=32))
     ids, mask, _ = rm.collate(evals, tokenizer.pad_token_id)
     with torch.no_grad():
         ours = rm.RewardModel(hf)(ids, mask)

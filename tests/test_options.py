@@ -1,0 +1,141 @@
+"""Every combination of options runs: each script over a pairwise covering array of its options (every pair of values
+of every two options together in at least one short run), on the embedded task and on a model loaded from a folder
+(stored in bfloat16, as hub checkpoints are). Each run must exit 0, log finite metrics and save a model that loads
+and computes finite outputs. A new option gets a row in PPO_OPTIONS or RM_OPTIONS."""
+
+import itertools
+import json
+import math
+from collections import OrderedDict
+
+import pytest
+import torch
+from allpairspy import AllPairs
+from conftest import read_metrics, run_script
+from test_families import preference_rows, write_jsonl
+
+import common
+import ppo
+import rm
+
+TOK = common.embedded_tokenizer()
+
+PPO_OPTIONS = OrderedDict(
+    ranks=[1, 2], fsdp=[False, True], bf16=[False, True], lora_r=[0, 4], reward=["model", "function", "both"],
+    critic_init=["auto", "policy", "reward"], ptx_coef=[0.0, 0.1], num_collect_steps=[1, 2],
+    offload_inference_models=[False, True], kl_estimator=["k1", "k3"], target_kl=[None, 0.5],
+    whiten_rewards=[False, True], stop_token=["eos", "none"], gradient_accumulation_steps=[1, 2],
+    resume=[False, True], policy=["embedded", "folder"])
+
+RM_OPTIONS = OrderedDict(
+    ranks=[1, 2], fsdp=[False, True], bf16=[False, True], lora_r=[0, 4], layout=["padded", "packed", "prefix-shared"],
+    gradient_checkpointing=[False, True], loss_type=["sigmoid", "logexp"], center_rewards_coefficient=[0.0, 0.1],
+    reward_normalization=["none", "shift", "shift_scale"], gradient_accumulation_steps=[1, 2], resume=[False, True],
+    model=["embedded", "folder"])
+
+
+def ppo_refused(values):
+    """The one combination ppo.py refuses by design: a critic initialised from a reward model that is not there."""
+    return values.get("critic_init") == "reward" and values.get("reward") == "function"
+
+
+def covering_array(options, refused=lambda values: False):
+    """allpairspy's pairwise rows (it hands the filter partial rows, in option order), then a row more for any pair of
+    values of two options that its greedy search left out under the filter: every pair the script does not refuse is
+    in some row."""
+    rows = [OrderedDict(zip(options, values)) for values in AllPairs(
+        list(options.values()), filter_func=lambda values: not refused(dict(zip(options, values))))]
+    for (a, xs), (b, ys) in itertools.combinations(options.items(), 2):
+        for x, y in itertools.product(xs, ys):
+            if not refused({a: x, b: y}) and not any(r[a] == x and r[b] == y for r in rows):
+                rows.append(next(r for r in (OrderedDict(base, **{a: x, b: y}) for base in rows) if not refused(r)))
+    return rows
+
+
+PPO_ROWS, RM_ROWS = covering_array(PPO_OPTIONS, ppo_refused), covering_array(RM_OPTIONS)
+
+
+def flags(args):
+    out = []
+    for k, v in args.items():
+        if v is True:
+            out.append(f"--{k}")
+        elif isinstance(v, list):
+            out += [f"--{k}", *map(str, v)]
+        elif v is not False and v is not None:
+            out += [f"--{k}", str(v)]
+    return out
+
+
+def run(script, args, ranks, out):
+    """The script in this process (1 rank) or under torchrun (2), twice with --resume where asked: the first run
+    leaves a checkpoint after its first update, the second resumes from it."""
+    runs = [dict(args, resume=False, save_steps=1), dict(args, resume=True)] if args.pop("resume") else [args]
+    for a in runs:
+        if ranks == 1:
+            (ppo if script == "ppo.py" else rm).main((ppo.Args if script == "ppo.py" else rm.Args)(**a,
+                                                                                                  output_dir=out))
+        else:
+            run_script([script, *flags(a), "--output_dir", out], nproc=2)
+
+
+def assert_finite_metrics(out):
+    metrics = read_metrics(out)
+    assert metrics and all(math.isfinite(v) for m in metrics for v in m.values() if isinstance(v, float)), metrics
+
+
+@pytest.fixture(scope="module")
+def sft_folder(tmp_path_factory):
+    """The embedded task's initial policy saved as a user's checkpoint: a folder, weights stored in bfloat16."""
+    out = tmp_path_factory.mktemp("sft")
+    ppo.embedded_sft_policy("embedded-llama", TOK, seed=3).to(torch.bfloat16).save_pretrained(out)
+    TOK.save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("row", PPO_ROWS, ids=[f"ppo{i}" for i in range(len(PPO_ROWS))])
+def test_ppo_runs_with_every_pair_of_options(row, tmp_path, reward_model_path, sft_folder):
+    from transformers import AutoModelForCausalLM
+
+    row = dict(row)
+    ranks, reward, policy = row.pop("ranks"), row.pop("reward"), row.pop("policy")
+    micro, updates = 2, 2 if row["resume"] else 1
+    batch = micro * row["gradient_accumulation_steps"] * 2 * ranks
+    args = dict(row, total_episodes=batch * updates, per_device_train_batch_size=micro, num_mini_batches=2,
+                num_ppo_epochs=2, response_length=6, sample_every=1, kl_horizon=100,
+                sft_model_path=sft_folder if policy == "folder" else "embedded-llama",
+                reward_model_path=None if reward == "function" else reward_model_path,
+                reward_fn=None if reward == "model" else "common:gold_rewards",
+                ptx_dataset_name="embedded" if row["ptx_coef"] else None)
+    if policy == "folder":
+        args["learning_rate"] = 3e-4
+    run("ppo.py", args, ranks, str(tmp_path))
+    assert_finite_metrics(tmp_path)
+    assert len(read_metrics(tmp_path)) == updates
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.tensor([[2, 4, 5, 6]])
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+@pytest.mark.parametrize("row", RM_ROWS, ids=[f"rm{i}" for i in range(len(RM_ROWS))])
+def test_rm_runs_with_every_pair_of_options(row, tmp_path, small_pairs_file, family_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    row = dict(row)
+    ranks, layout, model = row.pop("ranks"), row.pop("layout"), row.pop("model")
+    args = dict(row, max_steps=4 if row["resume"] else 2, per_device_train_batch_size=4, num_evals=1, logging_steps=1,
+                padding_free=layout != "padded", prefix_sharing=layout == "prefix-shared", max_length=64,
+                max_prompt_length=32)
+    if model == "folder":  # a tiny Llama stored in bfloat16, with its own tokenizer and chat-formatted pairs
+        args.update(model_name_or_path=family_dir("llama"), learning_rate=1e-3,
+                    dataset_name=write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 80)))
+    else:
+        args.update(dataset_name=small_pairs_file)
+    if not args["padding_free"]:
+        args["prefix_sharing"] = True  # (ignored: the padded batch)
+    run("rm.py", args, ranks, str(tmp_path / "out"))
+    assert_finite_metrics(tmp_path / "out")
+    results = json.load(open(tmp_path / "out" / "eval_results.json"))
+    assert 0 <= results["accuracy"] <= 1 and math.isfinite(results["loss"])
+    saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
+    assert torch.isfinite(saved(input_ids=torch.tensor([[2, 4, 5, 6, 3]])).logits).all()
