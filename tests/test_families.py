@@ -307,8 +307,9 @@ def test_a_text_prompt_before_message_responses_is_one_prompt_in_both_scripts(fa
     rows = [{"prompt": "tell me about foods", "chosen": [{"role": "assistant", "content": "rice"}],
              "rejected": [{"role": "assistant", "content": "owl"}]}]
     tokenizer = rm.load_tokenizer(path)
-    pair = rm.tokenize_pairs([dict(rows[0], _source="m", _row=0)], tokenizer, rm.Args(max_length=96, max_prompt_length=72))[0][0]
-    args = ppo.Args(sft_model_path=path, dataset_name=write_jsonl(tmp_path / "p.jsonl", rows))
+    pair = rm.tokenize_pairs([dict(rows[0], _source="m", _row=0)], tokenizer,
+                             rm.Args(max_length=96, max_prompt_length=72))[0][0]
+    args = ppo.Args(sft_model_path=path, dataset_name=write_jsonl(tmp_path / "p.jsonl", rows), max_prompt_length=72)
     prompt_ids, texts = ppo.load_prompts(args, ppo.load_tokenizer(args))
     assert prompt_ids[0] == pair["prompt"] and "<|start_header_id|>user" in texts[0]
 

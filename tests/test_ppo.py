@@ -378,7 +378,7 @@ def test_an_empty_prompt_without_bos_is_named(tmp_path):
     path.write_text('{"prompt": "User: tell me about animals Assistant:"}\n{"prompt": ""}\n')
     assert common.leading_id(TOK) is None  # the embedded tokenizer adds no BOS
     with pytest.raises(common.UserError, match=r"prompts.jsonl: line 2: the prompt is empty and .* adds no BOS"):
-        ppo.load_prompts(ppo.Args(dataset_name=str(path)), TOK)
+        ppo.load_prompts(ppo.Args(dataset_name=str(path), max_prompt_length=256), TOK)
 
 
 def test_logits_in_blocks_give_the_log_probs_entropies_and_gradients_of_the_whole(monkeypatch):

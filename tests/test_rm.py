@@ -209,7 +209,8 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     rows = common.embedded_pairs(16, seed=1)  # the first eval pairs
-    pairs, _, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)], tok, rm.Args())
+    pairs, _, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)], tok,
+                                    rm.Args(max_length=512, max_prompt_length=384))
     ids, mask, _ = rm.collate(pairs, tok.pad_token_id)
     with torch.no_grad():
         ours = rm.RewardModel(hf)(ids, mask)
@@ -439,12 +440,13 @@ def test_dataset_mixer_takes_fractions_and_counts(tmp_path):
         with open(tmp_path / name, "w") as f:
             for i in range(n):
                 f.write(json.dumps({"chosen": f" {name} {i}", "rejected": " x"}) + "\n")
-    rows = common.mix_rows([str(tmp_path / "a.jsonl"), "0.5", str(tmp_path / "b.jsonl"), "12"], "train", seed=0)
+    rows = [r for name, weight in common.mixture([str(tmp_path / "a.jsonl"), "0.5", str(tmp_path / "b.jsonl"), "12"])
+            for r in common.take_share(common.load_rows(name), weight, seed=0)]
     sources = [os.path.basename(r["_source"]) for r in rows]
     assert sources.count("a.jsonl") == 20 and sources.count("b.jsonl") == 12
     assert all(r["chosen"] == f" {os.path.basename(r['_source'])} {r['_row']}" for r in rows)  # rows keep their number
     with pytest.raises(common.UserError, match="weight 'many' of"):
-        common.mix_rows([str(tmp_path / "a.jsonl"), "many"], "train", seed=0)
+        common.mixture([str(tmp_path / "a.jsonl"), "many"])
 
 
 def test_text_prompt_with_message_responses_is_the_user_turn():
@@ -511,13 +513,10 @@ def test_eval_only_reproduces_the_final_evaluation_of_training(tmp_path, small_p
     trained = json.load(open(train_dir / "eval_results.json"))
     held_out = tmp_path / "held_out"  # the same held-out pairs, as an eval split of their own
     held_out.mkdir()
-    rows = [json.loads(line) for line in open(small_pairs_file)]
-    import random
-
-    random.Random(1).shuffle(rows)
-    for split, part in (("train", rows[60:]), ("test", rows[:60])):
+    rows = common.load_rows(small_pairs_file)
+    for split, part in zip(("train", "test"), rm.hold_out_by_prompt(rows, 0.1, 1, TOK)):  # rm.py's hold-out (seed 1)
         with open(held_out / f"{split}.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in part)
+            f.writelines(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n" for r in part)
     proc = run_script(["rm.py", "--eval_only", "--model_name_or_path", str(train_dir), "--dataset_name",
                        str(held_out), "--output_dir", str(tmp_path / "eval")])
     assert "evaluated" in proc.stdout
@@ -603,7 +602,7 @@ def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path)
     hf = AutoModelForSequenceClassification.from_pretrained(reward_model_path).eval()
     rows = [{"prompt": scope["prompt"], "chosen": scope["responses"][0], "rejected": scope["responses"][1],
              "_source": "m", "_row": 0}]
-    pairs, _, _ = rm.tokenize_pairs(rows, scope["tokenizer"], rm.Args())
+    pairs, _, _ = rm.tokenize_pairs(rows, scope["tokenizer"], rm.Args(max_length=512, max_prompt_length=384))
     ids, mask, _ = rm.collate(pairs, scope["tokenizer"].pad_token_id)
     with torch.no_grad():
         trained = (rm.RewardModel(hf)(ids, mask) - hf.config.reward_shift) / hf.config.reward_scale
