@@ -7,13 +7,16 @@
     python ppo.py --reward_fn common:gold_rewards  # a rule (here the embedded task's true reward) instead of a model
     python ppo.py --help                           # every option, documented
 
-Four models: the policy (trained), a frozen reference copy of it, a critic (trained; by default initialised from the
-reward model) and the frozen reward model (or a reward function). Each update:
+The policy (trained), a frozen reference policy (its initial state), a critic (trained; by default initialised from
+the reward model) and the reward: a frozen reward model and/or a function. (With LoRA the reference is the policy with
+its adapter switched off, and a reward model the critic initialises from is the critic with its adapter off.) Each
+update hands one Rollout batch through the phases:
   1. rollout: sample a response to every prompt of the batch (KV-cached, seeded per episode);
-  2. score: reward at the response's stop token, log-probs of policy and reference, values;
-  3. advantages: rewards = -kl_coef * KL per token + score at the last token; GAE, whitened;
-  4. learn: num_ppo_epochs passes of clipped-surrogate policy loss and clipped value loss over shuffled mini-batches;
-  5. adapt kl_coef, log, checkpoint.
+  2. score: values, and the reward at the response's stop token;
+  3. log-probs of the responses under the reference (and under --bf16 the policy), on the first epoch's partition;
+  4. advantages: rewards = -kl_coef * KL per token + score at the last token; GAE, whitened;
+  5. learn: num_ppo_epochs passes of clipped-surrogate policy loss and clipped value loss over shuffled mini-batches;
+  6. adapt kl_coef, log, checkpoint.
 Schulman et al. 2017 (PPO); Ziegler et al. 2019 and Stiennon et al. 2020 (PPO for language); Huang et al. 2024
 ("The N implementation details of RLHF with PPO").
 """
@@ -131,7 +134,8 @@ class Args:
     ent_coef: float = 0.0
     """Weight of the entropy bonus."""
     whiten_rewards: bool = False
-    """Whiten the per-token rewards (scale only) before GAE."""
+    """Whiten the per-token rewards before GAE, keeping their mean: (r - mean) / std + mean over the batch's real
+    tokens (masked_whiten with shift_mean=False)."""
     ptx_coef: float = 0.0
     """Weight of a language-modelling loss on --ptx_dataset_name (InstructGPT's PPO-ptx, Ouyang et al. 2022)."""
     ptx_dataset_name: str | None = None
@@ -170,7 +174,9 @@ class Args:
     """Shard policy and critic per transformer block with FSDP2 (default: DDP)."""
     bf16: bool = False
     """bfloat16 autocast (weights and optimizer state stay float32; with LoRA, the frozen base weights are held in
-    bfloat16, the adapters and value head in float32)."""
+    bfloat16, the adapters and value head in float32). The output layer, log-softmax, entropy and scalar heads are
+    computed in float32 whatever this says; the old log-probs are recomputed by the learning forward (README,
+    Precision)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
