@@ -1156,7 +1156,7 @@ def main(args):
         batch = all_gather_rollout(batch)
 
         # 3. Log-probs under the reference (and, in bfloat16, the policy again) on the first epoch's partition.
-        with offloaded([None if lora else ref_policy], device, args.offload_inference_models):
+        with offloaded([None if lora or args.fsdp else ref_policy], device, args.offload_inference_models):
             rollout_logprobs(policy, ref_policy, batch, args, update, rank, world,
                              reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
         t_score = time.time()
@@ -1210,7 +1210,7 @@ def build_optimizer(policy, critic, args, num_updates):
 @contextlib.contextmanager
 def offloaded(models, device, enabled):
     """--offload_inference_models: the frozen models on the device only while they score, on the CPU while the
-    policy and critic learn."""
+    policy and critic learn. (A reference sharded under FSDP holds 1/world of itself per rank and stays.)"""
     models = [m for m in models if m is not None and enabled]
     for model in models:
         model.to(device)
