@@ -47,6 +47,8 @@ from transformers import StaticCache
 import common
 
 
+
+
 @dataclass
 class Args:
     # --- models and data
@@ -254,555 +256,20 @@ def truncate_after_stop(responses, stop_id, pad_id):
     return responses.masked_fill(after_stop, pad_id), ~after_stop
 
 
-def trim_padding(query_response, mask, context_length):
-    """Drop the columns that are padding in every row: left of the longest prompt, right of the longest response.
-    The real tokens' outputs are unchanged (position ids come from the mask), for less work. Returns the trimmed
-    tensors, the new context length and the number of response columns kept."""
-    real = mask.bool().any(0)
-    first = min(int(real.int().argmax()), context_length - 1)
-    last = max(len(real) - int(real.flip(0).int().argmax()), context_length + 1)
-    return query_response[:, first:last], mask[:, first:last], context_length - first, last - context_length
-
-
-GROUP_OVERHEAD_TOKENS = 64
-"""What one more forward and backward call costs, in tokens of work (about 30 measured on 2 CPU cores with a 4-layer
-model of width 256; more on a GPU): a batch is cut into length groups only where that saves more padding than this."""
-
-
-def length_groups(prompt_lengths, response_lengths, overhead=None):
-    """The rows of a batch in groups of similar length, each to run as its own trimmed forward (the real tokens'
-    outputs do not depend on the batch they are in): rows sorted by length, each joining the group before it unless
-    the padding that adds costs more than one more call. A group's width is its longest prompt plus its longest
-    response: prompts are left-padded, responses right-padded."""
-    overhead = GROUP_OVERHEAD_TOKENS if overhead is None else overhead
-    p, r = prompt_lengths.tolist(), response_lengths.tolist()
-    groups, longest = [], (0, 0)
-    for i in sorted(range(len(p)), key=lambda i: (p[i] + r[i], p[i])):
-        grown = (max(longest[0], p[i]), max(longest[1], r[i]))
-        if groups and (len(groups[-1]) + 1) * sum(grown) - len(groups[-1]) * sum(longest) <= p[i] + r[i] + overhead:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-            grown = (p[i], r[i])
-        longest = grown
-    return [torch.tensor(g) for g in groups]
-
-
-@functools.cache
-def takes_argument(model_class, name):
-    """Whether the model's forward takes this argument: every causal LM of transformers takes logits_to_keep, a remote
-    code model may not. (Position ids every model takes: ALiBi models such as BLOOM ignore them.)"""
-    return name in inspect.signature(model_class.forward).parameters
+def language_modelling_loss(policy, seqs, pad_id, n_tokens, device):
+    """The ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy on pretraining text, summed over the
+    sequences' real transitions and divided by n_tokens (those of the whole mini-batch)."""
+    ids, ids_mask = pad_left(seqs, max(map(len, seqs)), pad_id)
+    ids, ids_mask = ids.to(device), ids_mask.long().to(device)
+    logits = policy(input_ids=ids, attention_mask=ids_mask,
+                    position_ids=(ids_mask.cumsum(1) - 1).clamp(min=0)).logits[:, :-1]
+    nll = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    # a target counts only after a real token: no pad -> first-token transition on left-padded rows
+    return masked_mean(nll, (ids_mask[:, 1:] * ids_mask[:, :-1]).flatten().float(), n_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Sampling: each episode has its own random stream (seeded by its global index), so samples do not depend on the
-# batch they are in, nor on the number of ranks.
-
-
-@torch.no_grad()
-def generate(model, query, query_mask, generators, args, stop_id, pad_id, collective=False):
-    """KV-cached sampling (Gumbel-max with per-row noise) from the logits the learning forward computes
-    (output_logits, in float32). Returns responses (B, response_length) and the log-probs of the sampled tokens at
-    the sampling temperature. The cache is allocated once for prompt + response (a growing cache copies itself at
-    every token); the attention mask covers that whole width from the start, causality hiding the tokens not yet
-    sampled."""
-    position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
-    mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
-        -1, args.response_length)], 1)
-    cache = ComputeDtypeCache(config=unwrap(model).config, max_cache_len=mask.shape[1])
-    last_only = {"logits_to_keep": 1} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
-    inputs = dict(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position,
-                  **last_only)  # the prompt's last position only, not B x prompt x V
-    tokens, logprobs = [], []
-    done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
-    for t in range(args.response_length):
-        logits = output_logits(unwrap(model), head_inputs(model, **inputs)[:, -1], args.temperature)
-        noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generators])
-        gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
-        token = (logits + gumbel).argmax(-1)
-        logprobs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1))
-        tokens.append(token)
-        done |= token == stop_id
-        all_done = done.all()
-        if collective:  # FSDP: every rank must run the same number of forward passes
-            all_done = torch.tensor(float(all_done), device=query.device)
-            dist.all_reduce(all_done, op=dist.ReduceOp.MIN)
-        if all_done or t == args.response_length - 1:
-            break
-        inputs = dict(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
-                      position_ids=position[:, -1:] + t + 1)
-    responses, logprobs = torch.stack(tokens, 1), torch.stack(logprobs, 1)
-    width = args.response_length - responses.shape[1]
-    return F.pad(responses, (0, width), value=pad_id), F.pad(logprobs, (0, width))
-
-
-class ComputeDtypeCache(StaticCache):
-    """transformers' StaticCache with keys and values held in the dtype attention computes in. Under bfloat16 autocast
-    over float32 weights, a rotary family's keys leave the rotary embedding in float32 while its values are bfloat16;
-    StaticCache sizes both buffers from the keys, then refuses the values. Attention casts both to bfloat16 anyway (its
-    matrix products are on autocast's list), so holding them there changes no number."""
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        kind = key_states.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else value_states.dtype
-        return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
-
-
-class Critic(torch.nn.Module):
-    """A decoder sequence-classification model's scalar head (in float32) applied at every position, minus a constant
-    offset: the value of each state. Initialised from rm.py's reward model, the head is divided by its scale and the
-    offset is shift / scale, so the critic starts out reading the normalized score (w.h - shift) / scale."""
-
-    def __init__(self, hf_model, offset=0.0):
-        super().__init__()
-        self.hf, self.offset = hf_model, offset
-
-    def forward(self, input_ids, attention_mask):
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                    position_ids=position_ids).last_hidden_state
-        return self.hf.score(hidden).squeeze(-1).float() - self.offset
-
-
-LOGIT_BLOCK = 2 ** 25
-"""Elements (128 MB in float32) of one block of logits: the learning forward computes the response logits in blocks of
-positions of at most this size, each recomputed in the backward pass (activation recomputation, Chen et al. 2016),
-so a micro-batch's logits, 16 x 128 x 152k floats = 1.2 GB, are never held whole. A micro-batch that fits in one
-block is computed directly, with no recomputation."""
-
-
-def output_logits(model, hidden, temperature=1.0):
-    """A causal LM's logits from the hidden states its output layer reads, divided by the temperature, in float32
-    whatever the autocast and the dtype the weights are held in: that layer, then the transforms transformers'
-    families apply after it (Gemma 2/3's final softcapping, Cohere's logit scale, Granite's logits scaling).
-    check_output_logits confirms at start-up that this reproduces the model's own logits. Where the layer and the
-    transforms are linear (no bias, no softcapping), the hidden states are divided instead of the logits:
-    (h / T) W = (h W) / T, one pass over hidden x positions instead of vocabulary x positions."""
-    head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
-    linear = cap is None and getattr(head, "bias", None) is None
-    with torch.autocast(hidden.device.type, enabled=False):
-        hidden = hidden.float() / temperature if linear else hidden.float()
-        logits = F.linear(hidden, head.weight.float(), None if head.bias is None else head.bias.float()) \
-            if type(head) is torch.nn.Linear else head(hidden.to(head.weight.dtype)).float()
-        if cap:
-            logits = cap * torch.tanh(logits / cap)
-        if (scale := getattr(model, "logit_scale", None)) is not None:
-            logits = logits * scale
-        if divisor := getattr(model.config, "logits_scaling", None):
-            logits = logits / divisor
-        return logits if linear else logits / temperature
-
-
-def head_inputs(model, **inputs):
-    """The hidden states the model's output layer reads, from its own forward (through DDP or FSDP), with the output
-    layer handed an empty slice instead, so that the model's own logits are never computed."""
-    captured = []
-
-    def capture(module, args):
-        captured.append(args[0])
-        return (args[0][:, :0],) + args[1:]
-
-    handle = unwrap(model).get_output_embeddings().register_forward_pre_hook(capture)
-    try:
-        model(**inputs)
-    finally:
-        handle.remove()
-    return captured[0]
-
-
-def policy_forward(policy, query_response, mask, context_length, temperature, with_entropy_grad=True, entropy=True):
-    """Log-probs and (unless entropy=False) entropies of the response tokens under the policy, at the sampling
-    temperature. Logits are computed for the response positions only (with a large vocabulary, the prompt's would
-    cost a large share), in blocks of LOGIT_BLOCK elements."""
-    from torch.utils.checkpoint import checkpoint
-
-    position = (mask.cumsum(1) - 1).clamp(min=0)
-    keep = query_response.shape[1] - context_length + 1
-    only_kept = {"logits_to_keep": keep} if takes_argument(type(unwrap(policy)), "logits_to_keep") else {}
-    hidden = head_inputs(policy, input_ids=query_response, attention_mask=mask, position_ids=position,
-                         **only_kept)[:, -keep:-1]
-    targets, model = query_response[:, context_length:], unwrap(policy)
-
-    def block(h, y):  # float32 throughout: logits, log-softmax and entropy
-        logp_all = torch.log_softmax(output_logits(model, h, temperature), -1)
-        logprobs = logp_all.gather(-1, y[..., None]).squeeze(-1)
-        if not entropy:
-            return logprobs, torch.zeros_like(logprobs)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad), \
-                torch.autocast(h.device.type, enabled=False):  # (vecdot is on autocast's bfloat16 list)
-            # -sum p log p as one fused product per row (no vocabulary-wide temporary for p * log p)
-            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all)
-
-    n = hidden.shape[1]
-    step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
-    recompute = torch.is_grad_enabled() and step < n
-    parts = [checkpoint(block, hidden[:, s:s + step], targets[:, s:s + step], use_reentrant=False) if recompute
-             else block(hidden[:, s:s + step], targets[:, s:s + step]) for s in range(0, n, step)]
-    logprobs, entropies = (torch.cat(t, 1) for t in zip(*parts))
-    return logprobs, entropies if entropy else None
-
-
-@torch.no_grad()
-def check_output_logits(model, flag, name):
-    """output_logits must give the model's own logits: a family with an output transform it does not know is named
-    here, before training, instead of training on wrong log-probs."""
-    ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % model.get_output_embeddings().weight.shape[0]
-    own = model(input_ids=ids).logits.float()
-    ours = output_logits(model, head_inputs(model, input_ids=ids)).float()
-    if not torch.allclose(own, ours, atol=1e-4, rtol=1e-4):
-        raise common.UserError(f"{flag} {name}: ppo.py's output_logits does not reproduce this model's logits (an "
-                               f"output transform it does not know, in {type(model).__name__}); add it there")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Models and data.
-
-
-def load_tokenizer(args):
-    from transformers import AutoTokenizer
-
-    if args.sft_model_path.startswith("embedded-"):
-        return common.embedded_tokenizer()
-    tokenizer = common.load_pretrained(AutoTokenizer, args.sft_model_path, "--sft_model_path", padding_side="left")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # safe here: every mask comes from lengths, never from pad ids
-    return tokenizer
-
-
-def stop_token_id(args, tokenizer):
-    stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
-        args.stop_token, -1))
-    if stop_id == -1:
-        raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
-                               "pass eos, none, or one token as the tokenizer spells it")
-    return stop_id
-
-
-def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
-    """The embedded task's initial (SFT) policy: a tiny causal LM trained briefly to answer prompts with a few random
-    words and EOS, so it starts from well-formed responses of average gold reward, as a real SFT model would."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer)))
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    rng = random.Random(seed)
-    for _ in range(steps):
-        texts = [common.embedded_prompt(rng) for _ in range(batch_size)]
-        prompts = common.tokenize_prompts(tokenizer, texts)
-        responses = common.tokenize_responses(tokenizer, texts, [common.embedded_response(rng) for _ in texts])
-        batch = tokenizer.pad({"input_ids": [p + r for p, r in zip(prompts, responses)]}, padding_side="right",
-                              return_tensors="pt")
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        for i, p in enumerate(prompts):
-            labels[i, :len(p)] = -100  # learn the responses, not the prompts
-        model(**batch, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return model.eval()
-
-
-def load_policy(args, tokenizer):
-    """The initial policy: a causal LM, or a peft adapter folder merged into its base (so that the reference policy,
-    the initial policy, is the SFT adapter's model, not the base's)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if args.sft_model_path.startswith("embedded-"):
-        return common.disable_dropout(embedded_sft_policy(args.sft_model_path, tokenizer, args.seed))
-    config = common.without_dropout(common.load_pretrained(AutoConfig, args.sft_model_path, "--sft_model_path"))
-    # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights; a frozen
-    # LoRA base is only read, so it may be held in bfloat16
-    dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-    return common.disable_dropout(common.load_model(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path",
-                                                    config=config, dtype=dtype))
-
-
-@dataclass
-class Reward:
-    """Where an episode's score comes from: a reward model (rm.py's normalization applied), a function, or both."""
-    model: object = None
-    """A transformers sequence classifier: a decoder read at the last real token, or an encoder's pooled head."""
-    tokenizer: object = None
-    """None: the model reads the policy's tokens. Else its own tokenizer (another vocabulary, an encoder), through
-    which it reads the decoded text."""
-    shift: float = 0.0
-    """rm.py's normalization: score = (model output - shift) / scale."""
-    scale: float = 1.0
-    fn: object = None
-    fn_name: str | None = None
-    in_critic: object = None
-    """With LoRA and the critic initialised from the reward model: the critic's adapter switched off (a context), which
-    is the reward model with its head divided by scale. The model is then not held a second time (model is None)."""
-
-    @property
-    def reads_policy_tokens(self):
-        return (self.model is not None or self.in_critic is not None) and self.tokenizer is None
-
-
-def load_reward(args, tokenizer):
-    reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None, fn_name=args.reward_fn)
-    path = args.reward_model_path if args.reward_model_path is not None else None if args.reward_fn else "runs/rm"
-    if path is None:
-        return reward
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    looks_local = os.path.exists(path) or path.startswith((".", "/")) or path == "runs/rm"
-    if looks_local and not any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
-        raise common.UserError(f"--reward_model_path {path}: no reward model there; train one first with "
-                               f"`python rm.py --output_dir {path}` (or pass a hub reward model)")
-    config = common.without_dropout(common.load_pretrained(AutoConfig, path, "--reward_model_path"))
-    if common.adapter_base(path):  # a reward adapter's base config is its causal LM's; the head it saved is a scalar
-        config.num_labels = 1
-    if config.num_labels != 1:
-        raise common.UserError(f"--reward_model_path {path}: the model has {config.num_labels} labels; a reward model "
-                               "has one (a scalar)")
-    # float32, as rm.py trained it; with LoRA and --bf16 held in bfloat16, as every frozen base weight is then
-    dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-    model = common.disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
-                                                     config=config, dtype=dtype)).eval().requires_grad_(False)
-    common.scalar_head_in_float32(model)
-    own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
-    if own.pad_token is None:
-        own.pad_token = own.eos_token  # read by the mask, never by pad ids
-    same_tokens = hasattr(model, "score") and all(own.convert_tokens_to_ids(t) == i
-                                                  for t, i in tokenizer.get_vocab().items())
-    return dataclasses.replace(reward, model=model, tokenizer=None if same_tokens else own,
-                               shift=getattr(model.config, "reward_shift", 0.0),
-                               scale=getattr(model.config, "reward_scale", 1.0))
-
-
-def load_reward_fn(spec):
-    """module:function, the module importable from the working directory or given as a path to a .py file."""
-    module, _, name = spec.rpartition(":")
-    if not module or not name:
-        raise common.UserError(f"--reward_fn {spec}: expected module:function, e.g. my_rewards:exact_match")
-    try:
-        if module.endswith(".py"):
-            fn = runpy.run_path(module).get(name)
-        else:
-            sys.path.insert(0, os.getcwd())
-            fn = getattr(importlib.import_module(module), name, None)
-    except Exception as e:
-        raise common.UserError(f"--reward_fn {spec}: cannot import {module} ({type(e).__name__}: {e})") from None
-    if not callable(fn):
-        raise common.UserError(f"--reward_fn {spec}: {module} has no function {name}")
-    return fn
-
-
-def call_reward_fn(reward, prompts, responses):
-    try:
-        out = list(reward.fn(prompts, responses))
-    except Exception as e:
-        raise common.UserError(f"--reward_fn {reward.fn_name} raised {type(e).__name__}: {e}") from None
-    bad = next((i for i, v in enumerate(out) if isinstance(v, bool) or not isinstance(v, (int, float))
-                or not math.isfinite(v)), None)
-    if len(out) != len(prompts) or bad is not None:
-        got = f"{len(out)} values for {len(prompts)} episodes" if len(out) != len(prompts) else f"{out[bad]!r}"
-        raise common.UserError(f"--reward_fn {reward.fn_name} returned {got}; it must return one finite number per "
-                               "episode")
-    return torch.tensor(out, dtype=torch.float)
-
-
-def critic_from(args, policy, reward):
-    """The critic, from the reward model (value head = reward head) or from the policy's backbone and a new head."""
-    from transformers import AutoModelForSequenceClassification
-
-    if args.critic_init == "reward":
-        critic = copy.deepcopy(reward.model).requires_grad_(True)
-        with torch.no_grad():  # values in the units of the normalized score, (w.h - shift) / scale (Critic's offset)
-            critic.score.weight /= reward.scale
-        return critic
-    config = common.without_dropout(copy.deepcopy(policy.config))
-    config.num_labels = 1
-    critic = AutoModelForSequenceClassification.from_config(config)
-    try:  # strict: every backbone weight of the policy, none left at its random initialisation
-        critic.base_model.load_state_dict(policy.base_model.state_dict())
-    except RuntimeError as e:
-        raise common.UserError(f"--critic_init policy: {args.sft_model_path}'s backbone does not load into a "
-                               f"sequence-classification model ({common.first_line(e)})") from None
-    torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
-    return common.scalar_head_in_float32(critic)
-
-
-def build_models(args, tokenizer, device, rank, world):
-    """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
-    function). Returns the policy's transformers model too, and with LoRA the peft model holding its adapter."""
-    reward = load_reward(args, tokenizer)
-    critic_init = args.critic_init
-    if critic_init == "auto":
-        critic_init = "reward" if reward.reads_policy_tokens else "policy"
-    elif critic_init == "reward" and not reward.reads_policy_tokens:
-        raise common.UserError("--critic_init reward: the critic reads the policy's tokens at every position, so it "
-                               "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
-    torch.manual_seed(args.seed)
-    policy_hf = load_policy(args, tokenizer)
-    check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path)
-    readers = [policy_hf] + ([reward.model] if reward.model is not None and reward.tokenizer is None else [])
-    limit = min((n for n in map(common.position_table, readers) if n), default=None)
-    args.max_prompt_length = common.length_default(  # (args is read by the phases after this)
-        args.max_prompt_length, 256, limit and limit - args.response_length, "--max_prompt_length", rank)
-    length = args.max_prompt_length + args.response_length
-    for model in readers:
-        common.check_position_table(model, length, f"--max_prompt_length + --response_length ({length})")
-    critic_hf = critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
-    lora = None
-    if args.lora_r:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
-        lora = common.add_lora(policy_hf.to(dtype), args, "CAUSAL_LM")
-        critic_lora = common.add_lora(critic_hf.to(dtype), args, "SEQ_CLS")
-        if critic_init == "reward":  # the reward model is the critic with its adapter off: no second copy
-            reward = dataclasses.replace(reward, model=None, in_critic=critic_lora.disable_adapter)
-    else:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
-        ref_policy = parallelize(copy.deepcopy(policy_hf).eval().requires_grad_(False), args, device,
-                                 policy_hf.config.num_hidden_layers, frozen=True)
-    if reward.model is not None:
-        reward.model.to(device)
-    policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
-    offset = reward.shift / reward.scale if critic_init == "reward" else 0.0
-    critic = parallelize(Critic(critic_hf, offset), args, device, critic_hf.config.num_hidden_layers)
-    if rank == 0:
-        n_trained = sum(p.numel() for m in (policy, critic) for p in m.parameters() if p.requires_grad)
-        sources = [f"model {args.reward_model_path or 'runs/rm'}" + ("" if reward.reads_policy_tokens else
-                                                                     " (reads decoded text)")] * \
-            (reward.model is not None or reward.in_critic is not None)
-        print(f"policy {args.sft_model_path} ({sum(p.numel() for p in policy_hf.parameters()) / 1e6:.2f}M; "
-              f"{n_trained / 1e6:.2f}M trained in policy and critic{f', LoRA rank {args.lora_r}' if lora else ''}); "
-              f"reward {' + '.join(sources + [f'function {args.reward_fn}'] * (reward.fn is not None))}; critic from "
-              f"the {critic_init}; world size {world} ({device.type}, "
-              f"{'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})")
-    return policy_hf, lora, policy, critic, policy if lora else ref_policy, reward
-
-
-def load_prompts(args, tokenizer):
-    """Prompt token ids (rm.py's convention and truncation rule) and the prompt texts."""
-    if args.dataset_name == "embedded":
-        rng = random.Random(args.seed)
-        texts = [common.embedded_prompt(rng) for _ in range(4096)]
-    else:
-        rows = common.load_rows(args.dataset_name, args.dataset_config, args.dataset_train_split)
-        if not rows:
-            raise common.UserError(f"{args.dataset_name}: no split '{args.dataset_train_split}'")
-        texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
-    bos_id = common.leading_id(tokenizer)
-    ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in common.tokenize_prompts(tokenizer, texts)]
-    empty = next((i for i, p in enumerate(ids) if not p), None)
-    if empty is not None:  # no BOS and no text: the first response token would attend to nothing
-        raise common.UserError(f"{common.where(rows[empty])}: the prompt is empty and {args.sft_model_path}'s "
-                               "tokenizer adds no BOS token, so the policy has nothing to continue; give it a prompt")
-    return ids, texts
-
-
-def prompt_text(row, tokenizer, where):
-    """A row's prompt as the policy continues it. A preference row's prompt is the one rm.py trained the reward model
-    on (common.split_pair: a text prompt before message responses is the user's turn); a `prompt` or `messages` list
-    is rendered by the chat template up to the assistant's turn; a text prompt alone is the text."""
-    if not isinstance(row, dict):
-        raise common.UserError(f"{where}: expected an object with a 'prompt', got {type(row).__name__}")
-    if "chosen" in row:
-        return common.split_pair(row, tokenizer, where)[0]
-    field = "prompt" if "prompt" in row else "messages"
-    prompt = row.get(field)
-    if isinstance(prompt, list):
-        prompt = common.checked_messages(prompt, tokenizer, where, field)
-        if prompt and prompt[-1]["role"] == "assistant":
-            prompt = prompt[:-1]
-        return common.render_chat(tokenizer, prompt, where, generation_prompt=True)
-    if isinstance(prompt, str):
-        return prompt
-    raise common.UserError(f"{where}: no 'prompt', 'messages' or 'chosen' field to take a prompt from")
-
-
-def load_ptx(args, tokenizer):
-    if args.ptx_dataset_name == "embedded":
-        rng = random.Random(args.seed + 1)
-        texts = [common.embedded_prompt(rng) + common.embedded_response(rng) for _ in range(4096)]
-    else:
-        rows = common.load_rows(args.ptx_dataset_name)
-        if not rows or "text" not in rows[0]:
-            raise common.UserError(f"{args.ptx_dataset_name}: --ptx_dataset_name needs a 'text' column")
-        texts = [r["text"] for r in rows]
-    limit, end = args.max_prompt_length + args.response_length, common.end_id(tokenizer)
-    return [(ids + [end])[:limit] for ids in common.tokenize_prompts(tokenizer, texts)]
-
-
-def pad_left(seqs, width, pad_id):
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-    return ids, torch.arange(width) >= width - torch.tensor([len(s) for s in seqs])[:, None]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Distributed set-up (torchrun's environment variables; `python ppo.py` is world size 1).
-
-
-def setup_distributed():
-    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
-    device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
-    common.attention_without_nan(device)
-    if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
-
-
-def parallelize(model, args, device, num_layers, frozen=False):
-    """DDP, or FSDP2 with one shard group per transformer block. A frozen model is sharded too under FSDP (so it
-    computes as the trained ones do), and under DDP stays a plain replica (it has no gradients to all-reduce)."""
-    model.to(device)
-    if not dist.is_initialized() or (frozen and not args.fsdp):
-        return model
-    if args.fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        # bf16 is compute only: the sharded parameters, and so the optimizer's steps, stay in their own dtype
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
-            MixedPrecisionPolicy()
-
-        blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers)
-        for block in blocks:
-            fully_shard(block, mp_policy=mp)
-        return fully_shard(model, mp_policy=mp)
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                     broadcast_buffers=False)
-
-
-def unwrap(model):
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
-def set_grad_sync(models, enabled):
-    for model in models:
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            model.set_requires_gradient_sync(enabled)
-        elif hasattr(model, "require_backward_grad_sync"):  # DDP
-            model.require_backward_grad_sync = enabled
-
-
-def all_gather_cat(t):
-    if not dist.is_initialized():
-        return t
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return torch.cat(out)
-
-
-def all_gather_rollout(batch):
-    """Every rank's rows of the rollout batch, in rank order, field by field."""
-    return dataclasses.replace(batch, **{f.name: all_gather_cat(getattr(batch, f.name)) for f in
-                                         dataclasses.fields(batch) if torch.is_tensor(getattr(batch, f.name))})
-
-
-def all_reduce(t, op=None):
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The phases of an update, in the order main() runs them.
+# The phases of an update, in the order main() runs them, handing one Rollout batch along.
 
 
 @dataclass
@@ -923,32 +390,6 @@ def rollout_logprobs(policy, ref_policy, batch, args, update, rank, world, refer
         batch.logprobs = all_reduce(old).masked_fill(~batch.mask, 0.0)
 
 
-def reward_model_tokens(batch, stop_id, tokenizer, reward, args):
-    """Episodes in the reward model's own tokens, when it does not share the policy's vocabulary or is an encoder,
-    made as rm.py makes a pair: the prompt as the policy saw it (truncated; its BOS replaced by the reward model's),
-    the response decoded in context (so that word boundaries survive), ended with the reward model's end token where
-    the policy stopped (always, for an encoder)."""
-    lead = tokenizer.decode(common.special_affixes(tokenizer)[0])
-    prompts, texts, stopped = [], [], []
-    query, query_mask = batch.query_response[:, :batch.context_length], batch.attention_mask[:, :batch.context_length]
-    for q, qm, r, m in zip(query.cpu(), query_mask.bool().cpu(), batch.responses.cpu(), batch.mask.cpu()):
-        p_ids, r_ids = q[qm].tolist(), r[m].tolist()
-        stopped.append(stop_id is not None and bool(r_ids) and r_ids[-1] == stop_id)
-        r_ids = r_ids[:-1] if stopped[-1] else r_ids
-        p_text = tokenizer.decode(p_ids, skip_special_tokens=False)
-        full = tokenizer.decode(p_ids + r_ids, skip_special_tokens=False)
-        texts.append(full[len(p_text):] if full.startswith(p_text) else tokenizer.decode(r_ids))
-        prompts.append(p_text[len(lead):] if lead and p_text.startswith(lead) else p_text)
-    rm_tokenizer, encoder = reward.tokenizer, not hasattr(reward.model, "score")
-    bos_id = common.leading_id(rm_tokenizer)
-    p_ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id)
-             for p in common.tokenize_prompts(rm_tokenizer, prompts)]
-    r_ids = common.tokenize_responses(rm_tokenizer, prompts, texts)
-    seqs = [p + (r if s or encoder else r[:-1]) for p, r, s in zip(p_ids, r_ids, stopped)]
-    batch = rm_tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
-    return batch["input_ids"], batch["attention_mask"]
-
-
 def advantages(batch, kl_coef, args):
     """4. Per-token rewards: -kl_coef * KL to the reference, plus the score at the last real token (Ziegler et al.
     2019, eq. 2); advantages by GAE, whitened. Fills advantages and returns; returns the per-token KL and the KL part
@@ -963,18 +404,6 @@ def advantages(batch, kl_coef, args):
     adv, batch.returns = gae(rewards, batch.values, mask, args.gamma, args.lam)
     batch.advantages = masked_whiten(adv, mask)
     return kl, non_score_reward
-
-
-def language_modelling_loss(policy, seqs, pad_id, n_tokens, device):
-    """The ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy on pretraining text, summed over the
-    sequences' real transitions and divided by n_tokens (those of the whole mini-batch)."""
-    ids, ids_mask = pad_left(seqs, max(map(len, seqs)), pad_id)
-    ids, ids_mask = ids.to(device), ids_mask.long().to(device)
-    logits = policy(input_ids=ids, attention_mask=ids_mask,
-                    position_ids=(ids_mask.cumsum(1) - 1).clamp(min=0)).logits[:, :-1]
-    nll = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-    # a target counts only after a real token: no pad -> first-token transition on left-padded rows
-    return masked_mean(nll, (ids_mask[:, 1:] * ids_mask[:, :-1]).flatten().float(), n_tokens)
 
 
 @dataclass
@@ -1073,9 +502,6 @@ def learn(policy, critic, trainable, optimizer, batch, args, update, rank, world
     means = {k: v.mean().item() for k, v in per_step.items() if k != "policy/ratio_sq"}
     means["policy/ratio_var"] = (per_step["policy/ratio_sq"] - per_step["policy/ratio"] ** 2).mean().item()
     return means, norm
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 
 
 def check_args(args):
@@ -1193,6 +619,161 @@ def main(args):
     return history
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The systems. A first read can stop above: what follows makes the phases run at scale and on real models, each
+# piece behind one named function whose docstring states what it guarantees.
+#
+# Models and data.
+
+
+def load_tokenizer(args):
+    from transformers import AutoTokenizer
+
+    if args.sft_model_path.startswith("embedded-"):
+        return common.embedded_tokenizer()
+    tokenizer = common.load_pretrained(AutoTokenizer, args.sft_model_path, "--sft_model_path", padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # safe here: every mask comes from lengths, never from pad ids
+    return tokenizer
+
+
+def stop_token_id(args, tokenizer):
+    stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
+        args.stop_token, -1))
+    if stop_id == -1:
+        raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
+                               "pass eos, none, or one token as the tokenizer spells it")
+    return stop_id
+
+
+def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
+    """The embedded task's initial (SFT) policy: a tiny causal LM trained briefly to answer prompts with a few random
+    words and EOS, so it starts from well-formed responses of average gold reward, as a real SFT model would."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer)))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        texts = [common.embedded_prompt(rng) for _ in range(batch_size)]
+        prompts = common.tokenize_prompts(tokenizer, texts)
+        responses = common.tokenize_responses(tokenizer, texts, [common.embedded_response(rng) for _ in texts])
+        batch = tokenizer.pad({"input_ids": [p + r for p, r in zip(prompts, responses)]}, padding_side="right",
+                              return_tensors="pt")
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        for i, p in enumerate(prompts):
+            labels[i, :len(p)] = -100  # learn the responses, not the prompts
+        model(**batch, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
+def load_policy(args, tokenizer):
+    """The initial policy: a causal LM, or a peft adapter folder merged into its base (so that the reference policy,
+    the initial policy, is the SFT adapter's model, not the base's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.sft_model_path.startswith("embedded-"):
+        return common.disable_dropout(embedded_sft_policy(args.sft_model_path, tokenizer, args.seed))
+    config = common.without_dropout(common.load_pretrained(AutoConfig, args.sft_model_path, "--sft_model_path"))
+    # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights; a frozen
+    # LoRA base is only read, so it may be held in bfloat16
+    dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
+    return common.disable_dropout(common.load_model(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path",
+                                                    config=config, dtype=dtype))
+
+
+class Critic(torch.nn.Module):
+    """A decoder sequence-classification model's scalar head (in float32) applied at every position, minus a constant
+    offset: the value of each state. Initialised from rm.py's reward model, the head is divided by its scale and the
+    offset is shift / scale, so the critic starts out reading the normalized score (w.h - shift) / scale."""
+
+    def __init__(self, hf_model, offset=0.0):
+        super().__init__()
+        self.hf, self.offset = hf_model, offset
+
+    def forward(self, input_ids, attention_mask):
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                    position_ids=position_ids).last_hidden_state
+        return self.hf.score(hidden).squeeze(-1).float() - self.offset
+
+
+def critic_from(args, policy, reward):
+    """The critic, from the reward model (value head = reward head) or from the policy's backbone and a new head."""
+    from transformers import AutoModelForSequenceClassification
+
+    if args.critic_init == "reward":
+        critic = copy.deepcopy(reward.model).requires_grad_(True)
+        with torch.no_grad():  # values in the units of the normalized score, (w.h - shift) / scale (Critic's offset)
+            critic.score.weight /= reward.scale
+        return critic
+    config = common.without_dropout(copy.deepcopy(policy.config))
+    config.num_labels = 1
+    critic = AutoModelForSequenceClassification.from_config(config)
+    try:  # strict: every backbone weight of the policy, none left at its random initialisation
+        critic.base_model.load_state_dict(policy.base_model.state_dict())
+    except RuntimeError as e:
+        raise common.UserError(f"--critic_init policy: {args.sft_model_path}'s backbone does not load into a "
+                               f"sequence-classification model ({common.first_line(e)})") from None
+    torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
+    return common.scalar_head_in_float32(critic)
+
+
+def build_models(args, tokenizer, device, rank, world):
+    """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
+    function). Returns the policy's transformers model too, and with LoRA the peft model holding its adapter."""
+    reward = load_reward(args, tokenizer)
+    critic_init = args.critic_init
+    if critic_init == "auto":
+        critic_init = "reward" if reward.reads_policy_tokens else "policy"
+    elif critic_init == "reward" and not reward.reads_policy_tokens:
+        raise common.UserError("--critic_init reward: the critic reads the policy's tokens at every position, so it "
+                               "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
+    torch.manual_seed(args.seed)
+    policy_hf = load_policy(args, tokenizer)
+    check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path)
+    readers = [policy_hf] + ([reward.model] if reward.model is not None and reward.tokenizer is None else [])
+    limit = min((n for n in map(common.position_table, readers) if n), default=None)
+    args.max_prompt_length = common.length_default(  # (args is read by the phases after this)
+        args.max_prompt_length, 256, limit and limit - args.response_length, "--max_prompt_length", rank)
+    length = args.max_prompt_length + args.response_length
+    for model in readers:
+        common.check_position_table(model, length, f"--max_prompt_length + --response_length ({length})")
+    critic_hf = critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
+    lora = None
+    if args.lora_r:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        lora = common.add_lora(policy_hf.to(dtype), args, "CAUSAL_LM")
+        critic_lora = common.add_lora(critic_hf.to(dtype), args, "SEQ_CLS")
+        if critic_init == "reward":  # the reward model is the critic with its adapter off: no second copy
+            reward = dataclasses.replace(reward, model=None, in_critic=critic_lora.disable_adapter)
+    else:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
+        ref_policy = parallelize(copy.deepcopy(policy_hf).eval().requires_grad_(False), args, device,
+                                 policy_hf.config.num_hidden_layers, frozen=True)
+    if reward.model is not None:
+        reward.model.to(device)
+    policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
+    offset = reward.shift / reward.scale if critic_init == "reward" else 0.0
+    critic = parallelize(Critic(critic_hf, offset), args, device, critic_hf.config.num_hidden_layers)
+    if rank == 0:
+        n_trained = sum(p.numel() for m in (policy, critic) for p in m.parameters() if p.requires_grad)
+        sources = []
+        if reward.model is not None or reward.in_critic is not None:
+            sources.append(f"model {args.reward_model_path or 'runs/rm'}"
+                           + ("" if reward.reads_policy_tokens else " (reads decoded text)"))
+        if reward.fn is not None:
+            sources.append(f"function {args.reward_fn}")
+        print(f"policy {args.sft_model_path} ({sum(p.numel() for p in policy_hf.parameters()) / 1e6:.2f}M; "
+              f"{n_trained / 1e6:.2f}M trained in policy and critic{f', LoRA rank {args.lora_r}' if lora else ''}); "
+              f"reward {' + '.join(sources)}; critic from "
+              f"the {critic_init}; world size {world} ({device.type}, "
+              f"{'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})")
+    return policy_hf, lora, policy, critic, policy if lora else ref_policy, reward
+
+
 def build_optimizer(policy, critic, args, num_updates):
     """AdamW over the trainable parameters of policy and critic, each at its own learning rate, and the schedule."""
     from transformers import get_scheduler
@@ -1207,38 +788,63 @@ def build_optimizer(policy, critic, args, num_updates):
     return torch.nn.ModuleDict({"policy": policy, "critic": critic}), optimizer, scheduler
 
 
-@contextlib.contextmanager
-def offloaded(models, device, enabled):
-    """--offload_inference_models: the frozen models on the device only while they score, on the CPU while the
-    policy and critic learn. (A reference sharded under FSDP holds 1/world of itself per rank and stays.)"""
-    models = [m for m in models if m is not None and enabled]
-    for model in models:
-        model.to(device)
-    yield
-    for model in models:
-        model.to("cpu")
+def load_prompts(args, tokenizer):
+    """Prompt token ids (rm.py's convention and truncation rule) and the prompt texts."""
+    if args.dataset_name == "embedded":
+        rng = random.Random(args.seed)
+        texts = [common.embedded_prompt(rng) for _ in range(4096)]
+    else:
+        rows = common.load_rows(args.dataset_name, args.dataset_config, args.dataset_train_split)
+        if not rows:
+            raise common.UserError(f"{args.dataset_name}: no split '{args.dataset_train_split}'")
+        texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
+    bos_id = common.leading_id(tokenizer)
+    ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in common.tokenize_prompts(tokenizer, texts)]
+    empty = next((i for i, p in enumerate(ids) if not p), None)
+    if empty is not None:  # no BOS and no text: the first response token would attend to nothing
+        raise common.UserError(f"{common.where(rows[empty])}: the prompt is empty and {args.sft_model_path}'s "
+                               "tokenizer adds no BOS token, so the policy has nothing to continue; give it a prompt")
+    return ids, texts
 
 
-def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank):
-    """The final policy in transformers' format (with LoRA: merged, and the adapter in output_dir/adapter), its
-    tokenizer, the curves and a summary; the logs closed."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def prompt_text(row, tokenizer, where):
+    """A row's prompt as the policy continues it. A preference row's prompt is the one rm.py trained the reward model
+    on (common.split_pair: a text prompt before message responses is the user's turn); a `prompt` or `messages` list
+    is rendered by the chat template up to the assistant's turn; a text prompt alone is the text."""
+    if not isinstance(row, dict):
+        raise common.UserError(f"{where}: expected an object with a 'prompt', got {type(row).__name__}")
+    if "chosen" in row:
+        return common.split_pair(row, tokenizer, where)[0]
+    field = "prompt" if "prompt" in row else "messages"
+    prompt = row.get(field)
+    if isinstance(prompt, list):
+        prompt = common.checked_messages(prompt, tokenizer, where, field)
+        if prompt and prompt[-1]["role"] == "assistant":
+            prompt = prompt[:-1]
+        return common.render_chat(tokenizer, prompt, where, generation_prompt=True)
+    if isinstance(prompt, str):
+        return prompt
+    raise common.UserError(f"{where}: no 'prompt', 'messages' or 'chosen' field to take a prompt from")
 
-    model_sd = get_model_state_dict(trainable, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank != 0:
-        return
-    policy_sd = {k.removeprefix("policy."): v for k, v in model_sd.items() if k.startswith("policy.")}
-    if lora is not None:
-        policy_hf = common.save_lora(policy_hf, lora, policy_sd, tokenizer, args.output_dir)
-        policy_sd = policy_hf.state_dict()
-    common.save_pretrained_atomic(policy_hf, tokenizer, args.output_dir, state_dict=policy_sd)
-    plot_curves(history, os.path.join(args.output_dir, "curves.png"))
-    summary = summarize(history)
-    common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
-                             {**summary, "args": dataclasses.asdict(args)})
-    logs[0].close()
-    common.close_log(logs[1])
-    print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
+
+def load_ptx(args, tokenizer):
+    if args.ptx_dataset_name == "embedded":
+        rng = random.Random(args.seed + 1)
+        texts = [common.embedded_prompt(rng) + common.embedded_response(rng) for _ in range(4096)]
+    else:
+        rows = common.load_rows(args.ptx_dataset_name)
+        if not rows or "text" not in rows[0]:
+            raise common.UserError(f"{args.ptx_dataset_name}: --ptx_dataset_name needs a 'text' column")
+        texts = [r["text"] for r in rows]
+    limit, end = args.max_prompt_length + args.response_length, common.end_id(tokenizer)
+    return [(ids + [end])[:limit] for ids in common.tokenize_prompts(tokenizer, texts)]
+
+
+def pad_left(seqs, width, pad_id):
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+    return ids, torch.arange(width) >= width - torch.tensor([len(s) for s in seqs])[:, None]
 
 
 def episode_prompts(episodes, n_prompts, seed, orders):
@@ -1251,26 +857,121 @@ def episode_prompts(episodes, n_prompts, seed, orders):
     return [orders[e // n_prompts][e % n_prompts].item() for e in episodes]
 
 
-def rollout_metrics(batch, kl, non_score_reward):
-    mask = batch.mask.float()
-    m = {"objective/kl": kl.sum(1).mean().item(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean().item(),
-         "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
-         "objective/scores": batch.scores.mean().item(),
-         "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean().item(),
-         "val/mean": masked_mean(batch.values, mask).item(), "response/length": mask.sum(1).mean().item()}
-    if batch.has_stop is not None:  # None with --stop_token none: no response can stop
-        m["response/eos_rate"] = batch.has_stop.float().mean().item()
-    if not torch.isnan(batch.gold).all():
-        m["gold/mean"], m["gold/std"] = batch.gold.mean().item(), batch.gold.std().item()
-    return m
+# ---------------------------------------------------------------------------------------------------------------------
+# Reward plumbing: a reward model (rm.py's normalization applied; the policy's tokens or its own), a function, or
+# both.
 
 
-def timing_metrics(times, batch_size, qr_mask, args):
-    """Episodes and tokens per second, and the time of each phase (rollout, score, advantages + learn)."""
-    elapsed = times[-1] - times[0]
-    return {"perf/episodes_per_s": batch_size / elapsed, "perf/time_rollout": times[1] - times[0],
-            "perf/time_score": times[2] - times[1], "perf/time_learn": times[3] - times[2],
-            "perf/tokens_per_s": qr_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
+@dataclass
+class Reward:
+    """Where an episode's score comes from: a reward model (rm.py's normalization applied), a function, or both."""
+    model: object = None
+    """A transformers sequence classifier: a decoder read at the last real token, or an encoder's pooled head."""
+    tokenizer: object = None
+    """None: the model reads the policy's tokens. Else its own tokenizer (another vocabulary, an encoder), through
+    which it reads the decoded text."""
+    shift: float = 0.0
+    """rm.py's normalization: score = (model output - shift) / scale."""
+    scale: float = 1.0
+    fn: object = None
+    fn_name: str | None = None
+    in_critic: object = None
+    """With LoRA and the critic initialised from the reward model: the critic's adapter switched off (a context), which
+    is the reward model with its head divided by scale. The model is then not held a second time (model is None)."""
+
+    @property
+    def reads_policy_tokens(self):
+        return (self.model is not None or self.in_critic is not None) and self.tokenizer is None
+
+
+def load_reward(args, tokenizer):
+    reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None, fn_name=args.reward_fn)
+    path = args.reward_model_path if args.reward_model_path is not None else None if args.reward_fn else "runs/rm"
+    if path is None:
+        return reward
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    looks_local = os.path.exists(path) or path.startswith((".", "/")) or path == "runs/rm"
+    if looks_local and not any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
+        raise common.UserError(f"--reward_model_path {path}: no reward model there; train one first with "
+                               f"`python rm.py --output_dir {path}` (or pass a hub reward model)")
+    config = common.without_dropout(common.load_pretrained(AutoConfig, path, "--reward_model_path"))
+    if common.adapter_base(path):  # a reward adapter's base config is its causal LM's; the head it saved is a scalar
+        config.num_labels = 1
+    if config.num_labels != 1:
+        raise common.UserError(f"--reward_model_path {path}: the model has {config.num_labels} labels; a reward model "
+                               "has one (a scalar)")
+    # float32, as rm.py trained it; with LoRA and --bf16 held in bfloat16, as every frozen base weight is then
+    dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
+    model = common.disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
+                                                     config=config, dtype=dtype)).eval().requires_grad_(False)
+    common.scalar_head_in_float32(model)
+    own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
+    if own.pad_token is None:
+        own.pad_token = own.eos_token  # read by the mask, never by pad ids
+    same_tokens = hasattr(model, "score") and all(own.convert_tokens_to_ids(t) == i
+                                                  for t, i in tokenizer.get_vocab().items())
+    return dataclasses.replace(reward, model=model, tokenizer=None if same_tokens else own,
+                               shift=getattr(model.config, "reward_shift", 0.0),
+                               scale=getattr(model.config, "reward_scale", 1.0))
+
+
+def load_reward_fn(spec):
+    """module:function, the module importable from the working directory or given as a path to a .py file."""
+    module, _, name = spec.rpartition(":")
+    if not module or not name:
+        raise common.UserError(f"--reward_fn {spec}: expected module:function, e.g. my_rewards:exact_match")
+    try:
+        if module.endswith(".py"):
+            fn = runpy.run_path(module).get(name)
+        else:
+            sys.path.insert(0, os.getcwd())
+            fn = getattr(importlib.import_module(module), name, None)
+    except Exception as e:
+        raise common.UserError(f"--reward_fn {spec}: cannot import {module} ({type(e).__name__}: {e})") from None
+    if not callable(fn):
+        raise common.UserError(f"--reward_fn {spec}: {module} has no function {name}")
+    return fn
+
+
+def call_reward_fn(reward, prompts, responses):
+    try:
+        out = list(reward.fn(prompts, responses))
+    except Exception as e:
+        raise common.UserError(f"--reward_fn {reward.fn_name} raised {type(e).__name__}: {e}") from None
+    bad = next((i for i, v in enumerate(out) if isinstance(v, bool) or not isinstance(v, (int, float))
+                or not math.isfinite(v)), None)
+    if len(out) != len(prompts) or bad is not None:
+        got = f"{len(out)} values for {len(prompts)} episodes" if len(out) != len(prompts) else f"{out[bad]!r}"
+        raise common.UserError(f"--reward_fn {reward.fn_name} returned {got}; it must return one finite number per "
+                               "episode")
+    return torch.tensor(out, dtype=torch.float)
+
+
+def reward_model_tokens(batch, stop_id, tokenizer, reward, args):
+    """Episodes in the reward model's own tokens, when it does not share the policy's vocabulary or is an encoder,
+    made as rm.py makes a pair: the prompt as the policy saw it (truncated; its BOS replaced by the reward model's),
+    the response decoded in context (so that word boundaries survive), ended with the reward model's end token where
+    the policy stopped (always, for an encoder)."""
+    lead = tokenizer.decode(common.special_affixes(tokenizer)[0])
+    prompts, texts, stopped = [], [], []
+    query, query_mask = batch.query_response[:, :batch.context_length], batch.attention_mask[:, :batch.context_length]
+    for q, qm, r, m in zip(query.cpu(), query_mask.bool().cpu(), batch.responses.cpu(), batch.mask.cpu()):
+        p_ids, r_ids = q[qm].tolist(), r[m].tolist()
+        stopped.append(stop_id is not None and bool(r_ids) and r_ids[-1] == stop_id)
+        r_ids = r_ids[:-1] if stopped[-1] else r_ids
+        p_text = tokenizer.decode(p_ids, skip_special_tokens=False)
+        full = tokenizer.decode(p_ids + r_ids, skip_special_tokens=False)
+        texts.append(full[len(p_text):] if full.startswith(p_text) else tokenizer.decode(r_ids))
+        prompts.append(p_text[len(lead):] if lead and p_text.startswith(lead) else p_text)
+    rm_tokenizer, encoder = reward.tokenizer, not hasattr(reward.model, "score")
+    bos_id = common.leading_id(rm_tokenizer)
+    p_ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id)
+             for p in common.tokenize_prompts(rm_tokenizer, prompts)]
+    r_ids = common.tokenize_responses(rm_tokenizer, prompts, texts)
+    seqs = [p + (r if s or encoder else r[:-1]) for p, r, s in zip(p_ids, r_ids, stopped)]
+    batch = rm_tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
+    return batch["input_ids"], batch["attention_mask"]
 
 
 def gold_scores(args, prompts, responses, like):
@@ -1278,6 +979,289 @@ def gold_scores(args, prompts, responses, like):
     if args.sft_model_path.startswith("embedded-") and args.dataset_name == "embedded":
         return torch.tensor(common.gold_rewards(prompts, responses), device=like.device)
     return torch.full_like(like, float("nan"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sampling: each episode has its own random stream (seeded by its global index), so samples do not depend on the
+# batch they are in, nor on the number of ranks.
+
+
+@torch.no_grad()
+def generate(model, query, query_mask, generators, args, stop_id, pad_id, collective=False):
+    """KV-cached sampling (Gumbel-max with per-row noise) from the logits the learning forward computes
+    (output_logits, in float32). Returns responses (B, response_length) and the log-probs of the sampled tokens at
+    the sampling temperature. The cache is allocated once for prompt + response (a growing cache copies itself at
+    every token); the attention mask covers that whole width from the start, causality hiding the tokens not yet
+    sampled."""
+    position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
+    mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
+        -1, args.response_length)], 1)
+    cache = ComputeDtypeCache(config=unwrap(model).config, max_cache_len=mask.shape[1])
+    last_only = {"logits_to_keep": 1} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
+    inputs = dict(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position,
+                  **last_only)  # the prompt's last position only, not B x prompt x V
+    tokens, logprobs = [], []
+    done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
+    for t in range(args.response_length):
+        logits = output_logits(unwrap(model), head_inputs(model, **inputs)[:, -1], args.temperature)
+        noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generators])
+        gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
+        token = (logits + gumbel).argmax(-1)
+        logprobs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1))
+        tokens.append(token)
+        done |= token == stop_id
+        all_done = done.all()
+        if collective:  # FSDP: every rank must run the same number of forward passes
+            all_done = torch.tensor(float(all_done), device=query.device)
+            dist.all_reduce(all_done, op=dist.ReduceOp.MIN)
+        if all_done or t == args.response_length - 1:
+            break
+        inputs = dict(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
+                      position_ids=position[:, -1:] + t + 1)
+    responses, logprobs = torch.stack(tokens, 1), torch.stack(logprobs, 1)
+    width = args.response_length - responses.shape[1]
+    return F.pad(responses, (0, width), value=pad_id), F.pad(logprobs, (0, width))
+
+
+class ComputeDtypeCache(StaticCache):
+    """transformers' StaticCache with keys and values held in the dtype attention computes in. Under bfloat16 autocast
+    over float32 weights, a rotary family's keys leave the rotary embedding in float32 while its values are bfloat16;
+    StaticCache sizes both buffers from the keys, then refuses the values. Attention casts both to bfloat16 anyway (its
+    matrix products are on autocast's list), so holding them there changes no number."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        kind = key_states.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else value_states.dtype
+        return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The learning forward's log-probs, in memory bounded by the micro-batch whatever the vocabulary.
+
+
+LOGIT_BLOCK = 2 ** 25
+"""Elements (128 MB in float32) of one block of logits: the learning forward computes the response logits in blocks of
+positions of at most this size, each recomputed in the backward pass (activation recomputation, Chen et al. 2016),
+so a micro-batch's logits, 16 x 128 x 152k floats = 1.2 GB, are never held whole. A micro-batch that fits in one
+block is computed directly, with no recomputation."""
+
+
+def output_logits(model, hidden, temperature=1.0):
+    """A causal LM's logits from the hidden states its output layer reads, divided by the temperature, in float32
+    whatever the autocast and the dtype the weights are held in: that layer, then the transforms transformers'
+    families apply after it (Gemma 2/3's final softcapping, Cohere's logit scale, Granite's logits scaling).
+    check_output_logits confirms at start-up that this reproduces the model's own logits. Where the layer and the
+    transforms are linear (no bias, no softcapping), the hidden states are divided instead of the logits:
+    (h / T) W = (h W) / T, one pass over hidden x positions instead of vocabulary x positions."""
+    head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
+    linear = cap is None and getattr(head, "bias", None) is None
+    with torch.autocast(hidden.device.type, enabled=False):
+        hidden = hidden.float() / temperature if linear else hidden.float()
+        logits = F.linear(hidden, head.weight.float(), None if head.bias is None else head.bias.float()) \
+            if type(head) is torch.nn.Linear else head(hidden.to(head.weight.dtype)).float()
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        if (scale := getattr(model, "logit_scale", None)) is not None:
+            logits = logits * scale
+        if divisor := getattr(model.config, "logits_scaling", None):
+            logits = logits / divisor
+        return logits if linear else logits / temperature
+
+
+def head_inputs(model, **inputs):
+    """The hidden states the model's output layer reads, from its own forward (through DDP or FSDP), with the output
+    layer handed an empty slice instead, so that the model's own logits are never computed."""
+    captured = []
+
+    def capture(module, args):
+        captured.append(args[0])
+        return (args[0][:, :0],) + args[1:]
+
+    handle = unwrap(model).get_output_embeddings().register_forward_pre_hook(capture)
+    try:
+        model(**inputs)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def policy_forward(policy, query_response, mask, context_length, temperature, with_entropy_grad=True, entropy=True):
+    """Log-probs and (unless entropy=False) entropies of the response tokens under the policy, at the sampling
+    temperature, in float32. Three things keep its memory bounded by the micro-batch whatever the vocabulary:
+    - the model's own forward runs with its output layer handed an empty slice (head_inputs), so the model never
+      computes logits; we take the hidden states that layer would have read;
+    - of those, only the positions that predict a response token: position t predicts token t + 1, so the response
+      tokens context_length .. T-1 are predicted at positions context_length - 1 .. T-2 (the last position predicts
+      nothing), with the prompt's positions never sent through the output layer;
+    - their logits are made in blocks of at most LOGIT_BLOCK elements, each recomputed in the backward pass
+      (activation recomputation), so that a micro-batch's B x response x vocabulary logits are never held whole."""
+    from torch.utils.checkpoint import checkpoint
+
+    position = (mask.cumsum(1) - 1).clamp(min=0)
+    predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 .. T-1
+    only_kept = {"logits_to_keep": predicting} if takes_argument(type(unwrap(policy)), "logits_to_keep") else {}
+    hidden = head_inputs(policy, input_ids=query_response, attention_mask=mask, position_ids=position,
+                         **only_kept)[:, -predicting:-1]  # ... less the last, which predicts nothing
+    targets, model = query_response[:, context_length:], unwrap(policy)
+
+    def block(h, y):  # float32 throughout: logits, log-softmax and entropy
+        logp_all = torch.log_softmax(output_logits(model, h, temperature), -1)
+        logprobs = logp_all.gather(-1, y[..., None]).squeeze(-1)
+        if not entropy:
+            return logprobs, torch.zeros_like(logprobs)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad), \
+                torch.autocast(h.device.type, enabled=False):  # (vecdot is on autocast's bfloat16 list)
+            # -sum p log p as one fused product per row (no vocabulary-wide temporary for p * log p)
+            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all)
+
+    n = hidden.shape[1]
+    step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
+    recompute = torch.is_grad_enabled() and step < n
+    parts = [checkpoint(block, hidden[:, s:s + step], targets[:, s:s + step], use_reentrant=False) if recompute
+             else block(hidden[:, s:s + step], targets[:, s:s + step]) for s in range(0, n, step)]
+    logprobs, entropies = (torch.cat(t, 1) for t in zip(*parts))
+    return (logprobs, entropies) if entropy else (logprobs, None)
+
+
+@torch.no_grad()
+def check_output_logits(model, flag, name):
+    """output_logits must give the model's own logits: a family with an output transform it does not know is named
+    here, before training, instead of training on wrong log-probs."""
+    ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % model.get_output_embeddings().weight.shape[0]
+    own = model(input_ids=ids).logits.float()
+    ours = output_logits(model, head_inputs(model, input_ids=ids)).float()
+    if not torch.allclose(own, ours, atol=1e-4, rtol=1e-4):
+        raise common.UserError(f"{flag} {name}: ppo.py's output_logits does not reproduce this model's logits (an "
+                               f"output transform it does not know, in {type(model).__name__}); add it there")
+
+
+@functools.cache
+def takes_argument(model_class, name):
+    """Whether the model's forward takes this argument: every causal LM of transformers takes logits_to_keep, a remote
+    code model may not. (Position ids every model takes: ALiBi models such as BLOOM ignore them.)"""
+    return name in inspect.signature(model_class.forward).parameters
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Length groups: rows of similar length run as one trimmed forward (less padding, the same numbers).
+
+
+def trim_padding(query_response, mask, context_length):
+    """Drop the columns that are padding in every row: left of the longest prompt, right of the longest response.
+    The real tokens' outputs are unchanged (position ids come from the mask), for less work. Returns the trimmed
+    tensors, the new context length and the number of response columns kept."""
+    real = mask.bool().any(0)
+    first = min(int(real.int().argmax()), context_length - 1)
+    last = max(len(real) - int(real.flip(0).int().argmax()), context_length + 1)
+    return query_response[:, first:last], mask[:, first:last], context_length - first, last - context_length
+
+
+GROUP_OVERHEAD_TOKENS = 64
+"""What one more forward and backward call costs, in tokens of work (about 30 measured on 2 CPU cores with a 4-layer
+model of width 256; more on a GPU): a batch is cut into length groups only where that saves more padding than this."""
+
+
+def length_groups(prompt_lengths, response_lengths, overhead=None):
+    """The rows of a batch in groups of similar length, each to run as its own trimmed forward (the real tokens'
+    outputs do not depend on the batch they are in): rows sorted by length, each joining the group before it unless
+    the padding that adds costs more than one more call. A group's width is its longest prompt plus its longest
+    response: prompts are left-padded, responses right-padded."""
+    overhead = GROUP_OVERHEAD_TOKENS if overhead is None else overhead
+    p, r = prompt_lengths.tolist(), response_lengths.tolist()
+    groups, longest = [], (0, 0)
+    for i in sorted(range(len(p)), key=lambda i: (p[i] + r[i], p[i])):
+        grown = (max(longest[0], p[i]), max(longest[1], r[i]))
+        if groups and (len(groups[-1]) + 1) * sum(grown) - len(groups[-1]) * sum(longest) <= p[i] + r[i] + overhead:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            grown = (p[i], r[i])
+        longest = grown
+    return [torch.tensor(g) for g in groups]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Distributed set-up (torchrun's environment variables; `python ppo.py` is world size 1) and offloading.
+
+
+def setup_distributed():
+    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+    common.attention_without_nan(device)
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def parallelize(model, args, device, num_layers, frozen=False):
+    """DDP, or FSDP2 with one shard group per transformer block. A frozen model is sharded too under FSDP (so it
+    computes as the trained ones do), and under DDP stays a plain replica (it has no gradients to all-reduce)."""
+    model.to(device)
+    if not dist.is_initialized() or (frozen and not args.fsdp):
+        return model
+    if args.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # bf16 is compute only: the sharded parameters, and so the optimizer's steps, stay in their own dtype
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
+            MixedPrecisionPolicy()
+
+        blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers)
+        for block in blocks:
+            fully_shard(block, mp_policy=mp)
+        return fully_shard(model, mp_policy=mp)
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                     broadcast_buffers=False)
+
+
+def unwrap(model):
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def set_grad_sync(models, enabled):
+    for model in models:
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            model.set_requires_gradient_sync(enabled)
+        elif hasattr(model, "require_backward_grad_sync"):  # DDP
+            model.require_backward_grad_sync = enabled
+
+
+def all_gather_cat(t):
+    if not dist.is_initialized():
+        return t
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.cat(out)
+
+
+def all_gather_rollout(batch):
+    """Every rank's rows of the rollout batch, in rank order, field by field."""
+    return dataclasses.replace(batch, **{f.name: all_gather_cat(getattr(batch, f.name)) for f in
+                                         dataclasses.fields(batch) if torch.is_tensor(getattr(batch, f.name))})
+
+
+def all_reduce(t, op=None):
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+@contextlib.contextmanager
+def offloaded(models, device, enabled):
+    """--offload_inference_models: the frozen models on the device only while they score, on the CPU while the
+    policy and critic learn. (A reference sharded under FSDP holds 1/world of itself per rank and stays.)"""
+    models = [m for m in models if m is not None and enabled]
+    for model in models:
+        model.to(device)
+    yield
+    for model in models:
+        model.to("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Logging, the final save, figures.
 
 
 def open_logs(args, rank, start):
@@ -1311,6 +1295,50 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
     samples_file.flush()
     if table:
         logger.log_table("samples", table, m["step"])
+
+
+def rollout_metrics(batch, kl, non_score_reward):
+    mask = batch.mask.float()
+    m = {"objective/kl": kl.sum(1).mean().item(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean().item(),
+         "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
+         "objective/scores": batch.scores.mean().item(),
+         "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean().item(),
+         "val/mean": masked_mean(batch.values, mask).item(), "response/length": mask.sum(1).mean().item()}
+    if batch.has_stop is not None:  # None with --stop_token none: no response can stop
+        m["response/eos_rate"] = batch.has_stop.float().mean().item()
+    if not torch.isnan(batch.gold).all():
+        m["gold/mean"], m["gold/std"] = batch.gold.mean().item(), batch.gold.std().item()
+    return m
+
+
+def timing_metrics(times, batch_size, qr_mask, args):
+    """Episodes and tokens per second, and the time of each phase (rollout, score, advantages + learn)."""
+    elapsed = times[-1] - times[0]
+    return {"perf/episodes_per_s": batch_size / elapsed, "perf/time_rollout": times[1] - times[0],
+            "perf/time_score": times[2] - times[1], "perf/time_learn": times[3] - times[2],
+            "perf/tokens_per_s": qr_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
+
+
+def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank):
+    """The final policy in transformers' format (with LoRA: merged, and the adapter in output_dir/adapter), its
+    tokenizer, the curves and a summary; the logs closed."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model_sd = get_model_state_dict(trainable, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return
+    policy_sd = {k.removeprefix("policy."): v for k, v in model_sd.items() if k.startswith("policy.")}
+    if lora is not None:
+        policy_hf = common.save_lora(policy_hf, lora, policy_sd, tokenizer, args.output_dir)
+        policy_sd = policy_hf.state_dict()
+    common.save_pretrained_atomic(policy_hf, tokenizer, args.output_dir, state_dict=policy_sd)
+    plot_curves(history, os.path.join(args.output_dir, "curves.png"))
+    summary = summarize(history)
+    common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
+                             {**summary, "args": dataclasses.asdict(args)})
+    logs[0].close()
+    common.close_log(logs[1])
+    print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
 
 
 def plot_curves(history, path):

@@ -31,6 +31,8 @@ from tqdm import tqdm
 import common
 
 
+
+
 @dataclass
 class Args:
     # --- model and data
@@ -99,7 +101,9 @@ class Args:
     head_init_std: float | None = None
     """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1))."""
     reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
-    """After training: make the mean reward over the eval set 0 (shift) and optionally its std 1 (shift_scale)."""
+    """After training: make the mean reward over the eval set 0 (shift) and optionally its std 1 (shift_scale). Saved
+    in config.json as reward_shift and reward_scale: a reward is (the model's logit - reward_shift) / reward_scale
+    (ppo.py applies it; README's scoring snippet shows how)."""
     # --- LoRA (through peft)
     lora_r: int = 0
     """Rank of the LoRA adapters on the backbone's linear layers (Hu et al. 2021), the scalar head trained in full
@@ -194,6 +198,17 @@ def pearson(x, y):
     return (x * y).sum().item() / max(math.sqrt((x * x).sum().item() * (y * y).sum().item()), 1e-12)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The model, one training step, evaluation.
+
+
+def chosen_and_rejected(rewards):
+    """(r_chosen, r_rejected) of a micro-batch from its 2B rewards: every batch layout (collate's rows, pack_segments'
+    read points) puts each pair's chosen sequence in the first half and its rejected one at the same place in the
+    second."""
+    return rewards.chunk(2)
+
+
 class RewardModel(torch.nn.Module):
     """A transformers sequence-classification model, read at the last real token of each sequence. A padded batch
     (2D mask) is read by common.sequence_reward, the reading ppo.py applies to the rewards it trains on; a packed row
@@ -218,26 +233,193 @@ class RewardModel(torch.nn.Module):
 def train_step(model, micro_batches, args, pad_id, device):
     """The forward and backward passes of one optimizer step: per micro-batch, chosen and rejected in one forward,
     the Bradley-Terry loss, gradients accumulated (all-reduced across ranks on the last micro-batch only). Returns
-    the step's mean loss, accuracy and margin, its token count and the clipped gradient norm."""
-    stats = dict.fromkeys(("loss", "accuracy", "margin", "tokens"), 0.0)
+    the step's mean loss, accuracy and reward gap (r_c - r_r), its token count and the clipped gradient norm."""
+    stats = dict.fromkeys(("loss", "accuracy", "reward_gap", "tokens"), 0.0)
     for m, pairs in enumerate(micro_batches):
         inputs = [x.to(device) if torch.is_tensor(x) else x for x in model_inputs(pairs, pad_id, args)]
         margin = torch.tensor([p["margin"] for p in pairs], device=device)
         set_grad_sync(model, m == len(micro_batches) - 1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            r_chosen, r_rejected = model(*inputs).chunk(2)
+            r_chosen, r_rejected = chosen_and_rejected(model(*inputs))
         loss = reward_model_loss(r_chosen, r_rejected, margin, args.loss_type, args.center_rewards_coefficient)
         (loss / len(micro_batches)).backward()
         stats["loss"] += loss.item() / len(micro_batches)
         stats["accuracy"] += (r_chosen > r_rejected).float().mean().item() / len(micro_batches)
-        stats["margin"] += (r_chosen - r_rejected).mean().item() / len(micro_batches)
+        stats["reward_gap"] += (r_chosen - r_rejected).mean().item() / len(micro_batches)
         stats["tokens"] += sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in pairs)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
     stats["grad_norm"] = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
     return stats
 
 
+@torch.no_grad()
+def evaluate(model, pairs, args, pad_id, device, rank, world):
+    """Rewards of every eval pair (sharded across ranks, then gathered) and the metrics computed from them."""
+    per_rank = math.ceil(len(pairs) / world)
+    # longest first, so that a batch holds pairs of similar length (little padding) and the peak memory comes first
+    by_length = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
+    mine = by_length[rank::world]
+    n_mine = len(mine)
+    mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts (FSDP's forward is collective)
+    rewards = []
+    size = args.per_device_eval_batch_size or args.per_device_train_batch_size
+    for i in range(0, per_rank, size):
+        inputs = model_inputs([pairs[j] for j in mine[i:i + size]], pad_id, args)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            rewards.append(torch.stack(chosen_and_rejected(model(*(x.to(device) if torch.is_tensor(x) else x
+                                                                    for x in inputs))), 1))
+    valid = torch.arange(per_rank, device=device) < n_mine
+    index, valid, rewards = (all_gather_cat(t) for t in (torch.tensor(mine, device=device), valid, torch.cat(rewards)))
+    in_order = torch.empty(len(pairs), 2)
+    in_order[index[valid].cpu()] = rewards[valid].cpu()
+    rewards = in_order
+    rc, rr = rewards[:, 0], rewards[:, 1]
+    margin = torch.tensor([p["margin"] for p in pairs])
+    lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
+    metrics = {
+        "eval/accuracy": (rc > rr).float().mean().item(),
+        "eval/loss": reward_model_loss(rc, rr, margin, args.loss_type, args.center_rewards_coefficient).item(),
+        "eval/reward_gap": (rc - rr).mean().item(),
+        "eval/chosen_reward": rc.mean().item(),
+        "eval/rejected_reward": rr.mean().item(),
+        "eval/reward_mean": torch.cat([rc, rr]).mean().item(),
+        "eval/reward_std": torch.cat([rc, rr]).std().item(),
+        "eval/calibration_error": calibration_error(torch.sigmoid(rc - rr)),
+        "eval/length_correlation": pearson(torch.cat([rc, rr]), lengths),
+    }
+    known = torch.tensor([p["gold"] is not None for p in pairs])
+    if known.any():  # embedded-task pairs (all, or some of a mixture): compare with the best possible accuracy
+        gold, rc, rr = torch.tensor([p["gold"] for p in pairs if p["gold"] is not None]), rc[known], rr[known]
+        p_gold = torch.sigmoid(common.PREFERENCE_BETA * (gold[:, 0] - gold[:, 1]))
+        metrics["eval/bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
+        metrics["eval/accuracy_vs_bayes"] = (rc > rr).float().mean().item() / metrics["eval/bayes_accuracy"]
+        metrics["eval/gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
+    return metrics, rewards
+
+
+def check_args(args):
+    """Every size and range, before anything is loaded or written; a bad one is named in one line."""
+    for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
+                 "per_device_eval_batch_size", "logging_steps", "num_evals"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
+    for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
+                 "max_grad_norm", "center_rewards_coefficient", "eval_steps", "save_steps", "head_init_std", "lora_r",
+                 "lora_alpha", "lora_dropout"):
+        value = getattr(args, name)
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
+    if args.max_steps <= 0 and not args.num_train_epochs > 0 and not args.eval_only:
+        raise common.UserError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or set --max_steps)")
+    if not 0 < args.eval_holdout < 1:
+        raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
+    if not args.warmup_ratio <= 1:
+        raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
+    if None not in (args.max_length, args.max_prompt_length) and args.max_length <= args.max_prompt_length:
+        raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
+                               f"{args.max_length} to leave room for the responses")
+    name = args.model_name_or_path
+    if not name.startswith("embedded-") and (name.startswith((".", "/", "~")) or os.sep in name.strip("/")
+                                             and name.count("/") != 1) and not os.path.exists(name):
+        raise common.UserError(f"--model_name_or_path {name}: no such folder; pass a local model folder or a hub name")
+
+
+def main(args):
+    if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
+        args = dataclasses.replace(args, output_dir="runs/rm-eval")
+    check_args(args)
+    rank, world, device = setup_distributed()
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    global_batch = micro * accumulation * world
+
+    # 1. Model and data: preference pairs -> token ids (the same on every rank; each takes its slice of every batch).
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    hf_model, lora = load_reward_model(args, tokenizer)
+    args = resolve_lengths(args, hf_model, rank)
+    train, evals = load_data(args, tokenizer, rank)
+    steps_per_epoch = len(train) // global_batch
+    if steps_per_epoch == 0 and not args.eval_only:
+        raise common.UserError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
+    eval_every = args.eval_steps or math.ceil(total_steps / max(args.num_evals, 1))  # the last one at the end
+
+    # 2. Batch layout, optimizer, schedule.
+    args, layout = choose_layout(RewardModel(hf_model.to(device)), args, len(tokenizer), rank)
+    if args.gradient_checkpointing:
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model = parallelize(RewardModel(hf_model), args, device)
+    if args.eval_only:
+        return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout)
+    optimizer, scheduler = build_optimizer(model, args, total_steps)
+    start_step = 0
+    if args.resume and (ckpt := common.resume_training(model, optimizer, scheduler, args.output_dir)):
+        start_step = ckpt["step"]
+    logger = common.Logger(args, args.wandb_project, start_step if args.resume else None) if rank == 0 else None
+    if rank == 0:
+        n_trained = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
+        mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
+        print(f"model {args.model_name_or_path}: {sum(p.numel() for p in hf_model.parameters()) / 1e6:.2f}M parameters"
+              f", {n_trained / 1e6:.2f}M trained{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} "
+              f"({device.type}, {'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})\n"
+              f"batch layout: {layout}\nglobal batch {global_batch} pairs = {micro} x {accumulation} accumulation x "
+              f"{world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
+              f"({total_steps / steps_per_epoch:.2f} epochs); lr {optimizer.param_groups[0]['initial_lr']:g}, "
+              f"{args.lr_scheduler_type}, warmup {args.warmup_steps or int(args.warmup_ratio * total_steps)}"
+              + (f"; resumed from step {start_step}" if start_step else ""))
+
+    # 3. Training loop: per step, one fused forward per micro-batch, Bradley-Terry loss, one optimizer step.
+    model.train()
+    bar = tqdm(range(start_step, total_steps), disable=rank != 0, initial=start_step, total=total_steps, desc="rm")
+    window, t_window = [], time.time()
+    for step in bar:
+        epoch, offset = divmod(step, steps_per_epoch)
+        if step == start_step or offset == 0:  # the epoch's order depends only on (seed, epoch): resumable anywhere
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(
+                common.seed_of(args.seed, "epoch order", epoch))).tolist()
+        batch = order[offset * global_batch:(offset + 1) * global_batch]
+        mine = batch[rank * micro * accumulation:(rank + 1) * micro * accumulation]
+        stats = train_step(model, [[train[i] for i in mine[m * micro:(m + 1) * micro]] for m in range(accumulation)],
+                           args, tokenizer.pad_token_id, device)
+        if not math.isfinite(stats["grad_norm"]):  # stop before the step: the last checkpoint stays the last good state
+            raise common.UserError(f"step {step + 1}: the gradient norm is {stats['grad_norm']} (loss "
+                                   f"{stats['loss']:.4g}); training diverged: lower --learning_rate; --resume "
+                                   f"continues from the last checkpoint in {args.output_dir}")
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        window.append(stats)
+
+        # 4. Log, evaluate, checkpoint (the speed logged is the training loop's: evaluations and saves are left out).
+        done = step + 1
+        if done % args.logging_steps == 0 or done == total_steps:
+            log_train(logger, bar, window, done, steps_per_epoch, scheduler.get_last_lr()[0], global_batch,
+                      time.time() - t_window, device, world)
+            window, t_window = [], time.time()
+        t_pause = time.time()
+        if done % eval_every == 0 or done == total_steps:
+            model.eval()
+            ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
+            ev = {"step": done, **ev, "perf/eval_pairs_per_s": len(evals) / (time.time() - t_pause)}
+            model.train()
+            if rank == 0:
+                logger.log(ev)
+                bar.write(common.format_metrics(ev))
+        if args.save_steps and done % args.save_steps == 0 and done < total_steps:
+            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir)
+        t_window += time.time() - t_pause
+
+    # 5. Normalize (shift the mean eval reward to 0, optionally scale its std to 1) and save in transformers' format.
+    save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank)
+    if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
+        dist.barrier()
+        dist.destroy_process_group()
+    return ev
+
+
 # ---------------------------------------------------------------------------------------------------------------------
+# The systems. A first read can stop above: what follows makes the steps run on real data, at scale and fast,
+# each piece behind one named function whose docstring states what it guarantees.
+#
 # Model and data.
 
 
@@ -397,8 +579,32 @@ def margin_of(row):
     return float(value)
 
 
+def build_optimizer(model, args, total_steps):
+    """AdamW over the trainable parameters and transformers' learning-rate schedule, with warm-up."""
+    from transformers import get_scheduler
+
+    lr = args.learning_rate if args.learning_rate is not None else \
+        1e-3 if args.model_name_or_path.startswith("embedded-") else 1e-5
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                  weight_decay=args.weight_decay, fused=True)
+    extra = {"polynomial": {"lr_end": args.lr_end}, "cosine_with_restarts": {"num_cycles": int(args.num_cycles)},
+             "cosine": {"num_cycles": args.num_cycles / 2}}.get(args.lr_scheduler_type, {})
+    return optimizer, get_scheduler(args.lr_scheduler_type, optimizer, scheduler_specific_kwargs=extra,
+                                    num_warmup_steps=args.warmup_steps or int(args.warmup_ratio * total_steps),
+                                    num_training_steps=total_steps)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# Batch layout: the padded batch, or pairs packed end to end in one row.
+# Batch layout: model_inputs gives a micro-batch as the padded batch (collate) or as pairs packed end to end in
+# one row (pack_segments, segment_attention), whichever choose_layout found right for the model.
+
+
+def model_inputs(pairs, pad_id, args):
+    """(ids, mask, position ids, read points, segments) of a micro-batch in the layout the arguments ask for; with
+    the plain padded batch, position ids and read points come from the mask."""
+    if not args.padding_free:
+        return collate(pairs, pad_id)[:2] + (None, None, None)
+    return pack_segments(pairs, share_prompt=args.prefix_sharing)
 
 
 def collate(pairs, pad_id, padding_side="right"):
@@ -469,12 +675,15 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.transpose(1, 2).contiguous(), None
 
 
-from transformers import AttentionInterface  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+def use_segment_attention(hf_model):
+    """Give the model segment_attention, registered with transformers' attention interface as "rm_segments", and no
+    mask of transformers' own (a dense N x N one over a packed row would never be read)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
-AttentionInterface.register("rm_segments", segment_attention)
-# segment_attention builds its own masks: transformers' (a dense N x N one over a packed row) is never made
-AttentionMaskInterface.register("rm_segments", lambda *args, **kwargs: None)
+    AttentionInterface.register("rm_segments", segment_attention)
+    AttentionMaskInterface.register("rm_segments", lambda *args, **kwargs: None)
+    hf_model.config._attn_implementation = "rm_segments"
 
 
 def pack_segments(pairs, share_prompt=True):
@@ -505,14 +714,6 @@ def pack_segments(pairs, share_prompt=True):
     cols = torch.tensor(reads[0] + reads[1])
     segments = Segments(torch.tensor(seq), torch.tensor(branch), torch.tensor(positions), [tuple(b) for b in blocks])
     return torch.tensor([ids]), None, torch.tensor([positions]), torch.stack([torch.zeros_like(cols), cols]), segments
-
-
-def model_inputs(pairs, pad_id, args):
-    """(ids, mask, position ids, read points, segments) of a micro-batch in the layout the arguments ask for; with
-    the plain padded batch, position ids and read points come from the mask."""
-    if not args.padding_free:
-        return collate(pairs, pad_id)[:2] + (None, None, None)
-    return pack_segments(pairs, share_prompt=args.prefix_sharing)
 
 
 def declared_windows(config):
@@ -546,7 +747,7 @@ def choose_layout(model, args, vocab_size, rank=0):
         dist.broadcast_object_list(why_not, src=0)
     if why_not[0]:
         return padded, f"padded: {why_not[0]}"
-    model.hf.config._attn_implementation = "rm_segments"
+    use_segment_attention(model.hf)
     name = "prefix-shared + packed" if args.prefix_sharing else "packed"
     return args, f"{name}: one row, attention per block of pairs (rewards checked equal to the padded batch's)"
 
@@ -565,7 +766,7 @@ def packed_layout_fault(model, args, vocab_size):
     low = args.bf16 or model.hf.dtype == torch.bfloat16  # a LoRA base held in bfloat16 runs under autocast too
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=low):
         reference = model(*on_device(collate(pairs, 0)[:2]))
-        model.hf.config._attn_implementation = "rm_segments"
+        use_segment_attention(model.hf)
         inputs = model_inputs(pairs, 0, args)
         try:
             rewards, why_not = model(*on_device(inputs)), None
@@ -644,197 +845,17 @@ def all_gather_cat(t):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Evaluation.
-
-
-@torch.no_grad()
-def evaluate(model, pairs, args, pad_id, device, rank, world):
-    """Rewards of every eval pair (sharded across ranks, then gathered) and the metrics computed from them."""
-    per_rank = math.ceil(len(pairs) / world)
-    # longest first, so that a batch holds pairs of similar length (little padding) and the peak memory comes first
-    by_length = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
-    mine = by_length[rank::world]
-    n_mine = len(mine)
-    mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts (FSDP's forward is collective)
-    rewards = []
-    size = args.per_device_eval_batch_size or args.per_device_train_batch_size
-    for i in range(0, per_rank, size):
-        inputs = model_inputs([pairs[j] for j in mine[i:i + size]], pad_id, args)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            rewards.append(model(*(x.to(device) if torch.is_tensor(x) else x for x in inputs)).view(2, -1).T)
-    valid = torch.arange(per_rank, device=device) < n_mine
-    index, valid, rewards = (all_gather_cat(t) for t in (torch.tensor(mine, device=device), valid, torch.cat(rewards)))
-    in_order = torch.empty(len(pairs), 2)
-    in_order[index[valid].cpu()] = rewards[valid].cpu()
-    rewards = in_order
-    rc, rr = rewards[:, 0], rewards[:, 1]
-    margin = torch.tensor([p["margin"] for p in pairs])
-    lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
-    metrics = {
-        "eval/accuracy": (rc > rr).float().mean().item(),
-        "eval/loss": reward_model_loss(rc, rr, margin, args.loss_type, args.center_rewards_coefficient).item(),
-        "eval/margin": (rc - rr).mean().item(),
-        "eval/chosen_reward": rc.mean().item(),
-        "eval/rejected_reward": rr.mean().item(),
-        "eval/reward_mean": torch.cat([rc, rr]).mean().item(),
-        "eval/reward_std": torch.cat([rc, rr]).std().item(),
-        "eval/calibration_error": calibration_error(torch.sigmoid(rc - rr)),
-        "eval/length_correlation": pearson(torch.cat([rc, rr]), lengths),
-    }
-    known = torch.tensor([p["gold"] is not None for p in pairs])
-    if known.any():  # embedded-task pairs (all, or some of a mixture): compare with the best possible accuracy
-        gold, rc, rr = torch.tensor([p["gold"] for p in pairs if p["gold"] is not None]), rc[known], rr[known]
-        p_gold = torch.sigmoid(common.PREFERENCE_BETA * (gold[:, 0] - gold[:, 1]))
-        metrics["eval/bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
-        metrics["eval/accuracy_vs_bayes"] = (rc > rr).float().mean().item() / metrics["eval/bayes_accuracy"]
-        metrics["eval/gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
-    return metrics, rewards
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def check_args(args):
-    """Every size and range, before anything is loaded or written; a bad one is named in one line."""
-    for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
-                 "per_device_eval_batch_size", "logging_steps", "num_evals"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
-    for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
-                 "max_grad_norm", "center_rewards_coefficient", "eval_steps", "save_steps", "head_init_std", "lora_r",
-                 "lora_alpha", "lora_dropout"):
-        value = getattr(args, name)
-        if value is not None and not (value >= 0 and math.isfinite(value)):
-            raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
-    if args.max_steps <= 0 and not args.num_train_epochs > 0 and not args.eval_only:
-        raise common.UserError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or set --max_steps)")
-    if not 0 < args.eval_holdout < 1:
-        raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
-    if not args.warmup_ratio <= 1:
-        raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
-    if None not in (args.max_length, args.max_prompt_length) and args.max_length <= args.max_prompt_length:
-        raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
-                               f"{args.max_length} to leave room for the responses")
-    name = args.model_name_or_path
-    if not name.startswith("embedded-") and (name.startswith((".", "/", "~")) or os.sep in name.strip("/")
-                                             and name.count("/") != 1) and not os.path.exists(name):
-        raise common.UserError(f"--model_name_or_path {name}: no such folder; pass a local model folder or a hub name")
-
-
-def main(args):
-    if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
-        args = dataclasses.replace(args, output_dir="runs/rm-eval")
-    check_args(args)
-    rank, world, device = setup_distributed()
-    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    global_batch = micro * accumulation * world
-
-    # 1. Model and data: preference pairs -> token ids (the same on every rank; each takes its slice of every batch).
-    tokenizer = load_tokenizer(args.model_name_or_path)
-    hf_model, lora = load_reward_model(args, tokenizer)
-    args = resolve_lengths(args, hf_model, rank)
-    train, evals = load_data(args, tokenizer, rank)
-    steps_per_epoch = len(train) // global_batch
-    if steps_per_epoch == 0 and not args.eval_only:
-        raise common.UserError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
-    eval_every = args.eval_steps or math.ceil(total_steps / max(args.num_evals, 1))  # the last one at the end
-
-    # 2. Batch layout, optimizer, schedule.
-    args, layout = choose_layout(RewardModel(hf_model.to(device)), args, len(tokenizer), rank)
-    if args.gradient_checkpointing:
-        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model = parallelize(RewardModel(hf_model), args, device)
-    if args.eval_only:
-        return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout)
-    optimizer, scheduler = build_optimizer(model, args, total_steps)
-    start_step = 0
-    if args.resume and (ckpt := common.resume_training(model, optimizer, scheduler, args.output_dir)):
-        start_step = ckpt["step"]
-    logger = common.Logger(args, args.wandb_project, start_step if args.resume else None) if rank == 0 else None
-    if rank == 0:
-        n_trained = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
-        mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
-        print(f"model {args.model_name_or_path}: {sum(p.numel() for p in hf_model.parameters()) / 1e6:.2f}M parameters"
-              f", {n_trained / 1e6:.2f}M trained{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} "
-              f"({device.type}, {'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})\n"
-              f"batch layout: {layout}\nglobal batch {global_batch} pairs = {micro} x {accumulation} accumulation x "
-              f"{world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
-              f"({total_steps / steps_per_epoch:.2f} epochs); lr {optimizer.param_groups[0]['initial_lr']:g}, "
-              f"{args.lr_scheduler_type}, warmup {args.warmup_steps or int(args.warmup_ratio * total_steps)}"
-              + (f"; resumed from step {start_step}" if start_step else ""))
-
-    # 3. Training loop: per step, one fused forward per micro-batch, Bradley-Terry loss, one optimizer step.
-    model.train()
-    bar = tqdm(range(start_step, total_steps), disable=rank != 0, initial=start_step, total=total_steps, desc="rm")
-    window, t_window = [], time.time()
-    for step in bar:
-        epoch, offset = divmod(step, steps_per_epoch)
-        if step == start_step or offset == 0:  # the epoch's order depends only on (seed, epoch): resumable anywhere
-            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(
-                common.seed_of(args.seed, "epoch order", epoch))).tolist()
-        batch = order[offset * global_batch:(offset + 1) * global_batch]
-        mine = batch[rank * micro * accumulation:(rank + 1) * micro * accumulation]
-        stats = train_step(model, [[train[i] for i in mine[m * micro:(m + 1) * micro]] for m in range(accumulation)],
-                           args, tokenizer.pad_token_id, device)
-        if not math.isfinite(stats["grad_norm"]):  # stop before the step: the last checkpoint stays the last good state
-            raise common.UserError(f"step {step + 1}: the gradient norm is {stats['grad_norm']} (loss "
-                                   f"{stats['loss']:.4g}); training diverged: lower --learning_rate; --resume "
-                                   f"continues from the last checkpoint in {args.output_dir}")
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        window.append(stats)
-
-        # 4. Log, evaluate, checkpoint (the speed logged is the training loop's: evaluations and saves are left out).
-        done = step + 1
-        if done % args.logging_steps == 0 or done == total_steps:
-            log_train(logger, bar, window, done, steps_per_epoch, scheduler.get_last_lr()[0], global_batch,
-                      time.time() - t_window, device, world)
-            window, t_window = [], time.time()
-        t_pause = time.time()
-        if done % eval_every == 0 or done == total_steps:
-            model.eval()
-            ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
-            ev = {"step": done, **ev, "perf/eval_pairs_per_s": len(evals) / (time.time() - t_pause)}
-            model.train()
-            if rank == 0:
-                logger.log(ev)
-                bar.write(common.format_metrics(ev))
-        if args.save_steps and done % args.save_steps == 0 and done < total_steps:
-            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir)
-        t_window += time.time() - t_pause
-
-    # 5. Normalize (shift the mean eval reward to 0, optionally scale its std to 1) and save in transformers' format.
-    save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank)
-    if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
-        dist.barrier()
-        dist.destroy_process_group()
-    return ev
-
-
-def build_optimizer(model, args, total_steps):
-    """AdamW over the trainable parameters and transformers' learning-rate schedule, with warm-up."""
-    from transformers import get_scheduler
-
-    lr = args.learning_rate if args.learning_rate is not None else \
-        1e-3 if args.model_name_or_path.startswith("embedded-") else 1e-5
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                  weight_decay=args.weight_decay, fused=True)
-    extra = {"polynomial": {"lr_end": args.lr_end}, "cosine_with_restarts": {"num_cycles": int(args.num_cycles)},
-             "cosine": {"num_cycles": args.num_cycles / 2}}.get(args.lr_scheduler_type, {})
-    return optimizer, get_scheduler(args.lr_scheduler_type, optimizer, scheduler_specific_kwargs=extra,
-                                    num_warmup_steps=args.warmup_steps or int(args.warmup_ratio * total_steps),
-                                    num_training_steps=total_steps)
+# Logging, the final save, figures.
 
 
 def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world):
     """The training statistics of the steps since the last log, averaged over them and over ranks, and the speed."""
-    loss, accuracy, margin, grad_norm, tokens = all_reduce_mean(
-        [sum(s[k] for s in window) / len(window) for k in ("loss", "accuracy", "margin", "grad_norm", "tokens")], device)
+    loss, accuracy, reward_gap, grad_norm, tokens = all_reduce_mean(
+        [sum(s[k] for s in window) / len(window) for k in ("loss", "accuracy", "reward_gap", "grad_norm", "tokens")],
+        device)
     tokens *= len(window) * world
     m = {"step": step, "epoch": step / steps_per_epoch, "train/loss": loss, "train/accuracy": accuracy,
-         "train/margin": margin, "train/grad_norm": grad_norm, "lr": lr, "perf/tokens_per_s": tokens / elapsed,
+         "train/reward_gap": reward_gap, "train/grad_norm": grad_norm, "lr": lr, "perf/tokens_per_s": tokens / elapsed,
          "perf/pairs_per_s": len(window) * global_batch / elapsed}
     if logger is not None:
         logger.log(m)
@@ -865,6 +886,21 @@ def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args,
         repo = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
         saved.push_to_hub(repo)
         tokenizer.push_to_hub(repo)
+
+
+def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, scale):
+    """Weights in transformers' format (with LoRA: merged, and the adapter in output_dir/adapter). A linear head
+    without a bias cannot hold a shift, so the normalization travels in config.json (beside an adapter, in
+    reward_normalization.json): reward = (score - reward_shift) / reward_scale (ppo.py's load_reward applies it)."""
+    normalization = {"reward_shift": shift, "reward_scale": scale}
+    if lora is not None:
+        hf_model = common.save_lora(hf_model, lora, state_dict, tokenizer, output_dir)
+        state_dict = hf_model.state_dict()
+        common.write_json_atomic(os.path.join(output_dir, "adapter", "reward_normalization.json"), normalization)
+    hf_model.config.update(normalization)
+    hf_model.config.architectures = [type(hf_model).__name__]
+    common.save_pretrained_atomic(hf_model, tokenizer, output_dir, state_dict=state_dict)
+    return hf_model
 
 
 def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout):
@@ -930,21 +966,6 @@ def plot_eval(path, rewards, metrics):
         ax.set(title=f"{name} over training", xlabel="optimizer step", ylabel=key)
         ax.legend()
     common.save_figure(fig, path)
-
-
-def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, scale):
-    """Weights in transformers' format (with LoRA: merged, and the adapter in output_dir/adapter). A linear head
-    without a bias cannot hold a shift, so the normalization travels in config.json (beside an adapter, in
-    reward_normalization.json): reward = (score - reward_shift) / reward_scale (ppo.py's load_reward applies it)."""
-    normalization = {"reward_shift": shift, "reward_scale": scale}
-    if lora is not None:
-        hf_model = common.save_lora(hf_model, lora, state_dict, tokenizer, output_dir)
-        state_dict = hf_model.state_dict()
-        common.write_json_atomic(os.path.join(output_dir, "adapter", "reward_normalization.json"), normalization)
-    hf_model.config.update(normalization)
-    hf_model.config.architectures = [type(hf_model).__name__]
-    common.save_pretrained_atomic(hf_model, tokenizer, output_dir, state_dict=state_dict)
-    return hf_model
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def check_attention(device, quick):
     rm_model = rm.RewardModel(tiny_llama(128 if quick else 512, 2, 8, 2, 1000, device, seq_cls=True))
     pairs = [{"prompt": list(range(3, 40 + i)), "chosen": list(range(5, 20)), "rejected": list(range(6, 30)),
               "margin": 0.0} for i in range(4)]
-    rm_model.hf.config._attn_implementation = "rm_segments"
+    rm.use_segment_attention(rm_model.hf)
     inputs = [x.to(device) if torch.is_tensor(x) else x for x in rm.pack_segments(pairs)]
     with torch.autocast(device.type, dtype=torch.bfloat16):
         out["rm_packed_kernels"] = sdpa_kernels(lambda: rm_model(*inputs))
@@ -142,7 +142,7 @@ def check_packed_vs_padded(device, quick):
             for packed in (False, True):
                 model = rm.RewardModel(tiny_llama(128 if quick else 512, 4, 8, 2, 1000, device, seq_cls=True))
                 if packed:
-                    model.hf.config._attn_implementation = "rm_segments"
+                    rm.use_segment_attention(model.hf)
                 inputs = rm.pack_segments(pairs) if packed else rm.collate(pairs, 0)[:2]
                 inputs = [x.to(device) if torch.is_tensor(x) else x for x in inputs]
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
@@ -226,7 +226,7 @@ def check_8b_shapes(device, quick):
     with torch.device(device):
         reward_model = rm.RewardModel(common.scalar_head_in_float32(
             AutoModelForSequenceClassification.from_config(config, dtype=torch.bfloat16)))
-    reward_model.hf.config._attn_implementation = "rm_segments"
+    reward_rm.use_segment_attention(model.hf)
     k = 100 if quick else 1000
     pairs = [{"prompt": list(range(3, 3 + k // 2)), "chosen": list(range(5, 5 + k // 2)),
               "rejected": list(range(7, 7 + k // 2)), "margin": 0.0} for _ in range(8)]

@@ -521,7 +521,7 @@ def test_eval_only_reproduces_the_final_evaluation_of_training(tmp_path, small_p
                        str(held_out), "--output_dir", str(tmp_path / "eval")])
     assert "evaluated" in proc.stdout
     evaluated = json.load(open(tmp_path / "eval" / "eval_results.json"))
-    for key in ("accuracy", "loss", "margin", "calibration_error", "length_correlation"):
+    for key in ("accuracy", "loss", "reward_gap", "calibration_error", "length_correlation"):
         assert evaluated[key] == pytest.approx(trained[key], abs=1e-5), key
     assert evaluated["normalized_reward_mean"] == pytest.approx(0.0, abs=1e-5)  # normalized on these very pairs
     assert (tmp_path / "eval" / "eval.png").stat().st_size > 10_000
