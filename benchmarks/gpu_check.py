@@ -222,11 +222,11 @@ def check_8b_shapes(device, quick):
         rollout["ms_per_token"] = round(rollout["seconds"] / new * 1000, 2)
         rollout["noise_share"] = round(noise.get("seconds", 0) / rollout["seconds"], 3)
     result["rollout"] = rollout
-    del policy
+    policy = None  # its memory back before the reward model is built
     with torch.device(device):
         reward_model = rm.RewardModel(common.scalar_head_in_float32(
             AutoModelForSequenceClassification.from_config(config, dtype=torch.bfloat16)))
-    reward_rm.use_segment_attention(model.hf)
+    rm.use_segment_attention(reward_model.hf)
     k = 100 if quick else 1000
     pairs = [{"prompt": list(range(3, 3 + k // 2)), "chosen": list(range(5, 5 + k // 2)),
               "rejected": list(range(7, 7 + k // 2)), "margin": 0.0} for _ in range(8)]

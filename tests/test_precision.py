@@ -2,10 +2,8 @@
 under CPU bfloat16 autocast against formulas computed in float32."""
 
 import json
-import os
 import random
 import shutil
-import sys
 
 import numpy as np
 import pytest
