@@ -199,6 +199,31 @@ def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(fam
     AutoModelForCausalLM.from_pretrained(tmp_path / "whole")  # the saved policy loads
 
 
+@pytest.mark.parametrize("family", DECODERS)
+def test_critic_free_estimators_on_every_decoder_family_are_independent_of_the_micro_batch_split(
+        family, family_dir, trained_rm, tmp_path, monkeypatch):
+    """The critic-free estimators, the KL's two places and the three loss averages, spread over the families: one
+    micro-batch of 8 against 4 micro-batches of 2 in one length group per row, the same update; no critic."""
+    i = DECODERS.index(family)
+    estimator = [dict(advantage_estimator="rloo"), dict(advantage_estimator="grpo"),
+                 dict(advantage_estimator="reinforce_pp", num_samples_per_prompt=2),
+                 dict(advantage_estimator="grpo", scale_rewards=False)][i % 4]
+    base = dict(sft_model_path=family_dir(family), reward_model_path=trained_rm(family), total_episodes=8,
+                num_mini_batches=1, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, sample_every=1,
+                max_prompt_length=32, kl_penalty=["loss", "reward"][i % 2],
+                loss_aggregation=["sequence_mean", "constant", "token_mean"][i % 3], **estimator)
+    monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 10**9)
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
+    monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
+                      gradient_accumulation_steps=4, **base))
+    whole, micro = read_metrics(tmp_path / "whole")[0], read_metrics(tmp_path / "micro")[0]
+    kl = ("loss/kl",) if base["kl_penalty"] == "loss" else ()
+    for key in ("objective/scores", "objective/kl", "loss/policy", "policy/entropy", "policy/grad_norm", *kl):
+        assert whole[key] == pytest.approx(micro[key], abs=1e-5, rel=1e-5), key
+    assert whole["policy/approxkl"] > 0 and not any(k.startswith(("val/", "loss/value")) for k in whole)
+
+
 @pytest.mark.parametrize("reward_family", ["llama", "bert", "deberta"])
 def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(reward_family, family_dir, trained_rm,
                                                                           tmp_path):

@@ -25,7 +25,10 @@ PPO_OPTIONS = OrderedDict(
     critic_init=["auto", "policy", "reward"], ptx_coef=[0.0, 0.1], num_collect_steps=[1, 2],
     offload_inference_models=[False, True], kl_estimator=["k1", "k3"], target_kl=[None, 0.5],
     whiten_rewards=[False, True], stop_token=["eos", "none"], gradient_accumulation_steps=[1, 2],
-    resume=[False, True], policy=["embedded", "folder"])
+    resume=[False, True], policy=["embedded", "folder"],
+    advantage_estimator=["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"], num_samples_per_prompt=[None, 2],
+    kl_penalty=["reward", "loss"], loss_aggregation=["token_mean", "sequence_mean", "constant"],
+    gradient_checkpointing=[False, True])
 
 RM_OPTIONS = OrderedDict(
     ranks=[1, 2], fsdp=[False, True], bf16=[False, True], lora_r=[0, 4], layout=["padded", "packed", "prefix-shared"],
@@ -35,31 +38,49 @@ RM_OPTIONS = OrderedDict(
 
 
 def ppo_refused(values):
-    """The one combination ppo.py refuses by design: a critic initialised from a reward model that is not there."""
-    return values.get("critic_init") == "reward" and values.get("reward") == "function"
+    """The combinations ppo.py refuses by design: a critic initialised from a reward model that is not there; a
+    critic's flag without a critic (critic-free estimators); whitened per-token rewards for a per-episode return."""
+    estimator = values.get("advantage_estimator", "gae")
+    return (values.get("critic_init") == "reward" and values.get("reward") == "function") or \
+        (estimator != "gae" and values.get("critic_init", "auto") != "auto") or \
+        (estimator in ("rloo", "grpo", "dr_grpo") and values.get("whiten_rewards", False))
 
 
 def covering_array(options, refused=lambda values: False):
-    """allpairspy's pairwise rows (it hands the filter partial rows, in option order), then a row more for any pair of
-    values of two options that its greedy search left out under the filter: every pair the script does not refuse is
-    in some row."""
+    """allpairspy's pairwise rows (it hands the filter partial rows, in option order), then rows for the pairs of values
+    of two options that its greedy search left out under the filter, each new row taking as many of them as it can
+    hold: every pair the script does not refuse is in some row. (Options with more values first: fewer rows.)"""
+    options = OrderedDict(sorted(options.items(), key=lambda item: -len(item[1])))
     rows = [OrderedDict(zip(options, values)) for values in AllPairs(
         list(options.values()), filter_func=lambda values: not refused(dict(zip(options, values))))]
-    for (a, xs), (b, ys) in itertools.combinations(options.items(), 2):
-        for x, y in itertools.product(xs, ys):
-            if not refused({a: x, b: y}) and not any(r[a] == x and r[b] == y for r in rows):
-                rows.append(next(r for r in (OrderedDict(base, **{a: x, b: y}) for base in rows) if not refused(r)))
+    missing = [(a, x, b, y) for (a, xs), (b, ys) in itertools.combinations(options.items(), 2)
+               for x, y in itertools.product(xs, ys)
+               if not refused({a: x, b: y}) and not any(r[a] == x and r[b] == y for r in rows)]
+    while missing:
+        a, x, b, y = missing[0]
+        row = next(r for r in (OrderedDict(base, **{a: x, b: y}) for base in rows) if not refused(r))
+        fixed = {a, b}
+        for c, u, d, v in missing[1:]:
+            if (c in fixed and row[c] != u) or (d in fixed and row[d] != v):
+                continue
+            if not refused(candidate := OrderedDict(row, **{c: u, d: v})):
+                row, fixed = candidate, fixed | {c, d}
+        rows.append(row)
+        missing = [(c, u, d, v) for c, u, d, v in missing if not (row[c] == u and row[d] == v)]
     return rows
 
 
 PPO_ROWS, RM_ROWS = covering_array(PPO_OPTIONS, ppo_refused), covering_array(RM_OPTIONS)
 
 
-def flags(args):
+def flags(args, defaults):
+    """Command-line flags for these Args values (a False whose default is True as --no_<name>, as tyro spells it)."""
     out = []
     for k, v in args.items():
         if v is True:
             out.append(f"--{k}")
+        elif v is False and getattr(defaults, k) is True:
+            out.append(f"--no_{k}")
         elif isinstance(v, list):
             out += [f"--{k}", *map(str, v)]
         elif v is not False and v is not None:
@@ -76,7 +97,7 @@ def run(script, args, ranks, out):
             (ppo if script == "ppo.py" else rm).main((ppo.Args if script == "ppo.py" else rm.Args)(**a,
                                                                                                   output_dir=out))
         else:
-            run_script([script, *flags(a), "--output_dir", out], nproc=2)
+            run_script([script, *flags(a, ppo.Args if script == "ppo.py" else rm.Args), "--output_dir", out], nproc=2)
 
 
 def assert_finite_metrics(out):
@@ -99,6 +120,8 @@ def test_ppo_runs_with_every_pair_of_options(row, tmp_path, reward_model_path, s
 
     row = dict(row)
     ranks, reward, policy = row.pop("ranks"), row.pop("reward"), row.pop("policy")
+    if row["advantage_estimator"] == "dr_grpo":
+        row.update(advantage_estimator="grpo", scale_rewards=False)
     micro, updates = 2, 2 if row["resume"] else 1
     batch = micro * row["gradient_accumulation_steps"] * 2 * ranks
     args = dict(row, total_episodes=batch * updates, per_device_train_batch_size=micro, num_mini_batches=2,

@@ -2,6 +2,7 @@ import json
 import math
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -73,6 +74,97 @@ def test_policy_and_value_losses_match_formulas():
                 vc = old_v[i, j] + min(max(v[i, j] - old_v[i, j], -0.2), 0.2)
                 terms.append(0.5 * max((v[i, j] - ret[i, j]) ** 2, (vc - ret[i, j]) ** 2).item())
     assert vloss.item() == pytest.approx(sum(terms) / len(terms), abs=1e-6)
+
+
+def test_loss_aggregations_match_their_formulas_and_weight_the_losses():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 4, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]]).float()
+    lengths, real = [4, 2, 1], [x[i, :n].tolist() for i, n in enumerate([4, 2, 1])]
+    expected = {"token_mean": sum(map(sum, real)) / 7,
+                "sequence_mean": sum(sum(r) / n for r, n in zip(real, lengths)) / 3,
+                "constant": sum(map(sum, real)) / (3 * 4)}
+    for mode, value in expected.items():
+        w = ppo.aggregation_weights(mask, mode)
+        got = ppo.masked_mean(x if w is None else x * w, mask, mask.sum())
+        assert got.item() == pytest.approx(value, abs=1e-6), mode
+        # the policy loss's per-token terms are averaged the same way; its statistics stay token means
+        new, old, adv = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+        loss, stats = ppo.policy_loss(new, old, adv, mask, 1e9, mask.sum(), w)  # (no clipping)
+        terms = -adv * (new - old).exp()
+        assert loss.item() == pytest.approx(ppo.masked_mean(terms if w is None else terms * w, mask).item(), abs=1e-6)
+        assert stats["ratio"].item() == pytest.approx(ppo.masked_mean((new - old).exp(), mask).item(), abs=1e-6)
+
+
+def test_critic_free_estimators_match_their_formulas():
+    g = torch.Generator().manual_seed(3)
+    k, returns = 4, torch.randn(12, generator=g, dtype=torch.float64)
+    rloo, grpo = ppo.rloo_advantages(returns, k), ppo.grpo_advantages(returns, k)
+    dr_grpo = ppo.grpo_advantages(returns, k, scale=False)
+    for i in range(12):
+        group = returns[i // k * k:(i // k + 1) * k].tolist()
+        others = group[:i % k] + group[i % k + 1:]
+        assert rloo[i].item() == pytest.approx(returns[i].item() - sum(others) / (k - 1), abs=1e-12)
+        mean = sum(group) / k
+        std = (sum((r - mean) ** 2 for r in group) / (k - 1)) ** 0.5
+        assert grpo[i].item() == pytest.approx((returns[i].item() - mean) / (std + 1e-4), abs=1e-12)
+        assert dr_grpo[i].item() == pytest.approx(returns[i].item() - mean, abs=1e-12)
+    # a prompt whose K returns are equal teaches nothing: zero advantage, with and without the std division
+    equal = torch.tensor([1.5] * 4 + [0.0, 1.0, 2.0, 3.0], dtype=torch.float64)
+    for adv in (ppo.rloo_advantages(equal, 4), ppo.grpo_advantages(equal, 4),
+                ppo.grpo_advantages(equal, 4, scale=False)):
+        assert (adv[:4] == 0).all() and (adv[4:] != 0).all()
+    # REINFORCE++: each token's discounted return of the rewards, whitened over the batch's real tokens
+    B, T, gamma = 3, 5, 0.9
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T)[None] < torch.tensor([5, 2, 3])[:, None]).double()
+    ret = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        n = int(mask[b].sum())
+        for t in range(n):
+            ret[b, t] = sum(gamma ** (s - t) * rewards[b, s] for s in range(t, n))
+    real = ret[mask.bool()]
+    expected = torch.zeros_like(ret)
+    expected[mask.bool()] = (real - real.mean()) / real.std()
+    assert torch.allclose(ppo.reinforce_pp_advantages(rewards, mask, gamma), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["gae", "rloo", "grpo", "reinforce_pp"])
+@pytest.mark.parametrize("kl_penalty", ["reward", "loss"])
+def test_advantages_phase_puts_the_kl_where_asked(estimator, kl_penalty):
+    """The phase as main() calls it: under --kl_penalty reward an episode's return is its score minus kl_coef x its
+    summed KL; under loss, its score alone (the KL goes to learn()). GAE's returns are its critic's targets."""
+    g = torch.Generator().manual_seed(4)
+    B, T, coef = 8, 5, 0.3
+    mask = torch.arange(T)[None] < torch.tensor([5, 2, 3, 1, 4, 5, 2, 3])[:, None]
+    batch = ppo.Rollout(torch.zeros(B, T + 2, dtype=torch.long), torch.ones(B, T + 2, dtype=torch.long), 2, mask,
+                        torch.randn(B, T, generator=g) * mask, scores=torch.randn(B, generator=g),
+                        values=torch.randn(B, T, generator=g) * mask, ref_logprobs=torch.randn(B, T, generator=g) * mask)
+    args = ppo.Args(advantage_estimator=estimator, kl_penalty=kl_penalty)
+    ppo.check_estimator_args(args)
+    kl, non_score = ppo.advantages(batch, coef, args)
+    expected_kl = (batch.logprobs - batch.ref_logprobs) if args.kl_estimator == "k1" else \
+        ppo.kl_per_token(batch.logprobs, batch.ref_logprobs, "k3")
+    assert torch.allclose(kl, expected_kl * mask)
+    assert torch.allclose(non_score, -coef * kl if kl_penalty == "reward" else torch.zeros_like(kl))
+    returns = batch.scores + non_score.sum(1)
+    if estimator in ("rloo", "grpo"):
+        adv = (ppo.rloo_advantages if estimator == "rloo" else ppo.grpo_advantages)(returns, 4)
+        assert torch.allclose(batch.advantages, adv[:, None] * mask, atol=1e-6)
+        assert batch.returns is None
+    else:
+        rewards = non_score.clone()
+        for b in range(B):
+            rewards[b, int(mask[b].sum()) - 1] += batch.scores[b]
+        if estimator == "gae":
+            adv, ret = ppo.gae(rewards, batch.values, mask.float(), 1.0, 0.95)
+            assert torch.allclose(batch.advantages, ppo.masked_whiten(adv, mask.float()), atol=1e-6)
+            assert torch.allclose(batch.returns, ret, atol=1e-6)
+        else:
+            assert torch.allclose(batch.advantages, ppo.reinforce_pp_advantages(rewards, mask.float(), 1.0), atol=1e-6)
+            # undiscounted: the first token's return is the episode's return
+            first = ppo.gae(rewards, torch.zeros_like(rewards), mask.float(), 1.0, 1.0)[0][:, 0]
+            assert torch.allclose(first, returns, atol=1e-5)
 
 
 def test_kl_estimators_are_unbiased_for_known_distributions():
@@ -176,10 +268,18 @@ TINY = ["--total_episodes", "64", "--per_device_train_batch_size", "4", "--num_m
         "--num_ppo_epochs", "2", "--sample_every", "1", "--response_length", "12"]
 
 
-def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, reward_model_path):
-    base = ["ppo.py", "--reward_model_path", reward_model_path, *TINY]
+ESTIMATORS = {  # the default, and two critic-free estimators with the KL in the loss and the other two averages
+    "gae": [], "rloo": ["--advantage_estimator", "rloo", "--kl_penalty", "loss", "--loss_aggregation", "sequence_mean"],
+    "dr-grpo": ["--advantage_estimator", "grpo", "--no_scale_rewards", "--kl_penalty", "loss", "--loss_aggregation",
+                "constant"]}
+
+
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+def test_two_process_ddp_and_fsdp_match_one_process(estimator, tmp_path, reward_model_path):
+    base = ["ppo.py", "--reward_model_path", reward_model_path, *TINY, *ESTIMATORS[estimator]]
     # The same rollout batch of 16 and mini-batches of 8, split three ways: 4 x 2 accumulation in one process, 4 x 2
-    # ranks (DDP and FSDP), with ptx. Losses are token means over the whole mini-batch, so every split is one run.
+    # ranks (DDP and FSDP), with ptx. Losses are averages over the whole mini-batch (weighted per token as
+    # --loss_aggregation says), so every split is one run.
     base = base + ["--ptx_coef", "0.1", "--ptx_dataset_name", "embedded"]
     # (8 x 1 against 4 x 2 accumulation in one process: also on every decoder family, in test_families.py)
     run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
@@ -187,8 +287,10 @@ def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, reward_model_path)
     run_script(base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")], nproc=2)
     runs = {k: read_metrics(tmp_path / k) for k in ("one", "ddp", "fsdp")}
     assert len(runs["one"]) == 4
-    for key in ("objective/scores", "objective/kl", "gold/mean", "loss/policy", "loss/value", "loss/ptx",
-                "policy/entropy", "policy/approxkl", "policy/grad_norm"):
+    critic = ("loss/value",) if estimator == "gae" else ("loss/kl",)
+    assert all((k in runs["one"][0]) == (estimator == "gae") for k in ("loss/value", "val/mean", "val/clipfrac"))
+    for key in ("objective/scores", "objective/kl", "gold/mean", "loss/policy", "loss/ptx", "policy/entropy",
+                "policy/approxkl", "policy/grad_norm", *critic):
         whole = [m[key] for m in runs["one"]]
         for k in ("ddp", "fsdp"):
             assert np.allclose([m[key] for m in runs[k]], whole, atol=1e-5, rtol=1e-5), (key, k, runs[k], whole)
@@ -221,9 +323,11 @@ def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, rew
     assert golds["trained"] > golds["initial"] + 0.2, golds
 
 
-def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, reward_model_path, monkeypatch):
+@pytest.mark.parametrize("estimator", [{}, dict(advantage_estimator="grpo", kl_penalty="loss",
+                                                loss_aggregation="sequence_mean")], ids=["gae", "grpo"])
+def test_resume_after_interruption_reproduces_uninterrupted_run(estimator, tmp_path, reward_model_path, monkeypatch):
     args = dict(reward_model_path=reward_model_path, total_episodes=96, per_device_train_batch_size=4,
-                num_mini_batches=2, num_ppo_epochs=2, save_steps=4, target_kl=0.5, kl_horizon=100)
+                num_mini_batches=2, num_ppo_epochs=2, save_steps=4, target_kl=0.5, kl_horizon=100, **estimator)
     ppo.main(ppo.Args(output_dir=str(tmp_path / "full"), **args))
     real_save = common.save_checkpoint
 
@@ -243,6 +347,20 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, reward
     samples = [open(tmp_path / k / "samples.jsonl").read() for k in ("full", "cut")]
     assert samples[0] == samples[1]  # no rows written twice by the resumed run
     assert full[-1]["kl_coef"] != full[0]["kl_coef"]  # the adaptive controller's state was resumed too
+    saved = common.load_latest_checkpoint(tmp_path / "cut")["model"]
+    assert any(k.startswith("critic.") for k in saved) == (not estimator)  # without GAE no critic, nor its state
+
+
+def test_gradient_checkpointing_changes_no_number(tmp_path, reward_model_path):
+    args = dict(reward_model_path=reward_model_path, total_episodes=32, per_device_train_batch_size=4,
+                num_mini_batches=2, num_ppo_epochs=2, response_length=8, ptx_coef=0.1, ptx_dataset_name="embedded")
+    for name in ("plain", "recomputed"):
+        ppo.main(ppo.Args(output_dir=str(tmp_path / name), gradient_checkpointing=name == "recomputed", **args))
+    plain, recomputed = ([{k: v for k, v in m.items() if not k.startswith("perf/")} for m in read_metrics(tmp_path / k)]
+                         for k in ("plain", "recomputed"))
+    assert len(plain) == len(recomputed) == 4
+    assert all(a == pytest.approx(b, abs=1e-6, rel=1e-6) for a, b in zip(plain, recomputed)), (plain, recomputed)
+    assert plain[-1]["policy/approxkl"] > 0
 
 
 def test_neox_policy_with_chat_template_prompts_and_ptx(tmp_path, reward_model_path):
@@ -295,12 +413,34 @@ def test_ptx_loss_of_a_left_padded_batch_is_the_mean_over_real_transitions():
     (["--learning_rate", "-1"], "--learning_rate -1.0: must be a finite number >= 0"),
     (["--ptx_coef", "0.5"], "--ptx_coef 0.5 needs --ptx_dataset_name"),
     (["--reward_fn", "nonexistent_module_xyz:f"], "--reward_fn nonexistent_module_xyz:f: cannot import"),
+    (["--advantage_estimator", "grpo", "--num_samples_per_prompt", "1"], "--num_samples_per_prompt 1: "
+     "--advantage_estimator grpo compares each response with the others to its prompt; it needs at least 2"),
 ])
 def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, flags, expected):
     out = tmp_path / "out"
     proc = run_script(["ppo.py", "--output_dir", str(out), *flags], check=False)
     assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (dict(advantage_estimator="rloo", num_samples_per_prompt=1), "--num_samples_per_prompt 1: --advantage_estimator "
+     "rloo compares"),
+    (dict(advantage_estimator="grpo", vf_coef=0.5), "--vf_coef is for the critic, which --advantage_estimator grpo "
+     "does not have; drop it (or use --advantage_estimator gae)"),
+    (dict(advantage_estimator="rloo", critic_init="policy"), "--critic_init is for the critic"),
+    (dict(advantage_estimator="reinforce_pp", lam=0.9), "--lam is for the critic"),
+    (dict(advantage_estimator="reinforce_pp", critic_learning_rate=1e-5), "--critic_learning_rate is for the critic"),
+    (dict(advantage_estimator="grpo", gamma=0.9), "--gamma is for per-token returns, which --advantage_estimator grpo"),
+    (dict(advantage_estimator="rloo", whiten_rewards=True), "--whiten_rewards is for per-token returns"),
+    (dict(scale_rewards=False), "--no_scale_rewards is grpo's (Dr. GRPO)"),
+    (dict(advantage_estimator="grpo", num_samples_per_prompt=3), "--num_samples_per_prompt 3: must divide the rollout "
+     "batch (32 episodes)"),
+])
+def test_an_estimator_refuses_the_flags_it_would_ignore(flags, expected, tmp_path):
+    with pytest.raises(common.UserError, match=re.escape(expected)):
+        ppo.main(ppo.Args(output_dir=str(tmp_path / "out"), **flags))
+    assert not (tmp_path / "out").exists()
 
 
 def test_critic_from_policy_takes_the_whole_backbone():
