@@ -198,9 +198,11 @@ class Args:
     run_name: str | None = None
     """Run name for Weights & Biases."""
     offload_inference_models: bool = False
-    """Keep the reference and reward models on the CPU during the learning phase (GPU memory)."""
+    """Keep the reference and reward models on the CPU during the learning phase (GPU memory); a reference sharded
+    under --fsdp stays."""
     fsdp: bool = False
-    """Shard policy and critic per transformer block with FSDP2 (default: DDP)."""
+    """Shard policy, critic and reference per transformer block with FSDP2 (default: DDP; the reference is then a
+    replica)."""
     gradient_checkpointing: bool = False
     """Recompute the policy's and critic's activations in the backward pass (activation checkpointing: less memory,
     about a third more compute in learning)."""
@@ -557,6 +559,10 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
                 ids, ids_mask, context, kept = trim_padding(batch.query_response[rows], batch.attention_mask[rows],
                                                             batch.context_length)
                 real, w = mask[rows][:, :kept], None if weights is None else weights[rows][:, :kept]
+
+                def average(x):  # this forward's share of the mini-batch's average, as --loss_aggregation says
+                    return masked_mean(x if w is None else x * w, real, n_tokens)
+
                 # Policy and critic share no weights: each loss goes backward on its own graph, so only one model's
                 # activations are alive at a time (the sum's gradients, at half the peak memory).
                 with autocast():
@@ -566,10 +572,9 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
                                           batch.advantages[rows][:, :kept], real, args.cliprange, n_tokens, w)
                 ent = masked_mean(entropy, real, n_tokens)
                 named = {"loss/policy": pg_loss, "policy/entropy": ent, **{f"policy/{k}": v for k, v in pg.items()}}
-                loss = pg_loss - args.ent_coef * (ent if w is None else masked_mean(entropy * w, real, n_tokens))
+                loss = pg_loss - args.ent_coef * average(entropy)
                 if args.kl_penalty == "loss":  # GRPO (Shao et al. 2024, eq. 3): the current policy's KL, in the loss
-                    kl = kl_per_token(new_logprobs, batch.ref_logprobs[rows][:, :kept], args.kl_estimator)
-                    kl_loss = masked_mean(kl if w is None else kl * w, real, n_tokens)
+                    kl_loss = average(kl_per_token(new_logprobs, batch.ref_logprobs[rows][:, :kept], args.kl_estimator))
                     loss = loss + kl_coef * kl_loss
                     named["loss/kl"] = kl_loss
                 backward(loss)
@@ -708,7 +713,7 @@ def main(args):
         batch = all_gather_rollout(batch)
 
         # 3. Log-probs under the reference (and, in bfloat16, the policy again) on the first epoch's partition.
-        with offloaded([None if lora or args.fsdp else ref_policy], device, args.offload_inference_models):
+        with offloaded([None if lora or collective else ref_policy], device, args.offload_inference_models):
             rollout_logprobs(policy, ref_policy, batch, args, update, rank, world,
                              reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
         t_score = time.time()
