@@ -198,11 +198,11 @@ class Args:
     run_name: str | None = None
     """Run name for Weights & Biases."""
     offload_inference_models: bool = False
-    """Keep the reference and reward models on the CPU during the learning phase (GPU memory); a reference sharded
-    under --fsdp stays."""
+    """Keep the reference and reward models on the CPU during the learning phase (GPU memory); under --fsdp they are
+    sharded instead, and stay."""
     fsdp: bool = False
-    """Shard policy, critic and reference per transformer block with FSDP2 (default: DDP; the reference is then a
-    replica)."""
+    """Shard every model (policy, critic, reference, reward model) per transformer block with FSDP2 (default: DDP;
+    the frozen models are then replicas)."""
     gradient_checkpointing: bool = False
     """Recompute the policy's and critic's activations in the backward pass (activation checkpointing: less memory,
     about a third more compute in learning)."""
@@ -387,14 +387,15 @@ def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collect
     query, query_mask = (t.to(device) for t in pad_left(prompt_ids, int(width), pad_id))
     chunk = len(episodes) // args.num_collect_steps
     responses, logprobs = [], []
-    for c in range(0, len(episodes), chunk):
-        generators = [torch.Generator(device).manual_seed(common.seed_of(args.seed, "sampling", e))
-                      for e in episodes[c:c + chunk]]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            r, lp = generate(policy, query[c:c + chunk], query_mask[c:c + chunk], generators, args, stop_id, pad_id,
-                             collective)
-        responses.append(r)
-        logprobs.append(lp)
+    with gathered_once(policy, collective):  # FSDP: the weights gathered once, not once per token
+        for c in range(0, len(episodes), chunk):
+            generators = [torch.Generator(device).manual_seed(common.seed_of(args.seed, "sampling", e))
+                          for e in episodes[c:c + chunk]]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                r, lp = generate(policy, query[c:c + chunk], query_mask[c:c + chunk], generators, args, stop_id,
+                                 pad_id, collective)
+            responses.append(r)
+            logprobs.append(lp)
     responses, mask = truncate_after_stop(torch.cat(responses), stop_id, pad_id)
     return Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask,
                    torch.cat(logprobs).masked_fill(~mask, 0.0))
@@ -429,7 +430,7 @@ def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collect
             elif reward.model is not None:
                 own = (ids, ids_mask) if reward.tokenizer is None else \
                     (t[rows][:, rm_mask[rows].bool().any(0)] for t in (rm_ids, rm_mask))  # no all-padding column
-                scores[rows] = (common.sequence_reward(reward.model, *own) - reward.shift) / reward.scale
+                scores[rows] = (reward.model(*own) - reward.shift) / reward.scale
     if reward.fn is not None:
         scores += call_reward_fn(reward, prompt_texts, response_texts).to(scores.device)
     if args.missing_eos_penalty is not None:
@@ -546,7 +547,7 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
                 first = ((update * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb) * len(step.rows)
                 seqs = [ptx[i % len(ptx)] for i in range(first, first + len(step.rows))]
                 micro, share = args.per_device_train_batch_size, len(step.rows) // world
-                set_grad_sync([policy], False)  # its gradients are all-reduced with the PPO losses'
+                set_grad_sync([policy], args.fsdp)  # (all-reduced with the PPO losses' under DDP)
                 for i in range(rank * share, (rank + 1) * share, micro):
                     with autocast():
                         ptx_loss = language_modelling_loss(policy, seqs[i:i + micro], pad_id,
@@ -554,8 +555,9 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
                     backward(args.ptx_coef * ptx_loss)
                     sums["loss/ptx"] = sums.get("loss/ptx", 0) + ptx_loss.detach()
             for i, rows in enumerate(step.forwards):
-                # gradients are all-reduced in the step's last backward only (DDP decides it at the forward)
-                set_grad_sync(models, i == len(step.forwards) - 1)
+                # DDP all-reduces in the step's last backward only (it decides at the forward); FSDP reduce-scatters
+                # every backward's, so that no rank holds a whole model's unsharded gradients
+                set_grad_sync(models, i == len(step.forwards) - 1 or args.fsdp)
                 ids, ids_mask, context, kept = trim_padding(batch.query_response[rows], batch.attention_mask[rows],
                                                             batch.context_length)
                 real, w = mask[rows][:, :kept], None if weights is None else weights[rows][:, :kept]
@@ -707,7 +709,7 @@ def main(args):
         # 2. Score: values and the reward at the response's stop token; then every rank takes the whole batch, so the
         # learning phase is the same for any number of ranks.
         texts = [prompt_texts[i] for i in prompt_index]
-        with offloaded([reward.model], device, args.offload_inference_models):
+        with offloaded([None if collective else reward.model], device, args.offload_inference_models):
             response_texts = score(critic, reward, batch, texts, tokenizer, stop_id, args, collective)
         batch.gold = gold_scores(args, texts, response_texts, batch.scores)
         batch = all_gather_rollout(batch)
@@ -837,7 +839,7 @@ def critic_from(args, policy, reward):
     from transformers import AutoModelForSequenceClassification
 
     if args.critic_init == "reward":
-        critic = copy.deepcopy(reward.model).requires_grad_(True)
+        critic = copy.deepcopy(reward.model.hf).requires_grad_(True)
         with torch.no_grad():  # values in the units of the normalized score, (w.h - shift) / scale (Critic's offset)
             critic.score.weight /= reward.scale
         return critic
@@ -866,7 +868,7 @@ def build_models(args, tokenizer, device, rank, world):
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer)
     check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path)
-    readers = [policy_hf] + ([reward.model] if reward.model is not None and reward.tokenizer is None else [])
+    readers = [policy_hf] + ([reward.model.hf] if reward.model is not None and reward.tokenizer is None else [])
     limit = min((n for n in map(common.position_table, readers) if n), default=None)
     args.max_prompt_length = common.length_default(  # (args is read by the phases after this)
         args.max_prompt_length, 256, limit and limit - args.response_length, "--max_prompt_length", rank)
@@ -886,8 +888,8 @@ def build_models(args, tokenizer, device, rank, world):
     else:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
         ref_policy = parallelize(copy.deepcopy(policy_hf).eval().requires_grad_(False), args, device,
                                  policy_hf.config.num_hidden_layers, frozen=True)
-    if reward.model is not None:
-        reward.model.to(device)
+    if reward.model is not None:  # sharded like the policy under FSDP (1/world of it per rank), else a replica
+        reward.model = parallelize(reward.model, args, device, reward.model.hf.config.num_hidden_layers, frozen=True)
     if args.gradient_checkpointing:  # (in training mode only: sampling keeps its KV cache)
         for model in (policy_hf, critic_hf):
             if model is not None:
@@ -1004,11 +1006,23 @@ def episode_prompts(episodes, n_prompts, seed, orders):
 # both.
 
 
+class SequenceReward(torch.nn.Module):
+    """A transformers sequence classifier whose forward is common.sequence_reward (a decoder read at the last real
+    token, an encoder's pooled head): one module, so that FSDP wrapping it gathers every weight that call reads."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, input_ids, attention_mask):
+        return common.sequence_reward(self.hf, input_ids, attention_mask)
+
+
 @dataclass
 class Reward:
     """Where an episode's score comes from: a reward model (rm.py's normalization applied), a function, or both."""
     model: object = None
-    """A transformers sequence classifier: a decoder read at the last real token, or an encoder's pooled head."""
+    """A SequenceReward (its transformers sequence classifier in .hf): sharded like the policy under FSDP."""
     tokenizer: object = None
     """None: the model reads the policy's tokens. Else its own tokenizer (another vocabulary, an encoder), through
     which it reads the decoded text."""
@@ -1053,7 +1067,7 @@ def load_reward(args, tokenizer):
         own.pad_token = own.eos_token  # read by the mask, never by pad ids
     same_tokens = hasattr(model, "score") and all(own.convert_tokens_to_ids(t) == i
                                                   for t, i in tokenizer.get_vocab().items())
-    return dataclasses.replace(reward, model=model, tokenizer=None if same_tokens else own,
+    return dataclasses.replace(reward, model=SequenceReward(model), tokenizer=None if same_tokens else own,
                                shift=getattr(model.config, "reward_shift", 0.0),
                                scale=getattr(model.config, "reward_scale", 1.0))
 
@@ -1106,7 +1120,7 @@ def reward_model_tokens(batch, stop_id, tokenizer, reward, args):
         full = tokenizer.decode(p_ids + r_ids, skip_special_tokens=False)
         texts.append(full[len(p_text):] if full.startswith(p_text) else tokenizer.decode(r_ids))
         prompts.append(p_text[len(lead):] if lead and p_text.startswith(lead) else p_text)
-    rm_tokenizer, encoder = reward.tokenizer, not hasattr(reward.model, "score")
+    rm_tokenizer, encoder = reward.tokenizer, not hasattr(reward.model.hf, "score")
     bos_id = common.leading_id(rm_tokenizer)
     p_ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id)
              for p in common.tokenize_prompts(rm_tokenizer, prompts)]
@@ -1361,6 +1375,25 @@ def parallelize(model, args, device, num_layers, frozen=False):
                                                      broadcast_buffers=False)
 
 
+@contextlib.contextmanager
+def gathered_once(model, enabled):
+    """Under FSDP: the model's sharded weights gathered at its first forward inside and kept gathered for every
+    forward after (a rollout's hundreds of one-token decodes: one all-gather per block, not one per token), then
+    sharded again as parallelize left them (blocks after each forward, the root not)."""
+    if not enabled:
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)  # FSDP's own setting for the root
+        for module in model.modules():
+            if hasattr(module, "set_reshard_after_forward"):  # every FSDP unit
+                module.reshard()
+
+
 def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
@@ -1396,7 +1429,7 @@ def all_reduce(t, op=None):
 @contextlib.contextmanager
 def offloaded(models, device, enabled):
     """--offload_inference_models: the frozen models on the device only while they score, on the CPU while the
-    policy and critic learn. (A reference sharded under FSDP holds 1/world of itself per rank and stays.)"""
+    policy and critic learn. (A frozen model sharded under FSDP holds 1/world of itself per rank and stays.)"""
     models = [m for m in models if m is not None and enabled]
     for model in models:
         model.to(device)

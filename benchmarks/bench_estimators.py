@@ -2,7 +2,7 @@
 gold score against episodes and against wall time, the KL reached, time per update and peak memory, over seeds.
 
     python rm.py                                   # the reward model of the proxy rows (runs/rm)
-    python benchmarks/bench_estimators.py          # ~40 minutes on 2 CPU cores; benchmarks/results/estimators.json
+    python benchmarks/bench_estimators.py          # ~20 minutes on 2 CPU cores; benchmarks/results/estimators.json
     python benchmarks/bench_estimators.py --plot_only   # the figure and table again from the JSON
 
 Rows: gae (ppo.py's defaults: a critic initialised from the reward model, 1 response per prompt); rloo, grpo, dr_grpo
@@ -44,9 +44,12 @@ def run_row(spec):
     metrics = [json.loads(line) for line in open(os.path.join(args.output_dir, "metrics.jsonl"))]
     with open("/proc/self/status") as f:  # this process's own peak resident set
         peak_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    print("RESULT " + json.dumps({"wall_s": wall, "peak_rss_mb": peak_kb / 1024, "history": history,
-                                  "update_s": [m["perf/time_rollout"] + m["perf/time_score"] + m["perf/time_learn"]
-                                               for m in metrics]}))
+    keep = ("step", "episodes", "gold/mean", "objective/kl", "objective/scores")
+    print("RESULT " + json.dumps({"wall_s": wall, "peak_rss_mb": peak_kb / 1024,
+                                  "history": [{k: round(v, 5) if isinstance(v, float) else v for k, v in h.items()
+                                               if k in keep} for h in history],
+                                  "update_s": [round(m["perf/time_rollout"] + m["perf/time_score"]
+                                                     + m["perf/time_learn"], 5) for m in metrics]}))
 
 
 def smooth(xs, window=10):

@@ -123,7 +123,7 @@ def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike
     assert rewards[0].shift == rewards[1].shift != 0 and shift != 0
     ids = torch.tensor([tokenizer("tell me about animals such as cat dog")["input_ids"]])
     with torch.no_grad():
-        scores = [common.sequence_reward(r.model, ids, torch.ones_like(ids)) for r in rewards]
+        scores = [r.model(ids, torch.ones_like(ids)) for r in rewards]
     assert torch.allclose(scores[0], scores[1], atol=1e-5)
     evals = {}
     for name in ("rm", "rm/adapter"):

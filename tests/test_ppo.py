@@ -284,7 +284,9 @@ def test_two_process_ddp_and_fsdp_match_one_process(estimator, tmp_path, reward_
     # (8 x 1 against 4 x 2 accumulation in one process: also on every decoder family, in test_families.py)
     run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
     run_script(base + ["--output_dir", str(tmp_path / "ddp")], nproc=2)
-    run_script(base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")], nproc=2)
+    # (FSDP as 2 x 2 accumulation x 2 ranks: it reduce-scatters every micro-batch's gradients)
+    run_script(base + ["--fsdp", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                       "--output_dir", str(tmp_path / "fsdp")], nproc=2)
     runs = {k: read_metrics(tmp_path / k) for k in ("one", "ddp", "fsdp")}
     assert len(runs["one"]) == 4
     critic = ("loss/value",) if estimator == "gae" else ("loss/kl",)
