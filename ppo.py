@@ -204,8 +204,8 @@ class Args:
     """Shard every model (policy, critic, reference, reward model) per transformer block with FSDP2 (default: DDP;
     the frozen models are then replicas)."""
     gradient_checkpointing: bool = False
-    """Recompute the policy's and critic's activations in the backward pass (activation checkpointing: less memory,
-    about a third more compute in learning)."""
+    """Recompute the policy's and critic's activations in the backward pass (activation checkpointing: less memory
+    for one more forward of each block in learning)."""
     bf16: bool = False
     """bfloat16 autocast (weights and optimizer state stay float32; with LoRA, the frozen base weights are held in
     bfloat16, the adapters and value head in float32). The output layer, log-softmax, entropy and scalar heads are

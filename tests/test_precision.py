@@ -134,7 +134,7 @@ def test_critic_initialised_from_the_reward_model_starts_at_the_normalized_rewar
     ids, mask = ppo.pad_left(seqs, max(map(len, seqs)), TOK.pad_token_id)
     with torch.no_grad():
         values = critic(ids, mask.long())[:, -1]
-        scores = (common.sequence_reward(reward.model, ids, mask.long()) - 0.7) / 2.5
+        scores = (common.sequence_reward(reward.model.hf, ids, mask.long()) - 0.7) / 2.5
     assert torch.allclose(values, scores, atol=1e-5), (values, scores)
 
 
