@@ -4,6 +4,9 @@ Nothing here is part of the algorithms; read rm.py and ppo.py for those.
 """
 
 import codecs
+import copy
+import dataclasses
+import functools
 import gzip
 import json
 import math
@@ -11,6 +14,7 @@ import os
 import random
 import shutil
 import sys
+import types
 import warnings
 
 import torch
@@ -592,7 +596,6 @@ def save_lora(model, peft_model, state_dict, tokenizer, output_dir):
     """A LoRA model's full state dict (gathered from any number of ranks): its adapter saved in output_dir/adapter, and
     returned, the plain model with the adapters merged into its weights (float32, on the CPU), which loads without
     peft."""
-    import copy
 
     from peft import get_peft_model
 
@@ -865,3 +868,128 @@ def resume_training(model, optimizer, scheduler, output_dir):
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return ckpt
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The memory plan: what each model's states take per GPU, from its shape alone (built on the meta device: no weights,
+# no memory), printed before any weight is loaded, and a run that cannot fit stopped with the flags that would fit it.
+
+
+@dataclasses.dataclass
+class Planned:
+    """One model as a script holds it: its parameters, those trained (float32, each with a float32 gradient and
+    AdamW's two float32 moments), the bytes of each frozen parameter (4: float32, 2: bfloat16), and the number of
+    ranks its states are split over (FSDP: the world size; DDP: 1, a replica on every rank)."""
+    name: str
+    parameters: int
+    trained: int
+    frozen_bytes: int
+    shards: int
+
+    def bytes(self):
+        frozen = self.parameters - self.trained
+        return {"weights": (frozen * self.frozen_bytes + self.trained * 4) / self.shards,
+                "gradients": self.trained * 4 / self.shards, "AdamW": self.trained * 8 / self.shards}
+
+
+def meta_model(build):
+    """build() on the meta device: the model's shape (parameters, modules) without allocating a weight."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build()
+
+
+@functools.cache
+def model_config(path, vocab_size=None):
+    """The transformers config of a model folder or hub name (of an adapter folder: its base's); of an embedded model,
+    the embedded config for a tokenizer of vocab_size tokens."""
+    from transformers import AutoConfig
+
+    if path.startswith("embedded-"):
+        return embedded_model_config(path, vocab_size)
+    return load_pretrained(AutoConfig, adapter_base(path) or path, path)
+
+
+@functools.cache
+def model_shape(path, kind, vocab_size=None, lora=None):
+    """(all, trained) parameter counts of the model at path, a causal LM (kind "causal") or a one-label sequence
+    classifier ("reward"), built on the meta device from its config alone (its embeddings grown to vocab_size rows
+    where the tokenizer has more); lora: (r, alpha, target modules), counting then the adapters (and head) that
+    add_lora trains."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = copy.deepcopy(model_config(path, vocab_size))
+    config.num_labels = 1
+    config.vocab_size = max(config.vocab_size, vocab_size or 0)
+    loader = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
+    model = meta_model(lambda: loader.from_config(config))
+    total = sum(p.numel() for p in model.parameters())
+    if lora is None:
+        return total, total
+    lora_args = types.SimpleNamespace(lora_r=lora[0], lora_alpha=lora[1], lora_dropout=0.0,
+                                      lora_target_modules=list(lora[2]))
+    with torch.device("meta"):
+        add_lora(model, lora_args, "CAUSAL_LM" if kind == "causal" else "SEQ_CLS")
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def lora_shape(args):
+    """The LoRA settings model_shape reads (hashable), or None without LoRA."""
+    return (args.lora_r, args.lora_alpha, tuple(args.lora_target_modules)) if args.lora_r else None
+
+
+def plan_bytes(models):
+    return sum(sum(m.bytes().values()) for m in models)
+
+
+def plan_table(models, world):
+    """The plan as a small table: per model and in total, GB per rank of weights, gradients and AdamW state."""
+    unit, scale = ("GB", 1e9) if plan_bytes(models) >= 1e9 else ("MB", 1e6)
+    lines = [f"memory plan per rank ({world} rank{'s' if world > 1 else ''}; {unit}, before activations):",
+             f"  {'model':<18}{'params':>9}{'weights':>9}{'grads':>9}{'AdamW':>9}{'total':>9}"]
+    for m in models:
+        b = m.bytes()
+        lines.append(f"  {m.name:<18}{m.parameters / 1e6:>8.1f}M" + "".join(f"{v / scale:>9.2f}" for v in b.values())
+                     + f"{sum(b.values()) / scale:>9.2f}")
+    lines.append(f"  {'total':<18}{'':>36}{plan_bytes(models) / scale:>9.2f}")
+    return "\n".join(lines)
+
+
+def check_memory_plan(plan, args, world, device, rank):
+    """Print the plan (plan(args, world) -> [Planned]); on a GPU whose memory the planned states alone exceed, stop
+    with the first of these that fits in 80% of it (room for activations): --fsdp, --bf16, LoRA, more ranks."""
+    models = plan(args, world)
+    if rank == 0:
+        print(plan_table(models, world))
+    if device.type != "cuda":
+        return models
+    capacity = torch.cuda.get_device_properties(device).total_memory
+    if plan_bytes(models) > capacity:
+        r, lora = dataclasses.replace, args.lora_r or 16
+        alternatives = [("--fsdp", r(args, fsdp=True), world), ("--fsdp --bf16", r(args, fsdp=True, bf16=True), world),
+                        (f"--lora_r {lora} --bf16", r(args, lora_r=lora, bf16=True), world),
+                        (f"--lora_r {lora} --fsdp --bf16", r(args, lora_r=lora, fsdp=True, bf16=True), world)]
+        alternatives += [(f"--fsdp --bf16 on {n} ranks", r(args, fsdp=True, bf16=True), n) for n in (8, 16, 32, 64)
+                         if n > world]
+        fits = [flags for flags, a, w in alternatives if plan_bytes(plan(a, w)) < 0.8 * capacity]
+        raise UserError(f"the models' states need {plan_bytes(models) / 1e9:.1f} GB per GPU ({world} ranks; the plan "
+                        f"above) and the GPU has {capacity / 1e9:.1f} GB: "
+                        + (f"pass {fits[0]}" if fits else "use LoRA (--lora_r 16), --fsdp --bf16 and more ranks"))
+    return models
+
+
+def held_bytes(model, optimizer=None):
+    """The bytes this rank really holds in the model's parameters (its shards under FSDP), their gradients and the
+    optimizer's state for them: what the plan predicts."""
+    def size(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = list({id(p): p for p in model.parameters()}.values())
+    out = {"weights": sum(size(p) for p in params), "gradients": sum(size(p.grad) for p in params if p.grad is not
+                                                                     None), "AdamW": 0}
+    if optimizer is not None:
+        ids = {id(p) for p in params}
+        out["AdamW"] = sum(size(v) for p, s in optimizer.state.items() if id(p) in ids for v in s.values()
+                           if torch.is_tensor(v) and v.dim() > 0)
+    return out

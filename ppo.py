@@ -855,9 +855,37 @@ def critic_from(args, policy, reward):
     return common.scalar_head_in_float32(critic)
 
 
+def memory_plan(args, world, vocab_size=None):
+    """The models this run holds, as common.Planned rows: policy and critic trained, reference and reward model
+    frozen; under --fsdp every one sharded over the ranks, and under --fsdp --bf16 the frozen ones held in bfloat16
+    (computed in bfloat16 then anyway); with LoRA the reference is the policy with its adapters off, the frozen bases
+    held in bfloat16 under --bf16, and a reward model the critic starts from is the critic with its adapter off."""
+    shards = world if args.fsdp and world > 1 else 1
+    frozen_bytes = 2 if args.bf16 and (args.lora_r or shards > 1) else 4
+    lora = common.lora_shape(args)
+    policy = common.model_shape(args.sft_model_path, "causal", vocab_size, lora)
+    models = [common.Planned("policy", *policy, frozen_bytes, shards)]
+    if not lora:
+        models.append(common.Planned("reference policy", policy[0], 0, frozen_bytes, shards))
+    reward_path = reward_model_source(args)
+    if args.advantage_estimator == "gae":
+        same_tokens = reward_path and common.model_config(reward_path).vocab_size == common.model_config(
+            args.sft_model_path, vocab_size).vocab_size  # (auto's choice, read from the configs)
+        from_reward = args.critic_init == "reward" or args.critic_init == "auto" and same_tokens
+        critic = common.model_shape(*(reward_path, "reward", None) if from_reward else
+                                    (args.sft_model_path, "reward", vocab_size), lora)
+        models.append(common.Planned("critic", *critic, frozen_bytes, shards))
+    if reward_path and not (lora and args.advantage_estimator == "gae" and from_reward):
+        models.append(common.Planned("reward model", common.model_shape(reward_path, "reward")[0], 0, frozen_bytes,
+                                     shards))
+    return models
+
+
 def build_models(args, tokenizer, device, rank, world):
     """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
-    function). Returns the policy's transformers model too, and with LoRA the peft model holding its adapter."""
+    function). Returns the policy's transformers model too, and with LoRA the peft model holding its adapter. First,
+    the memory plan (memory_plan) printed, and checked against the GPU's memory before any weight is loaded."""
+    common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
     reward = load_reward(args, tokenizer)
     critic_init = args.critic_init if args.advantage_estimator == "gae" else None  # the others have no critic
     if critic_init == "auto":
@@ -1040,17 +1068,22 @@ class Reward:
         return (self.model is not None or self.in_critic is not None) and self.tokenizer is None
 
 
-def load_reward(args, tokenizer):
-    reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None, fn_name=args.reward_fn)
+def reward_model_source(args):
+    """The reward model's path or hub name (None: a reward function alone)."""
     path = args.reward_model_path if args.reward_model_path is not None else None if args.reward_fn else "runs/rm"
-    if path is None:
-        return reward
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    looks_local = os.path.exists(path) or path.startswith((".", "/")) or path == "runs/rm"
+    looks_local = path is not None and (os.path.exists(path) or path.startswith((".", "/")) or path == "runs/rm")
     if looks_local and not any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
         raise common.UserError(f"--reward_model_path {path}: no reward model there; train one first with "
                                f"`python rm.py --output_dir {path}` (or pass a hub reward model)")
+    return path
+
+
+def load_reward(args, tokenizer):
+    reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None, fn_name=args.reward_fn)
+    if (path := reward_model_source(args)) is None:
+        return reward
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
     config = common.without_dropout(common.load_pretrained(AutoConfig, path, "--reward_model_path"))
     if common.adapter_base(path):  # a reward adapter's base config is its causal LM's; the head it saved is a scalar
         config.num_labels = 1
@@ -1363,6 +1396,10 @@ def parallelize(model, args, device, num_layers, frozen=False):
     if args.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        if frozen and args.bf16:  # FSDP gathers it in bfloat16 to compute: held so, it computes the same, at half
+            for p in model.parameters():  # the memory (parameters only: buffers such as RoPE's stay float32)
+                p.data = p.data.to(torch.bfloat16)
+
         # bf16 is compute only: the sharded parameters, and so the optimizer's steps, stay in their own dtype
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
             MixedPrecisionPolicy()
@@ -1371,8 +1408,9 @@ def parallelize(model, args, device, num_layers, frozen=False):
         for block in blocks:
             fully_shard(block, mp_policy=mp)
         return fully_shard(model, mp_policy=mp)
+    # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                     broadcast_buffers=False)
+                                                     broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
 @contextlib.contextmanager

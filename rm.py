@@ -13,6 +13,7 @@ so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_
 
 import collections
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -232,13 +233,15 @@ class RewardModel(torch.nn.Module):
 
 def train_step(model, micro_batches, args, pad_id, device):
     """The forward and backward passes of one optimizer step: per micro-batch, chosen and rejected in one forward,
-    the Bradley-Terry loss, gradients accumulated (all-reduced across ranks on the last micro-batch only). Returns
+    the Bradley-Terry loss, gradients accumulated (under DDP all-reduced on the last micro-batch only). Returns
     the step's mean loss, accuracy and reward gap (r_c - r_r), its token count and the clipped gradient norm."""
     stats = dict.fromkeys(("loss", "accuracy", "reward_gap", "tokens"), 0.0)
     for m, pairs in enumerate(micro_batches):
         inputs = [x.to(device) if torch.is_tensor(x) else x for x in model_inputs(pairs, pad_id, args)]
         margin = torch.tensor([p["margin"] for p in pairs], device=device)
-        set_grad_sync(model, m == len(micro_batches) - 1)
+        # DDP all-reduces on the last micro-batch only; FSDP reduce-scatters every one's, so that no rank holds a
+        # whole model's unsharded gradients
+        set_grad_sync(model, m == len(micro_batches) - 1 or args.fsdp)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             r_chosen, r_rejected = chosen_and_rejected(model(*inputs))
         loss = reward_model_loss(r_chosen, r_rejected, margin, args.loss_type, args.center_rewards_coefficient)
@@ -334,6 +337,7 @@ def main(args):
 
     # 1. Model and data: preference pairs -> token ids (the same on every rank; each takes its slice of every batch).
     tokenizer = load_tokenizer(args.model_name_or_path)
+    common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
     hf_model, lora = load_reward_model(args, tokenizer)
     args = resolve_lengths(args, hf_model, rank)
     train, evals = load_data(args, tokenizer, rank)
@@ -464,6 +468,15 @@ def load_reward_model(args, tokenizer):
         torch.nn.init.normal_(model.score.weight, std=args.head_init_std or 1 / math.sqrt(hidden + 1))
     common.scalar_head_in_float32(model)
     return model, common.add_lora(model, args, "SEQ_CLS") if args.lora_r and not args.eval_only else None
+
+
+def memory_plan(args, world, vocab_size=None):
+    """The reward model as this run holds it (one common.Planned row): trained in full, or its adapters and head
+    (LoRA; the frozen base in bfloat16 under --bf16), or only read (--eval_only); sharded over the ranks under
+    --fsdp, else a replica."""
+    total, trained = common.model_shape(args.model_name_or_path, "reward", vocab_size, common.lora_shape(args))
+    return [common.Planned("reward model", total, 0 if args.eval_only else trained,
+                           2 if args.lora_r and args.bf16 else 4, world if args.fsdp and world > 1 else 1)]
 
 
 def resolve_lengths(args, model, rank):
@@ -816,8 +829,9 @@ def parallelize(model, args, device):
         for block in blocks:
             fully_shard(block, mp_policy=mp)
         return fully_shard(model, mp_policy=mp)
+    # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                     broadcast_buffers=False)
+                                                     broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
 def set_grad_sync(model, enabled):

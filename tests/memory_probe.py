@@ -1,0 +1,57 @@
+"""Run under torchrun by test_memory.py: for each (script, flags) given as JSON, build the models as that script does,
+take one optimizer step, and write what this rank really holds (common.held_bytes, after the step, gradients still
+in place) beside the script's memory plan, to OUT.rank<N>.json."""
+
+import json
+import os
+import sys
+
+import torch
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
+import ppo  # noqa: E402
+import rm  # noqa: E402
+
+
+def ppo_held(flags, rank, world, device):
+    args = tyro.cli(ppo.Args, args=flags)
+    ppo.check_args(args)
+    tokenizer = ppo.load_tokenizer(args)
+    _, lora, policy, critic, ref_policy, reward = ppo.build_models(args, tokenizer, device, rank, world)
+    trainable, optimizer, _ = ppo.build_optimizer(policy, critic, args, 10)
+    ids = torch.randint(3, len(tokenizer), (2, 12))
+    mask = torch.ones_like(ids)
+    loss = policy(input_ids=ids, attention_mask=mask).logits.float().mean()
+    if critic is not None:
+        loss = loss + critic(ids, mask).mean()
+    loss.backward()
+    optimizer.step()
+    models = {"policy": policy, "critic": critic, "reference policy": None if lora else ref_policy,
+              "reward model": reward.model}
+    plan = ppo.memory_plan(args, world, len(tokenizer))
+    return plan, {name: common.held_bytes(m, optimizer) for name, m in models.items() if m is not None}
+
+
+def rm_held(flags, rank, world, device):
+    args = tyro.cli(rm.Args, args=flags)
+    tokenizer = rm.load_tokenizer(args.model_name_or_path)
+    hf_model, _ = rm.load_reward_model(args, tokenizer)
+    model = rm.parallelize(rm.RewardModel(hf_model), args, device)
+    optimizer, _ = rm.build_optimizer(model, args, 10)
+    ids = torch.randint(3, len(tokenizer), (2, 12))
+    model(ids, torch.ones_like(ids)).float().mean().backward()
+    optimizer.step()
+    return rm.memory_plan(args, world, len(tokenizer)), {"reward model": common.held_bytes(model, optimizer)}
+
+
+if __name__ == "__main__":
+    out, runs = sys.argv[1], json.loads(sys.argv[2])
+    results, (rank, world, device) = [], ppo.setup_distributed()
+    for script, flags in runs:
+        plan, held = (ppo_held if script == "ppo" else rm_held)(flags, rank, world, device)
+        results.append({"flags": [script] + flags, "plan": {m.name: m.bytes() for m in plan}, "held": held})
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()
