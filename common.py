@@ -766,7 +766,9 @@ def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Checkpoints: a directory per step, written under a temporary name and renamed, then `latest` replaced atomically, so
-# a crash at any moment leaves the previous checkpoint intact and `latest` naming a complete one.
+# a crash at any moment leaves the previous checkpoint intact and `latest` naming a complete one. Tensors are sharded:
+# each rank writes its own (torch.distributed.checkpoint, in safetensors files), and a resume reads them on any number
+# of ranks; everything else (schedule, step, random streams) is rank 0's state.pt. Neither format runs code on load.
 
 
 def fsync_dir(path):
@@ -777,9 +779,8 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def save_checkpoint(output_dir, step, state, keep=2):
-    """Write state.pt into a new directory (never over an existing one), make it durable (file and directories
-    fsynced), then switch `latest` to it, and only then delete older checkpoints, never the one `latest` names."""
+def new_checkpoint_dir(output_dir, step):
+    """A new, empty root/NAME.tmp for a checkpoint of this step (never an existing checkpoint's name); (root, NAME)."""
     root = os.path.join(output_dir, "checkpoints")
     os.makedirs(root, exist_ok=True)
     name, n = f"step_{step:08d}", 1
@@ -788,6 +789,14 @@ def save_checkpoint(output_dir, step, state, keep=2):
     tmp = os.path.join(root, name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    return root, name
+
+
+def commit_checkpoint(root, name, state, keep=2):
+    """Write state.pt into root/NAME.tmp (beside the shards already there), make it durable (files and directories
+    fsynced), rename it NAME, then switch `latest` to it, and only then delete older checkpoints, never the one
+    `latest` names."""
+    tmp = os.path.join(root, name + ".tmp")
     try:
         with open(os.path.join(tmp, "state.pt"), "wb") as f:
             torch.save(state, f)
@@ -812,6 +821,12 @@ def save_checkpoint(output_dir, step, state, keep=2):
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
+def save_checkpoint(output_dir, step, state, keep=2):
+    """A checkpoint of state alone (one process): state.pt in a new directory, then `latest` switched to it."""
+    root, name = new_checkpoint_dir(output_dir, step)
+    commit_checkpoint(root, name, state, keep)
+
+
 def state_bytes(obj):
     if torch.is_tensor(obj):
         return obj.numel() * obj.element_size()
@@ -822,45 +837,102 @@ def state_bytes(obj):
 
 def raise_if_disk_full(folder, needed, error):
     free = shutil.disk_usage(folder).free
-    if free < needed * 1.1 or getattr(error, "errno", None) == 28:  # ENOSPC
+    if free < needed * 1.1 or getattr(error, "errno", None) == 28 or "No space left" in str(error):  # ENOSPC
         raise UserError(f"{folder}: no room to save ({needed / 1e6:.0f} MB needed, {free / 1e6:.0f} MB free); the "
                         "partial files were removed and earlier saves are intact: free space or pass another "
                         "--output_dir") from None
 
 
-def load_latest_checkpoint(output_dir):
+def latest_checkpoint(output_dir):
+    """The directory `latest` names (None if there is none)."""
     root = os.path.join(output_dir, "checkpoints")
     try:
         with open(os.path.join(root, "latest")) as f:
-            name = f.read().strip()
+            return os.path.join(root, f.read().strip())
     except FileNotFoundError:
         return None
-    return torch.load(os.path.join(root, name, "state.pt"), weights_only=True)  # a checkpoint runs no code
+
+
+def load_latest_checkpoint(output_dir):
+    """The latest checkpoint's state.pt (None if there is none)."""
+    path = latest_checkpoint(output_dir)
+    return None if path is None else torch.load(os.path.join(path, "state.pt"), weights_only=True)  # runs no code
+
+
+def read_checkpoint(path):
+    """A checkpoint's tensors, whole, in one process: {"model": {name: tensor}, "optimizer": {name.moment: tensor}}
+    (to inspect or convert one; resume_training reads them sharded)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, load
+
+    meta = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
+    flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        load(flat, storage_reader=HuggingFaceStorageReader(path))
+    out = {"model": {}, "optimizer": {}}
+    for k, v in flat.items():
+        part, name = k.split(".", 1)
+        out[part][name] = v
+    return out
+
+
+def sharded_state(model, optimizer):
+    """The tensors of a training state, this rank's shards of them (DTensors under FSDP): the model's weights and
+    the optimizer's per-parameter state (AdamW's moments; created if no step has been taken), by parameter name; and
+    the optimizer's param_groups (numbers, kept in state.pt)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd["state"]}, optim_sd["param_groups"]
 
 
 def save_training(model, optimizer, scheduler, step, rank, output_dir, **extra):
-    """A resumable checkpoint of a training run: whole weights and optimizer state gathered on rank 0's CPU (the same
-    under DDP and FSDP), the schedule, the random streams, and the script's own extra state."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    """A resumable checkpoint of a training run, on every rank together: each rank writes its own shard of weights and
+    optimizer state (under DDP the replicas are written once); rank 0 adds the schedule, the random streams and the
+    script's extra state, and switches `latest` once every shard is durable (each writer fsyncs its files)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
 
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                                   cpu_offload=True))
+    tensors, param_groups = sharded_state(model, optimizer)
+    where = [new_checkpoint_dir(output_dir, step) if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(where, src=0)
+    root, name = where[0]
+    try:
+        with warnings.catch_warnings():  # (one process: "assuming the intent is to save in a single process")
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+            save(tensors, storage_writer=HuggingFaceStorageWriter(os.path.join(root, name + ".tmp"),
+                                                                  save_distributed=True))
+    except Exception as e:  # every rank learns of any rank's failure (a CheckpointException)
+        if rank == 0:
+            shutil.rmtree(os.path.join(root, name + ".tmp"), ignore_errors=True)
+        raise_if_disk_full(root, state_bytes(tensors), e)
+        raise
+    if dist.is_initialized():
+        dist.barrier()  # every shard written and fsynced
     if rank == 0:
-        save_checkpoint(output_dir, step, {
-            "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "step": step, **extra,
+        commit_checkpoint(root, name, {
+            "optimizer_param_groups": param_groups, "scheduler": scheduler.state_dict(), "step": step, **extra,
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}})
 
 
 def resume_training(model, optimizer, scheduler, output_dir):
-    """The latest checkpoint in output_dir restored into the model, optimizer, schedule and random streams; returns
-    its step and extra state (None if there is no checkpoint)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    """The latest checkpoint in output_dir restored into the model, optimizer, schedule and random streams, on any
+    number of ranks (each reads the parts of the shards it holds); returns its step and extra state (None if there
+    is no checkpoint)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, load
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    if (ckpt := load_latest_checkpoint(output_dir)) is None:
+    if (path := latest_checkpoint(output_dir)) is None:
         return None
-    set_state_dict(model, optimizer, model_state_dict=ckpt.pop("model"), optim_state_dict=ckpt.pop("optimizer"),
-                   options=StateDictOptions(full_state_dict=True))
+    ckpt = load_latest_checkpoint(output_dir)
+    tensors, _ = sharded_state(model, optimizer)
+    with warnings.catch_warnings():  # (one process: "assuming the intent is to load in a single process")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        load(tensors, storage_reader=HuggingFaceStorageReader(path))
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict={"state": tensors["optimizer"], "param_groups": ckpt.pop("optimizer_param_groups")})
     scheduler.load_state_dict(ckpt.pop("scheduler"))
     rng = ckpt.pop("rng")
     random.setstate(rng["python"])

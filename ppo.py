@@ -26,6 +26,7 @@ the reward (--kl_penalty loss), and with the loss averaged per response or by a 
 import contextlib
 import copy
 import dataclasses
+import datetime
 import functools
 import importlib
 import inspect
@@ -1383,7 +1384,9 @@ def setup_distributed():
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # an hour, not the default 10 minutes: the ranks wait in a collective while rank 0 writes the final model
+        # (tens of GB at 7B); a rank that dies ends the job at once all the same (torchrun stops the others)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
     return rank, world, device
 
 

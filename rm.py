@@ -13,6 +13,7 @@ so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_
 
 import collections
 import dataclasses
+import datetime
 import functools
 import inspect
 import json
@@ -808,7 +809,9 @@ def setup_distributed():
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # an hour, not the default 10 minutes: the ranks wait in a collective while rank 0 writes the final model
+        # (tens of GB at 7B); a rank that dies ends the job at once all the same (torchrun stops the others)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
     return rank, world, device
 
 

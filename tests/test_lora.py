@@ -154,7 +154,7 @@ def test_rm_lora_trains_only_adapters_and_head_and_two_ranks_equal_one(tmp_path,
 
     tokenizer = rm.load_tokenizer("embedded-llama")
     initial, _ = rm.load_reward_model(rm.Args(seed=1, lora_r=4, lora_alpha=8.0), tokenizer)
-    trained = common.load_latest_checkpoint(str(tmp_path / "one"))["model"]
+    trained = common.read_checkpoint(common.latest_checkpoint(str(tmp_path / "one")))["model"]
     moved = {k.removeprefix("hf.") for k, v in trained.items() if not torch.equal(v, initial.state_dict()[
         k.removeprefix("hf.")])}
     assert moved and all("lora_" in k or "modules_to_save" in k for k in moved), moved
@@ -178,11 +178,11 @@ def test_ppo_lora_two_ranks_equal_one_and_under_fsdp_bf16_the_adapters_stay_floa
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForCausalLM")
 
     run_script(base + ["--fsdp", "--bf16", "--save_steps", "1", "--output_dir", str(tmp_path / "bf16")], nproc=2)
-    ckpt = common.load_latest_checkpoint(str(tmp_path / "bf16"))
+    ckpt = common.read_checkpoint(common.latest_checkpoint(str(tmp_path / "bf16")))
     dtypes = {("lora_" in k or "modules_to_save" in k): v.dtype for k, v in ckpt["model"].items()
               if v.is_floating_point() and "layers" in k or "score" in k}
     assert dtypes == {True: torch.float32, False: torch.bfloat16}  # adapters train in float32, the base is held in bf16
-    assert {v.dtype for s in ckpt["optimizer"]["state"].values() for v in s.values() if v.numel() > 1} == \
+    assert {v.dtype for v in ckpt["optimizer"].values() if v.numel() > 1} == \
         {torch.float32}
 
 
@@ -246,17 +246,17 @@ def test_lora_resume_after_interruption_reproduces_uninterrupted_run(script, tmp
                                                  per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2,
                                                  response_length=8, save_steps=2, **LORA), 4
     main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "full")}))
-    real_save = common.save_checkpoint
+    real_save = common.commit_checkpoint
 
-    def save_then_crash(output_dir, step, state, keep=2):
-        real_save(output_dir, step, state, keep)
-        if step == crash_at:
+    def save_then_crash(root, name, state, keep=2):
+        real_save(root, name, state, keep)
+        if state["step"] == crash_at:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+    monkeypatch.setattr(common, "commit_checkpoint", save_then_crash)
     with pytest.raises(KeyboardInterrupt):
         main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "cut")}))
-    monkeypatch.setattr(common, "save_checkpoint", real_save)
+    monkeypatch.setattr(common, "commit_checkpoint", real_save)
     main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "cut"), "resume": True}))
     strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
     assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))

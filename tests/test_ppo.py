@@ -3,12 +3,16 @@ import math
 import os
 import random
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 import torch
 import tyro
-from conftest import assert_saved_models_equal, read_metrics, run_script
+from conftest import ROOT, assert_saved_models_equal, read_metrics, run_script
 
 import common
 import ppo
@@ -300,6 +304,40 @@ def test_two_process_ddp_and_fsdp_match_one_process(estimator, tmp_path, reward_
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForCausalLM")
 
 
+def test_a_killed_rank_ends_the_job_and_its_sharded_checkpoint_resumes_on_one_process(tmp_path, reward_model_path):
+    """kill -9 one of 2 FSDP ranks after its first checkpoint: torchrun ends the whole job within a minute (no rank
+    left waiting in a collective); the checkpoint, written in shards by 2 ranks, resumes in one process and the run
+    ends as the uninterrupted one-process run does."""
+    base = ["ppo.py", "--reward_model_path", reward_model_path, *TINY, "--total_episodes", "128", "--save_steps", "2"]
+    one = ["--gradient_accumulation_steps", "2"]
+    run_script(base + one + ["--output_dir", str(tmp_path / "one")])
+    cut = tmp_path / "cut"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(29500 + (os.getpid() + 7) % 1000)]
+    job = subprocess.Popen(launcher + base + ["--fsdp", "--per_device_train_batch_size", "2", *one, "--output_dir",
+                                              str(cut)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"), text=True)
+    deadline = time.time() + 300
+    while not os.path.exists(cut / "checkpoints" / "latest") and job.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert job.poll() is None, "the run ended before it could be killed"
+    workers = open(f"/proc/{job.pid}/task/{job.pid}/children").read().split()
+    rank1 = next(p for p in workers if b"RANK=1\0" in open(f"/proc/{p}/environ", "rb").read().replace(
+        b"LOCAL_RANK=1\0", b""))
+    killed = time.time()
+    os.kill(int(rank1), signal.SIGKILL)
+    job.communicate(timeout=120)
+    assert job.returncode != 0 and time.time() - killed < 60
+    assert not os.path.exists(cut / "model.safetensors")
+
+    run_script(base + one + ["--resume", "--output_dir", str(cut)])
+    runs = {k: read_metrics(tmp_path / k) for k in ("one", "cut")}
+    assert [m["step"] for m in runs["cut"]] == list(range(1, 9))
+    for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/grad_norm"):
+        assert np.allclose([m[key] for m in runs["cut"]], [m[key] for m in runs["one"]], atol=1e-5, rtol=1e-5), key
+    assert_saved_models_equal([tmp_path / "one", cut], "AutoModelForCausalLM")
+
+
 def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, reward_model_path):
     out = tmp_path / "ppo"
     history = ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(out), total_episodes=640,
@@ -331,17 +369,17 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(estimator, tmp_p
     args = dict(reward_model_path=reward_model_path, total_episodes=96, per_device_train_batch_size=4,
                 num_mini_batches=2, num_ppo_epochs=2, save_steps=4, target_kl=0.5, kl_horizon=100, **estimator)
     ppo.main(ppo.Args(output_dir=str(tmp_path / "full"), **args))
-    real_save = common.save_checkpoint
+    real_save = common.commit_checkpoint
 
-    def save_then_crash(output_dir, step, state, keep=2):
-        real_save(output_dir, step, state, keep)
-        if step == 8:
+    def save_then_crash(root, name, state, keep=2):
+        real_save(root, name, state, keep)
+        if state["step"] == 8:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+    monkeypatch.setattr(common, "commit_checkpoint", save_then_crash)
     with pytest.raises(KeyboardInterrupt):
         ppo.main(ppo.Args(output_dir=str(tmp_path / "cut"), **args))
-    monkeypatch.setattr(common, "save_checkpoint", real_save)
+    monkeypatch.setattr(common, "commit_checkpoint", real_save)
     ppo.main(ppo.Args(output_dir=str(tmp_path / "cut"), resume=True, **args))
     strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
     full, cut = strip(read_metrics(tmp_path / "full")), strip(read_metrics(tmp_path / "cut"))
@@ -349,7 +387,7 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(estimator, tmp_p
     samples = [open(tmp_path / k / "samples.jsonl").read() for k in ("full", "cut")]
     assert samples[0] == samples[1]  # no rows written twice by the resumed run
     assert full[-1]["kl_coef"] != full[0]["kl_coef"]  # the adaptive controller's state was resumed too
-    saved = common.load_latest_checkpoint(tmp_path / "cut")["model"]
+    saved = common.read_checkpoint(common.latest_checkpoint(tmp_path / "cut"))["model"]
     assert any(k.startswith("critic.") for k in saved) == (not estimator)  # without GAE no critic, nor its state
 
 

@@ -226,17 +226,17 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_
                 per_device_train_batch_size=8)
     rm.main(rm.Args(output_dir=str(tmp_path / "full"), **args))
 
-    real_save = common.save_checkpoint
+    real_save = common.commit_checkpoint
 
-    def save_then_crash(output_dir, step, state, keep=2):
-        real_save(output_dir, step, state, keep)
-        if step == 6:
+    def save_then_crash(root, name, state, keep=2):
+        real_save(root, name, state, keep)
+        if state["step"] == 6:
             raise KeyboardInterrupt  # the job is killed right after its second checkpoint
 
-    monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+    monkeypatch.setattr(common, "commit_checkpoint", save_then_crash)
     with pytest.raises(KeyboardInterrupt):
         rm.main(rm.Args(output_dir=str(tmp_path / "cut"), **args))
-    monkeypatch.setattr(common, "save_checkpoint", real_save)
+    monkeypatch.setattr(common, "commit_checkpoint", real_save)
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["latest", "step_00000003", "step_00000006"]
     rm.main(rm.Args(output_dir=str(tmp_path / "cut"), resume=True, **args))
 
