@@ -621,9 +621,15 @@ def adapter_base(name):
     return base
 
 
-def load_model(loader, name, flag, **kwargs):
+def load_model(loader, name, flag, skeleton=False, **kwargs):
     """loader.from_pretrained(name); for a peft adapter folder, its base model with the adapter merged in (and the
-    reward normalization rm.py saved beside the adapter)."""
+    reward normalization rm.py saved beside the adapter). skeleton: the model built from its config on the meta
+    device, no weight read (a rank that will receive its shards from rank 0; not for an adapter folder)."""
+    if skeleton and not adapter_base(name):
+        from transformers import AutoConfig
+
+        config = kwargs.get("config") or load_pretrained(AutoConfig, name, flag)
+        return meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
     model = load_pretrained(loader, name, flag, **kwargs)
     if adapter_base(name):
         from peft import PeftModel
@@ -962,6 +968,33 @@ class Planned:
         frozen = self.parameters - self.trained
         return {"weights": (frozen * self.frozen_bytes + self.trained * 4) / self.shards,
                 "gradients": self.trained * 4 / self.shards, "AdamW": self.trained * 8 / self.shards}
+
+
+def shard_from_rank0(model, shard, device):
+    """FSDP on several ranks, loading once: what every rank's shards hold is rank 0's weights and buffers, broadcast
+    into them. On the other ranks the model may be a skeleton on the meta device (its structure, no weights, no
+    memory); rank 0's whole copy is released once broadcast. shard(model) applies fully_shard to a meta model."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank0 = dist.get_rank() == 0
+    weights, buffers = (model.state_dict(), dict(model.named_buffers())) if rank0 else ({}, {})
+    on_meta = {}  # one meta parameter for each parameter, so that tied ones stay tied (Module.to("meta") unties them)
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = on_meta.setdefault(id(p), torch.nn.Parameter(p.to("meta"), p.requires_grad))
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = b.to("meta")
+    shard(model)
+    model.to_empty(device=device)
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():  # those outside the state dict too (RoPE's inverse frequencies)
+        if rank0:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, 0)
+    return model
 
 
 def meta_model(build):

@@ -804,9 +804,10 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     return model.eval()
 
 
-def load_policy(args, tokenizer):
+def load_policy(args, tokenizer, skeleton=False):
     """The initial policy: a causal LM, or a peft adapter folder merged into its base (so that the reference policy,
-    the initial policy, is the SFT adapter's model, not the base's)."""
+    the initial policy, is the SFT adapter's model, not the base's). skeleton: on the meta device, no weight read
+    (common.load_model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.sft_model_path.startswith("embedded-"):
@@ -816,7 +817,7 @@ def load_policy(args, tokenizer):
     # LoRA base is only read, so it may be held in bfloat16
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     return common.disable_dropout(common.load_model(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path",
-                                                    config=config, dtype=dtype))
+                                                    skeleton, config=config, dtype=dtype))
 
 
 class Critic(torch.nn.Module):
@@ -836,7 +837,8 @@ class Critic(torch.nn.Module):
 
 
 def critic_from(args, policy, reward):
-    """The critic, from the reward model (value head = reward head) or from the policy's backbone and a new head."""
+    """The critic, from the reward model (value head = reward head) or from the policy's backbone and a new head (on
+    the meta device if the policy is: a skeleton)."""
     from transformers import AutoModelForSequenceClassification
 
     if args.critic_init == "reward":
@@ -846,7 +848,8 @@ def critic_from(args, policy, reward):
         return critic
     config = common.without_dropout(copy.deepcopy(policy.config))
     config.num_labels = 1
-    critic = AutoModelForSequenceClassification.from_config(config)
+    with torch.device(policy.device):
+        critic = AutoModelForSequenceClassification.from_config(config)
     try:  # strict: every backbone weight of the policy, none left at its random initialisation
         critic.base_model.load_state_dict(policy.base_model.state_dict())
     except RuntimeError as e:
@@ -885,9 +888,12 @@ def memory_plan(args, world, vocab_size=None):
 def build_models(args, tokenizer, device, rank, world):
     """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
     function). Returns the policy's transformers model too, and with LoRA the peft model holding its adapter. First,
-    the memory plan (memory_plan) printed, and checked against the GPU's memory before any weight is loaded."""
+    the memory plan (memory_plan) printed, and checked against the GPU's memory before any weight is loaded. Under
+    FSDP on several ranks only rank 0 reads the weights; the others build skeletons on the meta device, and every
+    rank's shards are filled from rank 0's (parallelize)."""
     common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
-    reward = load_reward(args, tokenizer)
+    skeleton = args.fsdp and world > 1 and rank != 0
+    reward = load_reward(args, tokenizer, skeleton)
     critic_init = args.critic_init if args.advantage_estimator == "gae" else None  # the others have no critic
     if critic_init == "auto":
         critic_init = "reward" if reward.reads_policy_tokens else "policy"
@@ -895,8 +901,9 @@ def build_models(args, tokenizer, device, rank, world):
         raise common.UserError("--critic_init reward: the critic reads the policy's tokens at every position, so it "
                                "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
     torch.manual_seed(args.seed)
-    policy_hf = load_policy(args, tokenizer)
-    check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path)
+    policy_hf = load_policy(args, tokenizer, skeleton)
+    if not policy_hf.device.type == "meta":
+        check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path)
     readers = [policy_hf] + ([reward.model.hf] if reward.model is not None and reward.tokenizer is None else [])
     limit = min((n for n in map(common.position_table, readers) if n), default=None)
     args.max_prompt_length = common.length_default(  # (args is read by the phases after this)
@@ -1079,7 +1086,7 @@ def reward_model_source(args):
     return path
 
 
-def load_reward(args, tokenizer):
+def load_reward(args, tokenizer, skeleton=False):
     reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None, fn_name=args.reward_fn)
     if (path := reward_model_source(args)) is None:
         return reward
@@ -1094,7 +1101,7 @@ def load_reward(args, tokenizer):
     # float32, as rm.py trained it; with LoRA and --bf16 held in bfloat16, as every frozen base weight is then
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     model = common.disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
-                                                     config=config, dtype=dtype)).eval().requires_grad_(False)
+                                                     skeleton, config=config, dtype=dtype)).eval().requires_grad_(False)
     common.scalar_head_in_float32(model)
     own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
     if own.pad_token is None:
@@ -1391,26 +1398,29 @@ def setup_distributed():
 
 
 def parallelize(model, args, device, num_layers, frozen=False):
-    """DDP, or FSDP2 with one shard group per transformer block. A frozen model is sharded too under FSDP (so it
+    """DDP, or FSDP2 with one shard group per transformer block, rank 0's weights broadcast into the shards (the other
+    ranks may pass a meta-device skeleton: common.shard_from_rank0). A frozen model is sharded too under FSDP (so it
     computes as the trained ones do), and under DDP stays a plain replica (it has no gradients to all-reduce)."""
-    model.to(device)
     if not dist.is_initialized() or (frozen and not args.fsdp):
-        return model
+        return model.to(device)
     if args.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        if frozen and args.bf16:  # FSDP gathers it in bfloat16 to compute: held so, it computes the same, at half
-            for p in model.parameters():  # the memory (parameters only: buffers such as RoPE's stay float32)
-                p.data = p.data.to(torch.bfloat16)
 
         # bf16 is compute only: the sharded parameters, and so the optimizer's steps, stay in their own dtype
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
             MixedPrecisionPolicy()
 
-        blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers)
-        for block in blocks:
-            fully_shard(block, mp_policy=mp)
-        return fully_shard(model, mp_policy=mp)
+        def shard(model):
+            if frozen and args.bf16:  # FSDP gathers it in bfloat16 to compute: held so, it computes the same, at
+                for p in model.parameters():  # half the memory (parameters only: RoPE's buffers stay float32)
+                    p.data = p.data.to(torch.bfloat16)
+            blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers)
+            for block in blocks:
+                fully_shard(block, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+
+        return common.shard_from_rank0(model, shard, device)
+    model.to(device)
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                      broadcast_buffers=False, gradient_as_bucket_view=True)

@@ -339,7 +339,8 @@ def main(args):
     # 1. Model and data: preference pairs -> token ids (the same on every rank; each takes its slice of every batch).
     tokenizer = load_tokenizer(args.model_name_or_path)
     common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
-    hf_model, lora = load_reward_model(args, tokenizer)
+    sharded = args.fsdp and world > 1  # then only rank 0 reads the weights, and shards them (parallelize)
+    hf_model, lora = load_reward_model(args, tokenizer, skeleton=sharded and rank != 0)
     args = resolve_lengths(args, hf_model, rank)
     train, evals = load_data(args, tokenizer, rank)
     steps_per_epoch = len(train) // global_batch
@@ -349,7 +350,7 @@ def main(args):
     eval_every = args.eval_steps or math.ceil(total_steps / max(args.num_evals, 1))  # the last one at the end
 
     # 2. Batch layout, optimizer, schedule.
-    args, layout = choose_layout(RewardModel(hf_model.to(device)), args, len(tokenizer), rank)
+    args, layout = choose_layout(RewardModel(hf_model if sharded else hf_model.to(device)), args, len(tokenizer), rank)
     if args.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(RewardModel(hf_model), args, device)
@@ -440,8 +441,9 @@ def load_tokenizer(name):
     return tok
 
 
-def load_reward_model(args, tokenizer):
-    """The reward model (a transformers sequence classifier) and, with --lora_r, the peft model holding its adapters."""
+def load_reward_model(args, tokenizer, skeleton=False):
+    """The reward model (a transformers sequence classifier) and, with --lora_r, the peft model holding its adapters.
+    skeleton: built on the meta device, no weight read (a rank that receives its shards from rank 0)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     torch.manual_seed(args.seed)
@@ -458,7 +460,7 @@ def load_reward_model(args, tokenizer):
             common.adapter_base(name) is not None
         config.num_labels = 1
         # dropout off, before the model is built: the two passes of a pair must see the same network
-        model = common.load_model(AutoModelForSequenceClassification, name, "--model_name_or_path",
+        model = common.load_model(AutoModelForSequenceClassification, name, "--model_name_or_path", skeleton,
                                   config=common.without_dropout(config), dtype=dtype)
     common.disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
@@ -816,10 +818,10 @@ def setup_distributed():
 
 
 def parallelize(model, args, device):
-    """DDP, or FSDP2 with one shard group per transformer block (the ModuleList of num_hidden_layers blocks)."""
-    model.to(device)
+    """DDP, or FSDP2 with one shard group per transformer block (the ModuleList of num_hidden_layers blocks), rank 0's
+    weights broadcast into the shards (the other ranks may pass a meta-device skeleton: common.shard_from_rank0)."""
     if not dist.is_initialized():
-        return model
+        return model.to(device)
     if args.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -827,11 +829,15 @@ def parallelize(model, args, device):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
             MixedPrecisionPolicy()
 
-        blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
-                      and len(m) == model.hf.config.num_hidden_layers)
-        for block in blocks:
-            fully_shard(block, mp_policy=mp)
-        return fully_shard(model, mp_policy=mp)
+        def shard(model):
+            blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
+                          and len(m) == model.hf.config.num_hidden_layers)
+            for block in blocks:
+                fully_shard(block, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+
+        return common.shard_from_rank0(model, shard, device)
+    model.to(device)
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                      broadcast_buffers=False, gradient_as_bucket_view=True)

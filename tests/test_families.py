@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import assert_saved_models_equal, read_metrics, run_script
 from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, WINDOW, WINDOWED, save_family  # noqa: F401
 
 import common
@@ -350,3 +350,28 @@ def test_lengths_beyond_a_learned_position_table_are_refused_at_the_start(family
         ppo.main(ppo.Args(sft_model_path=family_dir(family), reward_fn="common:gold_rewards", response_length=16,
                           max_prompt_length=256, output_dir=str(tmp_path / "ppo")))
     assert not os.path.exists(tmp_path / "rm" / "metrics.jsonl")  # refused before anything was written
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])  # tied output layer and learned positions; RoPE buffers
+def test_fsdp_ranks_fill_their_shards_from_rank_0s_copy_of_saved_models(family, family_dir, trained_rm, tmp_path):
+    """Under --fsdp only rank 0 reads a saved model's weights (the other ranks build skeletons on the meta device)
+    and broadcasts them into every rank's shards: 2 ranks then train as 1 process does, rm.py from a saved causal
+    LM, ppo.py from a saved policy and reward model."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(family, 64))
+    rm_base = ["rm.py", "--model_name_or_path", family_dir(family), "--dataset_name", data, "--max_steps", "2",
+               "--per_device_train_batch_size", "4", "--num_evals", "1", "--max_length", "64", "--max_prompt_length",
+               "32", "--learning_rate", "3e-3"]
+    ppo_base = ["ppo.py", "--sft_model_path", family_dir(family), "--reward_model_path", trained_rm(family),
+                "--total_episodes", "16", "--per_device_train_batch_size", "4", "--num_mini_batches", "1",
+                "--response_length", "6", "--max_prompt_length", "32", "--learning_rate", "1e-3"]
+    for script, base, auto in (("rm", rm_base, "AutoModelForSequenceClassification"),
+                               ("ppo", ppo_base, "AutoModelForCausalLM")):
+        run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / f"{script}-one")])
+        run_script(base + ["--fsdp", "--output_dir", str(tmp_path / f"{script}-fsdp")], nproc=2)
+        one, fsdp = (read_metrics(tmp_path / f"{script}-{k}") for k in ("one", "fsdp"))
+        keys = ("train/loss", "train/grad_norm") if script == "rm" else ("objective/scores", "loss/policy",
+                                                                         "loss/value", "policy/grad_norm")
+        for key in keys:
+            assert [m[key] for m in one if key in m] == pytest.approx([m[key] for m in fsdp if key in m], abs=1e-5,
+                                                                     rel=1e-5), (script, key)
+        assert_saved_models_equal([tmp_path / f"{script}-{k}" for k in ("one", "fsdp")], auto)

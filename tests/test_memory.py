@@ -55,8 +55,8 @@ def test_7b_plans_fit_one_8_gpu_node_with_fsdp_and_bf16(tmp_path, shape, monkeyp
     # Without --fsdp every rank holds every model whole: the run is stopped before loading, naming a fix.
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 80 * GB}))
     replicated = ppo.Args(sft_model_path=policy, reward_model_path=reward, bf16=True)
-    with pytest.raises(common.UserError, match=r"the models' states need [23]\d\d\.\d GB per GPU \(8 ranks.*has 80.0 GB: "
-                                               r"pass --fsdp$"):
+    with pytest.raises(common.UserError, match=r"the models' states need [23]\d\d\.\d GB per GPU \(8 ranks.*has "
+                                               r"80.0 GB: pass --fsdp$"):
         common.check_memory_plan(ppo.memory_plan, replicated, 8, torch.device("cuda", 0), rank=1)
     # on 4 GPUs: Pythia 6.9B fits sharded with frozen models in bfloat16 (61 GB); Llama 8B (70 GB) needs LoRA
     with pytest.raises(common.UserError, match=r"pass --lora_r 16 --bf16$" if shape == "llama-3-8b" else
