@@ -970,10 +970,11 @@ class Planned:
                 "gradients": self.trained * 4 / self.shards, "AdamW": self.trained * 8 / self.shards}
 
 
-def shard_from_rank0(model, shard, device):
+def shard_from_rank0(model, shard, device, host=False):
     """FSDP on several ranks, loading once: what every rank's shards hold is rank 0's weights and buffers, broadcast
     into them. On the other ranks the model may be a skeleton on the meta device (its structure, no weights, no
-    memory); rank 0's whole copy is released once broadcast. shard(model) applies fully_shard to a meta model."""
+    memory); rank 0's whole copy is released once broadcast. shard(model) applies fully_shard to a meta model; host:
+    the shards in host memory (FSDP's CPU offload), the buffers on the device."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -988,7 +989,11 @@ def shard_from_rank0(model, shard, device):
             if b is not None:
                 module._buffers[name] = b.to("meta")
     shard(model)
-    model.to_empty(device=device)
+    model.to_empty(device="cpu" if host else device)
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = b.to(device)
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for name, buffer in model.named_buffers():  # those outside the state dict too (RoPE's inverse frequencies)
         if rank0:

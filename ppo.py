@@ -199,8 +199,8 @@ class Args:
     run_name: str | None = None
     """Run name for Weights & Biases."""
     offload_inference_models: bool = False
-    """Keep the reference and reward models on the CPU during the learning phase (GPU memory); under --fsdp they are
-    sharded instead, and stay."""
+    """Hold the reference and reward models' weights in pinned host memory, on the GPU only while they score (under
+    --fsdp their shards, through FSDP's CPU offload): GPU memory for the learning phase. No effect on a CPU."""
     fsdp: bool = False
     """Shard every model (policy, critic, reference, reward model) per transformer block with FSDP2 (default: DDP;
     the frozen models are then replicas)."""
@@ -1400,11 +1400,13 @@ def setup_distributed():
 def parallelize(model, args, device, num_layers, frozen=False):
     """DDP, or FSDP2 with one shard group per transformer block, rank 0's weights broadcast into the shards (the other
     ranks may pass a meta-device skeleton: common.shard_from_rank0). A frozen model is sharded too under FSDP (so it
-    computes as the trained ones do), and under DDP stays a plain replica (it has no gradients to all-reduce)."""
+    computes as the trained ones do), and under DDP stays a plain replica (it has no gradients to all-reduce). With
+    --offload_inference_models on a GPU, a frozen model's weights are never moved to it here (see offloaded)."""
+    host = frozen and args.offload_inference_models and device.type == "cuda"
     if not dist.is_initialized() or (frozen and not args.fsdp):
-        return model.to(device)
+        return held_on_host(model, device) if host else model.to(device)
     if args.fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         # bf16 is compute only: the sharded parameters, and so the optimizer's steps, stay in their own dtype
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
@@ -1414,12 +1416,13 @@ def parallelize(model, args, device, num_layers, frozen=False):
             if frozen and args.bf16:  # FSDP gathers it in bfloat16 to compute: held so, it computes the same, at
                 for p in model.parameters():  # half the memory (parameters only: RoPE's buffers stay float32)
                     p.data = p.data.to(torch.bfloat16)
+            offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
             blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers)
             for block in blocks:
-                fully_shard(block, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
+                fully_shard(block, mp_policy=mp, **offload)
+            fully_shard(model, mp_policy=mp, **offload)
 
-        return common.shard_from_rank0(model, shard, device)
+        return common.shard_from_rank0(model, shard, device, host)
     model.to(device)
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -1477,16 +1480,31 @@ def all_reduce(t, op=None):
     return t
 
 
+def held_on_host(model, device):
+    """--offload_inference_models, a frozen replica: its weights in pinned host memory (copied to the GPU only inside
+    offloaded), its buffers on the GPU."""
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                p.data = p.data.pin_memory()
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = b.to(device)
+    return model
+
+
 @contextlib.contextmanager
 def offloaded(models, device, enabled):
-    """--offload_inference_models: the frozen models on the device only while they score, on the CPU while the
-    policy and critic learn. (A frozen model sharded under FSDP holds 1/world of itself per rank and stays.)"""
-    models = [m for m in models if m is not None and enabled]
-    for model in models:
-        model.to(device)
-    yield
-    for model in models:
-        model.to("cpu")
+    """--offload_inference_models: the frozen replicas' weights copied from pinned host memory to the GPU while they
+    score, and the copies dropped after (frozen: nothing is copied back). Sharded models offload through FSDP."""
+    held = {p: p.data for m in models if m is not None and enabled and device.type == "cuda" for p in m.parameters()}
+    for p, data in held.items():
+        p.data = data.to(device, non_blocking=True)
+    try:
+        yield
+    finally:
+        for p, data in held.items():
+            p.data = data
 
 
 # ---------------------------------------------------------------------------------------------------------------------
