@@ -1002,6 +1002,14 @@ def shard_from_rank0(model, shard, device, host=False):
     return model
 
 
+def untied_input_embeddings(model):
+    """The transformers model's input embeddings inside model, as a list of one module to shard on its own (a large
+    vocabulary's table is gathered only while the embedding runs), or none where an output layer shares its weight."""
+    hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
+    table, head = hf.get_input_embeddings(), hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    return [] if head is not None and head.weight is table.weight else [table]
+
+
 def meta_model(build):
     """build() on the meta device: the model's shape (parameters, modules) without allocating a weight."""
     with torch.device("meta"), warnings.catch_warnings():

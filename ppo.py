@@ -710,13 +710,13 @@ def main(args):
         # 2. Score: values and the reward at the response's stop token; then every rank takes the whole batch, so the
         # learning phase is the same for any number of ranks.
         texts = [prompt_texts[i] for i in prompt_index]
-        with offloaded([None if collective else reward.model], device, args.offload_inference_models):
+        with offloaded([reward.model], device, args.offload_inference_models):
             response_texts = score(critic, reward, batch, texts, tokenizer, stop_id, args, collective)
         batch.gold = gold_scores(args, texts, response_texts, batch.scores)
         batch = all_gather_rollout(batch)
 
         # 3. Log-probs under the reference (and, in bfloat16, the policy again) on the first epoch's partition.
-        with offloaded([None if lora or collective else ref_policy], device, args.offload_inference_models):
+        with offloaded([None if lora else ref_policy], device, args.offload_inference_models):
             rollout_logprobs(policy, ref_policy, batch, args, update, rank, world,
                              reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
         t_score = time.time()
@@ -1398,8 +1398,9 @@ def setup_distributed():
 
 
 def parallelize(model, args, device, num_layers, frozen=False):
-    """DDP, or FSDP2 with one shard group per transformer block, rank 0's weights broadcast into the shards (the other
-    ranks may pass a meta-device skeleton: common.shard_from_rank0). A frozen model is sharded too under FSDP (so it
+    """DDP, or FSDP2 with one shard group per transformer block (and one for the input embeddings, unless the output
+    layer shares them), rank 0's weights broadcast into the shards (the other ranks may pass a meta-device skeleton:
+    common.shard_from_rank0). A frozen model is sharded too under FSDP (so it
     computes as the trained ones do), and under DDP stays a plain replica (it has no gradients to all-reduce). With
     --offload_inference_models on a GPU, a frozen model's weights are never moved to it here (see offloaded)."""
     host = frozen and args.offload_inference_models and device.type == "cuda"
@@ -1418,8 +1419,8 @@ def parallelize(model, args, device, num_layers, frozen=False):
                     p.data = p.data.to(torch.bfloat16)
             offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
             blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers)
-            for block in blocks:
-                fully_shard(block, mp_policy=mp, **offload)
+            for unit in [*blocks, *common.untied_input_embeddings(model)]:
+                fully_shard(unit, mp_policy=mp, **offload)
             fully_shard(model, mp_policy=mp, **offload)
 
         return common.shard_from_rank0(model, shard, device, host)
@@ -1495,9 +1496,13 @@ def held_on_host(model, device):
 
 @contextlib.contextmanager
 def offloaded(models, device, enabled):
-    """--offload_inference_models: the frozen replicas' weights copied from pinned host memory to the GPU while they
-    score, and the copies dropped after (frozen: nothing is copied back). Sharded models offload through FSDP."""
-    held = {p: p.data for m in models if m is not None and enabled and device.type == "cuda" for p in m.parameters()}
+    """The frozen models' memory released after they score. Sharded (FSDP): every unit resharded (the root keeps its
+    weights gathered after a forward, for a backward that a frozen model never runs); with --offload_inference_models
+    the shards live in pinned host memory (FSDP's CPU offload). Replicas, with --offload_inference_models: the weights
+    copied from pinned host memory to the GPU while they score, and the copies dropped after (nothing copied back)."""
+    models = [m for m in models if m is not None]
+    held = {p: p.data for m in models if enabled and device.type == "cuda" and not hasattr(m, "reshard")
+            for p in m.parameters()}
     for p, data in held.items():
         p.data = data.to(device, non_blocking=True)
     try:
@@ -1505,6 +1510,8 @@ def offloaded(models, device, enabled):
     finally:
         for p, data in held.items():
             p.data = data
+        for unit in (u for m in models for u in m.modules() if hasattr(u, "reshard")):
+            unit.reshard()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

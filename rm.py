@@ -818,8 +818,8 @@ def setup_distributed():
 
 
 def parallelize(model, args, device):
-    """DDP, or FSDP2 with one shard group per transformer block (the ModuleList of num_hidden_layers blocks), rank 0's
-    weights broadcast into the shards (the other ranks may pass a meta-device skeleton: common.shard_from_rank0)."""
+    """DDP, or FSDP2 with one shard group per transformer block (the ModuleList of num_hidden_layers blocks) and one
+    for the input embeddings (unless an output layer shares them), rank 0's weights broadcast into the shards (the other ranks may pass a meta-device skeleton: common.shard_from_rank0)."""
     if not dist.is_initialized():
         return model.to(device)
     if args.fsdp:
@@ -832,8 +832,8 @@ def parallelize(model, args, device):
         def shard(model):
             blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
                           and len(m) == model.hf.config.num_hidden_layers)
-            for block in blocks:
-                fully_shard(block, mp_policy=mp)
+            for unit in [*blocks, *common.untied_input_embeddings(model)]:
+                fully_shard(unit, mp_policy=mp)
             fully_shard(model, mp_policy=mp)
 
         return common.shard_from_rank0(model, shard, device)

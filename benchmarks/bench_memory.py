@@ -4,12 +4,16 @@
     python benchmarks/bench_memory.py          # CPU; writes benchmarks/results/memory_cpu.json
     python benchmarks/bench_memory.py --plan   # only the memory plan of Pythia 6.9B PPO on 8 ranks (no weights)
 
-The model is bench_lora.py's: Llama-shaped (8 layers of width 512) with Qwen2's vocabulary of 151,936 rows, 180M
-parameters, stored in bfloat16 as released checkpoints are, so that its states (float32 weights, gradients, AdamW's
-two moments: 2.9 GB per trained model) dominate. ppo.py holds four such models (policy and critic trained, reference
-and reward model frozen), rm.py one. Each row runs in its own process tree, one after the other, repeated; the peak
-is the largest ru_maxrss of the tree (the launcher's and each rank's). Both splits see the same global batch, so they
-train the same run (the last logged loss of each is printed beside the peak).
+Two models, initialised at random and stored in bfloat16 as released checkpoints are, big enough that their states
+(float32 weights, gradients, AdamW's two moments: 16 bytes a trained parameter) dominate a process: Pythia-160M's
+shape (GPT-NeoX, 12 layers of width 768, vocabulary 50,304; 162M parameters), and bench_lora.py's Llama shape with
+Qwen2's vocabulary of 151,936 rows (180M parameters, 87% of them in the embedding and output layers). ppo.py holds
+four models (policy and critic trained, reference and reward model frozen), rm.py one. Each row runs in its own
+process tree, one after the other, repeated; the peak is the largest ru_maxrss of the tree (the launcher's and each
+rank's). Every row runs with MALLOC_MMAP_THRESHOLD_=1048576: glibc otherwise raises its threshold after the first
+large free and keeps later freed buffers (FSDP's per-block gathers) in its heap, so that RSS measures the allocator's
+retention instead of the memory the process uses. Both splits see the same global batch, so they train the same run
+(the last logged loss of each is printed beside the peak).
 """
 
 import argparse
@@ -28,7 +32,8 @@ def run(argv, nproc):
     """One row in its own process tree: (its metrics.jsonl rows, the peak RSS of its largest process in MB)."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                                                      str(nproc)]
-    env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               MALLOC_MMAP_THRESHOLD_="1048576")
     proc = subprocess.Popen(launcher + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     out = proc.stdout.read()
@@ -67,6 +72,28 @@ def plan_7b():
     return tables
 
 
+def pythia_160m(work):
+    """Pythia-160M's shape, at random, stored in bfloat16, with the embedded task's tokenizer and pairs."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    import common
+
+    tokenizer = common.embedded_tokenizer()
+    config = GPTNeoXConfig(vocab_size=50304, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                           intermediate_size=3072, rotary_pct=0.25, max_position_embeddings=2048,
+                           tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(os.path.join(work, "model"))
+    tokenizer.save_pretrained(os.path.join(work, "model"))
+    with open(os.path.join(work, "pairs.jsonl"), "w") as f:
+        for row in common.embedded_pairs(2000, seed=5):
+            f.write(json.dumps(row) + "\n")
+    return sum(p.numel() for p in model.parameters())
+
+
 def main():
     from bench_lora import build_assets
 
@@ -78,13 +105,32 @@ def main():
     plan = plan_7b()
     if args.plan:
         return
-    work = tempfile.mkdtemp(prefix="bench_memory_")
-    n_params = build_assets(work)
+    report = {"device": "cpu", "repeats": args.repeats, "models": {},
+              "pythia_6.9b_ppo_plan_gb_per_gpu_8_ranks": plan}
+    for shape, build in (("pythia-160m", pythia_160m), ("152k-vocabulary", build_assets)):
+        work = tempfile.mkdtemp(prefix="bench_memory_")
+        n_params = build(work)
+        rows = measure(work, args.repeats)
+        report["models"][shape] = {"parameters": n_params, "rows": rows}
+        print(f"\n{shape}: {n_params / 1e6:.1f}M parameters (stored in bfloat16); {args.repeats} repeats")
+        print(f"{'row':<24} {'peak MB (min-max)':>20} {'vs 1 process':>13} {'last loss':>12}")
+        for name, row in rows.items():
+            base = min(rows[name.split()[0] + " 1 process"]["peak_mb"])
+            mb = row["peak_mb"]
+            print(f"{name:<24} {min(mb):>9.0f}-{max(mb):<10.0f} {min(mb) / base:>12.2f}x "
+                  f"{row['last_loss'][-1]:>12.5f}", flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+def measure(work, repeats):
+    """Each row's peak (MB) and last loss, per repeat."""
     model, pairs = os.path.join(work, "model"), os.path.join(work, "pairs.jsonl")
     # the same global batch both ways: 8 x 2 accumulation in one process, 8 x 2 ranks
     splits = {"1 process": (1, ["--gradient_accumulation_steps", "2"]), "2 ranks --fsdp": (2, ["--fsdp"])}
     rows = {f"{script} {split}": {"peak_mb": [], "last_loss": []} for script in ("rm.py", "ppo.py") for split in splits}
-    for r in range(args.repeats):
+    for r in range(repeats):
         for split, (nproc, flags) in splits.items():
             out = os.path.join(work, f"rm-{r}-{nproc}")
             metrics, peak = run(["rm.py", "--model_name_or_path", model, "--dataset_name", pairs, "--max_steps", "4",
@@ -104,18 +150,7 @@ def main():
             rows[f"ppo.py {split}"]["peak_mb"].append(peak)
             rows[f"ppo.py {split}"]["last_loss"].append(metrics[-1]["loss/policy"])
             print(f"repeat {r} ppo.py {split}: {peak:.0f} MB", flush=True)
-    report = {"device": "cpu", "model_parameters": n_params, "repeats": args.repeats, "rows": rows,
-              "pythia_6.9b_ppo_plan_gb_per_gpu_8_ranks": plan}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"\nmodel: {n_params / 1e6:.1f}M parameters (stored in bfloat16); {args.repeats} repeats")
-    print(f"{'row':<24} {'peak MB (min-max)':>20} {'vs 1 process':>13} {'last loss':>12}")
-    for name, row in rows.items():
-        base = min(rows[name.split()[0] + " 1 process"]["peak_mb"])
-        mb = row["peak_mb"]
-        print(f"{name:<24} {min(mb):>9.0f}-{max(mb):<10.0f} {min(mb) / base:>12.2f}x {row['last_loss'][-1]:>12.5f}")
-
+    return rows
 
 if __name__ == "__main__":
     main()
