@@ -1501,15 +1501,19 @@ def offloaded(models, device, enabled):
     the shards live in pinned host memory (FSDP's CPU offload). Replicas, with --offload_inference_models: the weights
     copied from pinned host memory to the GPU while they score, and the copies dropped after (nothing copied back)."""
     models = [m for m in models if m is not None]
-    held = {p: p.data for m in models if enabled and device.type == "cuda" and not hasattr(m, "reshard")
-            for p in m.parameters()}
-    for p, data in held.items():
-        p.data = data.to(device, non_blocking=True)
+    swapped, copies = [], {}  # (module, name, the host parameter); one device copy per parameter (tied ones stay so)
+    for module in (u for m in models if enabled and device.type != "cpu" and not hasattr(m, "reshard")
+                   for u in m.modules()):
+        for name, p in module._parameters.items():
+            if p is not None:
+                swapped.append((module, name, p))
+                module._parameters[name] = copies.setdefault(id(p), torch.nn.Parameter(
+                    p.detach().to(device, non_blocking=True), requires_grad=False))
     try:
         yield
     finally:
-        for p, data in held.items():
-            p.data = data
+        for module, name, p in swapped:
+            module._parameters[name] = p
         for unit in (u for m in models for u in m.modules() if hasattr(u, "reshard")):
             unit.reshard()
 

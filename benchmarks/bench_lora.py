@@ -30,17 +30,21 @@ GPU_PEAK = ("import atexit, torch; atexit.register(lambda: print('PEAK_GPU_MB', 
             "torch.cuda.max_memory_allocated() / 2**20))")
 
 
-def build_assets(work):
+def build_assets(work, config_class=None, **shape):
+    """The model (by default the Llama shape above; else config_class(**shape)), at random, stored in bfloat16, with
+    the embedded task's tokenizer, and 2,000 of its pairs, in work/model and work/pairs.jsonl."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import common
 
     tokenizer = common.embedded_tokenizer()
-    config = LlamaConfig(vocab_size=151_936, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    if config_class is None:
+        config_class, shape = LlamaConfig, dict(vocab_size=151_936, hidden_size=512, intermediate_size=1536,
+                                                num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                                                max_position_embeddings=512)
+    config = config_class(**shape, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(os.path.join(work, "model"))

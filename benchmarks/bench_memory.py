@@ -74,24 +74,11 @@ def plan_7b():
 
 def pythia_160m(work):
     """Pythia-160M's shape, at random, stored in bfloat16, with the embedded task's tokenizer and pairs."""
-    import torch
-    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+    from bench_lora import build_assets
+    from transformers import GPTNeoXConfig
 
-    import common
-
-    tokenizer = common.embedded_tokenizer()
-    config = GPTNeoXConfig(vocab_size=50304, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                           intermediate_size=3072, rotary_pct=0.25, max_position_embeddings=2048,
-                           tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    model.save_pretrained(os.path.join(work, "model"))
-    tokenizer.save_pretrained(os.path.join(work, "model"))
-    with open(os.path.join(work, "pairs.jsonl"), "w") as f:
-        for row in common.embedded_pairs(2000, seed=5):
-            f.write(json.dumps(row) + "\n")
-    return sum(p.numel() for p in model.parameters())
+    return build_assets(work, GPTNeoXConfig, vocab_size=50304, hidden_size=768, num_hidden_layers=12,
+                        num_attention_heads=12, intermediate_size=3072, rotary_pct=0.25, max_position_embeddings=2048)
 
 
 def main():
