@@ -1400,9 +1400,9 @@ def setup_distributed():
 def parallelize(model, args, device, num_layers, frozen=False):
     """DDP, or FSDP2 with one shard group per transformer block (and one for the input embeddings, unless the output
     layer shares them), rank 0's weights broadcast into the shards (the other ranks may pass a meta-device skeleton:
-    common.shard_from_rank0). A frozen model is sharded too under FSDP (so it
-    computes as the trained ones do), and under DDP stays a plain replica (it has no gradients to all-reduce). With
-    --offload_inference_models on a GPU, a frozen model's weights are never moved to it here (see offloaded)."""
+    common.shard_from_rank0). A frozen model is sharded too under FSDP (so it computes as the trained ones do), and
+    under DDP stays a plain replica (it has no gradients to all-reduce). With --offload_inference_models on a GPU, a
+    frozen model's weights are never moved to it here (see offloaded)."""
     host = frozen and args.offload_inference_models and device.type == "cuda"
     if not dist.is_initialized() or (frozen and not args.fsdp):
         return held_on_host(model, device) if host else model.to(device)
