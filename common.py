@@ -200,9 +200,6 @@ def load_rows(name, config=None, split="train"):
     if name == "embedded":
         rows = embedded_pairs(40000 if split == "train" else 4000, seed={"train": 0}.get(split, 1))
         return [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
-    import datasets
-
-    datasets.disable_progress_bars()
     try:
         if os.path.isdir(name):
             return load_folder(name, config, split)
@@ -215,14 +212,14 @@ def load_rows(name, config=None, split="train"):
                 return None  # a single local file has one split; the caller holds out an eval fraction
             if ext == ".jsonl":  # read here: errors name the line, and no Arrow cache is written beside the user's data
                 return read_jsonl(name)
-            rows = list(datasets.load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train"))
+            rows = list(hf_datasets().load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train"))
             line_of_first = 2 if ext == ".csv" else None  # a CSV row's line in an editor: after the header
             return [dict(r, _source=name, _row=i, **({"_line": i + line_of_first} if line_of_first else {}))
                     for i, r in enumerate(rows)]
-        splits = datasets.get_dataset_split_names(name, config)
-        if split not in splits:
+        if split not in hf_datasets().get_dataset_split_names(name, config):
             return None
-        return [dict(r, _source=name, _row=i) for i, r in enumerate(datasets.load_dataset(name, config, split=split))]
+        rows = hf_datasets().load_dataset(name, config, split=split)
+        return [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
     except UserError:
         raise
     except Exception as e:
@@ -230,12 +227,19 @@ def load_rows(name, config=None, split="train"):
                         "format") from None
 
 
+def hf_datasets():
+    """The `datasets` library, imported only where a dataset needs it (90 MB a process), its progress bars off."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    return datasets
+
+
 def load_folder(path, config, split):
     """A local folder as people have them: written by Dataset(Dict).save_to_disk, cloned from the Hub
     (data/train-00000-of-00001.parquet, a README.md with `configs:`), or split files (train.jsonl, test.parquet, ...).
     `datasets` resolves the layout; each file is then read by load_rows, so errors name the file and line."""
-    import datasets
-
+    datasets = hf_datasets()
     if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
@@ -963,10 +967,12 @@ class Planned:
     trained: int
     frozen_bytes: int
     shards: int
+    frozen_in_float32: int = 0
+    """Frozen parameters held in float32 whatever frozen_bytes says (ppo.py's sharded output layers)."""
 
     def bytes(self):
-        frozen = self.parameters - self.trained
-        return {"weights": (frozen * self.frozen_bytes + self.trained * 4) / self.shards,
+        frozen = self.parameters - self.trained - self.frozen_in_float32
+        return {"weights": (frozen * self.frozen_bytes + (self.frozen_in_float32 + self.trained) * 4) / self.shards,
                 "gradients": self.trained * 4 / self.shards, "AdamW": self.trained * 8 / self.shards}
 
 
@@ -1002,12 +1008,20 @@ def shard_from_rank0(model, shard, device, host=False):
     return model
 
 
-def untied_input_embeddings(model):
-    """The transformers model's input embeddings inside model, as a list of one module to shard on its own (a large
-    vocabulary's table is gathered only while the embedding runs), or none where an output layer shares its weight."""
+def shard_input_embeddings(model, fully_shard, **options):
+    """The transformers model's input embeddings inside model sharded as their own FSDP2 unit (a large vocabulary's
+    table is gathered only while the embedding runs), unless an output layer shares their weight (then they stay with
+    it). A lookup's gradient needs the token ids, never the table: the backward pass does not gather it again (FSDP2's
+    set_unshard_in_backward), so a rank holds the whole table only during the lookup, and its gradient only until it
+    is reduce-scattered."""
     hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
     table, head = hf.get_input_embeddings(), hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
-    return [] if head is not None and head.weight is table.weight else [table]
+    if head is not None and head.weight is table.weight:
+        return
+    fully_shard(table, **options)
+    # an nn.Embedding's forward is the lookup (Gemma's scaled one multiplies its output by a constant after it)
+    if isinstance(table, torch.nn.Embedding) and [n for n, _ in table.named_parameters()] == ["weight"]:
+        table.set_unshard_in_backward(False)
 
 
 def meta_model(build):
@@ -1049,6 +1063,20 @@ def model_shape(path, kind, vocab_size=None, lora=None):
     with torch.device("meta"):
         add_lora(model, lora_args, "CAUSAL_LM" if kind == "causal" else "SEQ_CLS")
     return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@functools.cache
+def output_layer_shape(path, vocab_size=None):
+    """Parameters of the output layer of the causal LM at path where it is an nn.Linear of its own (not tied to the
+    input embeddings), else 0, from the meta-device model."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model_config(path, vocab_size))
+    config.vocab_size = max(config.vocab_size, vocab_size or 0)
+    model = meta_model(lambda: AutoModelForCausalLM.from_config(config))
+    head = model.get_output_embeddings()
+    untied = type(head) is torch.nn.Linear and head.weight is not model.get_input_embeddings().weight
+    return sum(p.numel() for p in head.parameters()) if untied else 0
 
 
 def lora_shape(args):

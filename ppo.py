@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 from tqdm import tqdm
-from transformers import StaticCache
+from transformers import PreTrainedModel, StaticCache
 
 import common
 
@@ -862,7 +862,7 @@ def critic_from(args, policy, reward):
 def memory_plan(args, world, vocab_size=None):
     """The models this run holds, as common.Planned rows: policy and critic trained, reference and reward model
     frozen; under --fsdp every one sharded over the ranks, and under --fsdp --bf16 the frozen ones held in bfloat16
-    (computed in bfloat16 then anyway); with LoRA the reference is the policy with its adapters off, the frozen bases
+    (computed in bfloat16 then anyway) but for the reference's output layer; with LoRA the reference is the policy with its adapters off, the frozen bases
     held in bfloat16 under --bf16, and a reward model the critic starts from is the critic with its adapter off."""
     shards = world if args.fsdp and world > 1 else 1
     frozen_bytes = 2 if args.bf16 and (args.lora_r or shards > 1) else 4
@@ -870,7 +870,9 @@ def memory_plan(args, world, vocab_size=None):
     policy = common.model_shape(args.sft_model_path, "causal", vocab_size, lora)
     models = [common.Planned("policy", *policy, frozen_bytes, shards)]
     if not lora:
-        models.append(common.Planned("reference policy", policy[0], 0, frozen_bytes, shards))
+        # (its output layer in float32 under FSDP: ppo.output_layer_unit)
+        head = common.output_layer_shape(args.sft_model_path, vocab_size) if shards > 1 else 0
+        models.append(common.Planned("reference policy", policy[0], 0, frozen_bytes, shards, head))
     reward_path = reward_model_source(args)
     if args.advantage_estimator == "gae":
         same_tokens = reward_path and common.model_config(reward_path).vocab_size == common.model_config(
@@ -1254,8 +1256,10 @@ def output_logits(model, hidden, temperature=1.0):
     linear = cap is None and getattr(head, "bias", None) is None
     with torch.autocast(hidden.device.type, enabled=False):
         hidden = hidden.float() / temperature if linear else hidden.float()
-        logits = F.linear(hidden, head.weight.float(), None if head.bias is None else head.bias.float()) \
-            if type(head) is torch.nn.Linear else head(hidden.to(head.weight.dtype)).float()
+        if type(head) is torch.nn.Linear and head.weight.dtype != torch.float32:  # computed in float32 all the same
+            logits = F.linear(hidden, head.weight.float(), None if head.bias is None else head.bias.float())
+        else:  # a module call: FSDP gathers the layer where it is its own unit (output_layer_unit)
+            logits = head(hidden.to(head.weight.dtype)).float()
         if cap:
             logits = cap * torch.tanh(logits / cap)
         if (scale := getattr(model, "logit_scale", None)) is not None:
@@ -1398,8 +1402,8 @@ def setup_distributed():
 
 
 def parallelize(model, args, device, num_layers, frozen=False):
-    """DDP, or FSDP2 with one shard group per transformer block (and one for the input embeddings, unless the output
-    layer shares them), rank 0's weights broadcast into the shards (the other ranks may pass a meta-device skeleton:
+    """DDP, or FSDP2 with one shard group per transformer block, one for the input embeddings and one for the output
+    layer (see output_layer_unit), rank 0's weights broadcast into the shards (the other ranks may pass a meta-device skeleton:
     common.shard_from_rank0). A frozen model is sharded too under FSDP (so it computes as the trained ones do), and
     under DDP stays a plain replica (it has no gradients to all-reduce). With --offload_inference_models on a GPU, a
     frozen model's weights are never moved to it here (see offloaded)."""
@@ -1414,13 +1418,18 @@ def parallelize(model, args, device, num_layers, frozen=False):
             MixedPrecisionPolicy()
 
         def shard(model):
+            head = output_layer_unit(model)
             if frozen and args.bf16:  # FSDP gathers it in bfloat16 to compute: held so, it computes the same, at
                 for p in model.parameters():  # half the memory (parameters only: RoPE's buffers stay float32)
-                    p.data = p.data.to(torch.bfloat16)
+                    if head is None or p is not head.weight:
+                        p.data = p.data.to(torch.bfloat16)
             offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
             blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers)
-            for unit in [*blocks, *common.untied_input_embeddings(model)]:
-                fully_shard(unit, mp_policy=mp, **offload)
+            for block in blocks:
+                fully_shard(block, mp_policy=mp, **offload)
+            common.shard_input_embeddings(model, fully_shard, mp_policy=mp, **offload)
+            if head is not None:  # gathered in float32, its inputs cast to it: output_logits computes in float32
+                fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **offload)
             fully_shard(model, mp_policy=mp, **offload)
 
         return common.shard_from_rank0(model, shard, device, host)
@@ -1428,6 +1437,22 @@ def parallelize(model, args, device, num_layers, frozen=False):
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                      broadcast_buffers=False, gradient_as_bucket_view=True)
+
+
+def output_layer_unit(model):
+    """A causal LM's output layer, to be sharded as its own FSDP unit and held in float32 (frozen too, so that the
+    reference's logits are the policy's at initialisation): gathered only while it computes the logits, its gradient
+    reduce-scattered as soon as it is made, instead of a vocabulary x hidden weight and its gradient held whole through
+    the forward and backward passes with the root. None (the layer stays with the root, read directly by
+    output_logits) for a layer tied to the input embeddings, not a plain nn.Linear, or held in bfloat16 (LoRA's
+    frozen base)."""
+    if not isinstance(model, PreTrainedModel):
+        return None
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.weight.dtype != torch.float32 or \
+            head.weight is model.get_input_embeddings().weight:
+        return None
+    return head
 
 
 @contextlib.contextmanager
@@ -1584,10 +1609,11 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
     tokenizer, the curves and a summary; the logs closed."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    model_sd = get_model_state_dict(trainable, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # the policy's whole state on rank 0's host (not the critic's, which is not saved)
+    policy_sd = get_model_state_dict(trainable["policy"], options=StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))
     if rank != 0:
         return
-    policy_sd = {k.removeprefix("policy."): v for k, v in model_sd.items() if k.startswith("policy.")}
     if lora is not None:
         policy_hf = common.save_lora(policy_hf, lora, policy_sd, tokenizer, args.output_dir)
         policy_sd = policy_hf.state_dict()

@@ -832,8 +832,9 @@ def parallelize(model, args, device):
         def shard(model):
             blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
                           and len(m) == model.hf.config.num_hidden_layers)
-            for unit in [*blocks, *common.untied_input_embeddings(model)]:
-                fully_shard(unit, mp_policy=mp)
+            for block in blocks:
+                fully_shard(block, mp_policy=mp)
+            common.shard_input_embeddings(model, fully_shard, mp_policy=mp)
             fully_shard(model, mp_policy=mp)
 
         return common.shard_from_rank0(model, shard, device)

@@ -13,7 +13,8 @@ process tree, one after the other, repeated; the peak is the largest ru_maxrss o
 rank's). Every row runs with MALLOC_MMAP_THRESHOLD_=1048576: glibc otherwise raises its threshold after the first
 large free and keeps later freed buffers (FSDP's per-block gathers) in its heap, so that RSS measures the allocator's
 retention instead of the memory the process uses. Both splits see the same global batch, so they train the same run
-(the last logged loss of each is printed beside the peak).
+(the last logged loss of each is printed beside the peak). First, the peak of a process that only imports each
+script: memory every process holds whatever the number of ranks.
 """
 
 import argparse
@@ -94,6 +95,9 @@ def main():
         return
     report = {"device": "cpu", "repeats": args.repeats, "models": {},
               "pythia_6.9b_ppo_plan_gb_per_gpu_8_ranks": plan}
+    report["import_only_mb"] = {script: imported(script) for script in ("rm", "ppo")}
+    print("a process that only imports the script: " + ", ".join(f"{k}.py {v:.0f} MB"
+                                                                  for k, v in report["import_only_mb"].items()))
     for shape, build in (("pythia-160m", pythia_160m), ("152k-vocabulary", build_assets)):
         work = tempfile.mkdtemp(prefix="bench_memory_")
         n_params = build(work)
@@ -109,6 +113,17 @@ def main():
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
+
+
+def imported(script):
+    """Peak memory (MB) of a process that only imports the script (torch, transformers and the rest): a part of every
+    process's peak that no number of ranks divides."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="1048576")
+    proc = subprocess.Popen([sys.executable, "-c", f"import {script}"], cwd=ROOT, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise SystemExit(f"import {script} failed")
+    return usage.ru_maxrss / 1024
 
 
 def measure(work, repeats):
