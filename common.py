@@ -969,6 +969,9 @@ class Planned:
     shards: int
     frozen_in_float32: int = 0
     """Frozen parameters held in float32 whatever frozen_bytes says (ppo.py's sharded output layers)."""
+    on_host: bool = False
+    """Held in host memory, on the GPU only while it computes (--offload_inference_models): a replica whole, one such
+    model at a time; FSDP shards one unit at a time, as every sharded model's are gathered."""
 
     def bytes(self):
         frozen = self.parameters - self.trained - self.frozen_in_float32
@@ -1085,7 +1088,10 @@ def lora_shape(args):
 
 
 def plan_bytes(models):
-    return sum(sum(m.bytes().values()) for m in models)
+    """The bytes the models' states take on each rank's device: those held there, and the largest replica kept on the
+    host (it is copied in whole while it computes)."""
+    on_device = sum(sum(m.bytes().values()) for m in models if not m.on_host)
+    return on_device + max((sum(m.bytes().values()) for m in models if m.on_host and m.shards == 1), default=0)
 
 
 def plan_table(models, world):
@@ -1096,8 +1102,8 @@ def plan_table(models, world):
     for m in models:
         b = m.bytes()
         lines.append(f"  {m.name:<18}{m.parameters / 1e6:>8.1f}M" + "".join(f"{v / scale:>9.2f}" for v in b.values())
-                     + f"{sum(b.values()) / scale:>9.2f}")
-    lines.append(f"  {'total':<18}{'':>36}{plan_bytes(models) / scale:>9.2f}")
+                     + f"{sum(b.values()) / scale:>9.2f}" + (" (host memory)" if m.on_host else ""))
+    lines.append(f"  {'total on the device':<18}{'':>35}{plan_bytes(models) / scale:>9.2f}")
     return "\n".join(lines)
 
 

@@ -861,9 +861,10 @@ def critic_from(args, policy, reward):
 
 def memory_plan(args, world, vocab_size=None):
     """The models this run holds, as common.Planned rows: policy and critic trained, reference and reward model
-    frozen; under --fsdp every one sharded over the ranks, and under --fsdp --bf16 the frozen ones held in bfloat16
-    (computed in bfloat16 then anyway) but for the reference's output layer; with LoRA the reference is the policy with its adapters off, the frozen bases
-    held in bfloat16 under --bf16, and a reward model the critic starts from is the critic with its adapter off."""
+    frozen (in host memory with --offload_inference_models); under --fsdp every one sharded over the ranks, and under
+    --fsdp --bf16 the frozen ones held in bfloat16 (computed in bfloat16 then anyway) but for the reference's output
+    layer; with LoRA the reference is the policy with its adapters off, the frozen bases held in bfloat16 under --bf16,
+    and a reward model the critic starts from is the critic with its adapter off."""
     shards = world if args.fsdp and world > 1 else 1
     frozen_bytes = 2 if args.bf16 and (args.lora_r or shards > 1) else 4
     lora = common.lora_shape(args)
@@ -872,7 +873,8 @@ def memory_plan(args, world, vocab_size=None):
     if not lora:
         # (its output layer in float32 under FSDP: ppo.output_layer_unit)
         head = common.output_layer_shape(args.sft_model_path, vocab_size) if shards > 1 else 0
-        models.append(common.Planned("reference policy", policy[0], 0, frozen_bytes, shards, head))
+        models.append(common.Planned("reference policy", policy[0], 0, frozen_bytes, shards, head,
+                                     args.offload_inference_models))
     reward_path = reward_model_source(args)
     if args.advantage_estimator == "gae":
         same_tokens = reward_path and common.model_config(reward_path).vocab_size == common.model_config(
@@ -883,7 +885,7 @@ def memory_plan(args, world, vocab_size=None):
         models.append(common.Planned("critic", *critic, frozen_bytes, shards))
     if reward_path and not (lora and args.advantage_estimator == "gae" and from_reward):
         models.append(common.Planned("reward model", common.model_shape(reward_path, "reward")[0], 0, frozen_bytes,
-                                     shards))
+                                     shards, on_host=args.offload_inference_models))
     return models
 
 

@@ -67,6 +67,35 @@ def test_7b_plans_fit_one_8_gpu_node_with_fsdp_and_bf16(tmp_path, shape, monkeyp
     assert common.check_memory_plan(ppo.memory_plan, args, 8, torch.device("cuda", 0), rank=1)
 
 
+def test_frozen_models_offloaded_to_the_host_count_on_the_gpu_only_while_they_compute(tmp_path, monkeypatch):
+    """--offload_inference_models: sharded frozen models take no GPU memory between uses; a replica is copied in
+    whole while it scores, one at a time, so the largest one counts. A GPU the states fit only with it: not stopped."""
+    import dataclasses
+
+    policy = saved_config(tmp_path / "policy", "pythia-6.9b", "GPTNeoXForCausalLM")
+    reward = saved_config(tmp_path / "reward", "pythia-6.9b", "GPTNeoXForSequenceClassification")
+    for fsdp in (True, False):
+        args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=fsdp, bf16=True)
+        plan = {m.name: sum(m.bytes().values()) for m in ppo.memory_plan(args, 8)}
+        trained = plan["policy"] + plan["critic"]
+        offloaded = ppo.memory_plan(dataclasses.replace(args, offload_inference_models=True), 8)
+        assert [m.on_host for m in offloaded] == [m.name in ("reference policy", "reward model") for m in offloaded]
+        frozen = 0 if fsdp else max(plan["reference policy"], plan["reward model"])
+        assert common.plan_bytes(offloaded) == pytest.approx(trained + frozen)
+        assert common.plan_bytes(offloaded) < sum(plan.values())
+
+    # a GPU between FSDP's two totals
+    args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True)
+    on_gpu = common.plan_bytes(ppo.memory_plan(args, 8))
+    trained = sum(sum(m.bytes().values()) for m in ppo.memory_plan(args, 8) if m.name in ("policy", "critic"))
+    capacity = (trained + on_gpu) / 2
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": capacity}))
+    with pytest.raises(common.UserError, match="the models' states need"):
+        common.check_memory_plan(ppo.memory_plan, args, 8, torch.device("cuda", 0), rank=1)
+    common.check_memory_plan(ppo.memory_plan, dataclasses.replace(args, offload_inference_models=True), 8,
+                             torch.device("cuda", 0), rank=1)
+
+
 def test_plan_is_what_the_scripts_hold_on_2_ranks(tmp_path, reward_model_path):
     """Built as ppo.py and rm.py build them, after one optimizer step: each model's weights, gradients and AdamW
     state on each of 2 ranks, as the plan says (FSDP: a half each, frozen models in bfloat16; DDP: a replica)."""
