@@ -352,7 +352,9 @@ def test_lengths_beyond_a_learned_position_table_are_refused_at_the_start(family
     assert not os.path.exists(tmp_path / "rm" / "metrics.jsonl")  # refused before anything was written
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen2"])  # tied output layer and learned positions; RoPE buffers
+# GPT-2: an output layer tied to the input embeddings, learned positions; Qwen2: an output layer of its own (an FSDP
+# unit of its own in ppo.py), RoPE buffers
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
 def test_fsdp_ranks_fill_their_shards_from_rank_0s_copy_of_saved_models(family, family_dir, trained_rm, tmp_path):
     """Under --fsdp only rank 0 reads a saved model's weights (the other ranks build skeletons on the meta device)
     and broadcasts them into every rank's shards: 2 ranks then train as 1 process does, rm.py from a saved causal
