@@ -1405,8 +1405,8 @@ def setup_distributed():
 
 def parallelize(model, args, device, num_layers, frozen=False):
     """DDP, or FSDP2 with one shard group per transformer block, one for the input embeddings and one for the output
-    layer (see output_layer_unit), rank 0's weights broadcast into the shards (the other ranks may pass a meta-device skeleton:
-    common.shard_from_rank0). A frozen model is sharded too under FSDP (so it computes as the trained ones do), and
+    layer (see output_layer_unit), rank 0's weights broadcast into the shards (the other ranks may pass a meta-device
+    skeleton: common.shard_from_rank0). A frozen model is sharded too under FSDP (so it computes as the trained ones do), and
     under DDP stays a plain replica (it has no gradients to all-reduce). With --offload_inference_models on a GPU, a
     frozen model's weights are never moved to it here (see offloaded)."""
     host = frozen and args.offload_inference_models and device.type == "cuda"
@@ -1421,9 +1421,10 @@ def parallelize(model, args, device, num_layers, frozen=False):
 
         def shard(model):
             head = output_layer_unit(model)
+            in_float32 = {id(p) for p in head.parameters()} if head is not None else set()
             if frozen and args.bf16:  # FSDP gathers it in bfloat16 to compute: held so, it computes the same, at
                 for p in model.parameters():  # half the memory (parameters only: RoPE's buffers stay float32)
-                    if head is None or p is not head.weight:
+                    if id(p) not in in_float32:
                         p.data = p.data.to(torch.bfloat16)
             offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
             blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers)
