@@ -1045,19 +1045,25 @@ def model_config(path, vocab_size=None):
     return load_pretrained(AutoConfig, adapter_base(path) or path, path)
 
 
-@functools.cache
-def model_shape(path, kind, vocab_size=None, lora=None):
-    """(all, trained) parameter counts of the model at path, a causal LM (kind "causal") or a one-label sequence
-    classifier ("reward"), built on the meta device from its config alone (its embeddings grown to vocab_size rows
-    where the tokenizer has more); lora: (r, alpha, target modules), counting then the adapters (and head) that
-    add_lora trains."""
+def meta_from_config(path, kind, vocab_size=None):
+    """The model at path, a causal LM (kind "causal") or a one-label sequence classifier ("reward"), built on the meta
+    device from its config alone, its embeddings grown to vocab_size rows where the tokenizer has more."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = copy.deepcopy(model_config(path, vocab_size))
     config.num_labels = 1
     config.vocab_size = max(config.vocab_size, vocab_size or 0)
     loader = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
-    model = meta_model(lambda: loader.from_config(config))
+    return meta_model(lambda: loader.from_config(config))
+
+
+@functools.cache
+def model_shape(path, kind, vocab_size=None, lora=None):
+    """(all, trained) parameter counts of the model at path, a causal LM (kind "causal") or a one-label sequence
+    classifier ("reward"), built on the meta device from its config alone (its embeddings grown to vocab_size rows
+    where the tokenizer has more); lora: (r, alpha, target modules), counting then the adapters (and head) that
+    add_lora trains."""
+    model = meta_from_config(path, kind, vocab_size)
     total = sum(p.numel() for p in model.parameters())
     if lora is None:
         return total, total
@@ -1072,11 +1078,7 @@ def model_shape(path, kind, vocab_size=None, lora=None):
 def output_layer_shape(path, vocab_size=None):
     """Parameters of the output layer of the causal LM at path where it is an nn.Linear of its own (not tied to the
     input embeddings), else 0, from the meta-device model."""
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(model_config(path, vocab_size))
-    config.vocab_size = max(config.vocab_size, vocab_size or 0)
-    model = meta_model(lambda: AutoModelForCausalLM.from_config(config))
+    model = meta_from_config(path, "causal", vocab_size)
     head = model.get_output_embeddings()
     untied = type(head) is torch.nn.Linear and head.weight is not model.get_input_embeddings().weight
     return sum(p.numel() for p in head.parameters()) if untied else 0
