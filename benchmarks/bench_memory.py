@@ -14,7 +14,8 @@ rank's). Every row runs with MALLOC_MMAP_THRESHOLD_=1048576: glibc otherwise rai
 large free and keeps later freed buffers (FSDP's per-block gathers) in its heap, so that RSS measures the allocator's
 retention instead of the memory the process uses. Both splits see the same global batch, so they train the same run
 (the last logged loss of each is printed beside the peak). First, the peak of a process that only imports each
-script: memory every process holds whatever the number of ranks.
+script: memory every process holds whatever the number of ranks. Beside each ratio, the best 2 ranks could do: the
+one-process peak with its models' states (from the memory plan) halved and all else the same (states_mb).
 """
 
 import argparse
@@ -102,14 +103,16 @@ def main():
         work = tempfile.mkdtemp(prefix="bench_memory_")
         n_params = build(work)
         rows = measure(work, args.repeats)
-        report["models"][shape] = {"parameters": n_params, "rows": rows}
+        states = states_mb(work)
+        report["models"][shape] = {"parameters": n_params, "rows": rows, "states_mb_one_process": states}
         print(f"\n{shape}: {n_params / 1e6:.1f}M parameters (stored in bfloat16); {args.repeats} repeats")
-        print(f"{'row':<24} {'peak MB (min-max)':>20} {'vs 1 process':>13} {'last loss':>12}")
+        print(f"{'row':<24} {'peak MB (min-max)':>20} {'vs 1 process':>13} {'states halved':>14} {'last loss':>12}")
         for name, row in rows.items():
-            base = min(rows[name.split()[0] + " 1 process"]["peak_mb"])
+            script = name.split()[0]
+            base = min(rows[script + " 1 process"]["peak_mb"])
             mb = row["peak_mb"]
             print(f"{name:<24} {min(mb):>9.0f}-{max(mb):<10.0f} {min(mb) / base:>12.2f}x "
-                  f"{row['last_loss'][-1]:>12.5f}", flush=True)
+                  f"{(base - states[script] / 2) / base:>13.2f}x {row['last_loss'][-1]:>12.5f}", flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
@@ -124,6 +127,20 @@ def imported(script):
     if status != 0:
         raise SystemExit(f"import {script} failed")
     return usage.ru_maxrss / 1024
+
+
+def states_mb(work):
+    """The bytes (MB) of every model's states in one process of each script, from its memory plan (the plan is what
+    the scripts hold: tests/test_memory.py). Were they alone to halve on 2 ranks and the rest of the peak stay, the
+    ratio would be (peak - states / 2) / peak: the "states halved" column, the best 2 ranks can do."""
+    import common
+    import ppo
+    import rm
+
+    model = os.path.join(work, "model")
+    return {"rm.py": common.plan_bytes(rm.memory_plan(rm.Args(model_name_or_path=model), 1)) / 2**20,
+            "ppo.py": common.plan_bytes(ppo.memory_plan(ppo.Args(sft_model_path=model, reward_model_path=os.path.join(
+                work, "rm-0-1")), 1)) / 2**20}
 
 
 def measure(work, repeats):
