@@ -1018,8 +1018,8 @@ def shard_from_rank0(model, shard, device, host=False):
 class InPlaceReduceScatter:
     """FSDP2's gradient reduce-scatter on gloo (CPU ranks), as an all-reduce in place of FSDP's buffer and a copy of
     this rank's slice: the same sums (bit for bit on 2 ranks: tests/test_memory.py) without gloo's reduce_scatter,
-    which holds 1.5 more copies of its input (223 MB for a 147 MB gradient, the largest transient of a CPU run) and
-    takes longer (0.18-0.31 s against 0.10-0.21 s there). NCCL's reduce-scatter holds none: GPU runs keep FSDP's."""
+    which holds a second copy of its input while it runs (149 MB more for a 147 MB gradient, against 2 MB; 0.19-0.20 s
+    against 0.11-0.12 s: `python benchmarks/bench_memory.py --reduce_scatter`). NCCL's holds none: GPU runs keep it."""
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -1028,7 +1028,7 @@ class InPlaceReduceScatter:
         import torch.distributed as dist
 
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):  # PREMUL_SUM: FSDP asks for it only with a divide factor
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group)
         dist.all_reduce(input_tensor, group=group)
         world = dist.get_world_size(group)
         output_tensor.copy_(input_tensor.view(world, -1)[dist.get_rank(group)])

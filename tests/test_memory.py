@@ -130,7 +130,7 @@ for numel in (2 * 3, 2 * 50_021):  # a block's buffer is padded to a multiple of
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         grads = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 7 + numel))
         theirs, ours = torch.empty(numel // 2), torch.empty(numel // 2)
-        dist.reduce_scatter_tensor(theirs, grads.clone(), op=op)
+        dist.reduce_scatter_single(theirs, grads.clone(), op=op)
         common.InPlaceReduceScatter()(output_tensor=ours, input_tensor=grads.clone(), group=dist.group.WORLD, op=op)
         ok.append(torch.equal(ours, theirs) and not torch.equal(ours, grads.view(2, -1)[rank]))
 assert all(ok), ok
