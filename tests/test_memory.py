@@ -140,7 +140,7 @@ dist.destroy_process_group()
 
 def test_in_place_reduce_scatter_on_gloo_sums_as_gloos_own(tmp_path):
     """The gradient reduce-scatter that FSDP runs on CPU ranks (an all-reduce in place and a slice) gives gloo's
-    reduce_scatter_tensor's result bit for bit, for a sum and an average."""
+    reduce_scatter_single's result bit for bit, for a sum and an average."""
     script = tmp_path / "reduce_scatter_check.py"
     script.write_text(REDUCE_SCATTER_CHECK)
     run_script([str(script)], nproc=2)
