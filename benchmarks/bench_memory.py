@@ -15,8 +15,8 @@ rank's). Every row runs with MALLOC_MMAP_THRESHOLD_=1048576: glibc otherwise rai
 large free and keeps later freed buffers (FSDP's per-block gathers) in its heap, so that RSS measures the allocator's
 retention instead of the memory the process uses. Both splits see the same global batch, so they train the same run
 (the last logged loss of each is printed beside the peak). First, the peak of a process that only imports each
-script: memory every process holds whatever the number of ranks. Beside each ratio, the best 2 ranks could do: the
-one-process peak with its models' states (from the memory plan) halved and all else the same (states_mb).
+script: memory every process holds whatever the number of ranks. Beside each ratio, "at best": what 2 ranks could
+do, the one-process peak with its models' states (from the memory plan) halved and all else the same (states_mb).
 """
 
 import argparse
@@ -110,7 +110,7 @@ def main():
         states = states_mb(work)
         report["models"][shape] = {"parameters": n_params, "rows": rows, "states_mb_one_process": states}
         print(f"\n{shape}: {n_params / 1e6:.1f}M parameters (stored in bfloat16); {args.repeats} repeats")
-        print(f"{'row':<24} {'peak MB (min-max)':>20} {'vs 1 process':>13} {'states halved':>14} {'last loss':>12}")
+        print(f"{'row':<24} {'peak MB (min-max)':>20} {'vs 1 process':>13} {'at best':>14} {'last loss':>12}")
         for name, row in rows.items():
             script = name.split()[0]
             base = min(rows[script + " 1 process"]["peak_mb"])
@@ -181,11 +181,13 @@ def reduce_scatter_row(out):
     """FSDP's gradient reduction on 2 gloo ranks, for one 147 MB gradient: the memory a reduction adds while it runs
     (the resident set sampled every millisecond, above its level before) and its time, gloo's reduce_scatter against
     common.InPlaceReduceScatter; 5 repeats each, alternating."""
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(REDUCE_SCATTER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="1048576")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", f.name], cwd=ROOT,
-                          env=env, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "reduce_scatter.py")
+        with open(script, "w") as f:
+            f.write(REDUCE_SCATTER)
+        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="1048576")
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script],
+                              cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -199,7 +201,7 @@ def reduce_scatter_row(out):
 def states_mb(work):
     """The bytes (MB) of every model's states in one process of each script, from its memory plan (the plan is what
     the scripts hold: tests/test_memory.py). Were they alone to halve on 2 ranks and the rest of the peak stay, the
-    ratio would be (peak - states / 2) / peak: the "states halved" column, the best 2 ranks can do."""
+    ratio would be (peak - states / 2) / peak: the "at best" column, the best 2 ranks can do."""
     import common
     import ppo
     import rm
