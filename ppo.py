@@ -423,7 +423,7 @@ def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collect
         for rows in (g.to(responses.device)[i:i + micro] for g in groups for i in range(0, len(g), micro)):
             ids, ids_mask, context, kept = trim_padding(batch.query_response[rows], batch.attention_mask[rows],
                                                         context_length)
-            if critic is not None:
+            if critic is not None and not args.bf16:  # (under --bf16 rollout_logprobs computes them as learn does)
                 values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
             if reward.in_critic is not None:  # LoRA: the reward model is the critic with its adapter off
                 with reward.in_critic():
@@ -441,14 +441,16 @@ def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collect
 
 
 @torch.no_grad()
-def rollout_logprobs(policy, ref_policy, batch, args, update, rank, world, reference_mode=contextlib.nullcontext):
-    """3. The sampled tokens' log-probs under the reference policy, and under --bf16 under the policy again, computed
-    by the learning forward on the very rows and groups the first PPO epoch will run (epoch_plan): so the first
-    ratio is exactly 1, and the KL at initialisation exactly 0, in any precision. (A one-token KV-cached decode and a
-    whole-sequence forward, or one group's padding and another's, can round differently in bfloat16; in float32 the
-    sampling log-probs equal the learning forward's, which tests check on every family, and are kept.) Each rank
-    computes the rows it will learn on; a sum over ranks assembles the batch. Fills ref_logprobs (and logprobs)."""
-    ref, old = torch.zeros_like(batch.logprobs), torch.zeros_like(batch.logprobs)
+def rollout_logprobs(policy, ref_policy, critic, batch, args, update, rank, world,
+                     reference_mode=contextlib.nullcontext):
+    """3. The sampled tokens' log-probs under the reference policy, and under --bf16 under the policy again (and the
+    values under the critic again), computed by the learning forward on the very rows and groups the first PPO epoch
+    will run (epoch_plan): so the first ratio is exactly 1, the first value clip centred on what learning computes,
+    and the KL at initialisation exactly 0, in any precision. (A one-token KV-cached decode and a whole-sequence
+    forward, or one group's padding and another's, can round differently in bfloat16; in float32 the sampling
+    log-probs equal the learning forward's, which tests check on every family, and are kept.) Each rank computes the
+    rows it will learn on; a sum over ranks assembles the batch. Fills ref_logprobs (and logprobs and values)."""
+    ref, old, values = (torch.zeros_like(batch.logprobs) for _ in range(3))
     with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for step in epoch_plan(batch, args, update, 0, rank, world):
             for rows in step.forwards:
@@ -460,9 +462,13 @@ def rollout_logprobs(policy, ref_policy, batch, args, update, rank, world, refer
                 if args.bf16:
                     old[rows, :kept] = policy_forward(policy, ids, ids_mask, context, args.temperature,
                                                       entropy=False)[0]
+                    if critic is not None:
+                        values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
     batch.ref_logprobs = all_reduce(ref).masked_fill(~batch.mask, 0.0)
     if args.bf16:
         batch.logprobs = all_reduce(old).masked_fill(~batch.mask, 0.0)
+        if critic is not None:
+            batch.values = all_reduce(values).masked_fill(~batch.mask, 0.0)
 
 
 def advantages(batch, kl_coef, args):
@@ -717,7 +723,7 @@ def main(args):
 
         # 3. Log-probs under the reference (and, in bfloat16, the policy again) on the first epoch's partition.
         with offloaded([None if lora else ref_policy], device, args.offload_inference_models):
-            rollout_logprobs(policy, ref_policy, batch, args, update, rank, world,
+            rollout_logprobs(policy, ref_policy, critic, batch, args, update, rank, world,
                              reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
         t_score = time.time()
 
