@@ -615,7 +615,8 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
 
 
 def check_args(args):
-    """Every size and range, before anything is loaded or written; a bad one is named in one line."""
+    """Every size and range, and every model and dataset found, before anything is loaded or written; a bad one is
+    named in one line."""
     for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                  "num_collect_steps", "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every",
                  "kl_horizon", "num_samples_per_prompt"):
@@ -640,6 +641,12 @@ def check_args(args):
     if args.ptx_coef > 0 and args.ptx_dataset_name is None:
         raise common.UserError(f"--ptx_coef {args.ptx_coef} needs --ptx_dataset_name (a dataset with a 'text' column)")
     check_estimator_args(args)
+    for name, flag, kind in ((args.sft_model_path, "--sft_model_path", "model"),
+                             (reward_model_source(args), "--reward_model_path", "model"),
+                             (args.dataset_name, "--dataset_name", "dataset"),
+                             (args.ptx_dataset_name if args.ptx_coef > 0 else None, "--ptx_dataset_name", "dataset")):
+        if name is not None:
+            common.check_source(name, flag, kind)
 
 
 def check_estimator_args(args):
@@ -682,10 +689,13 @@ def main(args):
 
     tokenizer = load_tokenizer(args)
     stop_id = stop_token_id(args, tokenizer)
+    prompts, prompt_texts = load_prompts(args, tokenizer)  # before the models: a data mistake is found in seconds
+    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     # Models: policy and critic (GAE's) are trained; reference and reward model are frozen.
     policy_hf, lora, policy, critic, ref_policy, reward = build_models(args, tokenizer, device, rank, world)
-    prompts, prompt_texts = load_prompts(args, tokenizer)
-    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
+    bos_id, limit = common.leading_id(tokenizer), args.max_prompt_length + args.response_length  # (fitted to the models)
+    prompts = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]
+    ptx = ptx and [ids[:limit] for ids in ptx]
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
     start, kl_coef, history = 0, args.kl_coef, []
     if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir)):
@@ -979,17 +989,17 @@ def build_optimizer(policy, critic, args, num_updates):
 
 
 def load_prompts(args, tokenizer):
-    """Prompt token ids (rm.py's convention and truncation rule) and the prompt texts."""
+    """Prompt token ids (rm.py's convention; main truncates them) and the prompt texts."""
     if args.dataset_name == "embedded":
         rng = random.Random(args.seed)
-        texts = [common.embedded_prompt(rng) for _ in range(4096)]
+        rows = [{"prompt": common.embedded_prompt(rng), "_source": "embedded", "_row": i} for i in range(4096)]
     else:
         rows = common.load_rows(args.dataset_name, args.dataset_config, args.dataset_train_split)
         if not rows:
             raise common.UserError(f"{args.dataset_name}: no split '{args.dataset_train_split}'")
-        texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
-    bos_id = common.leading_id(tokenizer)
-    ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in common.tokenize_prompts(tokenizer, texts)]
+    texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
+    ids = common.tokenize_prompts(tokenizer, texts)
+    common.check_vocabulary(tokenizer, ids, args.dataset_name, args.sft_model_path, "--sft_model_path")
     empty = next((i for i, p in enumerate(ids) if not p), None)
     if empty is not None:  # no BOS and no text: the first response token would attend to nothing
         raise common.UserError(f"{common.where(rows[empty])}: the prompt is empty and {args.sft_model_path}'s "
@@ -1026,8 +1036,8 @@ def load_ptx(args, tokenizer):
         if not rows or "text" not in rows[0]:
             raise common.UserError(f"{args.ptx_dataset_name}: --ptx_dataset_name needs a 'text' column")
         texts = [r["text"] for r in rows]
-    limit, end = args.max_prompt_length + args.response_length, common.end_id(tokenizer)
-    return [(ids + [end])[:limit] for ids in common.tokenize_prompts(tokenizer, texts)]
+    end = common.end_id(tokenizer)
+    return [ids + [end] for ids in common.tokenize_prompts(tokenizer, texts)]  # (main cuts them to the length)
 
 
 def pad_left(seqs, width, pad_id):

@@ -302,7 +302,8 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
 
 
 def check_args(args):
-    """Every size and range, before anything is loaded or written; a bad one is named in one line."""
+    """Every size and range, and every model and dataset found, before anything is loaded or written; a bad one is
+    named in one line."""
     for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "per_device_eval_batch_size", "logging_steps", "num_evals"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -322,10 +323,9 @@ def check_args(args):
     if None not in (args.max_length, args.max_prompt_length) and args.max_length <= args.max_prompt_length:
         raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
                                f"{args.max_length} to leave room for the responses")
-    name = args.model_name_or_path
-    if not name.startswith("embedded-") and (name.startswith((".", "/", "~")) or os.sep in name.strip("/")
-                                             and name.count("/") != 1) and not os.path.exists(name):
-        raise common.UserError(f"--model_name_or_path {name}: no such folder; pass a local model folder or a hub name")
+    common.check_source(args.model_name_or_path, "--model_name_or_path")
+    for name, _ in common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
+        common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
 
 
 def main(args):
@@ -521,6 +521,8 @@ def load_data(args, tokenizer, rank):
         train_rows += common.take_share(train, weight, args.seed)
         eval_rows += evals
     train, cut, dropped = tokenize_pairs(train_rows, tokenizer, args)
+    common.check_vocabulary(tokenizer, [p["prompt"] + p["chosen"] + p["rejected"] for p in train],
+                            " ".join(n for n, _ in mixer), args.model_name_or_path, "--model_name_or_path")
     if train_rows and not train:
         raise common.UserError(f"{' '.join(n for n, _ in mixer)}: all {len(train_rows)} training pairs were dropped: chosen and "
                                "rejected are identical (after truncation to --max_length); check the data or raise "

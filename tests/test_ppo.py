@@ -608,3 +608,9 @@ def test_offloaded_replicas_are_on_the_device_only_while_they_score_and_nothing_
     assert frozen.weight is host  # the host parameter is put back as it was: nothing is copied back
     with ppo.offloaded([frozen], meta, enabled=False):  # without --offload_inference_models nothing moves
         assert frozen.weight.device.type == "cpu"
+
+
+def test_an_empty_embedded_prompt_is_named_too(monkeypatch):
+    monkeypatch.setattr(common, "embedded_prompt", lambda rng: "")
+    with pytest.raises(common.UserError, match=r"^embedded: row 0: the prompt is empty"):
+        ppo.load_prompts(ppo.Args(max_prompt_length=256), TOK)

@@ -170,7 +170,7 @@ def test_invalid_json_line_and_missing_file_exit_2(tmp_path):
     proc = run_script(["rm.py", "--dataset_name", str(bad), "--output_dir", str(tmp_path / "o")], check=False)
     assert proc.returncode == 2 and "line 2: not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "nope.jsonl")], check=False)
-    assert proc.returncode == 2 and "file not found" in proc.stderr
+    assert proc.returncode == 2 and "nope.jsonl: no such file or folder" in proc.stderr
 
 
 # --- training runs ----------------------------------------------------------------------------------------------------
