@@ -683,6 +683,9 @@ def main(args):
                                "each rank rolls out per update")
     if num_updates == 0:
         raise common.UserError(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
+    if args.total_episodes % batch_size and rank == 0:
+        print(f"--total_episodes {args.total_episodes}: {num_updates * batch_size} trained, whole rollout batches of "
+              f"{batch_size} (the nearest to train all: {num_updates * batch_size} or {(num_updates + 1) * batch_size})")
     if batch_size % args.num_samples_per_prompt:
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
                                f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")

@@ -120,7 +120,7 @@ class Args:
     eval_steps: int = 0
     """Evaluate every this many steps (0: use --num_evals)."""
     num_evals: int = 5
-    """Evaluations evenly spread over training (the final one always runs)."""
+    """Evaluations evenly spread over training, the last at its end (at most one per step)."""
     logging_steps: int = 50
     """Log train metrics every this many steps."""
     save_steps: int = 0
@@ -347,7 +347,10 @@ def main(args):
     if steps_per_epoch == 0 and not args.eval_only:
         raise common.UserError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
-    eval_every = args.eval_steps or math.ceil(total_steps / max(args.num_evals, 1))  # the last one at the end
+    evals_at = {*range(args.eval_steps, total_steps, args.eval_steps), total_steps} if args.eval_steps else \
+        {math.ceil(k * total_steps / args.num_evals) for k in range(1, args.num_evals + 1)}  # the last one at the end
+    if len(evals_at) < args.num_evals and not (args.eval_steps or args.eval_only) and rank == 0:
+        print(f"--num_evals {args.num_evals}: {len(evals_at)}, one after each of the {total_steps} steps")
 
     # 2. Batch layout, optimizer, schedule.
     args, layout = choose_layout(RewardModel(hf_model if sharded else hf_model.to(device)), args, len(tokenizer), rank)
@@ -402,7 +405,7 @@ def main(args):
                       time.time() - t_window, device, world)
             window, t_window = [], time.time()
         t_pause = time.time()
-        if done % eval_every == 0 or done == total_steps:
+        if done in evals_at:
             model.eval()
             ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
             ev = {"step": done, **ev, "perf/eval_pairs_per_s": len(evals) / (time.time() - t_pause)}

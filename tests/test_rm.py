@@ -607,3 +607,14 @@ def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path)
     with torch.no_grad():
         trained = (rm.RewardModel(hf)(ids, mask) - hf.config.reward_shift) / hf.config.reward_scale
     assert torch.allclose(scope["rewards"], trained, atol=1e-5)
+
+
+def test_num_evals_is_the_number_of_evaluations(tmp_path, small_pairs_file, capsys):
+    """7 steps and 5 evaluations: 5 (not 4, at every ceil(7 / 5) = 2 steps and the last); more than the steps: one
+    per step, said in one line."""
+    for max_steps, num_evals, expected in ((7, 5, 5), (3, 5, 3)):
+        rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=max_steps, num_evals=num_evals, logging_steps=100,
+                        per_device_train_batch_size=8, output_dir=str(tmp_path / str(max_steps))))
+        evals = [m["step"] for m in read_metrics(tmp_path / str(max_steps)) if "eval/accuracy" in m]
+        assert len(evals) == expected and evals[-1] == max_steps, evals
+    assert "--num_evals 5: 3, one after each of the 3 steps" in capsys.readouterr().out
