@@ -29,6 +29,26 @@ class UserError(Exception):
     """Bad input (file, row, field, value): main() prints the message and exits with code 2."""
 
 
+def cli(args_class):
+    """The command line, parsed by tyro. Each option's docstring is one paragraph the terminal wraps (tyro keeps the
+    source's line breaks); help and parse errors are printed by rank 0 only (torchrun starts every rank on them)."""
+    import contextlib
+    import io
+    from typing import Annotated
+
+    import docstring_parser
+    import tyro
+
+    docs = {p.arg_name: " ".join(p.description.split()) for p in docstring_parser.parse_from_object(args_class).params}
+    flat = dataclasses.make_dataclass(args_class.__name__, [
+        (f.name, Annotated[f.type, tyro.conf.arg(help=docs.get(f.name))],
+         dataclasses.field(default=f.default, default_factory=f.default_factory)) for f in dataclasses.fields(args_class)])
+    quiet = int(os.environ.get("RANK", 0)) != 0
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \
+            contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        return args_class(**vars(tyro.cli(flat, use_underscores=True)))
+
+
 def first_line(error):
     """The first line of an exception's message (a library's own errors can run to pages), or its type's name."""
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -671,6 +691,18 @@ def adapter_base(name):
         raise UserError(f"{name}: an adapter of {base or 'an unnamed base'}, a model built at random in its run: load "
                         "the merged model saved beside it (its parent folder)")
     return base
+
+
+def with_new_head(config):
+    """config's sequence-classification class, for a checkpoint without its head (a causal LM): the head's weights
+    missing and the LM head's unused are expected (the script says so), so transformers' load report lists only the
+    backbone's keys, which really are unexpected."""
+    from transformers import AutoModelForSequenceClassification
+
+    cls = AutoModelForSequenceClassification._model_mapping[type(config)]
+    outside = [rf"^(?!{cls.base_model_prefix}\.)"]  # every key but the backbone's
+    return type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_missing": outside,
+                                       "_keys_to_ignore_on_load_unexpected": outside})
 
 
 def load_model(loader, name, flag, skeleton=False, **kwargs):

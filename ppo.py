@@ -43,7 +43,6 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import tyro
 from tqdm import tqdm
 from transformers import PreTrainedModel, StaticCache
 
@@ -1697,4 +1696,4 @@ def summarize(history, window=5):
 
 
 if __name__ == "__main__":
-    common.exit_on_user_error(main, tyro.cli(Args, use_underscores=True))
+    common.exit_on_user_error(main, common.cli(Args))

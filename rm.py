@@ -27,7 +27,6 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import tyro
 from tqdm import tqdm
 
 import common
@@ -463,15 +462,19 @@ def load_reward_model(args, tokenizer, skeleton=False):
             common.adapter_base(name) is not None
         config.num_labels = 1
         # dropout off, before the model is built: the two passes of a pair must see the same network
-        model = common.load_model(AutoModelForSequenceClassification, name, "--model_name_or_path", skeleton,
-                                  config=common.without_dropout(config), dtype=dtype)
+        loader = AutoModelForSequenceClassification if trained_head or skeleton else common.with_new_head(config)
+        model = common.load_model(loader, name, "--model_name_or_path", skeleton, config=common.without_dropout(config),
+                                  dtype=dtype)
     common.disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.pad_token_id = tokenizer.pad_token_id
     if not trained_head and hasattr(model, "score"):  # encoders' pooled heads keep transformers' initialisation
         hidden = model.score.in_features
-        torch.nn.init.normal_(model.score.weight, std=args.head_init_std or 1 / math.sqrt(hidden + 1))
+        std = args.head_init_std or 1 / math.sqrt(hidden + 1)
+        torch.nn.init.normal_(model.score.weight, std=std)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"{name}: a new reward head (score, {hidden} -> 1, initial std {std:.3g}) on its backbone")
     common.scalar_head_in_float32(model)
     return model, common.add_lora(model, args, "SEQ_CLS") if args.lora_r and not args.eval_only else None
 
@@ -998,4 +1001,4 @@ def plot_eval(path, rewards, metrics):
 
 
 if __name__ == "__main__":
-    common.exit_on_user_error(main, tyro.cli(Args, use_underscores=True))
+    common.exit_on_user_error(main, common.cli(Args))

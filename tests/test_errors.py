@@ -308,3 +308,41 @@ def test_every_model_and_dataset_is_found_before_any_model_loads(script, flags, 
     stderr = capsys.readouterr().err
     assert exit_.value.code == 2 and len(stderr.strip().splitlines()) == 1, stderr
     assert named in stderr and stderr.count(named.split()[-1]) == 1 and "no such file or folder" in stderr, stderr
+
+
+def wrapped_raggedly(help_text):
+    """The lines of a help box that end short although the next line's first word would have fit on them (a line
+    break of the source kept); the first line, the width the box gives its text."""
+    lines = [line[1:-1] for line in help_text.splitlines() if line.startswith("│") and line.endswith("│")]
+    ragged = []
+    for a, b in zip(lines, lines[1:]):
+        start = len(b) - len(b.lstrip())  # a continuation line: its text starts where its description's does
+        if b.strip() and not b.lstrip().startswith("-") and start > 2 and a[start:].strip() and a[start - 2:start] == "  ":
+            if len(a.rstrip()) + 1 + len(b.split()[0]) <= len(a) - 1:  # (one space of padding on the right)
+                ragged.append(a)
+    return ragged
+
+
+def test_help_is_printed_once_under_torchrun_and_each_option_wraps_as_one_paragraph():
+    proc = run_script(["rm.py", "--help"], nproc=2, env={"COLUMNS": "80"})
+    assert proc.stdout.count("usage: rm.py") == 1 and "--loss_type" in proc.stdout, proc.stdout[-2000:]
+    assert wrapped_raggedly(proc.stdout) == []
+    proc = run_script(["ppo.py", "--help"], env={"COLUMNS": "80"})
+    assert wrapped_raggedly(proc.stdout) == [] and "--advantage_estimator" in proc.stdout
+
+
+def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_reported(family_dir, tmp_path):
+    """A causal LM as rm.py's starting point: its new score head (missing from the checkpoint) and its unused LM head
+    are what the script means, said in one line; a backbone weight missing from the checkpoint is still reported."""
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path / "lm"
+    shutil.copytree(family_dir("llama"), source)
+    weights = load_file(source / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+    proc = run_script(["rm.py", "--model_name_or_path", str(source), "--max_steps", "1", "--num_evals", "1",
+                       "--output_dir", str(tmp_path / "out")])
+    out = proc.stdout + proc.stderr
+    assert out.count("a new reward head (score, 32 -> 1, initial std 0.174) on its backbone") == 1, out
+    assert "model.norm.weight" in out and "score.weight" not in out and "lm_head.weight" not in out, out
