@@ -675,6 +675,9 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         raise NotImplementedError("attention sinks")
     rm_segments.calls.append(sliding_window)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    groups = query.shape[1] // key.shape[1]  # query heads per key/value head (grouped-query attention)
+    if groups > 1 and (softcap is not None or not sdpa_takes_groups_with_mask(query.device)):
+        key, value = (t.repeat_interleave(groups, 1) for t in (key, value))
     out = None  # (1, heads, tokens, head dim), in the attention's dtype (autocast may differ from the query's)
     for b, (s, e) in enumerate(rm_segments.blocks):  # slices stay 4D: 3D inputs miss the fused kernel on CPU
         q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
@@ -683,12 +686,18 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
                                                enable_gqa=q.shape[1] != k.shape[1])
         else:
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
             scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scaling / softcap)
             o = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(v.dtype) @ v
         out = o.new_empty(query.shape) if out is None else out
         out[:, :, s:e] = o
     return out.transpose(1, 2).contiguous(), None
+
+
+def sdpa_takes_groups_with_mask(device):
+    """Whether segment_attention hands SDPA grouped keys and values (enable_gqa) beside its boolean mask: not on CUDA,
+    where that pair can fall back to the math kernel (whole attention matrices: ~144 MB per 1,500-token pair and
+    layer), so keys and values are repeated per query head there, as transformers' own SDPA path does."""
+    return device.type != "cuda"
 
 
 def use_segment_attention(hf_model):
