@@ -212,6 +212,14 @@ class Args:
     bfloat16, the adapters and value head in float32). The output layer, log-softmax, entropy and scalar heads are
     computed in float32 whatever this says; the old log-probs are recomputed by the learning forward (README,
     Precision)."""
+    plan_only: bool = False
+    """Print the memory plan for --plan_world_size GPUs of --plan_gpu_memory_gb and exit, 0 if it fits and 2 if not
+    (naming flags that would fit), from the models' config.json alone: no weight, tokenizer or GPU needed."""
+    plan_world_size: int = 8
+    """--plan_only: the GPUs (ranks) to plan for."""
+    plan_gpu_memory_gb: float = 80.0
+    """--plan_only: each GPU's memory, in GB of 10^9 bytes as the plan prints them (torch reports an 80 GB H100 as
+    85.0)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -661,6 +669,8 @@ def check_estimator_args(args):
 
 def main(args):
     check_args(args)
+    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
+        return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
     rank, world, device = setup_distributed()
     micro = args.per_device_train_batch_size
     local_batch = micro * args.gradient_accumulation_steps * args.num_mini_batches  # episodes per rank per update
@@ -736,6 +746,9 @@ def main(args):
              "lr": scheduler.get_last_lr()[0], "policy/grad_norm": grad_norm, **update_stats,
              **rollout_metrics(batch, kl, non_score_reward),
              **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, batch.attention_mask, args)}
+        if update == start:  # the plan beside what this rank holds
+            m.update(common.memory_metrics(memory_plan(args, world, len(tokenizer)), [policy, critic, ref_policy,
+                                                                                      reward.model], optimizer, device))
         if args.target_kl is not None:
             kl_coef = adaptive_kl_coef(kl_coef, m["objective/kl"], args.target_kl, args.kl_horizon, batch_size)
         history.append({k: m[k] for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean",
@@ -886,6 +899,33 @@ def memory_plan(args, world, vocab_size=None):
     if reward_path and not (lora and args.advantage_estimator == "gae" and from_reward):
         models.append(common.Planned("reward model", common.model_shape(reward_path, "reward")[0], 0, frozen_bytes,
                                      shards, on_host=args.offload_inference_models))
+    # Beside the states: the rollout's policy in the compute dtype (FSDP: gathered, its output layer in float32;
+    # DDP: autocast's cached bfloat16 copy of its weights) and KV cache; the learning phase's activations of one
+    # micro-batch, of the policy or the critic (each goes backward on its own), and under DDP autocast's copies.
+    compute, residual = (2, 2 if lora else 4) if args.bf16 else (4, 4)  # (a LoRA base held in bfloat16 computes so)
+    width = (args.max_prompt_length or 256) + args.response_length
+    sequences = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches // \
+        args.num_collect_steps
+    if shards > 1 or args.bf16 and not lora:
+        head = 0 if lora or shards == 1 else common.output_layer_shape(args.sft_model_path, vocab_size)
+        models.append(common.Transient("policy gathered" if shards > 1 else "policy, autocast's copy", "rollout",
+                                       (policy[0] - head) * compute + head * 4))
+    models.append(common.Transient(f"KV cache ({sequences} x {width} tokens)", "rollout", common.kv_cache_bytes(
+        args.sft_model_path, sequences, width, compute, vocab_size)))
+    tokens = args.per_device_train_batch_size * width
+    vocab = common.model_config(args.sft_model_path, vocab_size).vocab_size
+    logits = 4 * min(args.per_device_train_batch_size * args.response_length * max(vocab, vocab_size or 0),
+                     LOGIT_BLOCK)  # the log-softmax policy_forward keeps, one block at most
+    trained = [(args.sft_model_path, "causal", vocab_size, logits, policy[0])]
+    if args.advantage_estimator == "gae":
+        trained.append((reward_path, "reward", None, 0, critic[0]) if from_reward else
+                       (args.sft_model_path, "reward", vocab_size, 0, critic[0]))
+    models.append(common.Transient(f"activations ({args.per_device_train_batch_size} x {width} tokens)", "learning",
+                                   max(common.activation_bytes(path, kind, tokens, compute, residual,
+                                                               args.gradient_checkpointing, vocab) + extra
+                                       for path, kind, vocab, extra, _ in trained)))
+    if shards == 1 and args.bf16 and not lora:
+        models.append(common.Transient("autocast's bfloat16 weights", "learning", 2 * max(t[-1] for t in trained)))
     return models
 
 

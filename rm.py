@@ -157,6 +157,14 @@ class Args:
     the frozen base weights are held in bfloat16, the adapters and head in float32)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    plan_only: bool = False
+    """Print the memory plan for --plan_world_size GPUs of --plan_gpu_memory_gb and exit, 0 if it fits and 2 if not
+    (naming flags that would fit), from the models' config.json alone: no weight, tokenizer or GPU needed."""
+    plan_world_size: int = 8
+    """--plan_only: the GPUs (ranks) to plan for."""
+    plan_gpu_memory_gb: float = 80.0
+    """--plan_only: each GPU's memory, in GB of 10^9 bytes as the plan prints them (torch reports an 80 GB H100 as
+    85.0)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -332,6 +340,8 @@ def main(args):
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
     check_args(args)
+    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
+        return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
     rank, world, device = setup_distributed()
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
@@ -394,13 +404,15 @@ def main(args):
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         window.append(stats)
+        if step == start_step:  # the plan beside what this rank holds, in the first log
+            memory = common.memory_metrics(memory_plan(args, world, len(tokenizer)), [model], optimizer, device)
 
         # 4. Log, evaluate, checkpoint (the speed logged is the training loop's: evaluations and saves are left out).
         done = step + 1
         if done % args.logging_steps == 0 or done == total_steps:
             log_train(logger, bar, window, done, steps_per_epoch, scheduler.get_last_lr()[0], global_batch,
-                      time.time() - t_window, device, world)
-            window, t_window = [], time.time()
+                      time.time() - t_window, device, world, **memory)
+            window, t_window, memory = [], time.time(), {}
         t_pause = time.time()
         if done % eval_every == 0 or done == total_steps:
             model.eval()
@@ -474,12 +486,21 @@ def load_reward_model(args, tokenizer, skeleton=False):
 
 
 def memory_plan(args, world, vocab_size=None):
-    """The reward model as this run holds it (one common.Planned row): trained in full, or its adapters and head
+    """The reward model as this run holds it (a common.Planned row): trained in full, or its adapters and head
     (LoRA; the frozen base in bfloat16 under --bf16), or only read (--eval_only); sharded over the ranks under
-    --fsdp, else a replica."""
+    --fsdp, else a replica. Training holds beside it a micro-batch's activations (common.Transient), and under DDP
+    --bf16 autocast's bfloat16 copy of the weights."""
     total, trained = common.model_shape(args.model_name_or_path, "reward", vocab_size, common.lora_shape(args))
-    return [common.Planned("reward model", total, 0 if args.eval_only else trained,
-                           2 if args.lora_r and args.bf16 else 4, world if args.fsdp and world > 1 else 1)]
+    shards, low = world if args.fsdp and world > 1 else 1, args.lora_r and args.bf16
+    rows = [common.Planned("reward model", total, 0 if args.eval_only else trained, 2 if low else 4, shards)]
+    if not args.eval_only:  # a micro-batch's pairs, both sequences at --max_length (packing holds at most as many)
+        tokens = 2 * args.per_device_train_batch_size * (args.max_length or 512)
+        rows.append(common.Transient(f"activations ({tokens} tokens)", "learning", common.activation_bytes(
+            args.model_name_or_path, "reward", tokens, 2 if args.bf16 else 4, 2 if low else 4,
+            args.gradient_checkpointing, vocab_size)))
+        if shards == 1 and args.bf16 and not args.lora_r:
+            rows.append(common.Transient("autocast's bfloat16 weights", "learning", 2 * total))
+    return rows
 
 
 def resolve_lengths(args, model, rank):
@@ -881,15 +902,16 @@ def all_gather_cat(t):
 # Logging, the final save, figures.
 
 
-def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world):
-    """The training statistics of the steps since the last log, averaged over them and over ranks, and the speed."""
+def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world, **memory):
+    """The training statistics of the steps since the last log, averaged over them and over ranks, and the speed (and
+    in the first log, memory/*)."""
     loss, accuracy, reward_gap, grad_norm, tokens = all_reduce_mean(
         [sum(s[k] for s in window) / len(window) for k in ("loss", "accuracy", "reward_gap", "grad_norm", "tokens")],
         device)
     tokens *= len(window) * world
     m = {"step": step, "epoch": step / steps_per_epoch, "train/loss": loss, "train/accuracy": accuracy,
          "train/reward_gap": reward_gap, "train/grad_norm": grad_norm, "lr": lr, "perf/tokens_per_s": tokens / elapsed,
-         "perf/pairs_per_s": len(window) * global_batch / elapsed}
+         "perf/pairs_per_s": len(window) * global_batch / elapsed, **memory}
     if logger is not None:
         logger.log(m)
         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / elapsed:.0f}")

@@ -193,6 +193,10 @@ def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, small_pairs_file):
     evals = {k: json.load(open(tmp_path / k / "eval_results.json")) for k in runs}
     assert evals["one"]["accuracy"] == evals["ddp"]["accuracy"] == evals["fsdp"]["accuracy"]
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForSequenceClassification")
+    for k, run in runs.items():  # the first log has the states rank 0 holds beside the plan's (FSDP: a half)
+        assert run[0]["memory/held_gb"] == pytest.approx(run[0]["memory/planned_gb"], rel=1e-6 if k != "fsdp" else
+                                                         0.02) and all("memory/held_gb" not in m for m in run[1:])
+    assert runs["fsdp"][0]["memory/planned_gb"] < 0.6 * runs["ddp"][0]["memory/planned_gb"]
 
 
 
