@@ -1123,7 +1123,7 @@ def block_shape(path, kind, vocab_size=None):
     return len(blocks), h, 5 * heads * d + 2 * up + len(norms) * h, sum(2 if "rms" in n else 1 for n in norms) * h
 
 
-def activation_bytes(path, kind, tokens, compute_bytes, residual_bytes, checkpointing, vocab_size=None):
+def activation_bytes(path, kind, vocab_size, tokens, compute_bytes, residual_bytes, checkpointing):
     """The bytes a training forward over `tokens` tokens keeps for its backward (block_shape); with activation
     checkpointing, each block's input, and one block's activations while it is recomputed."""
     blocks, h, compute, residual = block_shape(path, kind, vocab_size)

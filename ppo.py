@@ -877,7 +877,8 @@ def memory_plan(args, world, vocab_size=None):
     frozen (in host memory with --offload_inference_models); under --fsdp every one sharded over the ranks, and under
     --fsdp --bf16 the frozen ones held in bfloat16 (computed in bfloat16 then anyway) but for the reference's output
     layer; with LoRA the reference is the policy with its adapters off, the frozen bases held in bfloat16 under --bf16,
-    and a reward model the critic starts from is the critic with its adapter off."""
+    and a reward model the critic starts from is the critic with its adapter off. Then (common.Transient) what the
+    rollout and the learning phase hold beside the states."""
     shards = world if args.fsdp and world > 1 else 1
     frozen_bytes = 2 if args.bf16 and (args.lora_r or shards > 1) else 4
     lora = common.lora_shape(args)
@@ -893,8 +894,8 @@ def memory_plan(args, world, vocab_size=None):
         same_tokens = reward_path and common.model_config(reward_path).vocab_size == common.model_config(
             args.sft_model_path, vocab_size).vocab_size  # (auto's choice, read from the configs)
         from_reward = args.critic_init == "reward" or args.critic_init == "auto" and same_tokens
-        critic = common.model_shape(*(reward_path, "reward", None) if from_reward else
-                                    (args.sft_model_path, "reward", vocab_size), lora)
+        critic_source = (reward_path, "reward", None) if from_reward else (args.sft_model_path, "reward", vocab_size)
+        critic = common.model_shape(*critic_source, lora)
         models.append(common.Planned("critic", *critic, frozen_bytes, shards))
     if reward_path and not (lora and args.advantage_estimator == "gae" and from_reward):
         models.append(common.Planned("reward model", common.model_shape(reward_path, "reward")[0], 0, frozen_bytes,
@@ -903,29 +904,23 @@ def memory_plan(args, world, vocab_size=None):
     # DDP: autocast's cached bfloat16 copy of its weights) and KV cache; the learning phase's activations of one
     # micro-batch, of the policy or the critic (each goes backward on its own), and under DDP autocast's copies.
     compute, residual = (2, 2 if lora else 4) if args.bf16 else (4, 4)  # (a LoRA base held in bfloat16 computes so)
-    width = (args.max_prompt_length or 256) + args.response_length
-    sequences = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches // \
-        args.num_collect_steps
+    micro, width = args.per_device_train_batch_size, (args.max_prompt_length or 256) + args.response_length
+    sequences = micro * args.gradient_accumulation_steps * args.num_mini_batches // args.num_collect_steps
     if shards > 1 or args.bf16 and not lora:
-        head = 0 if lora or shards == 1 else common.output_layer_shape(args.sft_model_path, vocab_size)
+        head = common.output_layer_shape(args.sft_model_path, vocab_size) if shards > 1 and not lora else 0
         models.append(common.Transient("policy gathered" if shards > 1 else "policy, autocast's copy", "rollout",
                                        (policy[0] - head) * compute + head * 4))
     models.append(common.Transient(f"KV cache ({sequences} x {width} tokens)", "rollout", common.kv_cache_bytes(
         args.sft_model_path, sequences, width, compute, vocab_size)))
-    tokens = args.per_device_train_batch_size * width
-    vocab = common.model_config(args.sft_model_path, vocab_size).vocab_size
-    logits = 4 * min(args.per_device_train_batch_size * args.response_length * max(vocab, vocab_size or 0),
-                     LOGIT_BLOCK)  # the log-softmax policy_forward keeps, one block at most
-    trained = [(args.sft_model_path, "causal", vocab_size, logits, policy[0])]
-    if args.advantage_estimator == "gae":
-        trained.append((reward_path, "reward", None, 0, critic[0]) if from_reward else
-                       (args.sft_model_path, "reward", vocab_size, 0, critic[0]))
-    models.append(common.Transient(f"activations ({args.per_device_train_batch_size} x {width} tokens)", "learning",
-                                   max(common.activation_bytes(path, kind, tokens, compute, residual,
-                                                               args.gradient_checkpointing, vocab) + extra
-                                       for path, kind, vocab, extra, _ in trained)))
+    vocab = max(common.model_config(args.sft_model_path, vocab_size).vocab_size, vocab_size or 0)
+    logits = 4 * min(micro * args.response_length * vocab, LOGIT_BLOCK)  # the log-softmax policy_forward keeps
+    learners = [((args.sft_model_path, "causal", vocab_size), logits, policy[0])] + \
+        ([(critic_source, 0, critic[0])] if args.advantage_estimator == "gae" else [])
+    models.append(common.Transient(f"activations ({micro} x {width} tokens)", "learning", max(
+        common.activation_bytes(*source, micro * width, compute, residual, args.gradient_checkpointing) + extra
+        for source, extra, _ in learners)))
     if shards == 1 and args.bf16 and not lora:
-        models.append(common.Transient("autocast's bfloat16 weights", "learning", 2 * max(t[-1] for t in trained)))
+        models.append(common.Transient("autocast's bfloat16 weights", "learning", 2 * max(n for *_, n in learners)))
     return models
 
 

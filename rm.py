@@ -496,8 +496,8 @@ def memory_plan(args, world, vocab_size=None):
     if not args.eval_only:  # a micro-batch's pairs, both sequences at --max_length (packing holds at most as many)
         tokens = 2 * args.per_device_train_batch_size * (args.max_length or 512)
         rows.append(common.Transient(f"activations ({tokens} tokens)", "learning", common.activation_bytes(
-            args.model_name_or_path, "reward", tokens, 2 if args.bf16 else 4, 2 if low else 4,
-            args.gradient_checkpointing, vocab_size)))
+            args.model_name_or_path, "reward", vocab_size, tokens, 2 if args.bf16 else 4, 2 if low else 4,
+            args.gradient_checkpointing)))
         if shards == 1 and args.bf16 and not args.lora_r:
             rows.append(common.Transient("autocast's bfloat16 weights", "learning", 2 * total))
     return rows
