@@ -625,9 +625,13 @@ def test_local_folders_in_every_layout_load_with_their_splits(tmp_path):
 
 
 def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path):
+    """The snippet imports common.py: the README says it runs from the repository's folder, and it does, pasted into
+    a fresh Python there."""
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    snippet = readme.split("<!-- scoring snippet -->")[1].split("```python")[1].split("```")[0]
-    snippet = snippet.replace('"runs/rm"', repr(reward_model_path))
+    before, after = readme.split("<!-- scoring snippet -->")
+    assert "run\nfrom this repository's folder" in before[-400:]
+    snippet = after.split("```python")[1].split("```")[0].replace('"runs/rm"', repr(reward_model_path))
+    run_script(["-c", snippet])
     scope = {}
     exec(snippet, scope)  # noqa: S102 - the README's own code, as a user would paste it
     from transformers import AutoModelForSequenceClassification
