@@ -53,6 +53,59 @@ import common
 
 @dataclass
 class Args:
+    # --- the advantage estimator, where the KL goes, how the loss is averaged
+    advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = "gae"
+    """gae: a learned critic and GAE (Schulman et al. 2016), PPO's own. The others need no critic (none is built,
+    trained or saved; the critic's flags are refused): rloo: the episode's return minus the mean return of the other
+    K - 1 episodes of its prompt (Ahmadian et al. 2024, "Back to basics"); grpo: the return minus its prompt's mean
+    return, divided by their std (Shao et al. 2024, DeepSeekMath); reinforce_pp: REINFORCE++ (Hu 2025), each token's
+    return (the sum of the rewards from it on), whitened over the whole batch. rloo and grpo use an episode's return,
+    the score minus kl_coef x the response's KL (under --kl_penalty reward), at every token of the response."""
+    num_samples_per_prompt: int | None = None
+    """K: responses sampled to each prompt in one rollout batch (a multiple of K). Default: 4 for rloo and grpo (their
+    baseline is the other responses to the same prompt), 1 otherwise."""
+    scale_rewards: bool = True
+    """grpo: divide by the std of the prompt's returns. --no_scale_rewards is Dr. GRPO (Liu et al. 2025, "Understanding
+    R1-Zero-like training"), usually with --loss_aggregation constant."""
+    kl_penalty: Literal["reward", "loss"] = "reward"
+    """Where the KL to the reference goes. reward: -kl_coef x KL at every token, in the rewards (Ziegler et al. 2019,
+    eq. 2); loss: kl_coef x the current policy's KL at every token, added to the policy loss and averaged as it is
+    (GRPO, Shao et al. 2024, eq. 3). --target_kl adapts kl_coef in both."""
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    """How a mini-batch's per-token losses are averaged. token_mean: the sum over all its tokens / their number (a long
+    response weighs more); sequence_mean: each response's token mean, averaged over responses (GRPO's 1/|o|, Shao et
+    al. 2024); constant: the sum over tokens / (responses x --response_length) (Dr. GRPO, Liu et al. 2025: no bias
+    for or against length)."""
+    ptx_coef: float = 0.0
+    """Weight of a language-modelling loss on --ptx_dataset_name (InstructGPT's PPO-ptx, Ouyang et al. 2022)."""
+    ptx_dataset_name: str | None = None
+    """Text for the ptx loss: a dataset with a `text` column, or `embedded`."""
+    # --- PPO
+    kl_coef: float = 0.1
+    """Initial coefficient of the per-token KL penalty to the reference policy."""
+    kl_estimator: Literal["k1", "k3"] | None = None
+    """Per-token KL estimate: k1 = log p - log q, k3 = (q/p - 1) - log(q/p) (Schulman 2020, non-negative). Default: k1
+    with --kl_penalty reward, k3 with --kl_penalty loss (GRPO's: as a loss, k1's gradient is zero in expectation on
+    the policy's own samples)."""
+    target_kl: float | None = None
+    """Adaptive KL controller target (sum over the response); None keeps kl_coef fixed (Ziegler et al. 2019)."""
+    kl_horizon: int = 10000
+    """Horizon in episodes of the adaptive KL controller."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    cliprange: float = 0.2
+    """Clip range of the policy ratio."""
+    cliprange_value: float = 0.2
+    """Clip range of the value prediction around its rollout value."""
+    vf_coef: float = 0.1
+    """Weight of the value loss."""
+    ent_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    whiten_rewards: bool = False
+    """Whiten the per-token rewards before GAE, keeping their mean: (r - mean) / std + mean over the batch's real
+    tokens (masked_whiten with shift_mean=False)."""
     # --- models and data
     sft_model_path: str = "embedded-llama"
     """The initial policy: a Hugging Face causal LM name or path, or embedded-llama / embedded-neox (a tiny model built
@@ -116,59 +169,6 @@ class Args:
     """Token that ends a response: `eos`, a token string, or `none`. Tokens after it are padding."""
     missing_eos_penalty: float | None = None
     """Subtracted from the score of responses that never emit the stop token."""
-    # --- PPO
-    kl_coef: float = 0.1
-    """Initial coefficient of the per-token KL penalty to the reference policy."""
-    kl_estimator: Literal["k1", "k3"] | None = None
-    """Per-token KL estimate: k1 = log p - log q, k3 = (q/p - 1) - log(q/p) (Schulman 2020, non-negative). Default: k1
-    with --kl_penalty reward, k3 with --kl_penalty loss (GRPO's: as a loss, k1's gradient is zero in expectation on
-    the policy's own samples)."""
-    target_kl: float | None = None
-    """Adaptive KL controller target (sum over the response); None keeps kl_coef fixed (Ziegler et al. 2019)."""
-    kl_horizon: int = 10000
-    """Horizon in episodes of the adaptive KL controller."""
-    gamma: float = 1.0
-    """Discount factor."""
-    lam: float = 0.95
-    """GAE lambda."""
-    cliprange: float = 0.2
-    """Clip range of the policy ratio."""
-    cliprange_value: float = 0.2
-    """Clip range of the value prediction around its rollout value."""
-    vf_coef: float = 0.1
-    """Weight of the value loss."""
-    ent_coef: float = 0.0
-    """Weight of the entropy bonus."""
-    whiten_rewards: bool = False
-    """Whiten the per-token rewards before GAE, keeping their mean: (r - mean) / std + mean over the batch's real
-    tokens (masked_whiten with shift_mean=False)."""
-    # --- the advantage estimator, where the KL goes, how the loss is averaged
-    advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = "gae"
-    """gae: a learned critic and GAE (Schulman et al. 2016), PPO's own. The others need no critic (none is built,
-    trained or saved; the critic's flags are refused): rloo: the episode's return minus the mean return of the other
-    K - 1 episodes of its prompt (Ahmadian et al. 2024, "Back to basics"); grpo: the return minus its prompt's mean
-    return, divided by their std (Shao et al. 2024, DeepSeekMath); reinforce_pp: REINFORCE++ (Hu 2025), each token's
-    return (the sum of the rewards from it on), whitened over the whole batch. rloo and grpo use an episode's return,
-    the score minus kl_coef x the response's KL (under --kl_penalty reward), at every token of the response."""
-    num_samples_per_prompt: int | None = None
-    """K: responses sampled to each prompt in one rollout batch (a multiple of K). Default: 4 for rloo and grpo (their
-    baseline is the other responses to the same prompt), 1 otherwise."""
-    scale_rewards: bool = True
-    """grpo: divide by the std of the prompt's returns. --no_scale_rewards is Dr. GRPO (Liu et al. 2025, "Understanding
-    R1-Zero-like training"), usually with --loss_aggregation constant."""
-    kl_penalty: Literal["reward", "loss"] = "reward"
-    """Where the KL to the reference goes. reward: -kl_coef x KL at every token, in the rewards (Ziegler et al. 2019,
-    eq. 2); loss: kl_coef x the current policy's KL at every token, added to the policy loss and averaged as it is
-    (GRPO, Shao et al. 2024, eq. 3). --target_kl adapts kl_coef in both."""
-    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
-    """How a mini-batch's per-token losses are averaged. token_mean: the sum over all its tokens / their number (a long
-    response weighs more); sequence_mean: each response's token mean, averaged over responses (GRPO's 1/|o|, Shao et
-    al. 2024); constant: the sum over tokens / (responses x --response_length) (Dr. GRPO, Liu et al. 2025: no bias
-    for or against length)."""
-    ptx_coef: float = 0.0
-    """Weight of a language-modelling loss on --ptx_dataset_name (InstructGPT's PPO-ptx, Ouyang et al. 2022)."""
-    ptx_dataset_name: str | None = None
-    """Text for the ptx loss: a dataset with a `text` column, or `embedded`."""
     # --- LoRA (through peft)
     lora_r: int = 0
     """Rank of the LoRA adapters (Hu et al. 2021) on the linear layers of the policy's and the critic's backbones (the
@@ -693,8 +693,9 @@ def main(args):
     if num_updates == 0:
         raise common.UserError(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
     if args.total_episodes % batch_size and rank == 0:
-        print(f"--total_episodes {args.total_episodes}: {num_updates * batch_size} trained, whole rollout batches of "
-              f"{batch_size} (the nearest to train all: {num_updates * batch_size} or {(num_updates + 1) * batch_size})")
+        trained = num_updates * batch_size
+        print(f"--total_episodes {args.total_episodes}: {trained} trained, whole rollout batches of {batch_size} (the "
+              f"nearest to train all: {trained} or {trained + batch_size})")
     if batch_size % args.num_samples_per_prompt:
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
                                f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
@@ -705,7 +706,8 @@ def main(args):
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     # Models: policy and critic (GAE's) are trained; reference and reward model are frozen.
     policy_hf, lora, policy, critic, ref_policy, reward = build_models(args, tokenizer, device, rank, world)
-    bos_id, limit = common.leading_id(tokenizer), args.max_prompt_length + args.response_length  # (fitted to the models)
+    # the lengths, fitted to the models, cut the prompts and the ptx text
+    bos_id, limit = common.leading_id(tokenizer), args.max_prompt_length + args.response_length
     prompts = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]
     ptx = ptx and [ids[:limit] for ids in ptx]
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)

@@ -36,6 +36,18 @@ import common
 
 @dataclass
 class Args:
+    # --- reward model
+    loss_type: Literal["sigmoid", "logexp"] = "sigmoid"
+    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)), the same function computed
+    as ColossalChat's LogExpLoss does (it overflows for margins beyond ~88)."""
+    center_rewards_coefficient: float = 0.0
+    """Weight of mean((r_c + r_r)^2), which keeps rewards centred at 0 (Eisenstein et al. 2023)."""
+    head_init_std: float | None = None
+    """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1))."""
+    reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
+    """After training: make the mean reward over the eval set 0 (shift) and optionally its std 1 (shift_scale). Saved
+    in config.json as reward_shift and reward_scale: a reward is (the model's logit - reward_shift) / reward_scale
+    (ppo.py applies it; README's scoring snippet shows how)."""
     # --- model and data
     model_name_or_path: str = "embedded-llama"
     """Hugging Face model name or local path (any causal LM or sequence-classification checkpoint), or a tiny model
@@ -93,18 +105,6 @@ class Args:
     """Gradient clipping norm (0 disables)."""
     seed: int = 1
     """Seed of model initialisation, head initialisation and data order."""
-    # --- reward model
-    loss_type: Literal["sigmoid", "logexp"] = "sigmoid"
-    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)), the same function computed
-    as ColossalChat's LogExpLoss does (it overflows for margins beyond ~88)."""
-    center_rewards_coefficient: float = 0.0
-    """Weight of mean((r_c + r_r)^2), which keeps rewards centred at 0 (Eisenstein et al. 2023)."""
-    head_init_std: float | None = None
-    """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1))."""
-    reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
-    """After training: make the mean reward over the eval set 0 (shift) and optionally its std 1 (shift_scale). Saved
-    in config.json as reward_shift and reward_scale: a reward is (the model's logit - reward_shift) / reward_scale
-    (ppo.py applies it; README's scoring snippet shows how)."""
     # --- LoRA (through peft)
     lora_r: int = 0
     """Rank of the LoRA adapters on the backbone's linear layers (Hu et al. 2021), the scalar head trained in full

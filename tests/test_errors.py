@@ -4,6 +4,7 @@ the file, line and field, and an --output_dir holding an earlier run is left byt
 import gzip
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -317,18 +318,21 @@ def wrapped_raggedly(help_text):
     ragged = []
     for a, b in zip(lines, lines[1:]):
         start = len(b) - len(b.lstrip())  # a continuation line: its text starts where its description's does
-        if b.strip() and not b.lstrip().startswith("-") and start > 2 and a[start:].strip() and a[start - 2:start] == "  ":
+        continued = b.strip() and not b.lstrip().startswith("-") and start > 2
+        if continued and a[start:].strip() and a[start - 2:start] == "  ":
             if len(a.rstrip()) + 1 + len(b.split()[0]) <= len(a) - 1:  # (one space of padding on the right)
                 ragged.append(a)
     return ragged
 
 
-def test_help_is_printed_once_under_torchrun_and_each_option_wraps_as_one_paragraph():
+def test_help_is_printed_once_under_torchrun_the_methods_options_first_each_one_paragraph():
     proc = run_script(["rm.py", "--help"], nproc=2, env={"COLUMNS": "80"})
-    assert proc.stdout.count("usage: rm.py") == 1 and "--loss_type" in proc.stdout, proc.stdout[-2000:]
+    assert proc.stdout.count("usage: rm.py") == 1, proc.stdout[-2000:]
+    assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--loss_type", "--center_rewards_coefficient"]
     assert wrapped_raggedly(proc.stdout) == []
     proc = run_script(["ppo.py", "--help"], env={"COLUMNS": "80"})
-    assert wrapped_raggedly(proc.stdout) == [] and "--advantage_estimator" in proc.stdout
+    assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--advantage_estimator", "--num_samples_per_prompt"]
+    assert wrapped_raggedly(proc.stdout) == []
 
 
 def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_reported(family_dir, tmp_path):
