@@ -430,7 +430,8 @@ def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collect
         for rows in (g.to(responses.device)[i:i + micro] for g in groups for i in range(0, len(g), micro)):
             ids, ids_mask, context, kept = trim_padding(batch.query_response[rows], batch.attention_mask[rows],
                                                         context_length)
-            if critic is not None and not args.bf16:  # (under --bf16 rollout_logprobs computes them as learn does)
+            if critic is not None:  # (under --bf16 rollout_logprobs recomputes them; kept first here all the same:
+                # FSDP fixes a model's gradient dtypes at its first forward, which must run with the LoRA adapter on)
                 values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
             if reward.in_critic is not None:  # LoRA: the reward model is the critic with its adapter off
                 with reward.in_critic():
