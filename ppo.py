@@ -156,7 +156,10 @@ class Args:
     lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
     """Learning-rate schedule over the updates."""
     max_grad_norm: float = 1.0
-    """Gradient clipping norm over policy and critic together (0 disables)."""
+    """Gradient clipping norm over policy and critic together (0 disables), logged as policy/grad_norm. One clip, not
+    one per model: on the embedded task the critic's gradient is 2-4% of the joint norm (up to 45% in the first
+    updates, a fresh head's too), and per-model clips reached the same gold score at equal KL over 3 seeds
+    (benchmarks/README.md, Gradient clipping)."""
     seed: int = 1
     """Seed of data order and sampling (each episode's sampling is seeded by its global index)."""
     # --- sampling
