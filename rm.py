@@ -96,8 +96,8 @@ class Args:
     """Seed of model initialisation, head initialisation and data order."""
     # --- reward model
     loss_type: Literal["sigmoid", "logexp"] = "sigmoid"
-    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)), the same function computed
-    as ColossalChat's LogExpLoss does (it overflows for margins beyond ~88)."""
+    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)) (ColossalChat's LogExpLoss),
+    the same function, computed as softplus so that it stays finite at any reward gap."""
     center_rewards_coefficient: float = 0.0
     """Weight of mean((r_c + r_r)^2), which keeps rewards centred at 0 (Eisenstein et al. 2023)."""
     head_init_std: float | None = None
@@ -167,7 +167,7 @@ def preference_loss(r_chosen, r_rejected, margin, loss_type="sigmoid"):
     """Per-pair Bradley-Terry negative log-likelihood, with the Llama 2 margin (Touvron et al. 2023, eq. 2)."""
     if loss_type == "sigmoid":
         return -F.logsigmoid(r_chosen - r_rejected - margin)
-    return torch.log1p(torch.exp(r_rejected - r_chosen + margin))
+    return F.softplus(r_rejected - r_chosen + margin)  # log1p(exp(x)), which overflows to inf past x ~ 88
 
 
 def reward_model_loss(r_chosen, r_rejected, margin, loss_type="sigmoid", center_coefficient=0.0):

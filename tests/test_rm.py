@@ -50,6 +50,19 @@ def test_preference_losses_match_formulas():
         assert torch.allclose(got, torch.tensor(expected), atol=1e-6), loss_type
 
 
+def test_logexp_and_sigmoid_losses_agree_in_value_and_gradient_at_any_reward_gap():
+    gap = torch.cat([torch.linspace(-150, 150, 301), torch.tensor([-1e4, 88.5, 1e4])])
+    values, grads = [], []
+    for loss_type in ("sigmoid", "logexp"):
+        r_chosen = gap.clone().requires_grad_()
+        loss = rm.preference_loss(r_chosen, torch.zeros_like(gap), torch.full_like(gap, 0.5), loss_type)
+        loss.sum().backward()
+        values.append(loss.detach()), grads.append(r_chosen.grad)
+    assert all(torch.isfinite(t).all() for t in values + grads)
+    assert torch.allclose(values[0], values[1], rtol=1e-6, atol=1e-6)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-6, atol=1e-6)
+
+
 def test_calibration_error_and_pearson_against_direct_computation():
     rng = np.random.default_rng(0)
     p = rng.uniform(0, 1, 500)
