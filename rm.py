@@ -59,8 +59,10 @@ class Args:
     """Maximum tokens of prompt + response (default: 512, or the model's learned position table if shorter). Longer
     pairs are truncated (see --max_prompt_length), never dropped."""
     max_prompt_length: int | None = None
-    """Maximum prompt tokens (default: 384, or 3/4 of --max_length if less); a longer prompt keeps its END (the turn
-    being answered) and its BOS token."""
+    """Prompt tokens kept when prompt + longer response exceeds --max_length (default: 256 as in ppo.py, whose reward
+    model sees prompts cut there; or 3/4 of --max_length if less): the prompt is cut only then, to what the longer
+    response leaves but never below this, keeping its END (the turn being answered) and its BOS token; the responses
+    are then cut to fit."""
     output_dir: str = "runs/rm"
     """Where the reward model, tokenizer, metrics.jsonl, eval_results.json and checkpoints are written."""
     # --- optimisation
@@ -178,7 +180,7 @@ def reward_model_loss(r_chosen, r_rejected, margin, loss_type="sigmoid", center_
 
 
 def reliability(p_chosen, n_bins=10):
-    """Per bin of predicted P(chosen wins) = sigmoid(r_c - r_r): how many predictions, their mean, and how often they
+    """Per bin of predicted P(chosen wins) = sigmoid(r_c - r_r - margin), the probability the loss models: how many predictions, their mean, and how often they
     came true. Each pair counts in both orders, (p, won) and (1 - p, lost)."""
     p = torch.cat([p_chosen, 1 - p_chosen]).double()
     won = torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)]).double()
@@ -258,7 +260,8 @@ def train_step(model, micro_batches, args, pad_id, device):
 
 @torch.no_grad()
 def evaluate(model, pairs, args, pad_id, device, rank, world):
-    """Rewards of every eval pair (sharded across ranks, then gathered) and the metrics computed from them."""
+    """Rewards of every eval pair (sharded across ranks, then gathered) and the metrics computed from them. Returns the
+    metrics and, per pair, (r_chosen, r_rejected, margin)."""
     per_rank = math.ceil(len(pairs) / world)
     # longest first, so that a batch holds pairs of similar length (little padding) and the peak memory comes first
     by_length = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
@@ -288,7 +291,7 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
         "eval/rejected_reward": rr.mean().item(),
         "eval/reward_mean": torch.cat([rc, rr]).mean().item(),
         "eval/reward_std": torch.cat([rc, rr]).std().item(),
-        "eval/calibration_error": calibration_error(torch.sigmoid(rc - rr)),
+        "eval/calibration_error": calibration_error(torch.sigmoid(rc - rr - margin)),
         "eval/length_correlation": pearson(torch.cat([rc, rr]), lengths),
     }
     known = torch.tensor([p["gold"] is not None for p in pairs])
@@ -298,7 +301,7 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
         metrics["eval/bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
         metrics["eval/accuracy_vs_bayes"] = (rc > rr).float().mean().item() / metrics["eval/bayes_accuracy"]
         metrics["eval/gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
-    return metrics, rewards
+    return metrics, torch.cat([rewards, margin[:, None]], 1)
 
 
 def check_args(args):
@@ -487,7 +490,7 @@ def resolve_lengths(args, model, rank):
     a length the user gave that the model cannot read is refused here, before any pair is read."""
     max_length = common.length_default(args.max_length, 512, common.position_table(model), "--max_length", rank)
     common.check_position_table(model, max_length, f"--max_length {max_length}")
-    max_prompt_length = args.max_prompt_length or min(384, max_length * 3 // 4)
+    max_prompt_length = args.max_prompt_length or min(256, max_length * 3 // 4)
     if max_length <= max_prompt_length:
         raise common.UserError(f"--max_prompt_length {max_prompt_length} must be below --max_length {max_length} to "
                                "leave room for the responses")
@@ -574,9 +577,13 @@ def tokenize_pairs(rows, tokenizer, args):
 
 
 def truncate_pair(prompt_ids, chosen_ids, rejected_ids, max_length, max_prompt_length, bos_id=None):
-    """The truncation policy: the prompt by common.truncate_prompt (ppo.py's rule for its prompts), then each response
-    cut so that prompt + response fits in max_length. Returns the three id lists and whether anything was cut."""
-    p = common.truncate_prompt(prompt_ids, max_prompt_length, bos_id)
+    """The truncation policy: a pair that fits max_length is kept whole; otherwise the prompt is cut by
+    common.truncate_prompt (ppo.py's rule for its prompts) to what the longer response leaves, but to no fewer than
+    max_prompt_length tokens, then each response cut so that prompt + response fits. (ppo.py's responses are always
+    allowed --response_length tokens, so there the same rule cuts at --max_prompt_length.) Returns the three id lists
+    and whether anything was cut."""
+    longest = max(len(chosen_ids), len(rejected_ids))
+    p = common.truncate_prompt(prompt_ids, max(max_prompt_length, max_length - longest), bos_id)
     c, r = chosen_ids[:max_length - len(p)], rejected_ids[:max_length - len(p)]
     return p, c, r, (len(p), len(c), len(r)) != (len(prompt_ids), len(chosen_ids), len(rejected_ids))
 
@@ -953,7 +960,8 @@ def write_results(ev, rewards, metrics, args, **extra):
 
 def plot_eval(path, rewards, metrics):
     """The reward model at a glance: chosen vs rejected reward histograms; a reliability diagram of P(chosen wins) =
-    sigmoid(r_c - r_r) (each pair in both orders, as calibration_error counts it); accuracy and loss over steps."""
+    sigmoid(r_c - r_r - margin) (each pair in both orders, as calibration_error counts it); accuracy and loss over
+    steps. rewards: per pair (r_chosen, r_rejected, margin), as evaluate returns them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -968,7 +976,7 @@ def plot_eval(path, rewards, metrics):
     ax.set(title=f"Rewards on {len(rc)} eval pairs (accuracy {(rc > rr).mean():.3f})", xlabel="reward (logit)",
            ylabel="pairs")
     ax.legend()
-    p_chosen = torch.sigmoid(rewards[:, 0] - rewards[:, 1])
+    p_chosen = torch.sigmoid(rewards[:, 0] - rewards[:, 1] - rewards[:, 2])
     count, confidence, frequency = reliability(p_chosen)
     ax = axes[0, 1]
     ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")

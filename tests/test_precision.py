@@ -248,3 +248,21 @@ def test_eval_loss_is_the_training_objective_with_its_centering_term():
                                   0, torch.device("cpu"), 0, 1)
         assert ev["eval/loss"] == pytest.approx(rm.reward_model_loss(rewards[:, 0], rewards[:, 1], torch.zeros(4),
                                                                      "sigmoid", coefficient).item(), rel=1e-6)
+
+
+def test_calibration_error_is_of_the_probability_the_loss_models_with_its_margin():
+    """With margins, the loss models P(chosen wins) = sigmoid(r_c - r_r - margin): the ECE reported is of that."""
+    model = rm.RewardModel(rm.load_reward_model(rm.Args(), TOK)[0]).eval()
+    g = torch.Generator().manual_seed(0)
+    pairs = [{"prompt": [2, 4], "chosen": torch.randint(20, 40, (3,), generator=g).tolist() + [3],
+              "rejected": torch.randint(20, 40, (2,), generator=g).tolist() + [3], "margin": m, "gold": None}
+             for m in [0.0, 1.0, 3.0, -2.0] * 8]
+    ev, rewards = rm.evaluate(model, pairs, rm.Args(padding_free=False), 0, torch.device("cpu"), 0, 1)
+    rc, rr = rewards[:, 0].double(), rewards[:, 1].double()
+    margin = torch.tensor([p["margin"] for p in pairs], dtype=torch.float64)
+    p, y = torch.cat([torch.sigmoid(rc - rr - margin), 1 - torch.sigmoid(rc - rr - margin)]), torch.arange(64) < 32
+    bins = (p * 10).long().clamp(max=9)
+    ece = sum((bins == b).float().mean() * (p[bins == b].mean() - y[bins == b].double().mean()).abs()
+              for b in range(10) if (bins == b).any())
+    assert ev["eval/calibration_error"] == pytest.approx(ece.item(), abs=1e-6)
+    assert abs(rm.calibration_error(torch.sigmoid(rc - rr)) - ece.item()) > 0.05  # the margin matters here

@@ -153,6 +153,9 @@ def test_truncation_keeps_prompt_end_and_bos_and_caps_responses():
     p, c, r, cut = rm.truncate_pair(prompt[1:], chosen, rejected, max_length=7, max_prompt_length=4, bos_id=2)
     assert p == [11, 12, 13, 14] and c == [20, 21, 22]
     assert rm.truncate_pair([5], [6, 3], [7, 3], 10, 5) == ([5], [6, 3], [7, 3], False)
+    # the prompt is cut only where the pair would not fit, and only by what the longer response needs
+    assert rm.truncate_pair(prompt, [20, 3], [30], 8, 4, bos_id=2) == (prompt, [20, 3], [30], False)
+    assert rm.truncate_pair(prompt, [20, 3], [30], 7, 4, bos_id=2) == ([2, 11, 12, 13, 14], [20, 3], [30], True)
     # a pair whose responses are identical after truncation carries no preference: dropped and counted
     rows = [{"prompt": "User:", "chosen": " cat dog red", "rejected": " cat dog blue", "_source": "m", "_row": 0}]
     pairs, truncated, dropped = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=3, max_prompt_length=1))
