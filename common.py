@@ -190,6 +190,7 @@ def embedded_pairs(n, seed):
 # ---------------------------------------------------------------------------------------------------------------------
 # Preference data: a hub name, a local file, or the embedded task, in explicit, implicit or conversational format.
 
+EMBEDDED_SPLITS = {"train": 0, "test": 1, "validation": 2}  # the seed of each split's pairs
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -197,8 +198,10 @@ def load_rows(name, config=None, split="train"):
     """Rows (dicts, each knowing its `_source` file and `_row`/`_line` there) of one split of a dataset: the embedded
     task, a local file (one split: train), a local folder (see load_folder), or a hub dataset. None if there is no
     such split."""
-    if name == "embedded":
-        rows = embedded_pairs(40000 if split == "train" else 4000, seed={"train": 0}.get(split, 1))
+    if name == "embedded":  # three splits, each its own draw
+        if split not in EMBEDDED_SPLITS:
+            return None
+        rows = embedded_pairs(40000 if split == "train" else 4000, seed=EMBEDDED_SPLITS[split])
         return [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
     try:
         if os.path.isdir(name):
