@@ -39,8 +39,8 @@ import common
 class Args:
     # --- model and data
     model_name_or_path: str = "embedded-llama"
-    """Hugging Face model name or local path (any causal LM or sequence-classification checkpoint), or a tiny model
-    built locally: embedded-llama, embedded-neox."""
+    """Hugging Face model name or local path (any causal LM or sequence-classification checkpoint, or a peft adapter
+    folder, merged into its base), or a tiny model built locally: embedded-llama, embedded-neox."""
     dataset_name: str = "embedded"
     """Hub dataset name, local .jsonl/.json/.parquet/.csv file (gzip too), or `embedded` (the built-in synthetic task)."""
     dataset_config: str | None = None
@@ -106,7 +106,8 @@ class Args:
     center_rewards_coefficient: float = 0.0
     """Weight of mean((r_c + r_r)^2), which keeps rewards centred at 0 (Eisenstein et al. 2023)."""
     head_init_std: float | None = None
-    """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1))."""
+    """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1)). The head is new unless the model
+    is a sequence classifier or an adapter folder holding the head's weights (as rm.py's do)."""
     reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
     """After training: make the mean reward over 2048 training pairs (never the eval pairs) 0 (shift) and optionally
     their std 1 (shift_scale). Saved in config.json as reward_shift and reward_scale: a reward is (the model's logit -
@@ -479,7 +480,7 @@ def load_reward_model(args, tokenizer, skeleton=False):
     else:
         config = common.load_pretrained(AutoConfig, name, "--model_name_or_path")
         trained_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or \
-            common.adapter_base(name) is not None
+            common.adapter_base(name) is not None and common.adapter_holds_head(name)
         config.num_labels = 1
         # dropout off, before the model is built: the two passes of a pair must see the same network
         model = common.load_model(AutoModelForSequenceClassification, name, "--model_name_or_path", skeleton,
