@@ -41,6 +41,28 @@ def exit_on_user_error(fn, *args):
         sys.exit(2)
 
 
+def agreed(check):
+    """check()'s result on this rank, once every rank has run its own: if it raised on any rank, every rank raises
+    the first failing rank's error (a UserError with its message on the others), so that no rank waits in a
+    collective for a rank that has stopped (across nodes that wait lasts the process group's timeout)."""
+    import torch.distributed as dist
+
+    try:
+        result, error = check(), None
+    except Exception as e:
+        result, error = None, e
+    if dist.is_initialized():
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, None if error is None else str(error) if isinstance(error, UserError)
+                               else f"rank {dist.get_rank()}: {type(error).__name__}: {first_line(error)}")
+        first = next((v for v in verdicts if v is not None), None)
+        if error is None and first is not None:
+            raise UserError(first)
+    if error is not None:
+        raise error
+    return result
+
+
 def load_pretrained(loader, name, flag, **kwargs):
     """loader.from_pretrained(name), with transformers' long errors about a missing folder or hub repository turned
     into one line naming the flag."""
@@ -778,7 +800,8 @@ def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
 # Checkpoints: a directory per step, written under a temporary name and renamed, then `latest` replaced atomically, so
 # a crash at any moment leaves the previous checkpoint intact and `latest` naming a complete one. Tensors are sharded:
 # each rank writes its own (torch.distributed.checkpoint, in safetensors files), and a resume reads them on any number
-# of ranks; everything else (schedule, step, random streams) is rank 0's state.pt. Neither format runs code on load.
+# of ranks; everything else (schedule, progress, every rank's random streams) is in state.pt, written by rank 0. So every
+# rank must see the same folder (check_shared_output_dir). Neither format runs code on load.
 
 
 def fsync_dir(path):
@@ -787,6 +810,44 @@ def fsync_dir(path):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_shared_output_dir(output_dir, rank):
+    """Every rank sees the folder rank 0 writes to, and in it the checkpoint rank 0 sees (nodes that do not share a
+    file system would each write their own shards, and resume from different steps): rank 0 writes a fresh token
+    there, every rank reads it back, and a rank that reads anything else stops every rank, before any model is
+    loaded."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    path, token = os.path.join(output_dir, ".rank0"), [(os.urandom(8).hex(), latest_checkpoint(output_dir))]
+
+    def write():
+        os.makedirs(output_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(token[0][0])
+
+    def read():
+        try:
+            with open(path) as f:
+                seen = (f.read(), latest_checkpoint(output_dir))
+        except OSError:
+            seen = None
+        if seen != token[0]:
+            what = "does not see the file rank 0 has just written there" if seen is None or seen[0] != token[0][0] \
+                else f"sees {seen[1]} as the latest checkpoint, rank 0 {token[0][1]}"
+            raise UserError(f"--output_dir {output_dir}: rank {rank} {what}; "
+                            "every rank writes its shards of each checkpoint into this folder, so it must be one "
+                            "folder on a file system every node mounts (pass it as an absolute path)")
+
+    agreed(lambda: rank == 0 and write())
+    dist.broadcast_object_list(token, src=0)
+    try:
+        agreed(read)
+    finally:
+        if rank == 0:
+            os.remove(path)
 
 
 def new_checkpoint_dir(output_dir, step):
@@ -898,45 +959,72 @@ def sharded_state(model, optimizer):
 
 def save_training(model, optimizer, scheduler, step, rank, output_dir, **extra):
     """A resumable checkpoint of a training run, on every rank together: each rank writes its own shard of weights and
-    optimizer state (under DDP the replicas are written once); rank 0 adds the schedule, the random streams and the
-    script's extra state, and switches `latest` once every shard is durable (each writer fsyncs its files)."""
+    optimizer state (under DDP the replicas are written once); rank 0 adds the schedule, every rank's random streams
+    and the script's extra state, and switches `latest` once every shard is durable (each writer fsyncs its files).
+    A failure on any rank (a full disk) stops every rank with its message, the partial checkpoint removed."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
+    from torch.distributed.checkpoint.api import CheckpointException
 
     tensors, param_groups = sharded_state(model, optimizer)
     where = [new_checkpoint_dir(output_dir, step) if rank == 0 else None]
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}  # (this rank's device's)
+    rngs = [rng]
     if dist.is_initialized():
         dist.broadcast_object_list(where, src=0)
+        rngs = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(rng, rngs, dst=0)
     root, name = where[0]
     try:
         with warnings.catch_warnings():  # (one process: "assuming the intent is to save in a single process")
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
             save(tensors, storage_writer=HuggingFaceStorageWriter(os.path.join(root, name + ".tmp"),
                                                                   save_distributed=True))
-    except Exception as e:  # every rank learns of any rank's failure (a CheckpointException)
+    except (Exception, CheckpointException) as e:  # every rank learns of any rank's failure (a CheckpointException)
         if rank == 0:
             shutil.rmtree(os.path.join(root, name + ".tmp"), ignore_errors=True)
         raise_if_disk_full(root, state_bytes(tensors), e)
         raise
-    if dist.is_initialized():
-        dist.barrier()  # every shard written and fsynced
-    if rank == 0:
-        commit_checkpoint(root, name, {
-            "optimizer_param_groups": param_groups, "scheduler": scheduler.state_dict(), "step": step, **extra,
-            "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}})
+    agreed(lambda: rank == 0 and commit_checkpoint(root, name, {  # (after every shard is written and fsynced)
+        "optimizer_param_groups": param_groups, "scheduler": scheduler.state_dict(), "step": step, **extra,
+        "rng": rngs}))
 
 
-def resume_training(model, optimizer, scheduler, output_dir):
+def step_at(done, saved_batch, args, world, what, counts_steps=False):
+    """This run's step once `done` episodes or pairs are trained: a checkpoint saved with another global batch
+    (saved_batch; another number of ranks) continues where its data left off, if `done` is a whole number of this
+    run's global batches (and no flag counts steps, --max_steps); otherwise the run stops before any step, naming the
+    flags that keep saved_batch."""
+    micro, other = args.per_device_train_batch_size, getattr(args, "num_mini_batches", 1)
+    batch = micro * args.gradient_accumulation_steps * other * world
+    if done % batch == 0 and (batch == saved_batch or not counts_steps):
+        return done // batch
+    share = saved_batch // (world * other)  # micro x accumulation per rank that would keep it
+    accumulation = share // micro if share % micro == 0 else 1
+    keep = f"on {world} ranks pass --per_device_train_batch_size {share // accumulation} " \
+        f"--gradient_accumulation_steps {accumulation}" if saved_batch % (world * other) == 0 else \
+        f"resume on a number of ranks that divides {saved_batch // other}"
+    why = f"this run's global batch, {batch}, does not divide {done}" if done % batch else \
+        f"--max_steps counts steps, and this run's global batch is {batch}"
+    raise UserError(f"--resume: the checkpoint was saved after {done} {what} in global batches of {saved_batch}; "
+                    f"{why}: to keep {saved_batch}, {keep}")
+
+
+def resume_training(model, optimizer, scheduler, output_dir, step_of):
     """The latest checkpoint in output_dir restored into the model, optimizer, schedule and random streams, on any
-    number of ranks (each reads the parts of the shards it holds); returns its step and extra state (None if there
-    is no checkpoint)."""
+    number of ranks (each reads the parts of the shards it holds; rank r takes rank r's random streams, where the
+    saving run had a rank r). step_of(state) is this run's step at the checkpoint's progress (a UserError if there
+    is none, before anything is loaded); the schedule is continued from it. Returns that step and the checkpoint's
+    state (None if there is no checkpoint)."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     if (path := latest_checkpoint(output_dir)) is None:
         return None
     ckpt = load_latest_checkpoint(output_dir)
+    start = step_of(ckpt)
     tensors, _ = sharded_state(model, optimizer)
     with warnings.catch_warnings():  # (one process: "assuming the intent is to load in a single process")
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
@@ -944,12 +1032,15 @@ def resume_training(model, optimizer, scheduler, output_dir):
     set_state_dict(model, optimizer, model_state_dict=tensors["model"],
                    optim_state_dict={"state": tensors["optimizer"], "param_groups": ckpt.pop("optimizer_param_groups")})
     scheduler.load_state_dict(ckpt.pop("scheduler"))
-    rng = ckpt.pop("rng")
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return ckpt
+    scheduler.last_epoch = start - 1  # the saved step counts batches of the saving run's size, maybe not this one's
+    scheduler.step()
+    rngs, rank = ckpt.pop("rng"), dist.get_rank() if dist.is_initialized() else 0
+    if rank < len(rngs):
+        random.setstate(rngs[rank]["python"])
+        torch.set_rng_state(rngs[rank]["torch"])
+        if rngs[rank]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rngs[rank]["cuda"])  # this rank's device
+    return start, ckpt
 
 
 # ---------------------------------------------------------------------------------------------------------------------

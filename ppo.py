@@ -433,7 +433,7 @@ def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collect
                     (t[rows][:, rm_mask[rows].bool().any(0)] for t in (rm_ids, rm_mask))  # no all-padding column
                 scores[rows] = (reward.model(*own) - reward.shift) / reward.scale
     if reward.fn is not None:
-        scores += call_reward_fn(reward, prompt_texts, response_texts).to(scores.device)
+        scores += common.agreed(lambda: call_reward_fn(reward, prompt_texts, response_texts)).to(scores.device)
     if args.missing_eos_penalty is not None:
         scores = scores - args.missing_eos_penalty * (~has_stop).float()
     batch.scores, batch.values, batch.has_stop = scores, values * mask if critic is not None else None, has_stop
@@ -662,6 +662,7 @@ def check_estimator_args(args):
 def main(args):
     check_args(args)
     rank, world, device = setup_distributed()
+    common.check_shared_output_dir(args.output_dir, rank)
     micro = args.per_device_train_batch_size
     local_batch = micro * args.gradient_accumulation_steps * args.num_mini_batches  # episodes per rank per update
     batch_size, num_updates = local_batch * world, args.total_episodes // (local_batch * world)
@@ -681,10 +682,12 @@ def main(args):
     prompts, prompt_texts = load_prompts(args, tokenizer)
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
-    start, kl_coef, history = 0, args.kl_coef, []
-    if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir)):
-        start, kl_coef, history = ckpt["step"], ckpt["kl_coef"], ckpt["history"]
-    logs = open_logs(args, rank, start)
+    start, kl_coef, history, saved = 0, args.kl_coef, [], None
+    if args.resume and (resumed := common.resume_training(trainable, optimizer, scheduler, args.output_dir, lambda c:
+                        common.step_at(c["step"] * c["global_batch"], c["global_batch"], args, world, "episodes"))):
+        start, ckpt = resumed  # (progress is in episodes: the saving run may have had another number of ranks)
+        saved, kl_coef, history = ckpt["step"], ckpt["kl_coef"], ckpt["history"]
+    logs = open_logs(args, rank, saved)
     if rank == 0:
         print(f"rollout batch {batch_size} episodes = {micro} x {args.gradient_accumulation_steps} accumulation x "
               f"{args.num_mini_batches} mini-batches x {world} ranks ({batch_size // args.num_samples_per_prompt} "
@@ -692,7 +695,7 @@ def main(args):
               f"epochs; advantages {args.advantage_estimator}, KL ({args.kl_estimator}) in the {args.kl_penalty}, "
               f"loss {args.loss_aggregation}; lr {optimizer.param_groups[0]['initial_lr']:g}"
               + (f" (critic {optimizer.param_groups[1]['initial_lr']:g})" if critic is not None else "")
-              + f"; {len(prompts)} prompts" + (f"; resumed at update {start}" if start else ""))
+              + f"; {len(prompts)} prompts" + (f"; resumed at update {start} ({start * batch_size} episodes)" if start else ""))
 
     orders, collective = {}, args.fsdp and world > 1  # under FSDP every rank must make the same forward calls
     bar = tqdm(range(start, num_updates), disable=rank != 0, initial=start, total=num_updates, desc="ppo")
@@ -744,7 +747,7 @@ def main(args):
             log_update(logs, bar, m, update == num_updates - 1, args, tokenizer, batch)
         if args.save_steps and (update + 1) % args.save_steps == 0 and update + 1 < num_updates:
             common.save_training(trainable, optimizer, scheduler, update + 1, rank, args.output_dir, kl_coef=kl_coef,
-                                 history=history)
+                                 history=history, global_batch=batch_size)
 
     save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
@@ -906,8 +909,8 @@ def build_models(args, tokenizer, device, rank, world):
                                "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer, skeleton)
-    if not policy_hf.device.type == "meta":
-        check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path)
+    common.agreed(lambda: policy_hf.device.type == "meta" or  # (under FSDP rank 0 alone holds the weights)
+                  check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
     readers = [policy_hf] + ([reward.model.hf] if reward.model is not None and reward.tokenizer is None else [])
     limit = min((n for n in map(common.position_table, readers) if n), default=None)
     args.max_prompt_length = common.length_default(  # (args is read by the phases after this)
@@ -1550,13 +1553,12 @@ def offloaded(models, device, enabled):
 # Logging, the final save, figures.
 
 
-def open_logs(args, rank, start):
-    """Rank 0's metrics logger and samples.jsonl (on resume, continued after the resumed update)."""
+def open_logs(args, rank, saved):
+    """Rank 0's metrics logger and samples.jsonl (on resume, continued after the checkpoint's update, saved)."""
     if rank != 0:
         return None
-    resumed = start if args.resume else None
-    return common.Logger(args, args.wandb_project, resumed), \
-        common.open_log(os.path.join(args.output_dir, "samples.jsonl"), resumed)
+    return common.Logger(args, args.wandb_project, saved), \
+        common.open_log(os.path.join(args.output_dir, "samples.jsonl"), saved)
 
 
 def log_update(logs, bar, m, last, args, tokenizer, batch):

@@ -333,6 +333,7 @@ def main(args):
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
     check_args(args)
     rank, world, device = setup_distributed()
+    common.check_shared_output_dir(args.output_dir, rank)
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
 
@@ -357,10 +358,16 @@ def main(args):
     if args.eval_only:
         return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout)
     optimizer, scheduler = build_optimizer(model, args, total_steps)
-    start_step = 0
-    if args.resume and (ckpt := common.resume_training(model, optimizer, scheduler, args.output_dir)):
-        start_step = ckpt["step"]
-    logger = common.Logger(args, args.wandb_project, start_step if args.resume else None) if rank == 0 else None
+
+    def step_of(ckpt):  # progress is in pairs, whole epochs and then into one (the saving run's batch may differ)
+        epoch, offset = divmod(ckpt["step"], len(train) // ckpt["global_batch"])
+        return epoch * steps_per_epoch + common.step_at(offset * ckpt["global_batch"], ckpt["global_batch"], args,
+                                                        world, "pairs of its epoch", counts_steps=args.max_steps > 0)
+
+    start_step, saved = 0, None
+    if args.resume and (resumed := common.resume_training(model, optimizer, scheduler, args.output_dir, step_of)):
+        start_step, saved = resumed[0], resumed[1]["step"]  # (saved: in the saving run's steps, maybe of another size)
+    logger = common.Logger(args, args.wandb_project, saved) if rank == 0 else None
     if rank == 0:
         n_trained = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
         mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
@@ -411,7 +418,7 @@ def main(args):
                 logger.log(ev)
                 bar.write(common.format_metrics(ev))
         if args.save_steps and done % args.save_steps == 0 and done < total_steps:
-            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir)
+            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir, global_batch=global_batch)
         t_window += time.time() - t_pause
 
     # 5. Normalize (shift the mean eval reward to 0, optionally scale its std to 1) and save in transformers' format.
@@ -758,7 +765,7 @@ def choose_layout(model, args, vocab_size, rank=0):
     if not model.takes_position_ids:
         return padded, "padded: the model takes no position ids (ALiBi or recurrent), so packed sequences would get " \
                        "wrong positions"
-    why_not = [packed_layout_fault(model, args, vocab_size) if rank == 0 else None]
+    why_not = [common.agreed(lambda: packed_layout_fault(model, args, vocab_size) if rank == 0 else None)]
     if dist.is_initialized():
         dist.broadcast_object_list(why_not, src=0)
     if why_not[0]:
