@@ -338,6 +338,27 @@ def test_a_killed_rank_ends_the_job_and_its_sharded_checkpoint_resumes_on_one_pr
     assert_saved_models_equal([tmp_path / "one", cut], "AutoModelForCausalLM")
 
 
+def test_resume_on_another_number_of_ranks_continues_where_the_episodes_left_off(tmp_path, reward_model_path):
+    """2 ranks (rollout batch 16) cut after 2 updates, resumed on 1 (batch 8); 1 rank cut after 2 updates, resumed on
+    2: each of the 64 episodes rolled out once, and the linear schedule continued by episodes (lr = lr0 (1 - episodes
+    / 64)), ending at 64."""
+    base = ["tests/faults.py", "ppo.py", "--reward_model_path", reward_model_path, *TINY]
+    for cut, resumed in (("two_cut", "one_resumed"), ("one_cut", "two_resumed")):
+        trace = dict(TRACE=str(tmp_path / f"{cut}.trace"))
+        proc = run_script(base + ["--save_steps", "2", "--output_dir", str(tmp_path / resumed)], check=False,
+                          nproc=2 if "two" in cut else 1, env=dict(STOP_AFTER_SAVE="2", **trace))
+        assert proc.returncode == (1 if "two" in cut else 3), proc.stderr[-2000:]
+        run_script(base + ["--resume", "--output_dir", str(tmp_path / resumed)], nproc=2 if "two" in resumed else 1,
+                   env=trace)
+        episodes = [e for r in (0, 1) if os.path.exists(f"{trace['TRACE']}.rank{r}")
+                    for line in open(f"{trace['TRACE']}.rank{r}") for e in json.loads(line)]
+        assert sorted(episodes) == list(range(64)), (cut, sorted(episodes))
+        metrics = read_metrics(tmp_path / resumed)
+        assert metrics[-1]["episodes"] == 64 and [m["episodes"] for m in metrics] == sorted({m["episodes"]
+                                                                                             for m in metrics})
+        assert np.allclose([m["lr"] for m in metrics], [3e-4 * (1 - m["episodes"] / 64) for m in metrics])
+
+
 def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, reward_model_path):
     out = tmp_path / "ppo"
     history = ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(out), total_episodes=640,

@@ -246,6 +246,44 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_
         json.load(open(tmp_path / "full" / "eval_results.json"))["loss"]
 
 
+def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tmp_path, small_pairs_file):
+    """2 ranks (global batch 16) cut after 4 steps, resumed on 1 (batch 8); 1 rank cut after 4 steps, resumed on 2:
+    every pair of the epoch trained once, in the uninterrupted run's order, and the schedule continued by progress
+    (the uninterrupted run's learning rate at each step). A cut the new batch does not divide stops before any step,
+    naming the flags that keep the saved batch."""
+    base = ["tests/faults.py", "rm.py", "--dataset_name", small_pairs_file, "--num_train_epochs", "1",
+            "--logging_steps", "1", "--num_evals", "1", "--warmup_ratio", "0.2", "--per_device_train_batch_size", "8"]
+
+    def trained(name, resumed=(), **kw):
+        out, env = tmp_path / name, dict(TRACE=str(tmp_path / f"{name}.trace"), **kw)
+        proc = run_script(base + list(resumed) + ["--output_dir", str(out)], nproc=2 if "two" in name else 1,
+                          check=not kw, env=env)
+        assert proc.returncode == (0 if not kw else 1 if "two" in name else 3), proc.stderr[-2000:]
+        return [json.loads(line) for r in (0, 1) if os.path.exists(f"{env['TRACE']}.rank{r}")
+                for line in open(f"{env['TRACE']}.rank{r}")]
+
+    for cut, resumed, batch in (("two_cut", "one_resumed", 8), ("one_cut", "two_resumed", 16)):
+        whole = trained(f"whole{batch}", ["--gradient_accumulation_steps", str(batch // 8)])
+        steps = trained(cut, ["--save_steps", "2"], STOP_AFTER_SAVE="4")
+        os.rename(tmp_path / cut, tmp_path / resumed)
+        steps += trained(resumed, ["--resume"])
+        pairs = lambda steps: sorted(json.dumps(p) for step in steps for p in step)  # noqa: E731
+        assert pairs(steps) == pairs(whole) and len(pairs(whole)) == len(whole) * batch  # each pair once, all of them
+        lrs = {k: {m["step"]: (m["lr"], m["epoch"]) for m in read_metrics(tmp_path / k) if "lr" in m}
+               for k in (f"whole{batch}", resumed)}
+        later = sorted(s for s in lrs[resumed] if s > 64 // batch)
+        assert later[0] == 64 // batch + 1 and later[-1] == len(whole)
+        assert [lrs[resumed][s] for s in later] == [lrs[f"whole{batch}"][s] for s in later]
+
+    trained("refused_cut", ["--save_steps", "3"], STOP_AFTER_SAVE="3")
+    os.rename(tmp_path / "refused_cut", tmp_path / "refused_two")
+    proc = run_script(base + ["--resume", "--output_dir", str(tmp_path / "refused_two")], nproc=2, check=False)
+    assert proc.returncode != 0 and proc.stderr.count("error: --resume: the checkpoint") == 2  # every rank, no step
+    assert "--resume: the checkpoint was saved after 24 pairs of its epoch in global batches of 8; this run's global " \
+           "batch, 16, does not divide 24: to keep 8, on 2 ranks pass --per_device_train_batch_size 4 " \
+           "--gradient_accumulation_steps 1" in proc.stderr
+
+
 def test_checkpoint_write_is_atomic(tmp_path):
     common.save_checkpoint(str(tmp_path), 1, {"step": 1})
     os.makedirs(tmp_path / "checkpoints" / "step_00000002.tmp")  # a crash mid-write leaves only a .tmp directory
