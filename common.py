@@ -38,6 +38,8 @@ def exit_on_user_error(fn, *args):
         return fn(*args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        if torch.distributed.is_initialized():  # (left to the interpreter's exit, gloo aborts when a peer has gone)
+            torch.distributed.destroy_process_group()
         sys.exit(2)
 
 
