@@ -126,7 +126,8 @@ class Args:
     save_steps: int = 0
     """Write a resumable checkpoint every this many steps (0: never)."""
     resume: bool = False
-    """Continue from the latest checkpoint in --output_dir."""
+    """Continue from the latest checkpoint in --output_dir, at the pairs it had trained (on any number of ranks; a
+    global batch that does not divide them is refused, naming the flags that keep the saved one)."""
     track: bool = False
     """Log to Weights & Biases (works with WANDB_MODE=offline)."""
     tensorboard: bool = False
