@@ -284,6 +284,39 @@ def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tm
            "--gradient_accumulation_steps 1" in proc.stderr
 
 
+def _save_and_resume_random_streams(rank, folder):
+    import random
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    torch.manual_seed(10 + rank)
+    random.seed(10 + rank)
+    saved = torch.get_rng_state(), random.getstate()
+    common.save_training(model, optimizer, scheduler, 1, rank, folder, global_batch=2)
+    torch.manual_seed(99)
+    random.seed(99)
+    common.resume_training(model, optimizer, scheduler, folder, lambda ckpt: ckpt["step"])
+    assert torch.equal(torch.get_rng_state(), saved[0]) and random.getstate() == saved[1]
+    dist.destroy_process_group()
+
+
+def test_each_rank_resumes_its_own_random_streams(tmp_path):
+    """2 ranks, each with its own random streams, save and resume: each gets its own back; one process resuming the
+    same checkpoint gets rank 0's."""
+    torch.multiprocessing.spawn(_save_and_resume_random_streams, args=(str(tmp_path),), nprocs=2)
+    torch.manual_seed(10)
+    rank0 = torch.get_rng_state()
+    torch.manual_seed(99)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    common.resume_training(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                           str(tmp_path), lambda ckpt: ckpt["step"])
+    assert torch.equal(torch.get_rng_state(), rank0)
+
+
 def test_checkpoint_write_is_atomic(tmp_path):
     common.save_checkpoint(str(tmp_path), 1, {"step": 1})
     os.makedirs(tmp_path / "checkpoints" / "step_00000002.tmp")  # a crash mid-write leaves only a .tmp directory
