@@ -959,10 +959,11 @@ def sharded_state(model, optimizer):
     return {"model": model_sd, "optimizer": optim_sd["state"]}, optim_sd["param_groups"]
 
 
-def save_training(model, optimizer, scheduler, step, rank, output_dir, **extra):
+def save_training(model, optimizer, scheduler, step, rank, output_dir, global_batch, **extra):
     """A resumable checkpoint of a training run, on every rank together: each rank writes its own shard of weights and
     optimizer state (under DDP the replicas are written once); rank 0 adds the schedule, every rank's random streams
     and the script's extra state, and switches `latest` once every shard is durable (each writer fsyncs its files).
+    step x global_batch is the progress a resume continues from, on any number of ranks (step_at).
     A failure on any rank (a full disk) stops every rank with its message, the partial checkpoint removed."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
@@ -989,8 +990,8 @@ def save_training(model, optimizer, scheduler, step, rank, output_dir, **extra):
         raise_if_disk_full(root, state_bytes(tensors), e)
         raise
     agreed(lambda: rank == 0 and commit_checkpoint(root, name, {  # (after every shard is written and fsynced)
-        "optimizer_param_groups": param_groups, "scheduler": scheduler.state_dict(), "step": step, **extra,
-        "rng": rngs}))
+        "optimizer_param_groups": param_groups, "scheduler": scheduler.state_dict(), "step": step,
+        "global_batch": global_batch, "rng": rngs, **extra}))
 
 
 def step_at(done, saved_batch, args, world, what, counts_steps=False):
