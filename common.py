@@ -214,6 +214,7 @@ def embedded_pairs(n, seed):
 # ---------------------------------------------------------------------------------------------------------------------
 # Preference data: a hub name, a local file, or the embedded task, in explicit, implicit or conversational format.
 
+EMBEDDED_SPLITS = {"train": 0, "test": 1, "validation": 2}  # the seed of each split's pairs
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -221,8 +222,10 @@ def load_rows(name, config=None, split="train"):
     """Rows (dicts, each knowing its `_source` file and `_row`/`_line` there) of one split of a dataset: the embedded
     task, a local file (one split: train), a local folder (see load_folder), or a hub dataset. None if there is no
     such split."""
-    if name == "embedded":
-        rows = embedded_pairs(40000 if split == "train" else 4000, seed={"train": 0}.get(split, 1))
+    if name == "embedded":  # three splits, each its own draw
+        if split not in EMBEDDED_SPLITS:
+            return None
+        rows = embedded_pairs(40000 if split == "train" else 4000, seed=EMBEDDED_SPLITS[split])
         return [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
     try:
         if os.path.isdir(name):
@@ -649,6 +652,25 @@ def adapter_base(name):
     return base
 
 
+def adapter_task(name):
+    """The task_type of a peft adapter folder (CAUSAL_LM for an SFT adapter, SEQ_CLS for rm.py's)."""
+    with open(os.path.join(name, "adapter_config.json")) as f:
+        return json.load(f).get("task_type")
+
+
+def adapter_holds_head(name):
+    """Whether a peft adapter folder holds the weights of a classification head (rm.py's do: peft's modules_to_save)."""
+    path = os.path.join(name, "adapter_model.safetensors")
+    if os.path.exists(path):
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            keys = list(f.keys())
+    else:
+        keys = torch.load(os.path.join(name, "adapter_model.bin"), map_location="meta", weights_only=True)
+    return any(".score." in k or ".classifier." in k for k in keys)
+
+
 def load_model(loader, name, flag, skeleton=False, **kwargs):
     """loader.from_pretrained(name); for a peft adapter folder, its base model with the adapter merged in (and the
     reward normalization rm.py saved beside the adapter). skeleton: the model built from its config on the meta
@@ -658,6 +680,18 @@ def load_model(loader, name, flag, skeleton=False, **kwargs):
 
         config = kwargs.get("config") or load_pretrained(AutoConfig, name, flag)
         return meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
+    if adapter_base(name) and "CausalLM" not in loader.__name__ and adapter_task(name) == "CAUSAL_LM":
+        # an SFT adapter as a classifier's start: merged into its causal LM, whose backbone the classifier takes; the
+        # new head gets transformers' initialisation (rm.py then its own)
+        from transformers import AutoModelForCausalLM
+
+        lm = load_model(AutoModelForCausalLM, name, flag, **kwargs)
+        model = meta_model(lambda: loader.from_config(lm.config, dtype=kwargs.get("dtype")))
+        setattr(model, model.base_model_prefix, lm.base_model)
+        for module in model.modules():
+            if any(p.is_meta for p in module.parameters(recurse=False)):
+                model._init_weights(module.to_empty(device=lm.device, recurse=False))
+        return model
     model = load_pretrained(loader, name, flag, **kwargs)
     if adapter_base(name):
         from peft import PeftModel

@@ -77,8 +77,8 @@ class Args:
     dataset_train_split: str = "train"
     """Split to take prompts from."""
     max_prompt_length: int | None = None
-    """Longer prompts keep their last tokens and their leading BOS (the rule rm.py applies). Default: 256, or what a
-    learned position table leaves beside --response_length if less."""
+    """Longer prompts keep their last tokens and their leading BOS (the rule rm.py applies). Default: 256, rm.py's too,
+    or what a learned position table leaves beside --response_length if less."""
     output_dir: str = "runs/ppo"
     """Where the final policy, metrics.jsonl, samples.jsonl, curves.png and checkpoints are written."""
     # --- sizes
