@@ -706,7 +706,8 @@ def main(args):
               f"epochs; advantages {args.advantage_estimator}, KL ({args.kl_estimator}) in the {args.kl_penalty}, "
               f"loss {args.loss_aggregation}; lr {optimizer.param_groups[0]['initial_lr']:g}"
               + (f" (critic {optimizer.param_groups[1]['initial_lr']:g})" if critic is not None else "")
-              + f"; {len(prompts)} prompts" + (f"; resumed at update {start} ({start * batch_size} episodes)" if start else ""))
+              + f"; {len(prompts)} prompts"
+              + (f"; resumed at update {start} ({start * batch_size} episodes)" if start else ""))
 
     orders, collective = {}, args.fsdp and world > 1  # under FSDP every rank must make the same forward calls
     bar = tqdm(range(start, num_updates), disable=rank != 0, initial=start, total=num_updates, desc="ppo")
