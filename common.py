@@ -1061,6 +1061,9 @@ def resume_training(model, optimizer, scheduler, output_dir, step_of):
     if (path := latest_checkpoint(output_dir)) is None:
         return None
     ckpt = load_latest_checkpoint(output_dir)
+    if "global_batch" not in ckpt:  # written before checkpoints recorded their progress
+        raise UserError(f"--resume: {path} was written by an earlier version of this script (it does not record its "
+                        "global batch): resume it with that version, or pass --overwrite_output_dir to train afresh")
     start = step_of(ckpt)
     tensors, _ = sharded_state(model, optimizer)
     with warnings.catch_warnings():  # (one process: "assuming the intent is to load in a single process")
