@@ -88,10 +88,10 @@ def flags(args, defaults):
     return out
 
 
-def run(script, args, ranks, out):
-    """The script in this process (1 rank) or under torchrun (2), twice with --resume where asked: the first run
-    leaves a checkpoint after its first update, the second resumes from it."""
-    runs = [dict(args, resume=False, save_steps=1), dict(args, resume=True)] if args.pop("resume") else [args]
+def run(script, args, ranks, out, first=None):
+    """The script in this process (1 rank) or under torchrun (2), twice with --resume where asked: the first run, to the
+    shorter total `first`, leaves a checkpoint after its first update; the second resumes from it to the whole total."""
+    runs = [dict(args, resume=False, save_steps=1, **first), dict(args, resume=True)] if args.pop("resume") else [args]
     for a in runs:
         if ranks == 1:
             (ppo if script == "ppo.py" else rm).main((ppo.Args if script == "ppo.py" else rm.Args)(**a,
@@ -122,7 +122,7 @@ def test_ppo_runs_with_every_pair_of_options(row, tmp_path, reward_model_path, s
     ranks, reward, policy = row.pop("ranks"), row.pop("reward"), row.pop("policy")
     if row["advantage_estimator"] == "dr_grpo":
         row.update(advantage_estimator="grpo", scale_rewards=False)
-    micro, updates = 2, 2 if row["resume"] else 1
+    micro, updates = 2, 3 if row["resume"] else 1
     batch = micro * row["gradient_accumulation_steps"] * 2 * ranks
     args = dict(row, total_episodes=batch * updates, per_device_train_batch_size=micro, num_mini_batches=2,
                 num_ppo_epochs=2, response_length=6, sample_every=1, kl_horizon=100,
@@ -132,7 +132,7 @@ def test_ppo_runs_with_every_pair_of_options(row, tmp_path, reward_model_path, s
                 ptx_dataset_name="embedded" if row["ptx_coef"] else None)
     if policy == "folder":
         args["learning_rate"] = 3e-4
-    run("ppo.py", args, ranks, str(tmp_path))
+    run("ppo.py", args, ranks, str(tmp_path), first=dict(total_episodes=batch * 2))
     assert_finite_metrics(tmp_path)
     assert len(read_metrics(tmp_path)) == updates
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -156,7 +156,7 @@ def test_rm_runs_with_every_pair_of_options(row, tmp_path, small_pairs_file, fam
         args.update(dataset_name=small_pairs_file)
     if not args["padding_free"]:
         args["prefix_sharing"] = True  # (ignored: the padded batch)
-    run("rm.py", args, ranks, str(tmp_path / "out"))
+    run("rm.py", args, ranks, str(tmp_path / "out"), first=dict(max_steps=2))
     assert_finite_metrics(tmp_path / "out")
     results = json.load(open(tmp_path / "out" / "eval_results.json"))
     assert 0 <= results["accuracy"] <= 1 and math.isfinite(results["loss"])
