@@ -1097,10 +1097,6 @@ def shard_from_rank0(model, shard, device, host=False):
             if b is not None:
                 module._buffers[name] = b.to("meta")
     shard(model)
-    if dist.get_backend() == "gloo":
-        for module in model.modules():
-            if hasattr(module, "set_custom_reduce_scatter"):
-                module.set_custom_reduce_scatter(InPlaceReduceScatter())
     model.to_empty(device="cpu" if host else device)
     for module in model.modules():
         for name, b in module._buffers.items():
@@ -1112,27 +1108,6 @@ def shard_from_rank0(model, shard, device, host=False):
             buffer.copy_(buffers[name])
         dist.broadcast(buffer, 0)
     return model
-
-
-class InPlaceReduceScatter:
-    """FSDP2's gradient reduce-scatter on gloo (CPU ranks), as an all-reduce in place of FSDP's buffer and a copy of
-    this rank's slice: the same sums (bit for bit on 2 ranks: tests/test_memory.py) without gloo's reduce_scatter,
-    which holds a second copy of its input while it runs (149 MB more for a 147 MB gradient, against 2 MB; 0.19-0.20 s
-    against 0.11-0.12 s: `python benchmarks/bench_memory.py --reduce_scatter`). NCCL's holds none: GPU runs keep it."""
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        import torch.distributed as dist
-
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):  # PREMUL_SUM: FSDP asks for it only with a divide factor
-            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group)
-        dist.all_reduce(input_tensor, group=group)
-        world = dist.get_world_size(group)
-        output_tensor.copy_(input_tensor.view(world, -1)[dist.get_rank(group)])
-        if op == dist.ReduceOp.AVG:
-            output_tensor.div_(world)
 
 
 def shard_input_embeddings(model, fully_shard, **options):

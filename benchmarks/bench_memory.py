@@ -3,7 +3,6 @@
 
     python benchmarks/bench_memory.py          # CPU; writes benchmarks/results/memory_cpu.json
     python benchmarks/bench_memory.py --plan   # only the memory plan of Pythia 6.9B PPO on 8 ranks (no weights)
-    python benchmarks/bench_memory.py --reduce_scatter   # gloo's reduce_scatter against common.InPlaceReduceScatter
 
 Two models, initialised at random and stored in bfloat16 as released checkpoints are, big enough that their states
 (float32 weights, gradients, AdamW's two moments: 16 bytes a trained parameter) dominate a process: Pythia-160M's
@@ -90,11 +89,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--plan", action="store_true", help="only the 7B memory plan")
-    p.add_argument("--reduce_scatter", action="store_true", help="only gloo's reduce-scatter against ours")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "memory_cpu.json"))
     args = p.parse_args()
-    if args.reduce_scatter:
-        return reduce_scatter_row(os.path.join(os.path.dirname(args.out), "memory_reduce_scatter_cpu.json"))
     plan = plan_7b()
     if args.plan:
         return
@@ -131,71 +127,6 @@ def imported(script):
     if status != 0:
         raise SystemExit(f"import {script} failed")
     return usage.ru_maxrss / 1024
-
-
-REDUCE_SCATTER = """
-import json, sys, threading, time
-import torch
-import torch.distributed as dist
-sys.path.insert(0, ".")
-import common
-
-dist.init_process_group("gloo")
-rank, peak = dist.get_rank(), [0.0]
-
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
-
-
-def sample():  # the resident set every millisecond: the collective's transient buffers
-    while True:
-        peak[0] = max(peak[0], rss())
-        time.sleep(0.001)
-
-
-threading.Thread(target=sample, daemon=True).start()
-grads = torch.randn(50304 * 768)  # Pythia-160M's input embeddings' gradient, float32 (147 MB)
-out, rows = torch.zeros(grads.numel() // 2), {"gloo reduce_scatter": [], "in-place all-reduce and a slice": []}
-for _ in range(5):
-    for name, reduce in (("gloo reduce_scatter", lambda x: dist.reduce_scatter_single(out, x, op=dist.ReduceOp.AVG)),
-                         ("in-place all-reduce and a slice", lambda x: common.InPlaceReduceScatter()(
-                             output_tensor=out, input_tensor=x, group=dist.group.WORLD, op=dist.ReduceOp.AVG))):
-        x = grads.clone()
-        dist.barrier()
-        time.sleep(0.05)
-        base = peak[0] = rss()
-        t = time.perf_counter()
-        reduce(x)
-        seconds = time.perf_counter() - t
-        time.sleep(0.05)
-        rows[name].append({"extra_mb": peak[0] - base, "seconds": seconds})
-if rank == 0:
-    print(json.dumps(rows))
-dist.destroy_process_group()
-"""
-
-
-def reduce_scatter_row(out):
-    """FSDP's gradient reduction on 2 gloo ranks, for one 147 MB gradient: the memory a reduction adds while it runs
-    (the resident set sampled every millisecond, above its level before) and its time, gloo's reduce_scatter against
-    common.InPlaceReduceScatter; 5 repeats each, alternating."""
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "reduce_scatter.py")
-        with open(script, "w") as f:
-            f.write(REDUCE_SCATTER)
-        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="1048576")
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script],
-                              cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(proc.stderr[-3000:])
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name, runs in rows.items():
-        mb, s = [r["extra_mb"] for r in runs], [r["seconds"] for r in runs]
-        print(f"{name:<34} adds {min(mb):.0f}-{max(mb):.0f} MB while it runs; {min(s):.2f}-{max(s):.2f} s")
-    with open(out, "w") as f:
-        json.dump({"device": "cpu", "gradient_mb": 50304 * 768 * 4 / 2**20, "ranks": 2, "rows": rows}, f, indent=2)
 
 
 def states_mb(work):

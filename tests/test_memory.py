@@ -115,32 +115,3 @@ def test_plan_is_what_the_scripts_hold_on_2_ranks(tmp_path, reward_model_path):
                 for kind, planned in r["plan"][name].items():
                     assert held[kind] == pytest.approx(planned, rel=0.02, abs=2048), (r["flags"], name, kind)
                 assert held["weights"] > 0
-
-
-REDUCE_SCATTER_CHECK = """
-import sys
-import torch
-import torch.distributed as dist
-sys.path.insert(0, ".")
-import common
-
-dist.init_process_group("gloo")
-rank, ok = dist.get_rank(), []
-for numel in (2 * 3, 2 * 50_021):  # a block's buffer is padded to a multiple of the ranks
-    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        grads = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 7 + numel))
-        theirs, ours = torch.empty(numel // 2), torch.empty(numel // 2)
-        dist.reduce_scatter_single(theirs, grads.clone(), op=op)
-        common.InPlaceReduceScatter()(output_tensor=ours, input_tensor=grads.clone(), group=dist.group.WORLD, op=op)
-        ok.append(torch.equal(ours, theirs) and not torch.equal(ours, grads.view(2, -1)[rank]))
-assert all(ok), ok
-dist.destroy_process_group()
-"""
-
-
-def test_in_place_reduce_scatter_on_gloo_sums_as_gloos_own(tmp_path):
-    """The gradient reduce-scatter that FSDP runs on CPU ranks (an all-reduce in place and a slice) gives gloo's
-    reduce_scatter_single's result bit for bit, for a sum and an average."""
-    script = tmp_path / "reduce_scatter_check.py"
-    script.write_text(REDUCE_SCATTER_CHECK)
-    run_script([str(script)], nproc=2)
