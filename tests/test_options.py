@@ -6,6 +6,7 @@ and computes finite outputs. A new option gets a row in PPO_OPTIONS or RM_OPTION
 import itertools
 import json
 import math
+import os
 from collections import OrderedDict
 
 import pytest
@@ -25,7 +26,7 @@ PPO_OPTIONS = OrderedDict(
     critic_init=["auto", "policy", "reward"], ptx_coef=[0.0, 0.1], num_collect_steps=[1, 2],
     offload_inference_models=[False, True], kl_estimator=["k1", "k3"], target_kl=[None, 0.5],
     whiten_rewards=[False, True], stop_token=["eos", "none"], gradient_accumulation_steps=[1, 2],
-    resume=[False, True], policy=["embedded", "folder"],
+    resume=[False, True], overwrite_output_dir=[False, True], policy=["embedded", "folder"],
     advantage_estimator=["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"], num_samples_per_prompt=[None, 2],
     kl_penalty=["reward", "loss"], loss_aggregation=["token_mean", "sequence_mean", "constant"],
     gradient_checkpointing=[False, True])
@@ -34,7 +35,7 @@ RM_OPTIONS = OrderedDict(
     ranks=[1, 2], fsdp=[False, True], bf16=[False, True], lora_r=[0, 4], layout=["padded", "packed", "prefix-shared"],
     gradient_checkpointing=[False, True], loss_type=["sigmoid", "logexp"], center_rewards_coefficient=[0.0, 0.1],
     reward_normalization=["none", "shift", "shift_scale"], gradient_accumulation_steps=[1, 2], resume=[False, True],
-    model=["embedded", "folder"])
+    overwrite_output_dir=[False, True], model=["embedded", "folder"])
 
 
 def ppo_refused(values):
@@ -90,14 +91,21 @@ def flags(args, defaults):
 
 def run(script, args, ranks, out, first=None):
     """The script in this process (1 rank) or under torchrun (2), twice with --resume where asked: the first run, to the
-    shorter total `first`, leaves a checkpoint after its first update; the second resumes from it to the whole total."""
-    runs = [dict(args, resume=False, save_steps=1, **first), dict(args, resume=True)] if args.pop("resume") else [args]
+    shorter total `first`, leaves a checkpoint after its first update; the second resumes from it to the whole total.
+    With --overwrite_output_dir the (first) run replaces an earlier finished run, of whose checkpoints none is left."""
+    if args["overwrite_output_dir"]:
+        common.save_checkpoint(out, 99, {"step": 99})
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 99}) + "\n")
+    runs = [dict(args, resume=False, save_steps=1, **first), dict(args, resume=True, overwrite_output_dir=False)] \
+        if args.pop("resume") else [args]
     for a in runs:
         if ranks == 1:
             (ppo if script == "ppo.py" else rm).main((ppo.Args if script == "ppo.py" else rm.Args)(**a,
                                                                                                   output_dir=out))
         else:
             run_script([script, *flags(a, ppo.Args if script == "ppo.py" else rm.Args), "--output_dir", out], nproc=2)
+    assert not os.path.exists(os.path.join(out, "checkpoints", "step_00000099"))
 
 
 def assert_finite_metrics(out):
