@@ -39,28 +39,33 @@ import common
 class Args:
     # --- model and data
     model_name_or_path: str = "embedded-llama"
-    """Hugging Face model name or local path (any causal LM or sequence-classification checkpoint), or a tiny model
-    built locally: embedded-llama, embedded-neox."""
+    """Hugging Face model name or local path (any causal LM or sequence-classification checkpoint, or a peft adapter
+    folder, merged into its base), or a tiny model built locally: embedded-llama, embedded-neox."""
     dataset_name: str = "embedded"
     """Hub dataset name, local .jsonl/.json/.parquet/.csv file (gzip too), or `embedded` (the built-in synthetic task)."""
     dataset_config: str | None = None
     """Hub dataset configuration name."""
     dataset_mixer_list: list[str] = field(default_factory=list)
     """Several datasets with weights, overriding --dataset_name: NAME WEIGHT NAME WEIGHT ... (weight <= 1: a fraction of
-    the rows, > 1: a number of rows)."""
+    the training rows, > 1: a number of them; a dataset without an eval split gives --eval_holdout of them to
+    evaluation). Evaluation is reported per dataset and overall."""
     train_split: str = "train"
     """Split to train on."""
     eval_split: str | None = None
-    """Split to evaluate on (default: test, else validation); a dataset with none holds out --eval_holdout of its
-    training pairs instead, by prompt."""
+    """Split to evaluate on (default: validation, else test); a dataset with none holds out --eval_holdout of its
+    training pairs instead, by prompt. The split each dataset was evaluated on is printed and recorded in
+    eval_results.json (eval_sets)."""
     eval_holdout: float = 0.1
-    """Fraction of training pairs held out for evaluation when there is no eval split."""
+    """Fraction of training pairs held out for evaluation, by prompt, when there is no eval split: no held-out prompt is
+    trained on in any dataset of the mixture."""
     max_length: int | None = None
     """Maximum tokens of prompt + response (default: 512, or the model's learned position table if shorter). Longer
     pairs are truncated (see --max_prompt_length), never dropped."""
     max_prompt_length: int | None = None
-    """Maximum prompt tokens (default: 384, or 3/4 of --max_length if less); a longer prompt keeps its END (the turn
-    being answered) and its BOS token."""
+    """Prompt tokens kept when prompt + longer response exceeds --max_length (default: 256 as in ppo.py, whose reward
+    model sees prompts cut there; or 3/4 of --max_length if less): the prompt is cut only then, to what the longer
+    response leaves but never below this, keeping its END (the turn being answered) and its BOS token; the responses
+    are then cut to fit."""
     output_dir: str = "runs/rm"
     """Where the reward model, tokenizer, metrics.jsonl, eval_results.json and checkpoints are written."""
     # --- optimisation
@@ -96,16 +101,18 @@ class Args:
     """Seed of model initialisation, head initialisation and data order."""
     # --- reward model
     loss_type: Literal["sigmoid", "logexp"] = "sigmoid"
-    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)), the same function computed
-    as ColossalChat's LogExpLoss does (it overflows for margins beyond ~88)."""
+    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)) (ColossalChat's LogExpLoss),
+    the same function, computed as softplus so that it stays finite at any reward gap."""
     center_rewards_coefficient: float = 0.0
     """Weight of mean((r_c + r_r)^2), which keeps rewards centred at 0 (Eisenstein et al. 2023)."""
     head_init_std: float | None = None
-    """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1))."""
+    """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1)). The head is new unless the model
+    is a sequence classifier or an adapter folder holding the head's weights (as rm.py's do)."""
     reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
-    """After training: make the mean reward over the eval set 0 (shift) and optionally its std 1 (shift_scale). Saved
-    in config.json as reward_shift and reward_scale: a reward is (the model's logit - reward_shift) / reward_scale
-    (ppo.py applies it; README's scoring snippet shows how)."""
+    """After training: make the mean reward over 2048 training pairs (never the eval pairs) 0 (shift) and optionally
+    their std 1 (shift_scale). Saved in config.json as reward_shift and reward_scale: a reward is (the model's logit -
+    reward_shift) / reward_scale (ppo.py applies it; README's scoring snippet shows how); eval_results.json records
+    what they were fitted on."""
     # --- LoRA (through peft)
     lora_r: int = 0
     """Rank of the LoRA adapters on the backbone's linear layers (Hu et al. 2021), the scalar head trained in full
@@ -163,6 +170,14 @@ class Args:
     the frozen base weights are held in bfloat16, the adapters and head in float32)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    plan_only: bool = False
+    """Print the memory plan for --plan_world_size GPUs of --plan_gpu_memory_gb and exit, 0 if it fits and 2 if not
+    (naming flags that would fit), from the models' config.json alone: no weight, tokenizer or GPU needed."""
+    plan_world_size: int = 8
+    """--plan_only: the GPUs (ranks) to plan for."""
+    plan_gpu_memory_gb: float = 80.0
+    """--plan_only: each GPU's memory, in GB of 10^9 bytes as the plan prints them (torch reports an 80 GB H100 as
+    85.0)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -173,7 +188,7 @@ def preference_loss(r_chosen, r_rejected, margin, loss_type="sigmoid"):
     """Per-pair Bradley-Terry negative log-likelihood, with the Llama 2 margin (Touvron et al. 2023, eq. 2)."""
     if loss_type == "sigmoid":
         return -F.logsigmoid(r_chosen - r_rejected - margin)
-    return torch.log1p(torch.exp(r_rejected - r_chosen + margin))
+    return F.softplus(r_rejected - r_chosen + margin)  # log1p(exp(x)), which overflows to inf past x ~ 88
 
 
 def reward_model_loss(r_chosen, r_rejected, margin, loss_type="sigmoid", center_coefficient=0.0):
@@ -184,8 +199,9 @@ def reward_model_loss(r_chosen, r_rejected, margin, loss_type="sigmoid", center_
 
 
 def reliability(p_chosen, n_bins=10):
-    """Per bin of predicted P(chosen wins) = sigmoid(r_c - r_r): how many predictions, their mean, and how often they
-    came true. Each pair counts in both orders, (p, won) and (1 - p, lost)."""
+    """Per bin of predicted P(chosen wins) = sigmoid(r_c - r_r - margin), the probability the loss models: how many
+    predictions, their mean, and how often they came true. Each pair counts in both orders, (p, won) and (1 - p,
+    lost)."""
     p = torch.cat([p_chosen, 1 - p_chosen]).double()
     won = torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)]).double()
     bins = (p * n_bins).long().clamp(max=n_bins - 1)
@@ -264,7 +280,8 @@ def train_step(model, micro_batches, args, pad_id, device):
 
 @torch.no_grad()
 def evaluate(model, pairs, args, pad_id, device, rank, world):
-    """Rewards of every eval pair (sharded across ranks, then gathered) and the metrics computed from them."""
+    """Rewards of every eval pair (sharded across ranks, then gathered) and the metrics computed from them. Returns the
+    metrics and, per pair, (r_chosen, r_rejected, margin)."""
     per_rank = math.ceil(len(pairs) / world)
     # longest first, so that a batch holds pairs of similar length (little padding) and the peak memory comes first
     by_length = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
@@ -283,28 +300,39 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
     in_order = torch.empty(len(pairs), 2)
     in_order[index[valid].cpu()] = rewards[valid].cpu()
     rewards = in_order
-    rc, rr = rewards[:, 0], rewards[:, 1]
     margin = torch.tensor([p["margin"] for p in pairs])
+    metrics = pair_metrics(rewards[:, 0], rewards[:, 1], margin, pairs, args, "eval/")
+    datasets = dict.fromkeys(p.get("dataset") for p in pairs)
+    if len(datasets) > 1:  # a mixture: each dataset's own numbers as well
+        for name in datasets:
+            ours = torch.tensor([p.get("dataset") == name for p in pairs])
+            metrics.update(pair_metrics(rewards[ours, 0], rewards[ours, 1], margin[ours],
+                                        [p for p, o in zip(pairs, ours) if o], args, f"eval/{name}/"))
+    return metrics, torch.cat([rewards, margin[:, None]], 1)
+
+
+def pair_metrics(rc, rr, margin, pairs, args, prefix):
+    """The evaluation metrics of pairs from their rewards, each key prefixed."""
     lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
     metrics = {
-        "eval/accuracy": (rc > rr).float().mean().item(),
-        "eval/loss": reward_model_loss(rc, rr, margin, args.loss_type, args.center_rewards_coefficient).item(),
-        "eval/reward_gap": (rc - rr).mean().item(),
-        "eval/chosen_reward": rc.mean().item(),
-        "eval/rejected_reward": rr.mean().item(),
-        "eval/reward_mean": torch.cat([rc, rr]).mean().item(),
-        "eval/reward_std": torch.cat([rc, rr]).std().item(),
-        "eval/calibration_error": calibration_error(torch.sigmoid(rc - rr)),
-        "eval/length_correlation": pearson(torch.cat([rc, rr]), lengths),
+        "accuracy": (rc > rr).float().mean().item(),
+        "loss": reward_model_loss(rc, rr, margin, args.loss_type, args.center_rewards_coefficient).item(),
+        "reward_gap": (rc - rr).mean().item(),
+        "chosen_reward": rc.mean().item(),
+        "rejected_reward": rr.mean().item(),
+        "reward_mean": torch.cat([rc, rr]).mean().item(),
+        "reward_std": torch.cat([rc, rr]).std().item(),
+        "calibration_error": calibration_error(torch.sigmoid(rc - rr - margin)),
+        "length_correlation": pearson(torch.cat([rc, rr]), lengths),
     }
     known = torch.tensor([p["gold"] is not None for p in pairs])
     if known.any():  # embedded-task pairs (all, or some of a mixture): compare with the best possible accuracy
         gold, rc, rr = torch.tensor([p["gold"] for p in pairs if p["gold"] is not None]), rc[known], rr[known]
         p_gold = torch.sigmoid(common.PREFERENCE_BETA * (gold[:, 0] - gold[:, 1]))
-        metrics["eval/bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
-        metrics["eval/accuracy_vs_bayes"] = (rc > rr).float().mean().item() / metrics["eval/bayes_accuracy"]
-        metrics["eval/gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
-    return metrics, rewards
+        metrics["bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
+        metrics["accuracy_vs_bayes"] = (rc > rr).float().mean().item() / metrics["bayes_accuracy"]
+        metrics["gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
+    return {prefix + k: v for k, v in metrics.items()}
 
 
 def check_args(args):
@@ -338,6 +366,8 @@ def main(args):
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
     check_args(args)
+    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
+        return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
     rank, world, device = setup_distributed()
     common.check_output_dir(args, rank)
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
@@ -349,7 +379,7 @@ def main(args):
     sharded = args.fsdp and world > 1  # then only rank 0 reads the weights, and shards them (parallelize)
     hf_model, lora = load_reward_model(args, tokenizer, skeleton=sharded and rank != 0)
     args = resolve_lengths(args, hf_model, rank)
-    train, evals = load_data(args, tokenizer, rank)
+    train, evals, eval_sets = load_data(args, tokenizer, rank)
     steps_per_epoch = len(train) // global_batch
     if steps_per_epoch == 0 and not args.eval_only:
         raise common.UserError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
@@ -364,7 +394,7 @@ def main(args):
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(RewardModel(hf_model), args, device)
     if args.eval_only:
-        return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout)
+        return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets)
     optimizer, scheduler = build_optimizer(model, args, total_steps)
     start_step = 0
     if args.resume and (ckpt := common.resume_training(model, optimizer, scheduler, args.output_dir)):
@@ -405,13 +435,15 @@ def main(args):
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         window.append(stats)
+        if step == start_step:  # the plan beside what this rank holds, in the first log
+            memory = common.memory_metrics(memory_plan(args, world, len(tokenizer)), [model], optimizer, device)
 
         # 4. Log, evaluate, checkpoint (the speed logged is the training loop's: evaluations and saves are left out).
         done = step + 1
         if done % args.logging_steps == 0 or done == total_steps:
             log_train(logger, bar, window, done, steps_per_epoch, scheduler.get_last_lr()[0], global_batch,
-                      time.time() - t_window, device, world)
-            window, t_window = [], time.time()
+                      time.time() - t_window, device, world, **memory)
+            window, t_window, memory = [], time.time(), {}
         t_pause = time.time()
         if done % eval_every == 0 or done == total_steps:
             model.eval()
@@ -432,8 +464,11 @@ def main(args):
         model.eval()
         ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
 
-    # 5. Normalize (shift the mean eval reward to 0, optionally scale its std to 1) and save in transformers' format.
-    save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank)
+    # 5. Normalize (shift the mean reward of training pairs to 0, optionally scale its std to 1) and save in
+    # transformers' format.
+    normalization = fit_normalization(model, train, args, tokenizer.pad_token_id, device, rank, world)
+    save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank,
+               dict(normalization, eval_sets=eval_sets))
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
         dist.barrier()
         dist.destroy_process_group()
@@ -475,7 +510,7 @@ def load_reward_model(args, tokenizer, skeleton=False):
     else:
         config = common.load_pretrained(AutoConfig, name, "--model_name_or_path")
         trained_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or \
-            common.adapter_base(name) is not None
+            common.adapter_base(name) is not None and common.adapter_holds_head(name)
         config.num_labels = 1
         # dropout off, before the model is built: the two passes of a pair must see the same network
         model = common.load_model(AutoModelForSequenceClassification, name, "--model_name_or_path", skeleton,
@@ -492,12 +527,21 @@ def load_reward_model(args, tokenizer, skeleton=False):
 
 
 def memory_plan(args, world, vocab_size=None):
-    """The reward model as this run holds it (one common.Planned row): trained in full, or its adapters and head
+    """The reward model as this run holds it (a common.Planned row): trained in full, or its adapters and head
     (LoRA; the frozen base in bfloat16 under --bf16), or only read (--eval_only); sharded over the ranks under
-    --fsdp, else a replica."""
+    --fsdp, else a replica. Training holds beside it a micro-batch's activations (common.Transient), and under DDP
+    --bf16 autocast's bfloat16 copy of the weights."""
     total, trained = common.model_shape(args.model_name_or_path, "reward", vocab_size, common.lora_shape(args))
-    return [common.Planned("reward model", total, 0 if args.eval_only else trained,
-                           2 if args.lora_r and args.bf16 else 4, world if args.fsdp and world > 1 else 1)]
+    shards, low = world if args.fsdp and world > 1 else 1, args.lora_r and args.bf16
+    rows = [common.Planned("reward model", total, 0 if args.eval_only else trained, 2 if low else 4, shards)]
+    if not args.eval_only:  # a micro-batch's pairs, both sequences at --max_length (packing holds at most as many)
+        tokens = 2 * args.per_device_train_batch_size * (args.max_length or 512)
+        rows.append(common.Transient(f"activations ({tokens} tokens)", "learning", common.activation_bytes(
+            args.model_name_or_path, "reward", vocab_size, tokens, 2 if args.bf16 else 4, 2 if low else 4,
+            args.gradient_checkpointing)))
+        if shards == 1 and args.bf16 and not args.lora_r:
+            rows.append(common.Transient("autocast's bfloat16 weights", "learning", 2 * total))
+    return rows
 
 
 def resolve_lengths(args, model, rank):
@@ -505,7 +549,7 @@ def resolve_lengths(args, model, rank):
     a length the user gave that the model cannot read is refused here, before any pair is read."""
     max_length = common.length_default(args.max_length, 512, common.position_table(model), "--max_length", rank)
     common.check_position_table(model, max_length, f"--max_length {max_length}")
-    max_prompt_length = args.max_prompt_length or min(384, max_length * 3 // 4)
+    max_prompt_length = args.max_prompt_length or min(256, max_length * 3 // 4)
     if max_length <= max_prompt_length:
         raise common.UserError(f"--max_prompt_length {max_prompt_length} must be below --max_length {max_length} to "
                                "leave room for the responses")
@@ -513,31 +557,34 @@ def resolve_lengths(args, model, rank):
 
 
 def load_data(args, tokenizer, rank):
-    """Training and evaluation pairs of every dataset of the mixture, tokenized. A dataset is evaluated on the whole of
-    its eval split (--eval_split; by default test, else validation), or where it has none, on --eval_holdout of its
-    training pairs held out by prompt, so that no prompt is in both; its mixture weight then takes its share of the
-    training pairs left."""
+    """Training and evaluation pairs of every dataset of the mixture, tokenized, each pair knowing its dataset, and
+    what each dataset is evaluated on. A dataset with an eval split (--eval_split; by default validation, else test)
+    is evaluated on the whole of it, its weight taking its share of the training pairs. The weighted training shares of
+    the others are pooled, and --eval_holdout of the pool held out by prompt; a held-out prompt is then trained on in
+    no dataset of the mixture (datasets may share pairs)."""
     mixer = common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
-    train_rows, eval_rows = [], []
+    train_rows, eval_rows, pool, eval_sets = [], [], [], {}
     for name, weight in mixer:
-        tried = [args.eval_split] if args.eval_split else ["test", "validation"]
+        tried = [args.eval_split] if args.eval_split else ["validation", "test"]
         split, evals = next(((s, rows) for s in tried if (rows := common.load_rows(name, args.dataset_config, s))
                              is not None), (None, None))
         train = [] if args.eval_only and evals else common.load_rows(name, args.dataset_config, args.train_split)
         if not train and not (args.eval_only and evals):
             raise common.UserError(f"{name}: no rows in split '{args.train_split}'"
                                    + (f" nor {' or '.join(repr(s) for s in tried)}" if args.eval_only else "") + "; pass --train_split")
-        if args.eval_only:
-            train, evals = [], evals or train
-        elif evals is None:
-            train, evals = hold_out_by_prompt(train, args.eval_holdout, args.seed, tokenizer)
-            if rank == 0:
-                print(f"{name}: no {' or '.join(repr(s) for s in tried)} split: holding out {len(evals)} training "
-                      f"pairs ({args.eval_holdout:.0%}) for eval, whole prompts, none in both")
-        elif rank == 0 and split != "test":
-            print(f"{name}: evaluating on its '{split}' split")
-        train_rows += common.take_share(train, weight, args.seed)
-        eval_rows += evals
+        if args.eval_only and evals is None:
+            split, evals, train = args.train_split, train, []
+        ours = lambda rows: [dict(r, _dataset=name) for r in rows]  # noqa: E731
+        if evals is None:
+            pool += ours(common.take_share(train, weight, args.seed))
+            eval_sets[name] = f"{args.eval_holdout:g} of its training pairs, held out by prompt"
+        else:
+            train_rows += ours(common.take_share(train, weight, args.seed))
+            eval_rows += ours(evals)
+            eval_sets[name] = f"split {split!r}"
+    if pool:
+        train_rows, held = hold_out_by_prompt(pool, args.eval_holdout, args.seed, tokenizer, train_rows)
+        eval_rows += held
     train, cut, dropped = tokenize_pairs(train_rows, tokenizer, args)
     if train_rows and not train:
         raise common.UserError(f"{' '.join(n for n, _ in mixer)}: all {len(train_rows)} training pairs were dropped: chosen and "
@@ -547,15 +594,18 @@ def load_data(args, tokenizer, rank):
     if not evals:
         raise common.UserError(f"{' '.join(n for n, _ in mixer)}: no evaluation pairs left after tokenization")
     if rank == 0:
+        count = collections.Counter(p["dataset"] for p in evals)
+        for name, on in eval_sets.items():
+            print(f"{name}: evaluating on {on} ({count[name]} pairs)")
         print(f"pairs: {len(train)} train, {len(evals)} eval; truncated {cut + cut_e}, dropped {dropped + dropped_e} "
               f"(identical after truncation); max_length {args.max_length}, max_prompt_length {args.max_prompt_length}")
-    return train, evals
+    return train, evals, eval_sets
 
 
-def hold_out_by_prompt(rows, fraction, seed, tokenizer):
+def hold_out_by_prompt(rows, fraction, seed, tokenizer, others=()):
     """(train, eval): about `fraction` of the rows for evaluation, whole prompts at a time (drawn at random by seed),
-    so that a dataset with several pairs per prompt leaks none into the evaluation. A dataset of one prompt is split
-    by row."""
+    so that a dataset with several pairs per prompt leaks none into the evaluation; train also holds the rows of
+    `others` (other datasets' training pairs) whose prompt is not held out. Rows of one prompt are split by row."""
     prompts = [common.split_pair(r, tokenizer, common.where(r))[0] for r in rows]
     order = list(dict.fromkeys(prompts))
     random.Random(seed).shuffle(order)
@@ -567,7 +617,10 @@ def hold_out_by_prompt(rows, fraction, seed, tokenizer):
             break
         held.add(p)
         n_held += count[p]
-    return [r for r, p in zip(rows, prompts) if p not in held], [r for r, p in zip(rows, prompts) if p in held]
+    if others and len(order) > 1:
+        others = [r for r in others if common.split_pair(r, tokenizer, common.where(r))[0] not in held]
+    return [r for r, p in zip(rows, prompts) if p not in held] + list(others), \
+        [r for r, p in zip(rows, prompts) if p in held]
 
 
 def tokenize_pairs(rows, tokenizer, args):
@@ -587,14 +640,19 @@ def tokenize_pairs(rows, tokenizer, args):
         n_truncated += cut
         if c != r:
             pairs.append({"prompt": p, "chosen": c, "rejected": r, "margin": float(margin),
+                          "dataset": row.get("_dataset"),
                           "gold": (row["gold_chosen"], row["gold_rejected"]) if row.get("gold_chosen") is not None else None})
     return pairs, n_truncated, len(rows) - len(pairs)
 
 
 def truncate_pair(prompt_ids, chosen_ids, rejected_ids, max_length, max_prompt_length, bos_id=None):
-    """The truncation policy: the prompt by common.truncate_prompt (ppo.py's rule for its prompts), then each response
-    cut so that prompt + response fits in max_length. Returns the three id lists and whether anything was cut."""
-    p = common.truncate_prompt(prompt_ids, max_prompt_length, bos_id)
+    """The truncation policy: a pair that fits max_length is kept whole; otherwise the prompt is cut by
+    common.truncate_prompt (ppo.py's rule for its prompts) to what the longer response leaves, but to no fewer than
+    max_prompt_length tokens, then each response cut so that prompt + response fits. (ppo.py's responses are always
+    allowed --response_length tokens, so there the same rule cuts at --max_prompt_length.) Returns the three id lists
+    and whether anything was cut."""
+    longest = max(len(chosen_ids), len(rejected_ids))
+    p = common.truncate_prompt(prompt_ids, max(max_prompt_length, max_length - longest), bos_id)
     c, r = chosen_ids[:max_length - len(p)], rejected_ids[:max_length - len(p)]
     return p, c, r, (len(p), len(c), len(r)) != (len(prompt_ids), len(chosen_ids), len(rejected_ids))
 
@@ -693,6 +751,9 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         raise NotImplementedError("attention sinks")
     rm_segments.calls.append(sliding_window)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    groups = query.shape[1] // key.shape[1]  # query heads per key/value head (grouped-query attention)
+    if groups > 1 and (softcap is not None or not sdpa_takes_groups_with_mask(query.device)):
+        key, value = (t.repeat_interleave(groups, 1) for t in (key, value))
     out = None  # (1, heads, tokens, head dim), in the attention's dtype (autocast may differ from the query's)
     for b, (s, e) in enumerate(rm_segments.blocks):  # slices stay 4D: 3D inputs miss the fused kernel on CPU
         q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
@@ -701,12 +762,18 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
                                                enable_gqa=q.shape[1] != k.shape[1])
         else:
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
             scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scaling / softcap)
             o = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(v.dtype) @ v
         out = o.new_empty(query.shape) if out is None else out
         out[:, :, s:e] = o
     return out.transpose(1, 2).contiguous(), None
+
+
+def sdpa_takes_groups_with_mask(device):
+    """Whether segment_attention hands SDPA grouped keys and values (enable_gqa) beside its boolean mask: not on CUDA,
+    where that pair can fall back to the math kernel (whole attention matrices: ~144 MB per 1,500-token pair and
+    layer), so keys and values are repeated per query head there, as transformers' own SDPA path does."""
+    return device.type != "cuda"
 
 
 def use_segment_attention(hf_model):
@@ -890,28 +957,47 @@ def all_gather_cat(t):
 # Logging, the final save, figures.
 
 
-def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world):
-    """The training statistics of the steps since the last log, averaged over them and over ranks, and the speed."""
+def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world, **memory):
+    """The training statistics of the steps since the last log, averaged over them and over ranks, and the speed (and
+    in the first log, memory/*)."""
     loss, accuracy, reward_gap, grad_norm, tokens = all_reduce_mean(
         [sum(s[k] for s in window) / len(window) for k in ("loss", "accuracy", "reward_gap", "grad_norm", "tokens")],
         device)
     tokens *= len(window) * world
     m = {"step": step, "epoch": step / steps_per_epoch, "train/loss": loss, "train/accuracy": accuracy,
          "train/reward_gap": reward_gap, "train/grad_norm": grad_norm, "lr": lr, "perf/tokens_per_s": tokens / elapsed,
-         "perf/pairs_per_s": len(window) * global_batch / elapsed}
+         "perf/pairs_per_s": len(window) * global_batch / elapsed, **memory}
     if logger is not None:
         logger.log(m)
         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / elapsed:.0f}")
         bar.write(common.format_metrics(m))
 
 
-def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank):
-    """The reward model in transformers' format with its normalization (the mean eval reward shifted to 0, optionally
-    its std scaled to 1), eval_results.json, the evaluation figure and a summary."""
+NORMALIZATION_PAIRS = 2048
+"""Training pairs the normalization is fitted on: the mean's standard error is then under 1/45 of the rewards' std."""
+
+
+def fit_normalization(model, train, args, pad_id, device, rank, world):
+    """reward_shift and reward_scale (see --reward_normalization), fitted on NORMALIZATION_PAIRS training pairs drawn by
+    seed (all, if fewer), never on the eval pairs, so that no held-out pair shapes the saved model; and what they were
+    fitted on."""
+    if args.reward_normalization == "none":
+        return {"reward_shift": 0.0, "reward_scale": 1.0, "reward_normalization_fitted_on": None}
+    pairs = random.Random(common.seed_of(args.seed, "normalization")).sample(train, min(len(train),
+                                                                                     NORMALIZATION_PAIRS))
+    model.eval()
+    fitted = evaluate(model, pairs, args, pad_id, device, rank, world)[0]
+    return {"reward_shift": fitted["eval/reward_mean"],
+            "reward_scale": fitted["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0,
+            "reward_normalization_fitted_on": f"{len(pairs)} training pairs"}
+
+
+def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank, record):
+    """The reward model in transformers' format with its normalization (record's reward_shift and reward_scale),
+    eval_results.json (with record), the evaluation figure and a summary."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    shift = ev["eval/reward_mean"] if args.reward_normalization != "none" else 0.0
-    scale = ev["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0
+    shift, scale = record["reward_shift"], record["reward_scale"]
     model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return
@@ -919,7 +1005,7 @@ def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args,
                               args.output_dir, shift, scale)
     logger.close()
     with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
-        write_results(ev, eval_rewards, [json.loads(line) for line in f], args, reward_shift=shift, reward_scale=scale)
+        write_results(ev, eval_rewards, [json.loads(line) for line in f], args, **record)
     summary = f"final eval accuracy {ev['eval/accuracy']:.4f}"
     if "eval/bayes_accuracy" in ev:
         summary += f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})"
@@ -945,14 +1031,15 @@ def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, 
     return hf_model
 
 
-def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout):
+def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets):
     model.eval()
     ev, rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
     if rank == 0:
         shift, scale = getattr(hf_model.config, "reward_shift", 0.0), getattr(hf_model.config, "reward_scale", 1.0)
         os.makedirs(args.output_dir, exist_ok=True)
         write_results(ev, rewards, [], args, num_pairs=len(evals), reward_shift=shift, reward_scale=scale,
-                      normalized_reward_mean=(ev["eval/reward_mean"] - shift) / scale, batch_layout=layout)
+                      normalized_reward_mean=(ev["eval/reward_mean"] - shift) / scale, batch_layout=layout,
+                      eval_sets=eval_sets)
         print(common.format_metrics(ev))
         print(f"evaluated {args.model_name_or_path} on {len(evals)} pairs: accuracy {ev['eval/accuracy']:.4f}; "
               f"eval_results.json and eval.png in {args.output_dir}")
@@ -971,7 +1058,8 @@ def write_results(ev, rewards, metrics, args, **extra):
 
 def plot_eval(path, rewards, metrics):
     """The reward model at a glance: chosen vs rejected reward histograms; a reliability diagram of P(chosen wins) =
-    sigmoid(r_c - r_r) (each pair in both orders, as calibration_error counts it); accuracy and loss over steps."""
+    sigmoid(r_c - r_r - margin) (each pair in both orders, as calibration_error counts it); accuracy and loss over
+    steps. rewards: per pair (r_chosen, r_rejected, margin), as evaluate returns them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -986,7 +1074,7 @@ def plot_eval(path, rewards, metrics):
     ax.set(title=f"Rewards on {len(rc)} eval pairs (accuracy {(rc > rr).mean():.3f})", xlabel="reward (logit)",
            ylabel="pairs")
     ax.legend()
-    p_chosen = torch.sigmoid(rewards[:, 0] - rewards[:, 1])
+    p_chosen = torch.sigmoid(rewards[:, 0] - rewards[:, 1] - rewards[:, 2])
     count, confidence, frequency = reliability(p_chosen)
     ax = axes[0, 1]
     ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")

@@ -247,6 +247,11 @@ def test_eval_only_reads_a_folder_with_a_test_split_alone_and_mixtures_with_some
     ev = rm.main(rm.Args(dataset_mixer_list=["embedded", "300", str(tmp_path / "data" / "test.jsonl"), "1.0"],
                          max_steps=2, per_device_train_batch_size=8, num_evals=1, output_dir=str(tmp_path / "mix")))
     assert 0.5 < ev["eval/bayes_accuracy"] < 1  # from the embedded pairs, the only ones with gold values
+    results = json.load(open(tmp_path / "mix" / "eval_results.json"))  # each dataset's numbers and eval set, recorded
+    test_file = str(tmp_path / "data" / "test.jsonl")
+    assert "embedded/bayes_accuracy" in results and f"{test_file}/accuracy" in results
+    assert results["eval_sets"] == {"embedded": "split 'validation'",
+                                    test_file: "0.1 of its training pairs, held out by prompt"}
 
 
 def test_a_tokenizer_loaded_as_the_wrong_class_is_named_before_any_pair_is_dropped(tmp_path):

@@ -1,7 +1,9 @@
+import collections
 import gzip
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -14,6 +16,7 @@ import torch
 import tyro
 from conftest import ROOT, assert_saved_models_equal, read_metrics, run_script
 from test_errors import snapshot
+from test_families import write_jsonl
 
 import common
 import rm
@@ -54,6 +57,19 @@ def test_preference_losses_match_formulas():
     for loss_type in ("sigmoid", "logexp"):
         got = rm.preference_loss(rc, rr, m, loss_type)
         assert torch.allclose(got, torch.tensor(expected), atol=1e-6), loss_type
+
+
+def test_logexp_and_sigmoid_losses_agree_in_value_and_gradient_at_any_reward_gap():
+    gap = torch.cat([torch.linspace(-150, 150, 301), torch.tensor([-1e4, 88.5, 1e4])])
+    values, grads = [], []
+    for loss_type in ("sigmoid", "logexp"):
+        r_chosen = gap.clone().requires_grad_()
+        loss = rm.preference_loss(r_chosen, torch.zeros_like(gap), torch.full_like(gap, 0.5), loss_type)
+        loss.sum().backward()
+        values.append(loss.detach()), grads.append(r_chosen.grad)
+    assert all(torch.isfinite(t).all() for t in values + grads)
+    assert torch.allclose(values[0], values[1], rtol=1e-6, atol=1e-6)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-6, atol=1e-6)
 
 
 def test_calibration_error_and_pearson_against_direct_computation():
@@ -146,6 +162,9 @@ def test_truncation_keeps_prompt_end_and_bos_and_caps_responses():
     p, c, r, cut = rm.truncate_pair(prompt[1:], chosen, rejected, max_length=7, max_prompt_length=4, bos_id=2)
     assert p == [11, 12, 13, 14] and c == [20, 21, 22]
     assert rm.truncate_pair([5], [6, 3], [7, 3], 10, 5) == ([5], [6, 3], [7, 3], False)
+    # the prompt is cut only where the pair would not fit, and only by what the longer response needs
+    assert rm.truncate_pair(prompt, [20, 3], [30], 8, 4, bos_id=2) == (prompt, [20, 3], [30], False)
+    assert rm.truncate_pair(prompt, [20, 3], [30], 7, 4, bos_id=2) == ([2, 11, 12, 13, 14], [20, 3], [30], True)
     # a pair whose responses are identical after truncation carries no preference: dropped and counted
     rows = [{"prompt": "User:", "chosen": " cat dog red", "rejected": " cat dog blue", "_source": "m", "_row": 0}]
     pairs, truncated, dropped = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=3, max_prompt_length=1))
@@ -199,6 +218,10 @@ def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, small_pairs_file):
     evals = {k: json.load(open(tmp_path / k / "eval_results.json")) for k in runs}
     assert evals["one"]["accuracy"] == evals["ddp"]["accuracy"] == evals["fsdp"]["accuracy"]
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForSequenceClassification")
+    for k, run in runs.items():  # the first log has the states rank 0 holds beside the plan's (FSDP: a half)
+        assert run[0]["memory/held_gb"] == pytest.approx(run[0]["memory/planned_gb"], rel=1e-6 if k != "fsdp" else
+                                                         0.02) and all("memory/held_gb" not in m for m in run[1:])
+    assert runs["fsdp"][0]["memory/planned_gb"] < 0.6 * runs["ddp"][0]["memory/planned_gb"]
 
 
 
@@ -214,7 +237,7 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
 
     hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
-    rows = common.embedded_pairs(16, seed=1)  # the first eval pairs
+    rows = common.embedded_pairs(16, seed=common.EMBEDDED_SPLITS["validation"])  # the first eval pairs
     pairs, _, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)], tok,
                                     rm.Args(max_length=512, max_prompt_length=384))
     ids, mask, _ = rm.collate(pairs, tok.pad_token_id)
@@ -224,7 +247,27 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     assert torch.allclose(ours, plain, atol=1e-5)
     rc, rr = ours.chunk(2)
     assert (rc > rr).float().mean() > 0.6
-    assert hf.config.reward_shift == pytest.approx(results["reward_mean"]) and hf.config.reward_scale == 1.0
+    assert hf.config.reward_shift == pytest.approx(results["reward_shift"]) and hf.config.reward_scale == 1.0
+
+
+def test_reward_normalization_is_fitted_on_the_training_pairs_not_the_eval_pairs(tmp_path, small_pairs_file):
+    """reward_shift and reward_scale are the mean and std of the saved model's rewards over the training pairs (all of
+    them here: fewer than rm.NORMALIZATION_PAIRS), computed again here from the saved model, in the padded batch."""
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "rm"
+    rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=6, num_evals=1, output_dir=str(out),
+                    reward_normalization="shift_scale"))
+    results = json.load(open(out / "eval_results.json"))
+    train, _, _ = rm.load_data(rm.Args(dataset_name=small_pairs_file, max_length=128, max_prompt_length=96), TOK, 0)
+    hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    ids, mask, _ = rm.collate(train, TOK.pad_token_id)
+    with torch.no_grad():
+        rewards = rm.RewardModel(hf)(ids, mask)
+    assert hf.config.reward_shift == pytest.approx(rewards.mean().item(), abs=1e-4)
+    assert hf.config.reward_scale == pytest.approx(rewards.std().item(), rel=1e-4)
+    assert results["reward_normalization_fitted_on"] == f"{len(train)} training pairs"
+    assert abs(results["reward_shift"] - results["reward_mean"]) > 1e-3  # the eval pairs' mean is another number
 
 
 def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_pairs_file, monkeypatch):
@@ -496,6 +539,35 @@ def test_packed_attention_honours_sliding_windows_softcapping_and_gqa(config_nam
     assert not torch.allclose(without_window, alone, atol=1e-3)  # the window changes the rewards: the test can fail
 
 
+def test_packed_gqa_attention_on_cuda_never_gives_sdpa_a_mask_with_grouped_heads(monkeypatch):
+    """On CUDA a boolean mask with enable_gqa can fall to the math kernel: there (the decision forced on this CPU)
+    keys and values are repeated per query head instead, and the rewards are the grouped computation's."""
+    from transformers import AutoModelForSequenceClassification, MistralConfig
+
+    config = MistralConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = rm.RewardModel(AutoModelForSequenceClassification.from_config(config)).eval()
+    rm.use_segment_attention(model.hf)
+    pairs, sdpa, calls = shared_prefix_pairs(6, seed=3), rm.F.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, enable_gqa=False, **kwargs):
+        calls.append((attn_mask is not None, enable_gqa, q.shape[1] == k.shape[1]))
+        return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, **kwargs)
+
+    monkeypatch.setattr(rm.F, "scaled_dot_product_attention", spy)
+    assert rm.sdpa_takes_groups_with_mask(torch.device("cpu"))
+    assert not rm.sdpa_takes_groups_with_mask(torch.device("cuda", 0))
+    with torch.no_grad():
+        grouped = model(*rm.pack_segments(pairs))
+        assert calls and all(c == (True, True, False) for c in calls)  # on a CPU: grouped heads beside the mask
+        calls.clear()
+        monkeypatch.setattr(rm, "sdpa_takes_groups_with_mask", lambda device: False)
+        repeated = model(*rm.pack_segments(pairs))
+    assert calls and all(c == (True, False, True) for c in calls)  # CUDA's choice: never both
+    assert torch.allclose(repeated, grouped, atol=1e-6)
+
+
 def test_a_model_whose_attention_cannot_be_packed_keeps_the_padded_batch(monkeypatch):
     model = tiny_reward_model("embedded-llama")
     monkeypatch.setattr(rm.RewardModel, "forward", lambda self, *a: torch.zeros(len(a[0]) if a[1] is not None else 8))
@@ -584,10 +656,30 @@ def test_each_mixed_dataset_is_evaluated_on_its_split_or_its_own_held_out_pairs(
             f.write(json.dumps({"prompt": "User:", "chosen": " red", "rejected": " blue"}) + "\n")
     args = rm.Args(dataset_mixer_list=[str(with_split), "1.0", str(alone), "1.0"], eval_holdout=0.2,
                    max_length=64, max_prompt_length=32)
-    train, evals = rm.load_data(args, TOK, 0)
+    train, evals, _ = rm.load_data(args, TOK, 0)
     red, cat = TOK.convert_tokens_to_ids("red"), TOK.convert_tokens_to_ids("cat")
     assert sum(p["chosen"][0] == red for p in evals) == 10 and sum(p["chosen"][0] == cat for p in evals) == 7
     assert len(train) == 40 + 40
+
+
+def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(tmp_path):
+    """Two datasets that share pairs: a prompt held out of one is trained on in neither. A dataset weighted 0.05 gives
+    evaluation about its share of the training mixture, not a tenth of all its rows."""
+    rng = random.Random(0)
+    shared = [{"prompt": f"User: tell me about {t} such as {w} Assistant:", "chosen": f" {rng.choice(common.WORDS)}",
+               "rejected": " gold"} for t in common.TOPICS for w in common.TOPICS[t] for _ in range(3)]
+    big = [{"prompt": f"User: {w} {v} Assistant:", "chosen": f" {w}", "rejected": " gold"}
+           for w in common.WORDS for v in common.WORDS[:40]]
+    files = [write_jsonl(tmp_path / f"{n}.jsonl", r) for n, r in (("a", shared), ("b", shared[::-1]), ("big", big))]
+    args = rm.Args(dataset_mixer_list=[files[0], "1.0", files[1], "1.0", files[2], "0.05"], max_length=64,
+                   max_prompt_length=32)
+    train, evals, eval_sets = rm.load_data(args, TOK, 0)
+    assert not {tuple(p["prompt"]) for p in train} & {tuple(p["prompt"]) for p in evals}
+    in_eval = collections.Counter(p["dataset"] for p in evals)
+    in_train = collections.Counter(p["dataset"] for p in train)
+    assert in_eval[files[2]] / len(evals) < 2 * in_train[files[2]] / len(train) and in_eval[files[2]] > 0
+    assert in_eval[files[0]] == in_eval[files[1]] > 0  # a held-out prompt takes its pairs out of both copies
+    assert set(eval_sets) == set(files) and "held out by prompt" in eval_sets[files[2]]
 
 
 def test_evaluation_with_fewer_pairs_than_ranks(tmp_path, small_pairs_file):
@@ -621,7 +713,8 @@ def test_eval_only_reproduces_the_final_evaluation_of_training(tmp_path, small_p
     evaluated = json.load(open(tmp_path / "eval" / "eval_results.json"))
     for key in ("accuracy", "loss", "reward_gap", "calibration_error", "length_correlation"):
         assert evaluated[key] == pytest.approx(trained[key], abs=1e-5), key
-    assert evaluated["normalized_reward_mean"] == pytest.approx(0.0, abs=1e-5)  # normalized on these very pairs
+    assert evaluated["normalized_reward_mean"] == pytest.approx(
+        (trained["reward_mean"] - trained["reward_shift"]) / trained["reward_scale"], abs=1e-5)
     assert (tmp_path / "eval" / "eval.png").stat().st_size > 10_000
     plain = tmp_path / "plain"
     model = AutoModelForSequenceClassification.from_pretrained(train_dir)
