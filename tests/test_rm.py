@@ -290,7 +290,8 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_
     shutil.copytree(tmp_path / "cut", tmp_path / "short")
     rm.main(rm.Args(output_dir=str(tmp_path / "cut"), resume=True, **args))
 
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
+                        for m in ms]
     assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))
     assert json.load(open(tmp_path / "cut" / "eval_results.json"))["loss"] == \
         json.load(open(tmp_path / "full" / "eval_results.json"))["loss"]
@@ -361,7 +362,8 @@ def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path,
     assert "--resume" in stderr.strip().splitlines()[-1] and not (cut / "model.safetensors").exists()
     rm.main(rm.Args(output_dir=str(cut), resume=True, **args))
     rm.main(rm.Args(output_dir=str(tmp_path / "full"), **args))
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
+                        for m in ms]
     assert strip(read_metrics(cut)) == strip(read_metrics(tmp_path / "full"))
     assert_saved_models_equal([cut, tmp_path / "full"], "AutoModelForSequenceClassification")
 
