@@ -13,7 +13,9 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
+import time
 import types
 import warnings
 
@@ -41,6 +43,9 @@ def exit_on_user_error(fn, *args):
         if torch.distributed.is_initialized():  # (left to the interpreter's exit, gloo aborts when a peer has gone)
             torch.distributed.destroy_process_group()
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it (stop_on_signals)
+        print("stopped at once by Ctrl-C; --resume continues from the last checkpoint, if any", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 
 def agreed(check):
@@ -739,6 +744,8 @@ class Logger:
 
     def __init__(self, args, project, resume_step=None):
         os.makedirs(args.output_dir, exist_ok=True)
+        if args.overwrite_output_dir:  # the run replacing an earlier one starts: --resume must never find its state
+            shutil.rmtree(os.path.join(args.output_dir, "checkpoints"), ignore_errors=True)
         self.file = open_log(os.path.join(args.output_dir, "metrics.jsonl"), resume_step)
         self.wandb = self.tensorboard = None
         if args.track:
@@ -781,6 +788,98 @@ class Logger:
 
 def format_metrics(m):
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A run's life in its --output_dir: an earlier run's results and checkpoints are never replaced unasked; --resume of a
+# finished run does nothing; SIGINT and SIGTERM end a run at a step boundary with a checkpoint it resumes from.
+
+
+def finished_steps(output_dir):
+    """The last step of the finished run in output_dir (its metrics.jsonl, named so when the run ends), or None."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.exists(path) or os.path.exists(path + RUNNING):  # a later run's log is open: it did not finish
+        return None
+    with open(path) as f:
+        return max((json.loads(line).get("step", 0) for line in f), default=0)
+
+
+def check_output_dir(args, rank):
+    """Before anything is loaded: an --output_dir that holds a finished run or checkpoints is written into only with
+    --resume (continue it) or --overwrite_output_dir (replace it); --resume with nothing to resume says so."""
+    held = "a finished run" if finished_steps(args.output_dir) is not None else \
+        "checkpoints" if latest_checkpoint(args.output_dir) else None
+    if args.resume and args.overwrite_output_dir:
+        raise UserError("--resume continues the run in --output_dir and --overwrite_output_dir replaces it: pass one")
+    if held and not (args.resume or args.overwrite_output_dir):
+        raise UserError(f"--output_dir {args.output_dir} holds {held}: pass --resume to continue it, "
+                        "--overwrite_output_dir to replace it, or another --output_dir")
+    if args.resume and held is None and rank == 0:
+        print(f"--resume: no checkpoint in {args.output_dir}; starting from the first step")
+
+
+def run_complete(args, total, rank):
+    """Whether --resume finds the run finished at or past its `total` steps (said in one line: nothing to do). A
+    finished run with no checkpoint to continue it to a larger total is refused (training afresh would replace it)."""
+    finished = finished_steps(args.output_dir) if args.resume else None
+    if finished is not None and finished < total and latest_checkpoint(args.output_dir) is None:
+        raise UserError(f"--resume: {args.output_dir} holds a run finished at step {finished} and no checkpoint to "
+                        f"continue it to step {total}; pass --overwrite_output_dir to train afresh, or another "
+                        "--output_dir")
+    if finished is None or finished < total:
+        return False
+    if rank == 0:
+        print(f"{args.output_dir}: the run is complete (step {finished} of {total}); nothing to do")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return True
+
+
+STOP = {}  # the signal that asked this process to stop at the next step boundary (set by stop_on_signals' handler)
+SAVE_EVERY_S = 1800  # the default checkpoint cadence (--save_steps unset): 30 minutes of training
+
+
+def stop_on_signals():
+    """From here on, SIGINT (Ctrl-C) and SIGTERM (a cluster's notice before it preempts a job) end the run at the next
+    step boundary, with a checkpoint (step_end); a second SIGINT stops at once."""
+    def ask(signum, frame):
+        if STOP:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return  # SIGTERM again (a scheduler and torchrun may both send it): the stop is already on its way
+        STOP["signal"] = signum
+        if int(os.environ.get("RANK", 0)) == 0:  # os.write: a print could re-enter a write the signal interrupted
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C "
+                        "again to stop at once)\n".encode())
+    STOP.clear()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, ask)
+
+
+def step_end(step, save_steps, last_save, device):
+    """(save, stop) after a step, agreed by every rank in one all-reduce of their flags, so that no rank waits in a
+    collective the others skip: save every save_steps steps (None: once SAVE_EVERY_S seconds have passed since
+    last_save; 0: never), and whenever the run stops; stop (the signal's number, else 0) once any rank got one."""
+    due = step % save_steps == 0 if save_steps else save_steps is None and time.time() - last_save >= SAVE_EVERY_S
+    flags = torch.tensor([float(due), float(STOP.get("signal", 0))], device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    stop = int(flags[1].item())
+    return bool(flags[0].item()) or stop > 0, stop
+
+
+def exit_stopped(signum, step, args, rank, bar):
+    """The end of a run stopped by a signal once its checkpoint is saved: one line saying how to resume, then every
+    rank exits together with 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as a shell reports it. The
+    log stays metrics.jsonl.running, which --resume continues."""
+    bar.close()
+    if rank == 0:
+        print(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved in {args.output_dir}: "
+              "run the same command with --resume to continue", file=sys.stderr, flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.exit(128 + signum)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

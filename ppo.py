@@ -37,6 +37,7 @@ import random
 import runpy
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Literal
 
@@ -186,11 +187,17 @@ class Args:
     """Print and save a table of sample completions every this many updates."""
     num_samples: int = 4
     """Rows in each sample table."""
-    save_steps: int = 0
-    """Write a resumable checkpoint every this many updates (0: never)."""
+    save_steps: int | None = None
+    """Write a resumable checkpoint every this many updates (default: one every 30 minutes of training; 0: none).
+    Ctrl-C (SIGINT) or SIGTERM ends a run after its current update with a checkpoint, whatever this is (exit 130 /
+    143)."""
     resume: bool = False
-    """Continue from the latest checkpoint in --output_dir, at the episodes it had trained (on any number of ranks; a
-    global batch that does not divide them is refused, naming the flags that keep the saved one)."""
+    """Continue from the latest checkpoint in --output_dir, at the episodes it had trained (none: start from the first
+    update; a finished run: nothing to do; on any number of ranks, a global batch that does not divide them refused,
+    naming the flags that keep the saved one)."""
+    overwrite_output_dir: bool = False
+    """Train afresh in an --output_dir that holds a finished run or checkpoints (refused without this or --resume):
+    its checkpoints are deleted when training starts, its other files replaced as this run writes them."""
     track: bool = False
     """Log to Weights & Biases (works with WANDB_MODE=offline)."""
     tensorboard: bool = False
@@ -685,6 +692,9 @@ def main(args):
     if batch_size % args.num_samples_per_prompt:
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
                                f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
+    common.check_output_dir(args, rank)
+    if common.run_complete(args, num_updates, rank):
+        return None
 
     tokenizer = load_tokenizer(args)
     stop_id = stop_token_id(args, tokenizer)
@@ -711,6 +721,8 @@ def main(args):
 
     orders, collective = {}, args.fsdp and world > 1  # under FSDP every rank must make the same forward calls
     bar = tqdm(range(start, num_updates), disable=rank != 0, initial=start, total=num_updates, desc="ppo")
+    t_saved = time.time()
+    common.stop_on_signals()
     for update in bar:
         t0 = time.time()
         # 1. Rollout: this rank's contiguous share of the update's episodes, each with its own sampling stream.
@@ -760,9 +772,13 @@ def main(args):
                                           "gold/std") if k in m})
         if rank == 0:
             log_update(logs, bar, m, update == num_updates - 1, args, tokenizer, batch)
-        if args.save_steps and (update + 1) % args.save_steps == 0 and update + 1 < num_updates:
+        save, stop = common.step_end(update + 1, args.save_steps, t_saved, device)
+        if save and update + 1 < num_updates:
             common.save_training(trainable, optimizer, scheduler, update + 1, rank, args.output_dir, kl_coef=kl_coef,
                                  history=history, global_batch=batch_size)
+            t_saved = time.time()
+        if stop and update + 1 < num_updates:
+            common.exit_stopped(stop, update + 1, args, rank, bar)
 
     save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
@@ -1178,8 +1194,10 @@ def load_reward_fn(spec):
 def call_reward_fn(reward, prompts, responses):
     try:
         out = list(reward.fn(prompts, responses))
-    except Exception as e:
-        raise common.UserError(f"--reward_fn {reward.fn_name} raised {type(e).__name__}: {e}") from None
+    except Exception as e:  # the user's own code: its traceback (from the function in), then where it was called
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        raise common.UserError(f"--reward_fn {reward.fn_name} raised {type(e).__name__}: {e} (traceback above; called "
+                               f"by ppo.py's score() on {len(prompts)} prompts and responses)") from None
     bad = next((i for i, v in enumerate(out) if isinstance(v, bool) or not isinstance(v, (int, float))
                 or not math.isfinite(v)), None)
     if len(out) != len(prompts) or bad is not None:

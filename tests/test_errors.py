@@ -81,7 +81,8 @@ def test_bad_input_is_one_line_and_leaves_earlier_work_intact(case, tmp_path, sa
     out = tmp_path / "out"
     shutil.copytree(saved_run, out)
     before = snapshot(out)
-    argv = ["--dataset_name", data, "--output_dir", str(out), *flags]
+    # --overwrite_output_dir: the earlier run is replaced only once training starts, never by a run that stops before
+    argv = ["--dataset_name", data, "--output_dir", str(out), "--overwrite_output_dir", *flags]
     if case == "zero batch":  # as a user runs it: a process of its own
         proc = run_script(["rm.py", *argv], check=False)
         code, stderr = proc.returncode, proc.stderr
@@ -141,8 +142,9 @@ def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tm
 
 def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, saved_run, small_pairs_file,
                                                                  monkeypatch):
-    """A new run into a folder holding a finished one logs under its own name until it finishes: stopped half-way, it
-    leaves the earlier run's model, results and logs byte for byte, not its model beside a new metrics.jsonl."""
+    """A new run into a folder holding a finished one (--overwrite_output_dir) logs under its own name until it
+    finishes: stopped half-way, it leaves the earlier run's model, results and logs byte for byte, not its model
+    beside a new metrics.jsonl (the earlier checkpoints are gone: --resume must not continue the earlier run)."""
     out = tmp_path / "out"
     shutil.copytree(saved_run, out)
     before = snapshot(out)
@@ -156,9 +158,10 @@ def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, save
     monkeypatch.setattr(rm, "preference_loss", poisoned)
     with pytest.raises(common.UserError, match="step 3: the gradient norm is nan"):
         rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=4, logging_steps=1, num_evals=1,
-                        per_device_train_batch_size=8, output_dir=str(out)))
+                        per_device_train_batch_size=8, output_dir=str(out), overwrite_output_dir=True))
     after = snapshot(out)
-    assert {k: v for k, v in after.items() if k in before} == before
+    before = {k: v for k, v in before.items() if not k.startswith("checkpoints")}
+    assert {k: v for k, v in after.items() if k in before} == before and not (out / "checkpoints").exists()
     assert set(after) - set(before) == {"metrics.jsonl.running"}
     assert [json.loads(line)["step"] for line in after["metrics.jsonl.running"].splitlines()] == [1, 2]
 
