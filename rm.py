@@ -129,10 +129,17 @@ class Args:
     """Evaluations evenly spread over training, the last at its end (at most one per step)."""
     logging_steps: int = 50
     """Log train metrics every this many steps."""
-    save_steps: int = 0
-    """Write a resumable checkpoint every this many steps (0: never)."""
+    save_steps: int | None = None
+    """Write a resumable checkpoint every this many steps (default: one every 30 minutes of training; 0: none).
+    Ctrl-C (SIGINT) or SIGTERM ends a run after its current step with a checkpoint, whatever this is (exit 130 /
+    143)."""
     resume: bool = False
-    """Continue from the latest checkpoint in --output_dir."""
+    """Continue from the latest checkpoint in --output_dir, at the pairs it had trained (none: start from the first
+    step; a finished run: nothing to do; on any number of ranks, a global batch that does not divide them refused,
+    naming the flags that keep the saved one)."""
+    overwrite_output_dir: bool = False
+    """Train afresh in an --output_dir that holds a finished run or checkpoints (refused without this or --resume):
+    its checkpoints are deleted when training starts, its other files replaced as this run writes them."""
     track: bool = False
     """Log to Weights & Biases (works with WANDB_MODE=offline)."""
     tensorboard: bool = False
@@ -362,6 +369,8 @@ def main(args):
     if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
         return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
     rank, world, device = setup_distributed()
+    common.check_shared_output_dir(args.output_dir, rank)
+    common.check_output_dir(args, rank)
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
 
@@ -378,6 +387,8 @@ def main(args):
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
     evals_at = {*range(args.eval_steps, total_steps, args.eval_steps), total_steps} if args.eval_steps else \
         {math.ceil(k * total_steps / args.num_evals) for k in range(1, args.num_evals + 1)}  # the last one at the end
+    if not args.eval_only and common.run_complete(args, total_steps, rank):
+        return None
     if len(evals_at) < args.num_evals and not (args.eval_steps or args.eval_only) and rank == 0:
         print(f"--num_evals {args.num_evals}: {len(evals_at)}, one after each of the {total_steps} steps")
 
@@ -389,10 +400,16 @@ def main(args):
     if args.eval_only:
         return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets)
     optimizer, scheduler = build_optimizer(model, args, total_steps)
-    start_step = 0
-    if args.resume and (ckpt := common.resume_training(model, optimizer, scheduler, args.output_dir)):
-        start_step = ckpt["step"]
-    logger = common.Logger(args, args.wandb_project, start_step if args.resume else None) if rank == 0 else None
+
+    def step_of(ckpt):  # progress is in pairs, whole epochs and then into one (the saving run's batch may differ)
+        epoch, offset = divmod(ckpt["step"], len(train) // ckpt["global_batch"])
+        return epoch * steps_per_epoch + common.step_at(offset * ckpt["global_batch"], ckpt["global_batch"], args,
+                                                        world, "pairs of its epoch", counts_steps=args.max_steps > 0)
+
+    start_step, saved = 0, None
+    if args.resume and (resumed := common.resume_training(model, optimizer, scheduler, args.output_dir, step_of)):
+        start_step, saved = resumed[0], resumed[1]["step"]  # (saved: in the saving run's steps, maybe of another size)
+    logger = common.Logger(args, args.wandb_project, saved) if rank == 0 else None
     if rank == 0:
         n_trained = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
         mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
@@ -403,12 +420,14 @@ def main(args):
               f"{world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
               f"({total_steps / steps_per_epoch:.2f} epochs); lr {optimizer.param_groups[0]['initial_lr']:g}, "
               f"{args.lr_scheduler_type}, warmup {args.warmup_steps or int(args.warmup_ratio * total_steps)}"
-              + (f"; resumed from step {start_step}" if start_step else ""))
+              + (f"; resumed from step {start_step}" if start_step else "")
+              + (" (at or past the total: the final evaluation and save remain)" if start_step >= total_steps else ""))
 
     # 3. Training loop: per step, one fused forward per micro-batch, Bradley-Terry loss, one optimizer step.
     model.train()
     bar = tqdm(range(start_step, total_steps), disable=rank != 0, initial=start_step, total=total_steps, desc="rm")
-    window, t_window = [], time.time()
+    window, t_window, t_saved, ev = [], time.time(), time.time(), None
+    common.stop_on_signals()
     for step in bar:
         epoch, offset = divmod(step, steps_per_epoch)
         if step == start_step or offset == 0:  # the epoch's order depends only on (seed, epoch): resumable anywhere
@@ -444,9 +463,16 @@ def main(args):
             if rank == 0:
                 logger.log(ev)
                 bar.write(common.format_metrics(ev))
-        if args.save_steps and done % args.save_steps == 0 and done < total_steps:
-            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir)
+        save, stop = common.step_end(done, args.save_steps, t_saved, device)
+        if save and done < total_steps:
+            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir, global_batch=global_batch)
+            t_saved = time.time()
+        if stop and done < total_steps:
+            common.exit_stopped(stop, done, args, rank, bar)
         t_window += time.time() - t_pause
+    if ev is None:  # resumed at or past the total: no step ran, so its evaluation too
+        model.eval()
+        ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
 
     # 5. Normalize (shift the mean reward of training pairs to 0, optionally scale its std to 1) and save in
     # transformers' format.
@@ -834,7 +860,7 @@ def choose_layout(model, args, vocab_size, rank=0):
     if not model.takes_position_ids:
         return padded, "padded: the model takes no position ids (ALiBi or recurrent), so packed sequences would get " \
                        "wrong positions"
-    why_not = [packed_layout_fault(model, args, vocab_size) if rank == 0 else None]
+    why_not = [common.agreed(lambda: packed_layout_fault(model, args, vocab_size) if rank == 0 else None)]
     if dist.is_initialized():
         dist.broadcast_object_list(why_not, src=0)
     if why_not[0]:
