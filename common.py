@@ -120,6 +120,13 @@ def check_source(name, flag, repo_type="model"):
         raise UserError(f"{missing}; check the path")
     if os.path.isdir(os.path.join(constants.HF_HUB_CACHE, f"{repo_type}s--{name.replace('/', '--')}")):
         return
+    if repo_type == "dataset":  # prepared once by `datasets` (offline clusters): its own cache, as its loader names it
+        from datasets import config
+        from datasets.naming import camelcase_to_snakecase
+
+        *owner, dataset = name.split("/")
+        if os.path.isdir(os.path.join(config.HF_DATASETS_CACHE, "___".join([*owner, camelcase_to_snakecase(dataset)]))):
+            return
     if huggingface_hub.is_offline_mode():
         raise UserError(f"{missing}, and not in the hub cache (HF_HUB_OFFLINE is set); pass a local path")
     try:

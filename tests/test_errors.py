@@ -409,3 +409,19 @@ def test_a_full_disk_on_one_rank_during_a_sharded_checkpoint_is_one_line_on_ever
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr
     assert proc.stderr.count("checkpoints: no room to save") == 2 and "CheckpointException" not in proc.stderr
     assert snapshot(tmp_path / "checkpoints") == before  # no step_00000004.tmp; step 2 whole, still latest
+
+
+def test_a_dataset_prepared_in_datasets_own_cache_is_found_offline(tmp_path, monkeypatch):
+    """Offline clusters prepare a hub dataset once with `datasets` and read it from its cache: the name check finds it
+    there (the folder `datasets` names it by) and still refuses a name that is in neither cache."""
+    import huggingface_hub
+    from datasets import config
+
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)
+    monkeypatch.setattr(config, "HF_DATASETS_CACHE", str(tmp_path))
+    (tmp_path / "Anthropic___hh-rlhf").mkdir()
+    (tmp_path / "trl-lib___my_prefs").mkdir()  # "MyPrefs", as its loader names it: snake case
+    common.check_source("Anthropic/hh-rlhf", "--dataset_name", "dataset")
+    common.check_source("trl-lib/MyPrefs", "--dataset_name", "dataset")
+    with pytest.raises(common.UserError, match="not in the hub cache"):
+        common.check_source("Anthropic/other", "--dataset_name", "dataset")
