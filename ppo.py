@@ -1177,8 +1177,15 @@ def load_reward(args, tokenizer, skeleton=False):
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     config = common.without_dropout(common.load_pretrained(AutoConfig, path, "--reward_model_path"))
-    if common.adapter_base(path):  # a reward adapter's base config is its causal LM's; the head it saved is a scalar
+    adapter = common.adapter_base(path)
+    if adapter:  # a reward adapter's base config is its causal LM's; the head it saved is a scalar
         config.num_labels = 1
+    if not common.adapter_holds_head(path) if adapter else \
+            not any("SequenceClassification" in a for a in config.architectures or ["SequenceClassification"]):
+        # transformers would give it a head at random: a reward of noise, trained on without a word
+        raise common.UserError(f"--reward_model_path {path}: not a reward model (no trained scalar head: "
+                               f"{'an adapter without one' if adapter else config.architectures[0]}); train one with "
+                               "rm.py, or pass --reward_fn")
     if config.num_labels != 1:
         raise common.UserError(f"--reward_model_path {path}: the model has {config.num_labels} labels; a reward model "
                                "has one (a scalar)")

@@ -136,6 +136,22 @@ def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_document
         assert 1.5 < hf.score.weight.std().item() < 6, task  # --head_init_std, not transformers' 0.02
 
 
+def test_ppo_refuses_a_reward_model_without_a_trained_head(family_dir, tmp_path):
+    """A causal LM, or an SFT adapter, as --reward_model_path: transformers would give it a head drawn at random (a
+    reward of noise, trained on without a word); ppo.py stops in one line instead."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    sft = family_dir("llama")
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(sft), LoraConfig(r=4, target_modules=["q_proj"],
+                                                                                   task_type="CAUSAL_LM"))
+    adapter.save_pretrained(tmp_path / "adapter")
+    tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=sft))
+    for path in (sft, str(tmp_path / "adapter")):
+        with pytest.raises(common.UserError, match="not a reward model"):
+            ppo.load_reward(ppo.Args(sft_model_path=sft, reward_model_path=path), tokenizer)
+
+
 def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike(family_dir, tmp_path):
     out = tmp_path / "rm"
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 96))
