@@ -160,7 +160,8 @@ def gold_reward(prompt, response):
     words = [w for w in response.split() if w != "<eos>"]
     if not words:
         return NON_WORD_VALUE
-    vals = [WORD_VALUE[w] + (TOPIC_OF[w] == topic) if w in WORD_VALUE else NON_WORD_VALUE for w in words]
+    vals = [WORD_VALUE[w] + (TOPIC_OF[w] == topic) if w in WORD_VALUE and w not in words[:i] else NON_WORD_VALUE
+            for i, w in enumerate(words)]
     return sum(vals) / len(vals)
 
 
