@@ -155,12 +155,14 @@ def prompt_topic(prompt):
 
 
 def gold_reward(prompt, response):
-    """The task's true reward: mean over response words of value(word) + 1[word is of the asked topic]."""
+    """The task's true reward: mean over response words of value(word) + 1[word is of the asked topic], a word said
+    again worth 0. Repetition is rare in the preference pairs and costs them little, so a reward model can miss it,
+    and a policy can find it: the direction the proxy rewards and the gold does not (Gao et al. 2022, sec. 4)."""
     topic = prompt_topic(prompt)
     words = [w for w in response.split() if w != "<eos>"]
     if not words:
         return NON_WORD_VALUE
-    vals = [WORD_VALUE[w] + (TOPIC_OF[w] == topic) if w in WORD_VALUE and w not in words[:i] else NON_WORD_VALUE
+    vals = [0.0 if w in words[:i] else WORD_VALUE[w] + (TOPIC_OF[w] == topic) if w in WORD_VALUE else NON_WORD_VALUE
             for i, w in enumerate(words)]
     return sum(vals) / len(vals)
 
