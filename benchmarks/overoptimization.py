@@ -13,7 +13,7 @@ their order; of the initial policy and of every sample):
      scored by every reward model and by the gold reward. The gold (and proxy) score of the response the proxy ranks
      first among n drawn without replacement from the pool, in expectation over the draws: sorting a prompt's pool by
      proxy score, the i-th lowest (1-based) is the best of n with probability C(i-1, n-1) / C(N, n) (the paper's
-     unbiased estimator, appendix I). Its KL to the initial policy is log n - (n-1)/n.
+     unbiased estimator). Its KL to the initial policy is log n - (n-1)/n.
   3. RL: `ppo.py` against each reward model, and against the gold reward itself (the ceiling), with no KL penalty
      (as the paper's main runs: the KL travelled is the x axis); every 4 updates (128 episodes) one point: the mean
      gold score, the mean proxy score and d = sqrt(mean KL to the initial policy).
