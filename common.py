@@ -957,8 +957,14 @@ def resume_training(model, optimizer, scheduler, output_dir):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The memory plan: what each model's states take per GPU, from its shape alone (built on the meta device: no weights,
-# no memory), printed before any weight is loaded, and a run that cannot fit stopped with the flags that would fit it.
+# The memory plan: what each model's states take per GPU, and what each phase holds beside them (a gathered policy,
+# the KV cache, a micro-batch's activations), from the models' shapes alone (built on the meta device: no weights, no
+# memory), printed before any weight is loaded, and a run that cannot fit stopped with the flags that would fit it.
+
+PLAN_FRACTION = 0.9
+"""The one threshold: a plan whose peak passes this share of the GPU's memory is stopped, and the flags it suggests
+peak within it. The rest is for what no row counts: the CUDA context, the allocator's fragmentation, FSDP's gathered
+blocks and the optimizer step's temporaries."""
 
 
 @dataclasses.dataclass
@@ -981,6 +987,14 @@ class Planned:
         frozen = self.parameters - self.trained - self.frozen_in_float32
         return {"weights": (frozen * self.frozen_bytes + (self.frozen_in_float32 + self.trained) * 4) / self.shards,
                 "gradients": self.trained * 4 / self.shards, "AdamW": self.trained * 8 / self.shards}
+
+
+@dataclasses.dataclass
+class Transient:
+    """What one phase ("rollout" or "learning") holds on each rank's GPU beside the models' states."""
+    name: str
+    phase: str
+    size: float
 
 
 def shard_from_rank0(model, shard, device, host=False):
@@ -1045,7 +1059,7 @@ def model_config(path, vocab_size=None):
     from transformers import AutoConfig
 
     if path.startswith("embedded-"):
-        return embedded_model_config(path, vocab_size)
+        return embedded_model_config(path, vocab_size or len(embedded_tokenizer()))
     return load_pretrained(AutoConfig, adapter_base(path) or path, path)
 
 
@@ -1093,47 +1107,125 @@ def lora_shape(args):
     return (args.lora_r, args.lora_alpha, tuple(args.lora_target_modules)) if args.lora_r else None
 
 
-def plan_bytes(models):
+@functools.cache
+def block_shape(path, kind, vocab_size=None):
+    """(blocks, hidden size, values per token and block a training forward keeps for its backward at the compute
+    dtype, and at the residual stream's) of the model at path, from its meta-device modules: the attention's query,
+    keys and values (one head per query head), its output and the output projection's input (SDPA's fused kernels keep
+    no attention matrix); the MLP's up-projections, twice (their outputs and the activation's); each norm's output at
+    the compute dtype, its input (and an RMSNorm's normalised input) at the residual stream's."""
+    model = meta_from_config(path, kind, vocab_size)
+    config, h = model.config, model.config.hidden_size
+    heads = config.num_attention_heads
+    kv, d = getattr(config, "num_key_value_heads", None) or heads, getattr(config, "head_dim", None) or h // heads
+    blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) ==
+                  config.num_hidden_layers)
+    outputs = sum(getattr(m, "out_features", 0) or getattr(m, "nf", 0) for m in blocks[0].modules())
+    up = outputs - (heads + 2 * kv) * d - 2 * h  # all but q, k, v and the two projections back to the hidden size
+    norms = [type(m).__name__.lower() for m in blocks[0].modules() if "norm" in type(m).__name__.lower()
+             and getattr(m, "weight", None) is not None and m.weight.numel() == h]  # (not per-head q/k norms)
+    return len(blocks), h, 5 * heads * d + 2 * up + len(norms) * h, sum(2 if "rms" in n else 1 for n in norms) * h
+
+
+def activation_bytes(path, kind, vocab_size, tokens, compute_bytes, residual_bytes, checkpointing):
+    """The bytes a training forward over `tokens` tokens keeps for its backward (block_shape); with activation
+    checkpointing, each block's input, and one block's activations while it is recomputed."""
+    blocks, h, compute, residual = block_shape(path, kind, vocab_size)
+    block = compute * compute_bytes + residual * residual_bytes
+    return tokens * (blocks * h * residual_bytes + block if checkpointing else blocks * block)
+
+
+def kv_cache_bytes(path, sequences, length, dtype_bytes, vocab_size=None):
+    """A KV cache of `sequences` x `length` tokens: keys and values of every layer's key/value heads."""
+    c = model_config(path, vocab_size)
+    kv, d = getattr(c, "num_key_value_heads", None) or c.num_attention_heads, getattr(c, "head_dim", None) or \
+        c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv * d * sequences * length * dtype_bytes
+
+
+def plan_bytes(rows):
     """The bytes the models' states take on each rank's device: those held there, and the largest replica kept on the
     host (it is copied in whole while it computes)."""
+    models = [m for m in rows if isinstance(m, Planned)]
     on_device = sum(sum(m.bytes().values()) for m in models if not m.on_host)
     return on_device + max((sum(m.bytes().values()) for m in models if m.on_host and m.shards == 1), default=0)
 
 
-def plan_table(models, world):
-    """The plan as a small table: per model and in total, GB per rank of weights, gradients and AdamW state."""
-    unit, scale = ("GB", 1e9) if plan_bytes(models) >= 1e9 else ("MB", 1e6)
-    lines = [f"memory plan per rank ({world} rank{'s' if world > 1 else ''}; {unit}, before activations):",
+def plan_peaks(rows):
+    """Each phase's peak per rank: the states, and what the phase holds beside them."""
+    phases = dict.fromkeys(r.phase for r in rows if isinstance(r, Transient)) or {"learning": 0}
+    return {p: plan_bytes(rows) + sum(r.size for r in rows if isinstance(r, Transient) and r.phase == p)
+            for p in phases}
+
+
+def plan_table(rows, world, capacity=None):
+    """The plan as a small table: per model and in total, GB per rank of weights, gradients and AdamW state; each
+    phase's rows and peak; the host memory loading takes."""
+    lines = [f"memory plan per rank ({world} rank{'s' if world > 1 else ''}; GB):",
              f"  {'model':<18}{'params':>9}{'weights':>9}{'grads':>9}{'AdamW':>9}{'total':>9}"]
-    for m in models:
+    for m in (m for m in rows if isinstance(m, Planned)):
         b = m.bytes()
-        lines.append(f"  {m.name:<18}{m.parameters / 1e6:>8.1f}M" + "".join(f"{v / scale:>9.2f}" for v in b.values())
-                     + f"{sum(b.values()) / scale:>9.2f}" + (" (host memory)" if m.on_host else ""))
-    lines.append(f"  {'total on the device':<18}{'':>35}{plan_bytes(models) / scale:>9.2f}")
+        lines.append(f"  {m.name:<18}{m.parameters / 1e6:>8.1f}M" + "".join(f"{v / 1e9:>9.2f}" for v in b.values())
+                     + f"{sum(b.values()) / 1e9:>9.2f}" + (" (host memory)" if m.on_host else ""))
+    row = lambda label, size: f"  {label:<54}{size / 1e9:>9.2f}"  # noqa: E731
+    lines.append(row("states on the device", plan_bytes(rows)))
+    for phase, peak in plan_peaks(rows).items():
+        lines += [row(f"{phase}: {r.name}", r.size) for r in rows if isinstance(r, Transient) and r.phase == phase]
+        lines.append(row(f"{phase} peak", peak))
+    host = sum(m.parameters * 4 for m in rows if isinstance(m, Planned))
+    lines.append(f"  host memory while loading: up to {host / 1e9:.1f} GB on "
+                 + ("rank 0 (it builds each model whole in float32, then broadcasts into the shards)" if any(
+                     m.shards > 1 for m in rows if isinstance(m, Planned)) else "each rank (a replica each)"))
+    if capacity:
+        peak = max(plan_peaks(rows).values())
+        lines.append(f"  {'fits' if peak <= PLAN_FRACTION * capacity else 'does not fit'}: {PLAN_FRACTION:.0%} of a "
+                     f"{capacity / 1e9:.1f} GB GPU is {PLAN_FRACTION * capacity / 1e9:.1f} GB")
     return "\n".join(lines)
 
 
 def check_memory_plan(plan, args, world, device, rank):
-    """Print the plan (plan(args, world) -> [Planned]); on a GPU whose memory the planned states alone exceed, stop
-    with the first of these that fits in 80% of it (room for activations): --fsdp, --bf16, LoRA, more ranks."""
-    models = plan(args, world)
+    """Print the plan (plan(args, world) -> Planned and Transient rows); where a phase's peak passes PLAN_FRACTION of
+    the GPU's memory, stop with the first of these whose peaks fit: --gradient_checkpointing, --fsdp, --bf16, LoRA,
+    more ranks. --plan_only: the plan for --plan_world_size GPUs of --plan_gpu_memory_gb, with no GPU needed."""
+    if args.plan_only:
+        world, capacity = args.plan_world_size, args.plan_gpu_memory_gb * 1e9
+    else:
+        capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    rows = plan(args, world)
     if rank == 0:
-        print(plan_table(models, world))
-    if device.type != "cuda":
-        return models
-    capacity = torch.cuda.get_device_properties(device).total_memory
-    if plan_bytes(models) > capacity:
-        r, lora = dataclasses.replace, args.lora_r or 16
-        alternatives = [("--fsdp", r(args, fsdp=True), world), ("--fsdp --bf16", r(args, fsdp=True, bf16=True), world),
-                        (f"--lora_r {lora} --bf16", r(args, lora_r=lora, bf16=True), world),
-                        (f"--lora_r {lora} --fsdp --bf16", r(args, lora_r=lora, fsdp=True, bf16=True), world)]
-        alternatives += [(f"--fsdp --bf16 on {n} ranks", r(args, fsdp=True, bf16=True), n) for n in (8, 16, 32, 64)
-                         if n > world]
-        fits = [flags for flags, a, w in alternatives if plan_bytes(plan(a, w)) < 0.8 * capacity]
-        raise UserError(f"the models' states need {plan_bytes(models) / 1e9:.1f} GB per GPU ({world} ranks; the plan "
-                        f"above) and the GPU has {capacity / 1e9:.1f} GB: "
-                        + (f"pass {fits[0]}" if fits else "use LoRA (--lora_r 16), --fsdp --bf16 and more ranks"))
-    return models
+        print(plan_table(rows, world, capacity))
+    phase, peak = max(plan_peaks(rows).items(), key=lambda kv: kv[1])
+    if capacity and peak > PLAN_FRACTION * capacity:
+        r, lora, ckpt = dataclasses.replace, args.lora_r or 16, "--gradient_checkpointing"
+        bases = [("", {}), ("--fsdp", dict(fsdp=True)), ("--fsdp --bf16", dict(fsdp=True, bf16=True)),
+                 (f"--lora_r {lora} --bf16", dict(lora_r=lora, bf16=True)),
+                 (f"--lora_r {lora} --fsdp --bf16", dict(lora_r=lora, fsdp=True, bf16=True))]
+        alternatives = [(f"{flags} {ckpt}".strip() if c else flags, r(args, **kw, gradient_checkpointing=c or
+                                                                      args.gradient_checkpointing), world)
+                        for flags, kw in bases for c in (False, True) if flags or c]
+        alternatives += [(f"--fsdp --bf16 {ckpt} on {n} ranks", r(args, fsdp=True, bf16=True,
+                                                                  gradient_checkpointing=True), n)
+                         for n in (8, 16, 32, 64) if n > world]
+        fits = [flags for flags, a, w in alternatives if max(plan_peaks(plan(a, w)).values()) <= PLAN_FRACTION *
+                capacity]
+        raise UserError(f"the {phase} phase needs {peak / 1e9:.1f} GB per GPU ({world} ranks; the plan above), more "
+                        f"than {PLAN_FRACTION:.0%} of the GPU's {capacity / 1e9:.1f} GB: "
+                        + (f"pass {fits[0]}" if fits else "use LoRA (--lora_r 16), --fsdp --bf16, "
+                           "--gradient_checkpointing, a smaller micro-batch and more ranks"))
+    return rows
+
+
+def memory_metrics(rows, models, optimizer, device):
+    """memory/* for the first step's log: the weights and AdamW state this rank holds (common.held_bytes; gradients are
+    freed after each step) and those the plan gives it, and on a GPU its peak allocated beside the plan's peak."""
+    held = [held_bytes(m, optimizer) for m in {id(m): m for m in models if m is not None}.values()]
+    planned = [m.bytes() for m in rows if isinstance(m, Planned)]
+    out = {f"memory/{name}_gb": sum(b["weights"] + b["AdamW"] for b in states) / 1e9
+           for name, states in (("held", held), ("planned", planned))}
+    if device.type == "cuda":
+        out.update({"memory/max_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+                    "memory/planned_peak_gb": max(plan_peaks(rows).values()) / 1e9})
+    return out
 
 
 def held_bytes(model, optimizer=None):

@@ -212,6 +212,14 @@ class Args:
     bfloat16, the adapters and value head in float32). The output layer, log-softmax, entropy and scalar heads are
     computed in float32 whatever this says; the old log-probs are recomputed by the learning forward (README,
     Precision)."""
+    plan_only: bool = False
+    """Print the memory plan for --plan_world_size GPUs of --plan_gpu_memory_gb and exit, 0 if it fits and 2 if not
+    (naming flags that would fit), from the models' config.json alone: no weight, tokenizer or GPU needed."""
+    plan_world_size: int = 8
+    """--plan_only: the GPUs (ranks) to plan for."""
+    plan_gpu_memory_gb: float = 80.0
+    """--plan_only: each GPU's memory, in GB of 10^9 bytes as the plan prints them (torch reports an 80 GB H100 as
+    85.0)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -661,6 +669,8 @@ def check_estimator_args(args):
 
 def main(args):
     check_args(args)
+    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
+        return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
     rank, world, device = setup_distributed()
     micro = args.per_device_train_batch_size
     local_batch = micro * args.gradient_accumulation_steps * args.num_mini_batches  # episodes per rank per update
@@ -736,6 +746,9 @@ def main(args):
              "lr": scheduler.get_last_lr()[0], "policy/grad_norm": grad_norm, **update_stats,
              **rollout_metrics(batch, kl, non_score_reward),
              **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, batch.attention_mask, args)}
+        if update == start:  # the plan beside what this rank holds
+            m.update(common.memory_metrics(memory_plan(args, world, len(tokenizer)), [policy, critic, ref_policy,
+                                                                                      reward.model], optimizer, device))
         if args.target_kl is not None:
             kl_coef = adaptive_kl_coef(kl_coef, m["objective/kl"], args.target_kl, args.kl_horizon, batch_size)
         history.append({k: m[k] for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean",
@@ -864,7 +877,8 @@ def memory_plan(args, world, vocab_size=None):
     frozen (in host memory with --offload_inference_models); under --fsdp every one sharded over the ranks, and under
     --fsdp --bf16 the frozen ones held in bfloat16 (computed in bfloat16 then anyway) but for the reference's output
     layer; with LoRA the reference is the policy with its adapters off, the frozen bases held in bfloat16 under --bf16,
-    and a reward model the critic starts from is the critic with its adapter off."""
+    and a reward model the critic starts from is the critic with its adapter off. Then (common.Transient) what the
+    rollout and the learning phase hold beside the states."""
     shards = world if args.fsdp and world > 1 else 1
     frozen_bytes = 2 if args.bf16 and (args.lora_r or shards > 1) else 4
     lora = common.lora_shape(args)
@@ -880,12 +894,33 @@ def memory_plan(args, world, vocab_size=None):
         same_tokens = reward_path and common.model_config(reward_path).vocab_size == common.model_config(
             args.sft_model_path, vocab_size).vocab_size  # (auto's choice, read from the configs)
         from_reward = args.critic_init == "reward" or args.critic_init == "auto" and same_tokens
-        critic = common.model_shape(*(reward_path, "reward", None) if from_reward else
-                                    (args.sft_model_path, "reward", vocab_size), lora)
+        critic_source = (reward_path, "reward", None) if from_reward else (args.sft_model_path, "reward", vocab_size)
+        critic = common.model_shape(*critic_source, lora)
         models.append(common.Planned("critic", *critic, frozen_bytes, shards))
     if reward_path and not (lora and args.advantage_estimator == "gae" and from_reward):
         models.append(common.Planned("reward model", common.model_shape(reward_path, "reward")[0], 0, frozen_bytes,
                                      shards, on_host=args.offload_inference_models))
+    # Beside the states: the rollout's policy in the compute dtype (FSDP: gathered, its output layer in float32;
+    # DDP: autocast's cached bfloat16 copy of its weights) and KV cache; the learning phase's activations of one
+    # micro-batch, of the policy or the critic (each goes backward on its own), and under DDP autocast's copies.
+    compute, residual = (2, 2 if lora else 4) if args.bf16 else (4, 4)  # (a LoRA base held in bfloat16 computes so)
+    micro, width = args.per_device_train_batch_size, (args.max_prompt_length or 256) + args.response_length
+    sequences = micro * args.gradient_accumulation_steps * args.num_mini_batches // args.num_collect_steps
+    if shards > 1 or args.bf16 and not lora:
+        head = common.output_layer_shape(args.sft_model_path, vocab_size) if shards > 1 and not lora else 0
+        models.append(common.Transient("policy gathered" if shards > 1 else "policy, autocast's copy", "rollout",
+                                       (policy[0] - head) * compute + head * 4))
+    models.append(common.Transient(f"KV cache ({sequences} x {width} tokens)", "rollout", common.kv_cache_bytes(
+        args.sft_model_path, sequences, width, compute, vocab_size)))
+    vocab = max(common.model_config(args.sft_model_path, vocab_size).vocab_size, vocab_size or 0)
+    logits = 4 * min(micro * args.response_length * vocab, LOGIT_BLOCK)  # the log-softmax policy_forward keeps
+    learners = [((args.sft_model_path, "causal", vocab_size), logits, policy[0])] + \
+        ([(critic_source, 0, critic[0])] if args.advantage_estimator == "gae" else [])
+    models.append(common.Transient(f"activations ({micro} x {width} tokens)", "learning", max(
+        common.activation_bytes(*source, micro * width, compute, residual, args.gradient_checkpointing) + extra
+        for source, extra, _ in learners)))
+    if shards == 1 and args.bf16 and not lora:
+        models.append(common.Transient("autocast's bfloat16 weights", "learning", 2 * max(n for *_, n in learners)))
     return models
 
 

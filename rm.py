@@ -157,6 +157,14 @@ class Args:
     the frozen base weights are held in bfloat16, the adapters and head in float32)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    plan_only: bool = False
+    """Print the memory plan for --plan_world_size GPUs of --plan_gpu_memory_gb and exit, 0 if it fits and 2 if not
+    (naming flags that would fit), from the models' config.json alone: no weight, tokenizer or GPU needed."""
+    plan_world_size: int = 8
+    """--plan_only: the GPUs (ranks) to plan for."""
+    plan_gpu_memory_gb: float = 80.0
+    """--plan_only: each GPU's memory, in GB of 10^9 bytes as the plan prints them (torch reports an 80 GB H100 as
+    85.0)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -332,6 +340,8 @@ def main(args):
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
     check_args(args)
+    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
+        return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
     rank, world, device = setup_distributed()
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
@@ -394,13 +404,15 @@ def main(args):
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         window.append(stats)
+        if step == start_step:  # the plan beside what this rank holds, in the first log
+            memory = common.memory_metrics(memory_plan(args, world, len(tokenizer)), [model], optimizer, device)
 
         # 4. Log, evaluate, checkpoint (the speed logged is the training loop's: evaluations and saves are left out).
         done = step + 1
         if done % args.logging_steps == 0 or done == total_steps:
             log_train(logger, bar, window, done, steps_per_epoch, scheduler.get_last_lr()[0], global_batch,
-                      time.time() - t_window, device, world)
-            window, t_window = [], time.time()
+                      time.time() - t_window, device, world, **memory)
+            window, t_window, memory = [], time.time(), {}
         t_pause = time.time()
         if done % eval_every == 0 or done == total_steps:
             model.eval()
@@ -474,12 +486,21 @@ def load_reward_model(args, tokenizer, skeleton=False):
 
 
 def memory_plan(args, world, vocab_size=None):
-    """The reward model as this run holds it (one common.Planned row): trained in full, or its adapters and head
+    """The reward model as this run holds it (a common.Planned row): trained in full, or its adapters and head
     (LoRA; the frozen base in bfloat16 under --bf16), or only read (--eval_only); sharded over the ranks under
-    --fsdp, else a replica."""
+    --fsdp, else a replica. Training holds beside it a micro-batch's activations (common.Transient), and under DDP
+    --bf16 autocast's bfloat16 copy of the weights."""
     total, trained = common.model_shape(args.model_name_or_path, "reward", vocab_size, common.lora_shape(args))
-    return [common.Planned("reward model", total, 0 if args.eval_only else trained,
-                           2 if args.lora_r and args.bf16 else 4, world if args.fsdp and world > 1 else 1)]
+    shards, low = world if args.fsdp and world > 1 else 1, args.lora_r and args.bf16
+    rows = [common.Planned("reward model", total, 0 if args.eval_only else trained, 2 if low else 4, shards)]
+    if not args.eval_only:  # a micro-batch's pairs, both sequences at --max_length (packing holds at most as many)
+        tokens = 2 * args.per_device_train_batch_size * (args.max_length or 512)
+        rows.append(common.Transient(f"activations ({tokens} tokens)", "learning", common.activation_bytes(
+            args.model_name_or_path, "reward", vocab_size, tokens, 2 if args.bf16 else 4, 2 if low else 4,
+            args.gradient_checkpointing)))
+        if shards == 1 and args.bf16 and not args.lora_r:
+            rows.append(common.Transient("autocast's bfloat16 weights", "learning", 2 * total))
+    return rows
 
 
 def resolve_lengths(args, model, rank):
@@ -675,6 +696,9 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         raise NotImplementedError("attention sinks")
     rm_segments.calls.append(sliding_window)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    groups = query.shape[1] // key.shape[1]  # query heads per key/value head (grouped-query attention)
+    if groups > 1 and (softcap is not None or not sdpa_takes_groups_with_mask(query.device)):
+        key, value = (t.repeat_interleave(groups, 1) for t in (key, value))
     out = None  # (1, heads, tokens, head dim), in the attention's dtype (autocast may differ from the query's)
     for b, (s, e) in enumerate(rm_segments.blocks):  # slices stay 4D: 3D inputs miss the fused kernel on CPU
         q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
@@ -683,12 +707,18 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
                                                enable_gqa=q.shape[1] != k.shape[1])
         else:
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
             scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scaling / softcap)
             o = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(v.dtype) @ v
         out = o.new_empty(query.shape) if out is None else out
         out[:, :, s:e] = o
     return out.transpose(1, 2).contiguous(), None
+
+
+def sdpa_takes_groups_with_mask(device):
+    """Whether segment_attention hands SDPA grouped keys and values (enable_gqa) beside its boolean mask: not on CUDA,
+    where that pair can fall back to the math kernel (whole attention matrices: ~144 MB per 1,500-token pair and
+    layer), so keys and values are repeated per query head there, as transformers' own SDPA path does."""
+    return device.type != "cuda"
 
 
 def use_segment_attention(hf_model):
@@ -872,15 +902,16 @@ def all_gather_cat(t):
 # Logging, the final save, figures.
 
 
-def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world):
-    """The training statistics of the steps since the last log, averaged over them and over ranks, and the speed."""
+def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world, **memory):
+    """The training statistics of the steps since the last log, averaged over them and over ranks, and the speed (and
+    in the first log, memory/*)."""
     loss, accuracy, reward_gap, grad_norm, tokens = all_reduce_mean(
         [sum(s[k] for s in window) / len(window) for k in ("loss", "accuracy", "reward_gap", "grad_norm", "tokens")],
         device)
     tokens *= len(window) * world
     m = {"step": step, "epoch": step / steps_per_epoch, "train/loss": loss, "train/accuracy": accuracy,
          "train/reward_gap": reward_gap, "train/grad_norm": grad_norm, "lr": lr, "perf/tokens_per_s": tokens / elapsed,
-         "perf/pairs_per_s": len(window) * global_batch / elapsed}
+         "perf/pairs_per_s": len(window) * global_batch / elapsed, **memory}
     if logger is not None:
         logger.log(m)
         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / elapsed:.0f}")

@@ -69,7 +69,8 @@ def plan_7b():
         args = ppo.Args(sft_model_path=os.path.join(work, "policy"), reward_model_path=os.path.join(work, "reward"),
                         fsdp="--fsdp" in flags, bf16="--bf16" in flags)
         models = ppo.memory_plan(args, 8)
-        tables[" ".join(flags)] = {m.name: {k: v / 1e9 for k, v in m.bytes().items()} for m in models}
+        tables[" ".join(flags)] = {m.name: {k: v / 1e9 for k, v in m.bytes().items()} for m in models
+                                   if isinstance(m, common.Planned)}
         print(" ".join(flags) + ": " + common.plan_table(models, 8))
     return tables
 

@@ -161,7 +161,8 @@ def check_8b_shapes(device, quick):
     """4. Llama-3-8B shapes from a config, random bf16 weights: the learning forward + backward of ppo.py's
     policy_forward at micro-batches of 768 tokens (peak memory, time, OOM), with and without activation
     checkpointing; the rollout of 64 prompts x 256 new tokens; rm.py's packed forward + backward of 8 pairs of
-    ~1,000 tokens. The second of two timings."""
+    ~1,000 tokens, and its forward alone with the SDPA kernels it ran (grouped-query: never the math kernel). The
+    second of two timings."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
     shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -237,6 +238,9 @@ def check_8b_shapes(device, quick):
             reward_model(*inputs).sum().backward()
         reward_model.zero_grad(set_to_none=True)
     result["rm_packed_8_pairs"] = timed(rm_step)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):  # 32 query heads on 8 key/value heads
+        forward = lambda: reward_model(*inputs)  # noqa: E731
+        result["rm_packed_forward_gqa"] = timed(forward) | {"kernels": sdpa_kernels(forward)}
     return result
 
 

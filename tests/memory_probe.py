@@ -51,7 +51,8 @@ if __name__ == "__main__":
     results, (rank, world, device) = [], ppo.setup_distributed()
     for script, flags in runs:
         plan, held = (ppo_held if script == "ppo" else rm_held)(flags, rank, world, device)
-        results.append({"flags": [script] + flags, "plan": {m.name: m.bytes() for m in plan}, "held": held})
+        plan = {m.name: m.bytes() for m in plan if isinstance(m, common.Planned)}
+        results.append({"flags": [script] + flags, "plan": plan, "held": held})
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()

@@ -24,6 +24,11 @@ SHAPES = {
 }
 
 
+def states(rows):
+    """GB per rank of each model's states, from a plan's rows."""
+    return {m.name: sum(m.bytes().values()) for m in rows if isinstance(m, common.Planned)}
+
+
 def saved_config(folder, shape, architecture):
     """A model folder holding a config.json and no weights."""
     from transformers import AutoConfig
@@ -41,7 +46,7 @@ def test_7b_plans_fit_one_8_gpu_node_with_fsdp_and_bf16(tmp_path, shape, monkeyp
     reward = saved_config(tmp_path / "reward", shape, f"{prefix}ForSequenceClassification")
     n = SHAPES[shape][1]
     args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True)
-    plan = {m.name: sum(m.bytes().values()) for m in ppo.memory_plan(args, 8)}
+    plan = states(ppo.memory_plan(args, 8))
     # trained: 16 bytes a parameter (float32 weights, gradients, two AdamW moments); frozen: 2 (bfloat16); over 8
     assert plan["policy"] == pytest.approx(16 * n / 8, rel=0.01)
     head = SHAPES[shape][0]["vocab_size"] * 4096
@@ -51,18 +56,17 @@ def test_7b_plans_fit_one_8_gpu_node_with_fsdp_and_bf16(tmp_path, shape, monkeyp
     assert plan["reference policy"] == pytest.approx((2 * headless + 4 * head) / 8, rel=0.001)
     assert plan["reward model"] == pytest.approx(2 * headless / 8, rel=0.01)
     assert sum(plan.values()) < 40 * GB  # of 80: the rest for activations
-    assert sum(sum(m.bytes().values()) for m in rm.memory_plan(rm.Args(model_name_or_path=policy, fsdp=True,
-                                                                        bf16=True), 8)) < 20 * GB
+    assert sum(states(rm.memory_plan(rm.Args(model_name_or_path=policy, fsdp=True, bf16=True), 8)).values()) < 20 * GB
 
     # Without --fsdp every rank holds every model whole: the run is stopped before loading, naming a fix.
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 80 * GB}))
     replicated = ppo.Args(sft_model_path=policy, reward_model_path=reward, bf16=True)
-    with pytest.raises(common.UserError, match=r"the models' states need [23]\d\d\.\d GB per GPU \(8 ranks.*has "
+    with pytest.raises(common.UserError, match=r"the learning phase needs [23]\d\d\.\d GB per GPU \(8 ranks.*GPU's "
                                                r"80.0 GB: pass --fsdp$"):
         common.check_memory_plan(ppo.memory_plan, replicated, 8, torch.device("cuda", 0), rank=1)
-    # on 4 GPUs: Pythia 6.9B fits sharded with frozen models in bfloat16 (61 GB); Llama 8B (70 GB) needs LoRA
-    with pytest.raises(common.UserError, match=r"pass --lora_r 16 --bf16$" if shape == "llama-3-8b" else
-                       r"pass --fsdp$"):
+    # on 4 GPUs, sharded with frozen models in bfloat16: Pythia 6.9B's states would fit (61 GB), not its rollout
+    # beside them (the gathered policy and the KV cache: 80 GB); Llama 8B's states (70 GB) do not fit; LoRA does
+    with pytest.raises(common.UserError, match=r"pass --lora_r 16 --bf16$"):
         common.check_memory_plan(ppo.memory_plan, replicated, 4, torch.device("cuda", 0), rank=1)
     assert common.check_memory_plan(ppo.memory_plan, args, 8, torch.device("cuda", 0), rank=1)
 
@@ -76,21 +80,22 @@ def test_frozen_models_offloaded_to_the_host_count_on_the_gpu_only_while_they_co
     reward = saved_config(tmp_path / "reward", "pythia-6.9b", "GPTNeoXForSequenceClassification")
     for fsdp in (True, False):
         args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=fsdp, bf16=True)
-        plan = {m.name: sum(m.bytes().values()) for m in ppo.memory_plan(args, 8)}
+        plan = states(ppo.memory_plan(args, 8))
         trained = plan["policy"] + plan["critic"]
         offloaded = ppo.memory_plan(dataclasses.replace(args, offload_inference_models=True), 8)
+        offloaded = [m for m in offloaded if isinstance(m, common.Planned)]
         assert [m.on_host for m in offloaded] == [m.name in ("reference policy", "reward model") for m in offloaded]
         frozen = 0 if fsdp else max(plan["reference policy"], plan["reward model"])
         assert common.plan_bytes(offloaded) == pytest.approx(trained + frozen)
         assert common.plan_bytes(offloaded) < sum(plan.values())
 
-    # a GPU between FSDP's two totals
+    # a GPU between FSDP's two peaks
     args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True)
-    on_gpu = common.plan_bytes(ppo.memory_plan(args, 8))
-    trained = sum(sum(m.bytes().values()) for m in ppo.memory_plan(args, 8) if m.name in ("policy", "critic"))
-    capacity = (trained + on_gpu) / 2
+    on_gpu, host = (max(common.plan_peaks(ppo.memory_plan(a, 8)).values()) for a in
+                    (args, dataclasses.replace(args, offload_inference_models=True)))
+    capacity = (on_gpu + host) / 2 / common.PLAN_FRACTION
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": capacity}))
-    with pytest.raises(common.UserError, match="the models' states need"):
+    with pytest.raises(common.UserError, match="the learning phase needs"):
         common.check_memory_plan(ppo.memory_plan, args, 8, torch.device("cuda", 0), rank=1)
     common.check_memory_plan(ppo.memory_plan, dataclasses.replace(args, offload_inference_models=True), 8,
                              torch.device("cuda", 0), rank=1)
@@ -115,3 +120,92 @@ def test_plan_is_what_the_scripts_hold_on_2_ranks(tmp_path, reward_model_path):
                 for kind, planned in r["plan"][name].items():
                     assert held[kind] == pytest.approx(planned, rel=0.02, abs=2048), (r["flags"], name, kind)
                 assert held["weights"] > 0
+
+
+def saved_bytes(fn, params):
+    """What autograd keeps of fn()'s forward for its backward: the bytes of every distinct storage a
+    saved_tensors_hooks pack is handed, less the parameters and their casts (autocast's copies: states, not
+    activations)."""
+    ids, seen = {p.untyped_storage().data_ptr() for p in params}, {}
+
+    def pack(t):
+        node = t.grad_fn  # a parameter's cast, or a view of one: back through casts and views to a parameter
+        while type(node).__name__ in ("ToCopyBackward0", "TBackward0", "ViewBackward0"):
+            node = node.next_functions[0][0]
+        if t.untyped_storage().data_ptr() not in ids and type(node).__name__ != "AccumulateGrad":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("family", ["llama", "neox"])
+def test_planned_activations_are_what_autograd_saves(tmp_path, family):
+    """ppo.py's learning forward (policy_forward) of a micro-batch on a model of the family widened to 256: the plan's
+    activations row against the bytes autograd keeps, in float32 and bfloat16 autocast, with and without activation
+    checkpointing (then one block is recomputed at a time: the difference of the two forwards over the blocks)."""
+    from families import build_config, build_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(family, build_tokenizer(family))
+    config.update(dict(hidden_size=256, intermediate_size=688 if family == "llama" else 1024, num_attention_heads=8,
+                       hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=512))
+    config.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).train()
+    batch, prompt, response = 4, 32, 64
+    ids = torch.randint(3, config.vocab_size, (batch, prompt + response))
+    for bf16 in (False, True):
+        measured = {}
+        for checkpointing in (False, True):
+            if checkpointing:
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+            def forward():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    ppo.policy_forward(model, ids, torch.ones_like(ids), prompt, 1.0, with_entropy_grad=False)
+            measured[checkpointing] = saved_bytes(forward, model.parameters())
+            args = ppo.Args(sft_model_path=str(tmp_path), reward_fn="common:gold_rewards", advantage_estimator="grpo",
+                            per_device_train_batch_size=batch, max_prompt_length=prompt, response_length=response,
+                            bf16=bf16, gradient_checkpointing=checkpointing)
+            planned = {r.name.split(" (")[0]: r.size for r in ppo.memory_plan(args, 1) if
+                       isinstance(r, common.Transient) and r.phase == "learning"}["activations"]
+            if checkpointing:  # + one block recomputed in the backward pass
+                measured[True] += (measured[False] - measured[True]) / config.num_hidden_layers
+            assert planned == pytest.approx(measured[checkpointing], rel=0.25), (bf16, checkpointing)
+        model.activation_checkpointing_disable()
+
+
+def test_pythia_7b_rollout_and_learning_peaks_and_plan_only_from_config_files(tmp_path):
+    """Pythia 6.9B PPO on 8 ranks, --fsdp --bf16, 16 prompts x (256 + 512) tokens per GPU: the rollout holds the
+    policy gathered in bfloat16 (its output layer in float32) and a KV cache beside the states; learning without
+    checkpointing holds the policy's activations and does not fit 80 GB. --plan_only says so from config.json files
+    (no weight, tokenizer or GPU), exit 2 naming the flag that fits; with it, exit 0; rm.py's too."""
+    policy = saved_config(tmp_path / "policy", "pythia-6.9b", "GPTNeoXForCausalLM")
+    reward = saved_config(tmp_path / "reward", "pythia-6.9b", "GPTNeoXForSequenceClassification")
+    flags = dict(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True, num_mini_batches=1,
+                 per_device_train_batch_size=16, max_prompt_length=256, response_length=512)
+    rows = ppo.memory_plan(ppo.Args(**flags), 8)
+    size = {r.name.split(" (")[0]: r.size for r in rows if isinstance(r, common.Transient)}
+    n, head, tokens = SHAPES["pythia-6.9b"][1], 50432 * 4096, 16 * 768
+    assert size["policy gathered"] == pytest.approx(2 * (n - head) + 4 * head, rel=0.01)  # 14 GB
+    assert size["KV cache"] == 2 * 32 * 4096 * 2 * tokens  # keys and values, every layer, bfloat16: 6.4 GB
+    assert 50 * GB < size["activations"] < 70 * GB  # ~34 bytes x hidden per token and layer (Korthikanti et al.)
+    peaks = common.plan_peaks(rows)
+    assert peaks["rollout"] == pytest.approx(51 * GB, rel=0.02) and 85 * GB < peaks["learning"] < 100 * GB
+
+    def plan_only(script, *argv):
+        proc = run_script([script, "--plan_only", "--plan_world_size", "8", "--plan_gpu_memory_gb", "80", *argv],
+                          check=False)
+        return proc.returncode, proc.stdout, proc.stderr.strip().splitlines()
+
+    ppo_flags = [f"--{k}" if v is True else f"--{k} {v}" for k, v in flags.items()]
+    code, out, err = plan_only("ppo.py", *" ".join(ppo_flags).split())
+    assert code == 2 and "learning peak" in out and "does not fit" in out and len(err) == 1
+    assert err[0].startswith("error: the learning phase needs 9") and err[0].endswith("pass --gradient_checkpointing")
+    code, out, _ = plan_only("ppo.py", *" ".join(ppo_flags).split(), "--gradient_checkpointing")
+    assert code == 0 and "fits: 90% of a 80.0 GB GPU" in out
+    code, _, err = plan_only("rm.py", "--model_name_or_path", policy, "--per_device_train_batch_size", "8", "--bf16")
+    assert code == 2 and err[0].endswith("pass --fsdp")

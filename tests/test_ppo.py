@@ -302,6 +302,10 @@ def test_two_process_ddp_and_fsdp_match_one_process(estimator, tmp_path, reward_
             assert np.allclose([m[key] for m in runs[k]], whole, atol=1e-5, rtol=1e-5), (key, k, runs[k], whole)
     assert runs["one"][-1]["objective/kl"] != 0  # the policy moved
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForCausalLM")
+    for k, run in runs.items():  # the first update logs the states rank 0 holds beside the plan's (FSDP: a half)
+        assert run[0]["memory/held_gb"] == pytest.approx(run[0]["memory/planned_gb"], rel=1e-6 if k != "fsdp" else
+                                                         0.02) and all("memory/held_gb" not in m for m in run[1:])
+    assert runs["fsdp"][0]["memory/planned_gb"] < 0.6 * runs["ddp"][0]["memory/planned_gb"]
 
 
 def test_a_killed_rank_ends_the_job_and_its_sharded_checkpoint_resumes_on_one_process(tmp_path, reward_model_path):

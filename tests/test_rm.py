@@ -193,6 +193,10 @@ def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, small_pairs_file):
     evals = {k: json.load(open(tmp_path / k / "eval_results.json")) for k in runs}
     assert evals["one"]["accuracy"] == evals["ddp"]["accuracy"] == evals["fsdp"]["accuracy"]
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForSequenceClassification")
+    for k, run in runs.items():  # the first log has the states rank 0 holds beside the plan's (FSDP: a half)
+        assert run[0]["memory/held_gb"] == pytest.approx(run[0]["memory/planned_gb"], rel=1e-6 if k != "fsdp" else
+                                                         0.02) and all("memory/held_gb" not in m for m in run[1:])
+    assert runs["fsdp"][0]["memory/planned_gb"] < 0.6 * runs["ddp"][0]["memory/planned_gb"]
 
 
 
@@ -403,6 +407,35 @@ def test_packed_attention_honours_sliding_windows_softcapping_and_gqa(config_nam
     assert torch.allclose(padded, alone, atol=1e-5)
     assert torch.allclose(packed, alone, atol=1e-5)
     assert not torch.allclose(without_window, alone, atol=1e-3)  # the window changes the rewards: the test can fail
+
+
+def test_packed_gqa_attention_on_cuda_never_gives_sdpa_a_mask_with_grouped_heads(monkeypatch):
+    """On CUDA a boolean mask with enable_gqa can fall to the math kernel: there (the decision forced on this CPU)
+    keys and values are repeated per query head instead, and the rewards are the grouped computation's."""
+    from transformers import AutoModelForSequenceClassification, MistralConfig
+
+    config = MistralConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = rm.RewardModel(AutoModelForSequenceClassification.from_config(config)).eval()
+    rm.use_segment_attention(model.hf)
+    pairs, sdpa, calls = shared_prefix_pairs(6, seed=3), rm.F.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, enable_gqa=False, **kwargs):
+        calls.append((attn_mask is not None, enable_gqa, q.shape[1] == k.shape[1]))
+        return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, **kwargs)
+
+    monkeypatch.setattr(rm.F, "scaled_dot_product_attention", spy)
+    assert rm.sdpa_takes_groups_with_mask(torch.device("cpu"))
+    assert not rm.sdpa_takes_groups_with_mask(torch.device("cuda", 0))
+    with torch.no_grad():
+        grouped = model(*rm.pack_segments(pairs))
+        assert calls and all(c == (True, True, False) for c in calls)  # on a CPU: grouped heads beside the mask
+        calls.clear()
+        monkeypatch.setattr(rm, "sdpa_takes_groups_with_mask", lambda device: False)
+        repeated = model(*rm.pack_segments(pairs))
+    assert calls and all(c == (True, False, True) for c in calls)  # CUDA's choice: never both
+    assert torch.allclose(repeated, grouped, atol=1e-6)
 
 
 def test_a_model_whose_attention_cannot_be_packed_keeps_the_padded_batch(monkeypatch):
