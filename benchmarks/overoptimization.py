@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
 FULL = dict(sizes=[250, 1000, 4000, 16000], seeds=[1, 2], pool=512, max_n=256, episodes=4096)
-QUICK = dict(sizes=[250, 1000], seeds=[1], pool=64, max_n=32, episodes=768)
+QUICK = dict(sizes=[250, 1000], seeds=[1], pool=64, max_n=32, episodes=2048)
 UPDATES_PER_POINT = 4
 COLORS = ["tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple"]
 
