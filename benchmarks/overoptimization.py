@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import random
 import sys
 import time
 
@@ -137,7 +136,7 @@ def measure(setting, scratch, out):
     for seed in setting["seeds"]:
         t = time.time()
         rm_dirs = [os.path.join(scratch, f"rm-{size}-{seed}") for size in setting["sizes"]]
-        rms = [train_reward_model(size, seed, out) for size, out in zip(setting["sizes"], rm_dirs)]
+        rms = [train_reward_model(size, seed, d) for size, d in zip(setting["sizes"], rm_dirs)]
         gold, proxy = best_of_n_pool(seed, setting["pool"], rm_dirs)
         for size, rm_result, rm_dir, p in zip(setting["sizes"], rms, rm_dirs, proxy):
             bon = [{"n": n, "d": math.sqrt(math.log(n) - (n - 1) / n), "gold": best_of_n(p, gold, n),
@@ -184,7 +183,9 @@ def report(runs, out_png):
     import matplotlib.pyplot as plt
 
     rows = summarize(runs)
-    spread = lambda xs, p=2: f"{np.mean(xs):.{p}f}" + (f" ({min(xs):.{p}f}–{max(xs):.{p}f})" if len(xs) > 1 else "")  # noqa: E731
+    def spread(xs, p=2):  # the mean over seeds, and (min–max) where there are several
+        return f"{np.mean(xs):.{p}f}" + (f" ({min(xs):.{p}f}–{max(xs):.{p}f})" if len(xs) > 1 else "")
+
     num = lambda x: "none" if math.isinf(x) else f"{x:.2f}"  # noqa: E731
     lines = ["| reward model | held-out accuracy (Bayes-optimal) | method | alpha | beta | R^2 | peak d (KL) | peak gold "
              "(fit) | highest gold point | last point: gold / proxy |", "|---|---|---|---|---|---|---|---|---|---|"]
