@@ -13,7 +13,9 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
+import time
 import types
 import warnings
 
@@ -38,7 +40,34 @@ def exit_on_user_error(fn, *args):
         return fn(*args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        if torch.distributed.is_initialized():  # (left to the interpreter's exit, gloo aborts when a peer has gone)
+            torch.distributed.destroy_process_group()
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it (stop_on_signals)
+        print("stopped at once by Ctrl-C; --resume continues from the last checkpoint, if any", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
+
+
+def agreed(check):
+    """check()'s result on this rank, once every rank has run its own: if it raised on any rank, every rank raises
+    the first failing rank's error (a UserError with its message on the others), so that no rank waits in a
+    collective for a rank that has stopped (across nodes that wait lasts the process group's timeout)."""
+    import torch.distributed as dist
+
+    try:
+        result, error = check(), None
+    except Exception as e:
+        result, error = None, e
+    if dist.is_initialized():
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, None if error is None else str(error) if isinstance(error, UserError)
+                               else f"rank {dist.get_rank()}: {type(error).__name__}: {first_line(error)}")
+        first = next((v for v in verdicts if v is not None), None)
+        if error is None and first is not None:
+            raise UserError(first)
+    if error is not None:
+        raise error
+    return result
 
 
 def load_pretrained(loader, name, flag, **kwargs):
@@ -194,6 +223,7 @@ def embedded_pairs(n, seed):
 # ---------------------------------------------------------------------------------------------------------------------
 # Preference data: a hub name, a local file, or the embedded task, in explicit, implicit or conversational format.
 
+EMBEDDED_SPLITS = {"train": 0, "test": 1, "validation": 2}  # the seed of each split's pairs
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -201,8 +231,10 @@ def load_rows(name, config=None, split="train"):
     """Rows (dicts, each knowing its `_source` file and `_row`/`_line` there) of one split of a dataset: the embedded
     task, a local file (one split: train), a local folder (see load_folder), or a hub dataset. None if there is no
     such split."""
-    if name == "embedded":
-        rows = embedded_pairs(40000 if split == "train" else 4000, seed={"train": 0}.get(split, 1))
+    if name == "embedded":  # three splits, each its own draw
+        if split not in EMBEDDED_SPLITS:
+            return None
+        rows = embedded_pairs(40000 if split == "train" else 4000, seed=EMBEDDED_SPLITS[split])
         return [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
     try:
         if os.path.isdir(name):
@@ -629,6 +661,25 @@ def adapter_base(name):
     return base
 
 
+def adapter_task(name):
+    """The task_type of a peft adapter folder (CAUSAL_LM for an SFT adapter, SEQ_CLS for rm.py's)."""
+    with open(os.path.join(name, "adapter_config.json")) as f:
+        return json.load(f).get("task_type")
+
+
+def adapter_holds_head(name):
+    """Whether a peft adapter folder holds the weights of a classification head (rm.py's do: peft's modules_to_save)."""
+    path = os.path.join(name, "adapter_model.safetensors")
+    if os.path.exists(path):
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            keys = list(f.keys())
+    else:
+        keys = torch.load(os.path.join(name, "adapter_model.bin"), map_location="meta", weights_only=True)
+    return any(".score." in k or ".classifier." in k for k in keys)
+
+
 def load_model(loader, name, flag, skeleton=False, **kwargs):
     """loader.from_pretrained(name); for a peft adapter folder, its base model with the adapter merged in (and the
     reward normalization rm.py saved beside the adapter). skeleton: the model built from its config on the meta
@@ -638,6 +689,18 @@ def load_model(loader, name, flag, skeleton=False, **kwargs):
 
         config = kwargs.get("config") or load_pretrained(AutoConfig, name, flag)
         return meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
+    if adapter_base(name) and "CausalLM" not in loader.__name__ and adapter_task(name) == "CAUSAL_LM":
+        # an SFT adapter as a classifier's start: merged into its causal LM, whose backbone the classifier takes; the
+        # new head gets transformers' initialisation (rm.py then its own)
+        from transformers import AutoModelForCausalLM
+
+        lm = load_model(AutoModelForCausalLM, name, flag, **kwargs)
+        model = meta_model(lambda: loader.from_config(lm.config, dtype=kwargs.get("dtype")))
+        setattr(model, model.base_model_prefix, lm.base_model)
+        for module in model.modules():
+            if any(p.is_meta for p in module.parameters(recurse=False)):
+                model._init_weights(module.to_empty(device=lm.device, recurse=False))
+        return model
     model = load_pretrained(loader, name, flag, **kwargs)
     if adapter_base(name):
         from peft import PeftModel
@@ -685,6 +748,8 @@ class Logger:
 
     def __init__(self, args, project, resume_step=None):
         os.makedirs(args.output_dir, exist_ok=True)
+        if args.overwrite_output_dir:  # the run replacing an earlier one starts: --resume must never find its state
+            shutil.rmtree(os.path.join(args.output_dir, "checkpoints"), ignore_errors=True)
         self.file = open_log(os.path.join(args.output_dir, "metrics.jsonl"), resume_step)
         self.wandb = self.tensorboard = None
         if args.track:
@@ -727,6 +792,98 @@ class Logger:
 
 def format_metrics(m):
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A run's life in its --output_dir: an earlier run's results and checkpoints are never replaced unasked; --resume of a
+# finished run does nothing; SIGINT and SIGTERM end a run at a step boundary with a checkpoint it resumes from.
+
+
+def finished_steps(output_dir):
+    """The last step of the finished run in output_dir (its metrics.jsonl, named so when the run ends), or None."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.exists(path) or os.path.exists(path + RUNNING):  # a later run's log is open: it did not finish
+        return None
+    with open(path) as f:
+        return max((json.loads(line).get("step", 0) for line in f), default=0)
+
+
+def check_output_dir(args, rank):
+    """Before anything is loaded: an --output_dir that holds a finished run or checkpoints is written into only with
+    --resume (continue it) or --overwrite_output_dir (replace it); --resume with nothing to resume says so."""
+    held = "a finished run" if finished_steps(args.output_dir) is not None else \
+        "checkpoints" if latest_checkpoint(args.output_dir) else None
+    if args.resume and args.overwrite_output_dir:
+        raise UserError("--resume continues the run in --output_dir and --overwrite_output_dir replaces it: pass one")
+    if held and not (args.resume or args.overwrite_output_dir):
+        raise UserError(f"--output_dir {args.output_dir} holds {held}: pass --resume to continue it, "
+                        "--overwrite_output_dir to replace it, or another --output_dir")
+    if args.resume and held is None and rank == 0:
+        print(f"--resume: no checkpoint in {args.output_dir}; starting from the first step")
+
+
+def run_complete(args, total, rank):
+    """Whether --resume finds the run finished at or past its `total` steps (said in one line: nothing to do). A
+    finished run with no checkpoint to continue it to a larger total is refused (training afresh would replace it)."""
+    finished = finished_steps(args.output_dir) if args.resume else None
+    if finished is not None and finished < total and latest_checkpoint(args.output_dir) is None:
+        raise UserError(f"--resume: {args.output_dir} holds a run finished at step {finished} and no checkpoint to "
+                        f"continue it to step {total}; pass --overwrite_output_dir to train afresh, or another "
+                        "--output_dir")
+    if finished is None or finished < total:
+        return False
+    if rank == 0:
+        print(f"{args.output_dir}: the run is complete (step {finished} of {total}); nothing to do")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return True
+
+
+STOP = {}  # the signal that asked this process to stop at the next step boundary (set by stop_on_signals' handler)
+SAVE_EVERY_S = 1800  # the default checkpoint cadence (--save_steps unset): 30 minutes of training
+
+
+def stop_on_signals():
+    """From here on, SIGINT (Ctrl-C) and SIGTERM (a cluster's notice before it preempts a job) end the run at the next
+    step boundary, with a checkpoint (step_end); a second SIGINT stops at once."""
+    def ask(signum, frame):
+        if STOP:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return  # SIGTERM again (a scheduler and torchrun may both send it): the stop is already on its way
+        STOP["signal"] = signum
+        if int(os.environ.get("RANK", 0)) == 0:  # os.write: a print could re-enter a write the signal interrupted
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C "
+                        "again to stop at once)\n".encode())
+    STOP.clear()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, ask)
+
+
+def step_end(step, save_steps, last_save, device):
+    """(save, stop) after a step, agreed by every rank in one all-reduce of their flags, so that no rank waits in a
+    collective the others skip: save every save_steps steps (None: once SAVE_EVERY_S seconds have passed since
+    last_save; 0: never), and whenever the run stops; stop (the signal's number, else 0) once any rank got one."""
+    due = step % save_steps == 0 if save_steps else save_steps is None and time.time() - last_save >= SAVE_EVERY_S
+    flags = torch.tensor([float(due), float(STOP.get("signal", 0))], device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    stop = int(flags[1].item())
+    return bool(flags[0].item()) or stop > 0, stop
+
+
+def exit_stopped(signum, step, args, rank, bar):
+    """The end of a run stopped by a signal once its checkpoint is saved: one line saying how to resume, then every
+    rank exits together with 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as a shell reports it. The
+    log stays metrics.jsonl.running, which --resume continues."""
+    bar.close()
+    if rank == 0:
+        print(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved in {args.output_dir}: "
+              "run the same command with --resume to continue", file=sys.stderr, flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.exit(128 + signum)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -782,7 +939,8 @@ def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
 # Checkpoints: a directory per step, written under a temporary name and renamed, then `latest` replaced atomically, so
 # a crash at any moment leaves the previous checkpoint intact and `latest` naming a complete one. Tensors are sharded:
 # each rank writes its own (torch.distributed.checkpoint, in safetensors files), and a resume reads them on any number
-# of ranks; everything else (schedule, step, random streams) is rank 0's state.pt. Neither format runs code on load.
+# of ranks; everything else (schedule, progress, every rank's random streams) is in state.pt, written by rank 0. So every
+# rank must see the same folder (check_shared_output_dir). Neither format runs code on load.
 
 
 def fsync_dir(path):
@@ -791,6 +949,44 @@ def fsync_dir(path):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_shared_output_dir(output_dir, rank):
+    """Every rank sees the folder rank 0 writes to, and in it the checkpoint rank 0 sees (nodes that do not share a
+    file system would each write their own shards, and resume from different steps): rank 0 writes a fresh token
+    there, every rank reads it back, and a rank that reads anything else stops every rank, before any model is
+    loaded."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    path, token = os.path.join(output_dir, ".rank0"), [(os.urandom(8).hex(), latest_checkpoint(output_dir))]
+
+    def write():
+        os.makedirs(output_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(token[0][0])
+
+    def read():
+        try:
+            with open(path) as f:
+                seen = (f.read(), latest_checkpoint(output_dir))
+        except OSError:
+            seen = None
+        if seen != token[0]:
+            what = "does not see the file rank 0 has just written there" if seen is None or seen[0] != token[0][0] \
+                else f"sees {seen[1]} as the latest checkpoint, rank 0 {token[0][1]}"
+            raise UserError(f"--output_dir {output_dir}: rank {rank} {what}; "
+                            "every rank writes its shards of each checkpoint into this folder, so it must be one "
+                            "folder on a file system every node mounts (pass it as an absolute path)")
+
+    agreed(lambda: rank == 0 and write())
+    dist.broadcast_object_list(token, src=0)
+    try:
+        agreed(read)
+    finally:
+        if rank == 0:
+            os.remove(path)
 
 
 def new_checkpoint_dir(output_dir, step):
@@ -900,47 +1096,78 @@ def sharded_state(model, optimizer):
     return {"model": model_sd, "optimizer": optim_sd["state"]}, optim_sd["param_groups"]
 
 
-def save_training(model, optimizer, scheduler, step, rank, output_dir, **extra):
+def save_training(model, optimizer, scheduler, step, rank, output_dir, global_batch, **extra):
     """A resumable checkpoint of a training run, on every rank together: each rank writes its own shard of weights and
-    optimizer state (under DDP the replicas are written once); rank 0 adds the schedule, the random streams and the
-    script's extra state, and switches `latest` once every shard is durable (each writer fsyncs its files)."""
+    optimizer state (under DDP the replicas are written once); rank 0 adds the schedule, every rank's random streams
+    and the script's extra state, and switches `latest` once every shard is durable (each writer fsyncs its files).
+    step x global_batch is the progress a resume continues from, on any number of ranks (step_at).
+    A failure on any rank (a full disk) stops every rank with its message, the partial checkpoint removed."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
+    from torch.distributed.checkpoint.api import CheckpointException
 
     tensors, param_groups = sharded_state(model, optimizer)
     where = [new_checkpoint_dir(output_dir, step) if rank == 0 else None]
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}  # (this rank's device's)
+    rngs = [rng]
     if dist.is_initialized():
         dist.broadcast_object_list(where, src=0)
+        rngs = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(rng, rngs, dst=0)
     root, name = where[0]
     try:
         with warnings.catch_warnings():  # (one process: "assuming the intent is to save in a single process")
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
             save(tensors, storage_writer=HuggingFaceStorageWriter(os.path.join(root, name + ".tmp"),
                                                                   save_distributed=True))
-    except Exception as e:  # every rank learns of any rank's failure (a CheckpointException)
+    except (Exception, CheckpointException) as e:  # every rank learns of any rank's failure (a CheckpointException)
         if rank == 0:
             shutil.rmtree(os.path.join(root, name + ".tmp"), ignore_errors=True)
         raise_if_disk_full(root, state_bytes(tensors), e)
         raise
-    if dist.is_initialized():
-        dist.barrier()  # every shard written and fsynced
-    if rank == 0:
-        commit_checkpoint(root, name, {
-            "optimizer_param_groups": param_groups, "scheduler": scheduler.state_dict(), "step": step, **extra,
-            "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}})
+    agreed(lambda: rank == 0 and commit_checkpoint(root, name, {  # (after every shard is written and fsynced)
+        "optimizer_param_groups": param_groups, "scheduler": scheduler.state_dict(), "step": step,
+        "global_batch": global_batch, "rng": rngs, **extra}))
 
 
-def resume_training(model, optimizer, scheduler, output_dir):
+def step_at(done, saved_batch, args, world, what, counts_steps=False):
+    """This run's step once `done` episodes or pairs are trained: a checkpoint saved with another global batch
+    (saved_batch; another number of ranks) continues where its data left off, if `done` is a whole number of this
+    run's global batches (and no flag counts steps, --max_steps); otherwise the run stops before any step, naming the
+    flags that keep saved_batch."""
+    micro, other = args.per_device_train_batch_size, getattr(args, "num_mini_batches", 1)
+    batch = micro * args.gradient_accumulation_steps * other * world
+    if done % batch == 0 and (batch == saved_batch or not counts_steps):
+        return done // batch
+    share = saved_batch // (world * other)  # micro x accumulation per rank that would keep it
+    accumulation = share // micro if share % micro == 0 else 1
+    keep = f"on {world} ranks pass --per_device_train_batch_size {share // accumulation} " \
+        f"--gradient_accumulation_steps {accumulation}" if saved_batch % (world * other) == 0 else \
+        f"resume on a number of ranks that divides {saved_batch // other}"
+    why = f"this run's global batch, {batch}, does not divide {done}" if done % batch else \
+        f"--max_steps counts steps, and this run's global batch is {batch}"
+    raise UserError(f"--resume: the checkpoint was saved after {done} {what} in global batches of {saved_batch}; "
+                    f"{why}: to keep {saved_batch}, {keep}")
+
+
+def resume_training(model, optimizer, scheduler, output_dir, step_of):
     """The latest checkpoint in output_dir restored into the model, optimizer, schedule and random streams, on any
-    number of ranks (each reads the parts of the shards it holds); returns its step and extra state (None if there
-    is no checkpoint)."""
+    number of ranks (each reads the parts of the shards it holds; rank r takes rank r's random streams, where the
+    saving run had a rank r). step_of(state) is this run's step at the checkpoint's progress (a UserError if there
+    is none, before anything is loaded); the schedule is continued from it. Returns that step and the checkpoint's
+    state (None if there is no checkpoint)."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     if (path := latest_checkpoint(output_dir)) is None:
         return None
     ckpt = load_latest_checkpoint(output_dir)
+    if "global_batch" not in ckpt:  # written before checkpoints recorded their progress
+        raise UserError(f"--resume: {path} was written by an earlier version of this script (it does not record its "
+                        "global batch): resume it with that version, or pass --overwrite_output_dir to train afresh")
+    start = step_of(ckpt)
     tensors, _ = sharded_state(model, optimizer)
     with warnings.catch_warnings():  # (one process: "assuming the intent is to load in a single process")
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
@@ -948,12 +1175,15 @@ def resume_training(model, optimizer, scheduler, output_dir):
     set_state_dict(model, optimizer, model_state_dict=tensors["model"],
                    optim_state_dict={"state": tensors["optimizer"], "param_groups": ckpt.pop("optimizer_param_groups")})
     scheduler.load_state_dict(ckpt.pop("scheduler"))
-    rng = ckpt.pop("rng")
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return ckpt
+    scheduler.last_epoch = start - 1  # the saved step counts batches of the saving run's size, maybe not this one's
+    scheduler.step()
+    rngs, rank = ckpt.pop("rng"), dist.get_rank() if dist.is_initialized() else 0
+    if rank < len(rngs):
+        random.setstate(rngs[rank]["python"])
+        torch.set_rng_state(rngs[rank]["torch"])
+        if rngs[rank]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rngs[rank]["cuda"])  # this rank's device
+    return start, ckpt
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import random
 import runpy
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Literal
 
@@ -77,8 +78,8 @@ class Args:
     dataset_train_split: str = "train"
     """Split to take prompts from."""
     max_prompt_length: int | None = None
-    """Longer prompts keep their last tokens and their leading BOS (the rule rm.py applies). Default: 256, or what a
-    learned position table leaves beside --response_length if less."""
+    """Longer prompts keep their last tokens and their leading BOS (the rule rm.py applies). Default: 256, rm.py's too,
+    or what a learned position table leaves beside --response_length if less."""
     output_dir: str = "runs/ppo"
     """Where the final policy, metrics.jsonl, samples.jsonl, curves.png and checkpoints are written."""
     # --- sizes
@@ -186,10 +187,17 @@ class Args:
     """Print and save a table of sample completions every this many updates."""
     num_samples: int = 4
     """Rows in each sample table."""
-    save_steps: int = 0
-    """Write a resumable checkpoint every this many updates (0: never)."""
+    save_steps: int | None = None
+    """Write a resumable checkpoint every this many updates (default: one every 30 minutes of training; 0: none).
+    Ctrl-C (SIGINT) or SIGTERM ends a run after its current update with a checkpoint, whatever this is (exit 130 /
+    143)."""
     resume: bool = False
-    """Continue from the latest checkpoint in --output_dir."""
+    """Continue from the latest checkpoint in --output_dir, at the episodes it had trained (none: start from the first
+    update; a finished run: nothing to do; on any number of ranks, a global batch that does not divide them refused,
+    naming the flags that keep the saved one)."""
+    overwrite_output_dir: bool = False
+    """Train afresh in an --output_dir that holds a finished run or checkpoints (refused without this or --resume):
+    its checkpoints are deleted when training starts, its other files replaced as this run writes them."""
     track: bool = False
     """Log to Weights & Biases (works with WANDB_MODE=offline)."""
     tensorboard: bool = False
@@ -441,7 +449,7 @@ def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collect
                     (t[rows][:, rm_mask[rows].bool().any(0)] for t in (rm_ids, rm_mask))  # no all-padding column
                 scores[rows] = (reward.model(*own) - reward.shift) / reward.scale
     if reward.fn is not None:
-        scores += call_reward_fn(reward, prompt_texts, response_texts).to(scores.device)
+        scores += common.agreed(lambda: call_reward_fn(reward, prompt_texts, response_texts)).to(scores.device)
     if args.missing_eos_penalty is not None:
         scores = scores - args.missing_eos_penalty * (~has_stop).float()
     batch.scores, batch.values, batch.has_stop = scores, values * mask if critic is not None else None, has_stop
@@ -672,6 +680,7 @@ def main(args):
     if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
         return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
     rank, world, device = setup_distributed()
+    common.check_shared_output_dir(args.output_dir, rank)
     micro = args.per_device_train_batch_size
     local_batch = micro * args.gradient_accumulation_steps * args.num_mini_batches  # episodes per rank per update
     batch_size, num_updates = local_batch * world, args.total_episodes // (local_batch * world)
@@ -683,6 +692,9 @@ def main(args):
     if batch_size % args.num_samples_per_prompt:
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
                                f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
+    common.check_output_dir(args, rank)
+    if common.run_complete(args, num_updates, rank):
+        return None
 
     tokenizer = load_tokenizer(args)
     stop_id = stop_token_id(args, tokenizer)
@@ -691,10 +703,12 @@ def main(args):
     prompts, prompt_texts = load_prompts(args, tokenizer)
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
-    start, kl_coef, history = 0, args.kl_coef, []
-    if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir)):
-        start, kl_coef, history = ckpt["step"], ckpt["kl_coef"], ckpt["history"]
-    logs = open_logs(args, rank, start)
+    start, kl_coef, history, saved = 0, args.kl_coef, [], None
+    if args.resume and (resumed := common.resume_training(trainable, optimizer, scheduler, args.output_dir, lambda c:
+                        common.step_at(c["step"] * c["global_batch"], c["global_batch"], args, world, "episodes"))):
+        start, ckpt = resumed  # (progress is in episodes: the saving run may have had another number of ranks)
+        saved, kl_coef, history = ckpt["step"], ckpt["kl_coef"], ckpt["history"]
+    logs = open_logs(args, rank, saved)
     if rank == 0:
         print(f"rollout batch {batch_size} episodes = {micro} x {args.gradient_accumulation_steps} accumulation x "
               f"{args.num_mini_batches} mini-batches x {world} ranks ({batch_size // args.num_samples_per_prompt} "
@@ -702,10 +716,13 @@ def main(args):
               f"epochs; advantages {args.advantage_estimator}, KL ({args.kl_estimator}) in the {args.kl_penalty}, "
               f"loss {args.loss_aggregation}; lr {optimizer.param_groups[0]['initial_lr']:g}"
               + (f" (critic {optimizer.param_groups[1]['initial_lr']:g})" if critic is not None else "")
-              + f"; {len(prompts)} prompts" + (f"; resumed at update {start}" if start else ""))
+              + f"; {len(prompts)} prompts"
+              + (f"; resumed at update {start} ({start * batch_size} episodes)" if start else ""))
 
     orders, collective = {}, args.fsdp and world > 1  # under FSDP every rank must make the same forward calls
     bar = tqdm(range(start, num_updates), disable=rank != 0, initial=start, total=num_updates, desc="ppo")
+    t_saved = time.time()
+    common.stop_on_signals()
     for update in bar:
         t0 = time.time()
         # 1. Rollout: this rank's contiguous share of the update's episodes, each with its own sampling stream.
@@ -755,9 +772,13 @@ def main(args):
                                           "gold/std") if k in m})
         if rank == 0:
             log_update(logs, bar, m, update == num_updates - 1, args, tokenizer, batch)
-        if args.save_steps and (update + 1) % args.save_steps == 0 and update + 1 < num_updates:
+        save, stop = common.step_end(update + 1, args.save_steps, t_saved, device)
+        if save and update + 1 < num_updates:
             common.save_training(trainable, optimizer, scheduler, update + 1, rank, args.output_dir, kl_coef=kl_coef,
-                                 history=history)
+                                 history=history, global_batch=batch_size)
+            t_saved = time.time()
+        if stop and update + 1 < num_updates:
+            common.exit_stopped(stop, update + 1, args, rank, bar)
 
     save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
@@ -941,8 +962,8 @@ def build_models(args, tokenizer, device, rank, world):
                                "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer, skeleton)
-    if not policy_hf.device.type == "meta":
-        check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path)
+    common.agreed(lambda: policy_hf.device.type == "meta" or  # (under FSDP rank 0 alone holds the weights)
+                  check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
     readers = [policy_hf] + ([reward.model.hf] if reward.model is not None and reward.tokenizer is None else [])
     limit = min((n for n in map(common.position_table, readers) if n), default=None)
     args.max_prompt_length = common.length_default(  # (args is read by the phases after this)
@@ -1173,8 +1194,10 @@ def load_reward_fn(spec):
 def call_reward_fn(reward, prompts, responses):
     try:
         out = list(reward.fn(prompts, responses))
-    except Exception as e:
-        raise common.UserError(f"--reward_fn {reward.fn_name} raised {type(e).__name__}: {e}") from None
+    except Exception as e:  # the user's own code: its traceback (from the function in), then where it was called
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        raise common.UserError(f"--reward_fn {reward.fn_name} raised {type(e).__name__}: {e} (traceback above; called "
+                               f"by ppo.py's score() on {len(prompts)} prompts and responses)") from None
     bad = next((i for i, v in enumerate(out) if isinstance(v, bool) or not isinstance(v, (int, float))
                 or not math.isfinite(v)), None)
     if len(out) != len(prompts) or bad is not None:
@@ -1585,13 +1608,12 @@ def offloaded(models, device, enabled):
 # Logging, the final save, figures.
 
 
-def open_logs(args, rank, start):
-    """Rank 0's metrics logger and samples.jsonl (on resume, continued after the resumed update)."""
+def open_logs(args, rank, saved):
+    """Rank 0's metrics logger and samples.jsonl (on resume, continued after the checkpoint's update, saved)."""
     if rank != 0:
         return None
-    resumed = start if args.resume else None
-    return common.Logger(args, args.wandb_project, resumed), \
-        common.open_log(os.path.join(args.output_dir, "samples.jsonl"), resumed)
+    return common.Logger(args, args.wandb_project, saved), \
+        common.open_log(os.path.join(args.output_dir, "samples.jsonl"), saved)
 
 
 def log_update(logs, bar, m, last, args, tokenizer, batch):

@@ -39,28 +39,33 @@ import common
 class Args:
     # --- model and data
     model_name_or_path: str = "embedded-llama"
-    """Hugging Face model name or local path (any causal LM or sequence-classification checkpoint), or a tiny model
-    built locally: embedded-llama, embedded-neox."""
+    """Hugging Face model name or local path (any causal LM or sequence-classification checkpoint, or a peft adapter
+    folder, merged into its base), or a tiny model built locally: embedded-llama, embedded-neox."""
     dataset_name: str = "embedded"
     """Hub dataset name, local .jsonl/.json/.parquet/.csv file (gzip too), or `embedded` (the built-in synthetic task)."""
     dataset_config: str | None = None
     """Hub dataset configuration name."""
     dataset_mixer_list: list[str] = field(default_factory=list)
     """Several datasets with weights, overriding --dataset_name: NAME WEIGHT NAME WEIGHT ... (weight <= 1: a fraction of
-    the rows, > 1: a number of rows)."""
+    the training rows, > 1: a number of them; a dataset without an eval split gives --eval_holdout of them to
+    evaluation). Evaluation is reported per dataset and overall."""
     train_split: str = "train"
     """Split to train on."""
     eval_split: str | None = None
-    """Split to evaluate on (default: test, else validation); a dataset with none holds out --eval_holdout of its
-    training pairs instead, by prompt."""
+    """Split to evaluate on (default: validation, else test); a dataset with none holds out --eval_holdout of its
+    training pairs instead, by prompt. The split each dataset was evaluated on is printed and recorded in
+    eval_results.json (eval_sets)."""
     eval_holdout: float = 0.1
-    """Fraction of training pairs held out for evaluation when there is no eval split."""
+    """Fraction of training pairs held out for evaluation, by prompt, when there is no eval split: no held-out prompt is
+    trained on in any dataset of the mixture."""
     max_length: int | None = None
     """Maximum tokens of prompt + response (default: 512, or the model's learned position table if shorter). Longer
     pairs are truncated (see --max_prompt_length), never dropped."""
     max_prompt_length: int | None = None
-    """Maximum prompt tokens (default: 384, or 3/4 of --max_length if less); a longer prompt keeps its END (the turn
-    being answered) and its BOS token."""
+    """Prompt tokens kept when prompt + longer response exceeds --max_length (default: 256 as in ppo.py, whose reward
+    model sees prompts cut there; or 3/4 of --max_length if less): the prompt is cut only then, to what the longer
+    response leaves but never below this, keeping its END (the turn being answered) and its BOS token; the responses
+    are then cut to fit."""
     output_dir: str = "runs/rm"
     """Where the reward model, tokenizer, metrics.jsonl, eval_results.json and checkpoints are written."""
     # --- optimisation
@@ -96,16 +101,18 @@ class Args:
     """Seed of model initialisation, head initialisation and data order."""
     # --- reward model
     loss_type: Literal["sigmoid", "logexp"] = "sigmoid"
-    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)), the same function computed
-    as ColossalChat's LogExpLoss does (it overflows for margins beyond ~88)."""
+    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)) (ColossalChat's LogExpLoss),
+    the same function, computed as softplus so that it stays finite at any reward gap."""
     center_rewards_coefficient: float = 0.0
     """Weight of mean((r_c + r_r)^2), which keeps rewards centred at 0 (Eisenstein et al. 2023)."""
     head_init_std: float | None = None
-    """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1))."""
+    """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1)). The head is new unless the model
+    is a sequence classifier or an adapter folder holding the head's weights (as rm.py's do)."""
     reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
-    """After training: make the mean reward over the eval set 0 (shift) and optionally its std 1 (shift_scale). Saved
-    in config.json as reward_shift and reward_scale: a reward is (the model's logit - reward_shift) / reward_scale
-    (ppo.py applies it; README's scoring snippet shows how)."""
+    """After training: make the mean reward over 2048 training pairs (never the eval pairs) 0 (shift) and optionally
+    their std 1 (shift_scale). Saved in config.json as reward_shift and reward_scale: a reward is (the model's logit -
+    reward_shift) / reward_scale (ppo.py applies it; README's scoring snippet shows how); eval_results.json records
+    what they were fitted on."""
     # --- LoRA (through peft)
     lora_r: int = 0
     """Rank of the LoRA adapters on the backbone's linear layers (Hu et al. 2021), the scalar head trained in full
@@ -123,10 +130,17 @@ class Args:
     """Evaluations evenly spread over training (the final one always runs)."""
     logging_steps: int = 50
     """Log train metrics every this many steps."""
-    save_steps: int = 0
-    """Write a resumable checkpoint every this many steps (0: never)."""
+    save_steps: int | None = None
+    """Write a resumable checkpoint every this many steps (default: one every 30 minutes of training; 0: none).
+    Ctrl-C (SIGINT) or SIGTERM ends a run after its current step with a checkpoint, whatever this is (exit 130 /
+    143)."""
     resume: bool = False
-    """Continue from the latest checkpoint in --output_dir."""
+    """Continue from the latest checkpoint in --output_dir, at the pairs it had trained (none: start from the first
+    step; a finished run: nothing to do; on any number of ranks, a global batch that does not divide them refused,
+    naming the flags that keep the saved one)."""
+    overwrite_output_dir: bool = False
+    """Train afresh in an --output_dir that holds a finished run or checkpoints (refused without this or --resume):
+    its checkpoints are deleted when training starts, its other files replaced as this run writes them."""
     track: bool = False
     """Log to Weights & Biases (works with WANDB_MODE=offline)."""
     tensorboard: bool = False
@@ -175,7 +189,7 @@ def preference_loss(r_chosen, r_rejected, margin, loss_type="sigmoid"):
     """Per-pair Bradley-Terry negative log-likelihood, with the Llama 2 margin (Touvron et al. 2023, eq. 2)."""
     if loss_type == "sigmoid":
         return -F.logsigmoid(r_chosen - r_rejected - margin)
-    return torch.log1p(torch.exp(r_rejected - r_chosen + margin))
+    return F.softplus(r_rejected - r_chosen + margin)  # log1p(exp(x)), which overflows to inf past x ~ 88
 
 
 def reward_model_loss(r_chosen, r_rejected, margin, loss_type="sigmoid", center_coefficient=0.0):
@@ -186,8 +200,9 @@ def reward_model_loss(r_chosen, r_rejected, margin, loss_type="sigmoid", center_
 
 
 def reliability(p_chosen, n_bins=10):
-    """Per bin of predicted P(chosen wins) = sigmoid(r_c - r_r): how many predictions, their mean, and how often they
-    came true. Each pair counts in both orders, (p, won) and (1 - p, lost)."""
+    """Per bin of predicted P(chosen wins) = sigmoid(r_c - r_r - margin), the probability the loss models: how many
+    predictions, their mean, and how often they came true. Each pair counts in both orders, (p, won) and (1 - p,
+    lost)."""
     p = torch.cat([p_chosen, 1 - p_chosen]).double()
     won = torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)]).double()
     bins = (p * n_bins).long().clamp(max=n_bins - 1)
@@ -266,7 +281,8 @@ def train_step(model, micro_batches, args, pad_id, device):
 
 @torch.no_grad()
 def evaluate(model, pairs, args, pad_id, device, rank, world):
-    """Rewards of every eval pair (sharded across ranks, then gathered) and the metrics computed from them."""
+    """Rewards of every eval pair (sharded across ranks, then gathered) and the metrics computed from them. Returns the
+    metrics and, per pair, (r_chosen, r_rejected, margin)."""
     per_rank = math.ceil(len(pairs) / world)
     # longest first, so that a batch holds pairs of similar length (little padding) and the peak memory comes first
     by_length = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
@@ -285,28 +301,39 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
     in_order = torch.empty(len(pairs), 2)
     in_order[index[valid].cpu()] = rewards[valid].cpu()
     rewards = in_order
-    rc, rr = rewards[:, 0], rewards[:, 1]
     margin = torch.tensor([p["margin"] for p in pairs])
+    metrics = pair_metrics(rewards[:, 0], rewards[:, 1], margin, pairs, args, "eval/")
+    datasets = dict.fromkeys(p.get("dataset") for p in pairs)
+    if len(datasets) > 1:  # a mixture: each dataset's own numbers as well
+        for name in datasets:
+            ours = torch.tensor([p.get("dataset") == name for p in pairs])
+            metrics.update(pair_metrics(rewards[ours, 0], rewards[ours, 1], margin[ours],
+                                        [p for p, o in zip(pairs, ours) if o], args, f"eval/{name}/"))
+    return metrics, torch.cat([rewards, margin[:, None]], 1)
+
+
+def pair_metrics(rc, rr, margin, pairs, args, prefix):
+    """The evaluation metrics of pairs from their rewards, each key prefixed."""
     lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
     metrics = {
-        "eval/accuracy": (rc > rr).float().mean().item(),
-        "eval/loss": reward_model_loss(rc, rr, margin, args.loss_type, args.center_rewards_coefficient).item(),
-        "eval/reward_gap": (rc - rr).mean().item(),
-        "eval/chosen_reward": rc.mean().item(),
-        "eval/rejected_reward": rr.mean().item(),
-        "eval/reward_mean": torch.cat([rc, rr]).mean().item(),
-        "eval/reward_std": torch.cat([rc, rr]).std().item(),
-        "eval/calibration_error": calibration_error(torch.sigmoid(rc - rr)),
-        "eval/length_correlation": pearson(torch.cat([rc, rr]), lengths),
+        "accuracy": (rc > rr).float().mean().item(),
+        "loss": reward_model_loss(rc, rr, margin, args.loss_type, args.center_rewards_coefficient).item(),
+        "reward_gap": (rc - rr).mean().item(),
+        "chosen_reward": rc.mean().item(),
+        "rejected_reward": rr.mean().item(),
+        "reward_mean": torch.cat([rc, rr]).mean().item(),
+        "reward_std": torch.cat([rc, rr]).std().item(),
+        "calibration_error": calibration_error(torch.sigmoid(rc - rr - margin)),
+        "length_correlation": pearson(torch.cat([rc, rr]), lengths),
     }
     known = torch.tensor([p["gold"] is not None for p in pairs])
     if known.any():  # embedded-task pairs (all, or some of a mixture): compare with the best possible accuracy
         gold, rc, rr = torch.tensor([p["gold"] for p in pairs if p["gold"] is not None]), rc[known], rr[known]
         p_gold = torch.sigmoid(common.PREFERENCE_BETA * (gold[:, 0] - gold[:, 1]))
-        metrics["eval/bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
-        metrics["eval/accuracy_vs_bayes"] = (rc > rr).float().mean().item() / metrics["eval/bayes_accuracy"]
-        metrics["eval/gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
-    return metrics, rewards
+        metrics["bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
+        metrics["accuracy_vs_bayes"] = (rc > rr).float().mean().item() / metrics["bayes_accuracy"]
+        metrics["gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
+    return {prefix + k: v for k, v in metrics.items()}
 
 
 def check_args(args):
@@ -343,6 +370,8 @@ def main(args):
     if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
         return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
     rank, world, device = setup_distributed()
+    common.check_shared_output_dir(args.output_dir, rank)
+    common.check_output_dir(args, rank)
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
 
@@ -352,12 +381,14 @@ def main(args):
     sharded = args.fsdp and world > 1  # then only rank 0 reads the weights, and shards them (parallelize)
     hf_model, lora = load_reward_model(args, tokenizer, skeleton=sharded and rank != 0)
     args = resolve_lengths(args, hf_model, rank)
-    train, evals = load_data(args, tokenizer, rank)
+    train, evals, eval_sets = load_data(args, tokenizer, rank)
     steps_per_epoch = len(train) // global_batch
     if steps_per_epoch == 0 and not args.eval_only:
         raise common.UserError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
     eval_every = args.eval_steps or math.ceil(total_steps / max(args.num_evals, 1))  # the last one at the end
+    if not args.eval_only and common.run_complete(args, total_steps, rank):
+        return None
 
     # 2. Batch layout, optimizer, schedule.
     args, layout = choose_layout(RewardModel(hf_model if sharded else hf_model.to(device)), args, len(tokenizer), rank)
@@ -365,12 +396,18 @@ def main(args):
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(RewardModel(hf_model), args, device)
     if args.eval_only:
-        return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout)
+        return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets)
     optimizer, scheduler = build_optimizer(model, args, total_steps)
-    start_step = 0
-    if args.resume and (ckpt := common.resume_training(model, optimizer, scheduler, args.output_dir)):
-        start_step = ckpt["step"]
-    logger = common.Logger(args, args.wandb_project, start_step if args.resume else None) if rank == 0 else None
+
+    def step_of(ckpt):  # progress is in pairs, whole epochs and then into one (the saving run's batch may differ)
+        epoch, offset = divmod(ckpt["step"], len(train) // ckpt["global_batch"])
+        return epoch * steps_per_epoch + common.step_at(offset * ckpt["global_batch"], ckpt["global_batch"], args,
+                                                        world, "pairs of its epoch", counts_steps=args.max_steps > 0)
+
+    start_step, saved = 0, None
+    if args.resume and (resumed := common.resume_training(model, optimizer, scheduler, args.output_dir, step_of)):
+        start_step, saved = resumed[0], resumed[1]["step"]  # (saved: in the saving run's steps, maybe of another size)
+    logger = common.Logger(args, args.wandb_project, saved) if rank == 0 else None
     if rank == 0:
         n_trained = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
         mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
@@ -381,12 +418,14 @@ def main(args):
               f"{world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
               f"({total_steps / steps_per_epoch:.2f} epochs); lr {optimizer.param_groups[0]['initial_lr']:g}, "
               f"{args.lr_scheduler_type}, warmup {args.warmup_steps or int(args.warmup_ratio * total_steps)}"
-              + (f"; resumed from step {start_step}" if start_step else ""))
+              + (f"; resumed from step {start_step}" if start_step else "")
+              + (" (at or past the total: the final evaluation and save remain)" if start_step >= total_steps else ""))
 
     # 3. Training loop: per step, one fused forward per micro-batch, Bradley-Terry loss, one optimizer step.
     model.train()
     bar = tqdm(range(start_step, total_steps), disable=rank != 0, initial=start_step, total=total_steps, desc="rm")
-    window, t_window = [], time.time()
+    window, t_window, t_saved, ev = [], time.time(), time.time(), None
+    common.stop_on_signals()
     for step in bar:
         epoch, offset = divmod(step, steps_per_epoch)
         if step == start_step or offset == 0:  # the epoch's order depends only on (seed, epoch): resumable anywhere
@@ -422,12 +461,22 @@ def main(args):
             if rank == 0:
                 logger.log(ev)
                 bar.write(common.format_metrics(ev))
-        if args.save_steps and done % args.save_steps == 0 and done < total_steps:
-            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir)
+        save, stop = common.step_end(done, args.save_steps, t_saved, device)
+        if save and done < total_steps:
+            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir, global_batch=global_batch)
+            t_saved = time.time()
+        if stop and done < total_steps:
+            common.exit_stopped(stop, done, args, rank, bar)
         t_window += time.time() - t_pause
+    if ev is None:  # resumed at or past the total: no step ran, so its evaluation too
+        model.eval()
+        ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
 
-    # 5. Normalize (shift the mean eval reward to 0, optionally scale its std to 1) and save in transformers' format.
-    save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank)
+    # 5. Normalize (shift the mean reward of training pairs to 0, optionally scale its std to 1) and save in
+    # transformers' format.
+    normalization = fit_normalization(model, train, args, tokenizer.pad_token_id, device, rank, world)
+    save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank,
+               dict(normalization, eval_sets=eval_sets))
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
         dist.barrier()
         dist.destroy_process_group()
@@ -469,7 +518,7 @@ def load_reward_model(args, tokenizer, skeleton=False):
     else:
         config = common.load_pretrained(AutoConfig, name, "--model_name_or_path")
         trained_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or \
-            common.adapter_base(name) is not None
+            common.adapter_base(name) is not None and common.adapter_holds_head(name)
         config.num_labels = 1
         # dropout off, before the model is built: the two passes of a pair must see the same network
         model = common.load_model(AutoModelForSequenceClassification, name, "--model_name_or_path", skeleton,
@@ -508,7 +557,7 @@ def resolve_lengths(args, model, rank):
     a length the user gave that the model cannot read is refused here, before any pair is read."""
     max_length = common.length_default(args.max_length, 512, common.position_table(model), "--max_length", rank)
     common.check_position_table(model, max_length, f"--max_length {max_length}")
-    max_prompt_length = args.max_prompt_length or min(384, max_length * 3 // 4)
+    max_prompt_length = args.max_prompt_length or min(256, max_length * 3 // 4)
     if max_length <= max_prompt_length:
         raise common.UserError(f"--max_prompt_length {max_prompt_length} must be below --max_length {max_length} to "
                                "leave room for the responses")
@@ -516,31 +565,34 @@ def resolve_lengths(args, model, rank):
 
 
 def load_data(args, tokenizer, rank):
-    """Training and evaluation pairs of every dataset of the mixture, tokenized. A dataset is evaluated on the whole of
-    its eval split (--eval_split; by default test, else validation), or where it has none, on --eval_holdout of its
-    training pairs held out by prompt, so that no prompt is in both; its mixture weight then takes its share of the
-    training pairs left."""
+    """Training and evaluation pairs of every dataset of the mixture, tokenized, each pair knowing its dataset, and
+    what each dataset is evaluated on. A dataset with an eval split (--eval_split; by default validation, else test)
+    is evaluated on the whole of it, its weight taking its share of the training pairs. The weighted training shares of
+    the others are pooled, and --eval_holdout of the pool held out by prompt; a held-out prompt is then trained on in
+    no dataset of the mixture (datasets may share pairs)."""
     mixer = common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
-    train_rows, eval_rows = [], []
+    train_rows, eval_rows, pool, eval_sets = [], [], [], {}
     for name, weight in mixer:
-        tried = [args.eval_split] if args.eval_split else ["test", "validation"]
+        tried = [args.eval_split] if args.eval_split else ["validation", "test"]
         split, evals = next(((s, rows) for s in tried if (rows := common.load_rows(name, args.dataset_config, s))
                              is not None), (None, None))
         train = [] if args.eval_only and evals else common.load_rows(name, args.dataset_config, args.train_split)
         if not train and not (args.eval_only and evals):
             raise common.UserError(f"{name}: no rows in split '{args.train_split}'"
                                    + (f" nor {' or '.join(repr(s) for s in tried)}" if args.eval_only else "") + "; pass --train_split")
-        if args.eval_only:
-            train, evals = [], evals or train
-        elif evals is None:
-            train, evals = hold_out_by_prompt(train, args.eval_holdout, args.seed, tokenizer)
-            if rank == 0:
-                print(f"{name}: no {' or '.join(repr(s) for s in tried)} split: holding out {len(evals)} training "
-                      f"pairs ({args.eval_holdout:.0%}) for eval, whole prompts, none in both")
-        elif rank == 0 and split != "test":
-            print(f"{name}: evaluating on its '{split}' split")
-        train_rows += common.take_share(train, weight, args.seed)
-        eval_rows += evals
+        if args.eval_only and evals is None:
+            split, evals, train = args.train_split, train, []
+        ours = lambda rows: [dict(r, _dataset=name) for r in rows]  # noqa: E731
+        if evals is None:
+            pool += ours(common.take_share(train, weight, args.seed))
+            eval_sets[name] = f"{args.eval_holdout:g} of its training pairs, held out by prompt"
+        else:
+            train_rows += ours(common.take_share(train, weight, args.seed))
+            eval_rows += ours(evals)
+            eval_sets[name] = f"split {split!r}"
+    if pool:
+        train_rows, held = hold_out_by_prompt(pool, args.eval_holdout, args.seed, tokenizer, train_rows)
+        eval_rows += held
     train, cut, dropped = tokenize_pairs(train_rows, tokenizer, args)
     if train_rows and not train:
         raise common.UserError(f"{' '.join(n for n, _ in mixer)}: all {len(train_rows)} training pairs were dropped: chosen and "
@@ -550,15 +602,18 @@ def load_data(args, tokenizer, rank):
     if not evals:
         raise common.UserError(f"{' '.join(n for n, _ in mixer)}: no evaluation pairs left after tokenization")
     if rank == 0:
+        count = collections.Counter(p["dataset"] for p in evals)
+        for name, on in eval_sets.items():
+            print(f"{name}: evaluating on {on} ({count[name]} pairs)")
         print(f"pairs: {len(train)} train, {len(evals)} eval; truncated {cut + cut_e}, dropped {dropped + dropped_e} "
               f"(identical after truncation); max_length {args.max_length}, max_prompt_length {args.max_prompt_length}")
-    return train, evals
+    return train, evals, eval_sets
 
 
-def hold_out_by_prompt(rows, fraction, seed, tokenizer):
+def hold_out_by_prompt(rows, fraction, seed, tokenizer, others=()):
     """(train, eval): about `fraction` of the rows for evaluation, whole prompts at a time (drawn at random by seed),
-    so that a dataset with several pairs per prompt leaks none into the evaluation. A dataset of one prompt is split
-    by row."""
+    so that a dataset with several pairs per prompt leaks none into the evaluation; train also holds the rows of
+    `others` (other datasets' training pairs) whose prompt is not held out. Rows of one prompt are split by row."""
     prompts = [common.split_pair(r, tokenizer, common.where(r))[0] for r in rows]
     order = list(dict.fromkeys(prompts))
     random.Random(seed).shuffle(order)
@@ -570,7 +625,10 @@ def hold_out_by_prompt(rows, fraction, seed, tokenizer):
             break
         held.add(p)
         n_held += count[p]
-    return [r for r, p in zip(rows, prompts) if p not in held], [r for r, p in zip(rows, prompts) if p in held]
+    if others and len(order) > 1:
+        others = [r for r in others if common.split_pair(r, tokenizer, common.where(r))[0] not in held]
+    return [r for r, p in zip(rows, prompts) if p not in held] + list(others), \
+        [r for r, p in zip(rows, prompts) if p in held]
 
 
 def tokenize_pairs(rows, tokenizer, args):
@@ -590,14 +648,19 @@ def tokenize_pairs(rows, tokenizer, args):
         n_truncated += cut
         if c != r:
             pairs.append({"prompt": p, "chosen": c, "rejected": r, "margin": float(margin),
+                          "dataset": row.get("_dataset"),
                           "gold": (row["gold_chosen"], row["gold_rejected"]) if row.get("gold_chosen") is not None else None})
     return pairs, n_truncated, len(rows) - len(pairs)
 
 
 def truncate_pair(prompt_ids, chosen_ids, rejected_ids, max_length, max_prompt_length, bos_id=None):
-    """The truncation policy: the prompt by common.truncate_prompt (ppo.py's rule for its prompts), then each response
-    cut so that prompt + response fits in max_length. Returns the three id lists and whether anything was cut."""
-    p = common.truncate_prompt(prompt_ids, max_prompt_length, bos_id)
+    """The truncation policy: a pair that fits max_length is kept whole; otherwise the prompt is cut by
+    common.truncate_prompt (ppo.py's rule for its prompts) to what the longer response leaves, but to no fewer than
+    max_prompt_length tokens, then each response cut so that prompt + response fits. (ppo.py's responses are always
+    allowed --response_length tokens, so there the same rule cuts at --max_prompt_length.) Returns the three id lists
+    and whether anything was cut."""
+    longest = max(len(chosen_ids), len(rejected_ids))
+    p = common.truncate_prompt(prompt_ids, max(max_prompt_length, max_length - longest), bos_id)
     c, r = chosen_ids[:max_length - len(p)], rejected_ids[:max_length - len(p)]
     return p, c, r, (len(p), len(c), len(r)) != (len(prompt_ids), len(chosen_ids), len(rejected_ids))
 
@@ -788,7 +851,7 @@ def choose_layout(model, args, vocab_size, rank=0):
     if not model.takes_position_ids:
         return padded, "padded: the model takes no position ids (ALiBi or recurrent), so packed sequences would get " \
                        "wrong positions"
-    why_not = [packed_layout_fault(model, args, vocab_size) if rank == 0 else None]
+    why_not = [common.agreed(lambda: packed_layout_fault(model, args, vocab_size) if rank == 0 else None)]
     if dist.is_initialized():
         dist.broadcast_object_list(why_not, src=0)
     if why_not[0]:
@@ -918,13 +981,31 @@ def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elap
         bar.write(common.format_metrics(m))
 
 
-def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank):
-    """The reward model in transformers' format with its normalization (the mean eval reward shifted to 0, optionally
-    its std scaled to 1), eval_results.json, the evaluation figure and a summary."""
+NORMALIZATION_PAIRS = 2048
+"""Training pairs the normalization is fitted on: the mean's standard error is then under 1/45 of the rewards' std."""
+
+
+def fit_normalization(model, train, args, pad_id, device, rank, world):
+    """reward_shift and reward_scale (see --reward_normalization), fitted on NORMALIZATION_PAIRS training pairs drawn by
+    seed (all, if fewer), never on the eval pairs, so that no held-out pair shapes the saved model; and what they were
+    fitted on."""
+    if args.reward_normalization == "none":
+        return {"reward_shift": 0.0, "reward_scale": 1.0, "reward_normalization_fitted_on": None}
+    pairs = random.Random(common.seed_of(args.seed, "normalization")).sample(train, min(len(train),
+                                                                                     NORMALIZATION_PAIRS))
+    model.eval()
+    fitted = evaluate(model, pairs, args, pad_id, device, rank, world)[0]
+    return {"reward_shift": fitted["eval/reward_mean"],
+            "reward_scale": fitted["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0,
+            "reward_normalization_fitted_on": f"{len(pairs)} training pairs"}
+
+
+def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank, record):
+    """The reward model in transformers' format with its normalization (record's reward_shift and reward_scale),
+    eval_results.json (with record), the evaluation figure and a summary."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    shift = ev["eval/reward_mean"] if args.reward_normalization != "none" else 0.0
-    scale = ev["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0
+    shift, scale = record["reward_shift"], record["reward_scale"]
     model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return
@@ -932,7 +1013,7 @@ def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args,
                               args.output_dir, shift, scale)
     logger.close()
     with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
-        write_results(ev, eval_rewards, [json.loads(line) for line in f], args, reward_shift=shift, reward_scale=scale)
+        write_results(ev, eval_rewards, [json.loads(line) for line in f], args, **record)
     summary = f"final eval accuracy {ev['eval/accuracy']:.4f}"
     if "eval/bayes_accuracy" in ev:
         summary += f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})"
@@ -958,14 +1039,15 @@ def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, 
     return hf_model
 
 
-def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout):
+def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets):
     model.eval()
     ev, rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
     if rank == 0:
         shift, scale = getattr(hf_model.config, "reward_shift", 0.0), getattr(hf_model.config, "reward_scale", 1.0)
         os.makedirs(args.output_dir, exist_ok=True)
         write_results(ev, rewards, [], args, num_pairs=len(evals), reward_shift=shift, reward_scale=scale,
-                      normalized_reward_mean=(ev["eval/reward_mean"] - shift) / scale, batch_layout=layout)
+                      normalized_reward_mean=(ev["eval/reward_mean"] - shift) / scale, batch_layout=layout,
+                      eval_sets=eval_sets)
         print(common.format_metrics(ev))
         print(f"evaluated {args.model_name_or_path} on {len(evals)} pairs: accuracy {ev['eval/accuracy']:.4f}; "
               f"eval_results.json and eval.png in {args.output_dir}")
@@ -984,7 +1066,8 @@ def write_results(ev, rewards, metrics, args, **extra):
 
 def plot_eval(path, rewards, metrics):
     """The reward model at a glance: chosen vs rejected reward histograms; a reliability diagram of P(chosen wins) =
-    sigmoid(r_c - r_r) (each pair in both orders, as calibration_error counts it); accuracy and loss over steps."""
+    sigmoid(r_c - r_r - margin) (each pair in both orders, as calibration_error counts it); accuracy and loss over
+    steps. rewards: per pair (r_chosen, r_rejected, margin), as evaluate returns them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -999,7 +1082,7 @@ def plot_eval(path, rewards, metrics):
     ax.set(title=f"Rewards on {len(rc)} eval pairs (accuracy {(rc > rr).mean():.3f})", xlabel="reward (logit)",
            ylabel="pairs")
     ax.legend()
-    p_chosen = torch.sigmoid(rewards[:, 0] - rewards[:, 1])
+    p_chosen = torch.sigmoid(rewards[:, 0] - rewards[:, 1] - rewards[:, 2])
     count, confidence, frequency = reliability(p_chosen)
     ax = axes[0, 1]
     ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")

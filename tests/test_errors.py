@@ -5,11 +5,14 @@ import gzip
 import json
 import os
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 import tyro
-from conftest import run_script
+from conftest import ROOT, run_script
 
 import common
 import rm
@@ -78,7 +81,8 @@ def test_bad_input_is_one_line_and_leaves_earlier_work_intact(case, tmp_path, sa
     out = tmp_path / "out"
     shutil.copytree(saved_run, out)
     before = snapshot(out)
-    argv = ["--dataset_name", data, "--output_dir", str(out), *flags]
+    # --overwrite_output_dir: the earlier run is replaced only once training starts, never by a run that stops before
+    argv = ["--dataset_name", data, "--output_dir", str(out), "--overwrite_output_dir", *flags]
     if case == "zero batch":  # as a user runs it: a process of its own
         proc = run_script(["rm.py", *argv], check=False)
         code, stderr = proc.returncode, proc.stderr
@@ -138,8 +142,9 @@ def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tm
 
 def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, saved_run, small_pairs_file,
                                                                  monkeypatch):
-    """A new run into a folder holding a finished one logs under its own name until it finishes: stopped half-way, it
-    leaves the earlier run's model, results and logs byte for byte, not its model beside a new metrics.jsonl."""
+    """A new run into a folder holding a finished one (--overwrite_output_dir) logs under its own name until it
+    finishes: stopped half-way, it leaves the earlier run's model, results and logs byte for byte, not its model
+    beside a new metrics.jsonl (the earlier checkpoints are gone: --resume must not continue the earlier run)."""
     out = tmp_path / "out"
     shutil.copytree(saved_run, out)
     before = snapshot(out)
@@ -153,9 +158,10 @@ def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, save
     monkeypatch.setattr(rm, "preference_loss", poisoned)
     with pytest.raises(common.UserError, match="step 3: the gradient norm is nan"):
         rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=4, logging_steps=1, num_evals=1,
-                        per_device_train_batch_size=8, output_dir=str(out)))
+                        per_device_train_batch_size=8, output_dir=str(out), overwrite_output_dir=True))
     after = snapshot(out)
-    assert {k: v for k, v in after.items() if k in before} == before
+    before = {k: v for k, v in before.items() if not k.startswith("checkpoints")}
+    assert {k: v for k, v in after.items() if k in before} == before and not (out / "checkpoints").exists()
     assert set(after) - set(before) == {"metrics.jsonl.running"}
     assert [json.loads(line)["step"] for line in after["metrics.jsonl.running"].splitlines()] == [1, 2]
 
@@ -244,6 +250,11 @@ def test_eval_only_reads_a_folder_with_a_test_split_alone_and_mixtures_with_some
     ev = rm.main(rm.Args(dataset_mixer_list=["embedded", "300", str(tmp_path / "data" / "test.jsonl"), "1.0"],
                          max_steps=2, per_device_train_batch_size=8, num_evals=1, output_dir=str(tmp_path / "mix")))
     assert 0.5 < ev["eval/bayes_accuracy"] < 1  # from the embedded pairs, the only ones with gold values
+    results = json.load(open(tmp_path / "mix" / "eval_results.json"))  # each dataset's numbers and eval set, recorded
+    test_file = str(tmp_path / "data" / "test.jsonl")
+    assert "embedded/bayes_accuracy" in results and f"{test_file}/accuracy" in results
+    assert results["eval_sets"] == {"embedded": "split 'validation'",
+                                    test_file: "0.1 of its training pairs, held out by prompt"}
 
 
 def test_a_tokenizer_loaded_as_the_wrong_class_is_named_before_any_pair_is_dropped(tmp_path):
@@ -258,3 +269,51 @@ def test_a_tokenizer_loaded_as_the_wrong_class_is_named_before_any_pair_is_dropp
     assert common.tokenize_prompts(common.embedded_tokenizer(), ["User: tell"]) != [[]]  # the right class works
     with pytest.raises(common.UserError, match=r"gives no tokens for the text 'a b': it is loaded as the wrong class"):
         common.tokenize_prompts(tokenizer, ["User: tell me about animals Assistant:"])
+
+
+def test_nodes_that_do_not_share_the_output_folder_stop_before_training(tmp_path, small_pairs_file):
+    """Two torchrun agents (--nnodes 2) started in different folders with a relative --output_dir: each node would
+    write its own shards; both stop at start-up with one line, within a minute."""
+    started, agents = time.time(), []
+    for node in (0, 1):
+        os.makedirs(tmp_path / f"node{node}")
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(29500 + os.getpid() % 1000),
+             os.path.join(ROOT, "rm.py"), "--dataset_name", small_pairs_file, "--max_steps", "4", "--output_dir", "out"],
+            cwd=tmp_path / f"node{node}", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1")))
+    errors = [agent.communicate(timeout=120)[1] for agent in agents]
+    assert time.time() - started < 60
+    for node, (agent, err) in enumerate(zip(agents, errors)):
+        assert agent.returncode != 0 and "exitcode  : 2" in err, err[-2000:]
+        assert "error: --output_dir out: rank 1 does not see the file rank 0 has just written there" in err
+        assert sorted(os.listdir(tmp_path / f"node{node}")) == (["out"] if node == 0 else [])
+    assert os.listdir(tmp_path / "node0" / "out") == []  # nothing trained, nothing saved
+
+
+def test_a_check_failed_on_one_rank_ends_every_rank_with_its_message(tmp_path):
+    """The reward function fails on rank 1 alone: both ranks stop with its message (rank 0 does not wait in a
+    collective for rank 1, which across nodes would last the process group's timeout)."""
+    fn = tmp_path / "rank_reward.py"
+    fn.write_text("import os\n\ndef reward(prompts, responses):\n"
+                  "    return [float('nan') if os.environ['RANK'] == '1' else 1.0 for _ in prompts]\n")
+    started = time.time()
+    proc = run_script(["ppo.py", "--reward_fn", f"{fn}:reward", "--total_episodes", "8", "--per_device_train_batch_size", "2",
+                       "--num_mini_batches", "1", "--response_length", "8",
+                       "--output_dir", str(tmp_path / "out")], nproc=2, check=False)
+    assert time.time() - started < 60 and proc.returncode != 0
+    assert proc.stderr.count(f"error: --reward_fn {fn}:reward returned nan; it must return one finite number") == 2
+
+
+def test_a_full_disk_on_one_rank_during_a_sharded_checkpoint_is_one_line_on_every_rank(tmp_path, small_pairs_file):
+    """Rank 1's checkpoint writer fails (ENOSPC) at step 4 of a run resumed from step 2: every rank stops with one
+    line, the partial checkpoint is removed, and step 2's stays whole and `latest`."""
+    base = ["tests/faults.py", "rm.py", "--dataset_name", small_pairs_file, "--max_steps", "6", "--save_steps", "2",
+            "--num_evals", "1", "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path)]
+    assert run_script(base, nproc=2, check=False, env=dict(STOP_AFTER_SAVE="2")).returncode != 0
+    before = snapshot(tmp_path / "checkpoints")
+    proc = run_script(base + ["--resume"], nproc=2, check=False, env=dict(FULL_DISK_RANK="1"))
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr
+    assert proc.stderr.count("checkpoints: no room to save") == 2 and "CheckpointException" not in proc.stderr
+    assert snapshot(tmp_path / "checkpoints") == before  # no step_00000004.tmp; step 2 whole, still latest

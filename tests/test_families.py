@@ -136,9 +136,10 @@ def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(fa
     token (once, with nothing after it: chat templates write text after their end-of-turn token)."""
     path = family_dir(family)
     rows = preference_rows(family, 8, seed=4)
-    for max_prompt_length in (64, 5):  # whole, and cut (keeping the leading BOS)
+    # cut (keeping the leading BOS; rm.py cuts a prompt only where the pair does not fit --max_length), and whole
+    for max_prompt_length, max_length in ((5, 9), (64, 96)):
         pairs, _, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)],
-                                        rm.load_tokenizer(path), rm.Args(max_length=96,
+                                        rm.load_tokenizer(path), rm.Args(max_length=max_length,
                                                                          max_prompt_length=max_prompt_length))
         args = ppo.Args(sft_model_path=path, dataset_name=write_jsonl(tmp_path / "p.jsonl", rows),
                         max_prompt_length=max_prompt_length)

@@ -111,6 +111,31 @@ def test_an_sft_adapter_as_the_initial_policy_is_the_reference_not_its_base(fami
     assert isinstance(sft, PeftModel)
 
 
+def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_documented(family_dir, tmp_path):
+    """A causal-LM (SFT) adapter folder as --model_name_or_path: the reward model's backbone is the SFT model (the
+    adapter merged into its base), and its head is new, drawn with --head_init_std; an adapter without a head's
+    weights gets a new head too, and rm.py's own adapters keep theirs (test below)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base_path = family_dir("llama")
+    ids = torch.tensor([[1, 5, 9, 12, 30]])
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).base_model(input_ids=ids)[0]
+    for task in ("CAUSAL_LM", None):  # an SFT adapter; one of no task type (peft's default), which holds no head
+        adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
+                                 LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type=task))
+        perturb_adapters(adapter, seed=1)
+        adapter.save_pretrained(tmp_path / str(task))
+        args = rm.Args(model_name_or_path=str(tmp_path / str(task)), head_init_std=3.0)
+        hf, _ = rm.load_reward_model(args, rm.load_tokenizer(args.model_name_or_path))
+        with torch.no_grad():
+            expected = adapter.eval().get_base_model().base_model(input_ids=ids).last_hidden_state
+            assert not torch.allclose(expected, base, atol=1e-3)
+            assert torch.allclose(hf.eval().base_model(input_ids=ids).last_hidden_state, expected, atol=1e-5), task
+        assert 1.5 < hf.score.weight.std().item() < 6, task  # --head_init_std, not transformers' 0.02
+
+
 def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike(family_dir, tmp_path):
     out = tmp_path / "rm"
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 96))
@@ -258,7 +283,8 @@ def test_lora_resume_after_interruption_reproduces_uninterrupted_run(script, tmp
         main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "cut")}))
     monkeypatch.setattr(common, "commit_checkpoint", real_save)
     main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "cut"), "resume": True}))
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
+                        for m in ms]
     assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))
     auto = "AutoModelForSequenceClassification" if script == "rm" else "AutoModelForCausalLM"
     assert_saved_models_equal([tmp_path / "cut", tmp_path / "full"], auto)

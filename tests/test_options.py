@@ -6,6 +6,7 @@ and computes finite outputs. A new option gets a row in PPO_OPTIONS or RM_OPTION
 import itertools
 import json
 import math
+import os
 from collections import OrderedDict
 
 import pytest
@@ -25,7 +26,7 @@ PPO_OPTIONS = OrderedDict(
     critic_init=["auto", "policy", "reward"], ptx_coef=[0.0, 0.1], num_collect_steps=[1, 2],
     offload_inference_models=[False, True], kl_estimator=["k1", "k3"], target_kl=[None, 0.5],
     whiten_rewards=[False, True], stop_token=["eos", "none"], gradient_accumulation_steps=[1, 2],
-    resume=[False, True], policy=["embedded", "folder"],
+    resume=[False, True], overwrite_output_dir=[False, True], policy=["embedded", "folder"],
     advantage_estimator=["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"], num_samples_per_prompt=[None, 2],
     kl_penalty=["reward", "loss"], loss_aggregation=["token_mean", "sequence_mean", "constant"],
     gradient_checkpointing=[False, True])
@@ -34,7 +35,7 @@ RM_OPTIONS = OrderedDict(
     ranks=[1, 2], fsdp=[False, True], bf16=[False, True], lora_r=[0, 4], layout=["padded", "packed", "prefix-shared"],
     gradient_checkpointing=[False, True], loss_type=["sigmoid", "logexp"], center_rewards_coefficient=[0.0, 0.1],
     reward_normalization=["none", "shift", "shift_scale"], gradient_accumulation_steps=[1, 2], resume=[False, True],
-    model=["embedded", "folder"])
+    overwrite_output_dir=[False, True], model=["embedded", "folder"])
 
 
 def ppo_refused(values):
@@ -88,16 +89,23 @@ def flags(args, defaults):
     return out
 
 
-def run(script, args, ranks, out):
-    """The script in this process (1 rank) or under torchrun (2), twice with --resume where asked: the first run
-    leaves a checkpoint after its first update, the second resumes from it."""
-    runs = [dict(args, resume=False, save_steps=1), dict(args, resume=True)] if args.pop("resume") else [args]
+def run(script, args, ranks, out, first=None):
+    """The script in this process (1 rank) or under torchrun (2), twice with --resume where asked: the first run, to the
+    shorter total `first`, leaves a checkpoint after its first update; the second resumes from it to the whole total.
+    With --overwrite_output_dir the (first) run replaces an earlier finished run, of whose checkpoints none is left."""
+    if args["overwrite_output_dir"]:
+        common.save_checkpoint(out, 99, {"step": 99})
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 99}) + "\n")
+    runs = [dict(args, resume=False, save_steps=1, **first), dict(args, resume=True, overwrite_output_dir=False)] \
+        if args.pop("resume") else [args]
     for a in runs:
         if ranks == 1:
             (ppo if script == "ppo.py" else rm).main((ppo.Args if script == "ppo.py" else rm.Args)(**a,
                                                                                                   output_dir=out))
         else:
             run_script([script, *flags(a, ppo.Args if script == "ppo.py" else rm.Args), "--output_dir", out], nproc=2)
+    assert not os.path.exists(os.path.join(out, "checkpoints", "step_00000099"))
 
 
 def assert_finite_metrics(out):
@@ -122,7 +130,7 @@ def test_ppo_runs_with_every_pair_of_options(row, tmp_path, reward_model_path, s
     ranks, reward, policy = row.pop("ranks"), row.pop("reward"), row.pop("policy")
     if row["advantage_estimator"] == "dr_grpo":
         row.update(advantage_estimator="grpo", scale_rewards=False)
-    micro, updates = 2, 2 if row["resume"] else 1
+    micro, updates = 2, 3 if row["resume"] else 1
     batch = micro * row["gradient_accumulation_steps"] * 2 * ranks
     args = dict(row, total_episodes=batch * updates, per_device_train_batch_size=micro, num_mini_batches=2,
                 num_ppo_epochs=2, response_length=6, sample_every=1, kl_horizon=100,
@@ -132,7 +140,7 @@ def test_ppo_runs_with_every_pair_of_options(row, tmp_path, reward_model_path, s
                 ptx_dataset_name="embedded" if row["ptx_coef"] else None)
     if policy == "folder":
         args["learning_rate"] = 3e-4
-    run("ppo.py", args, ranks, str(tmp_path))
+    run("ppo.py", args, ranks, str(tmp_path), first=dict(total_episodes=batch * 2))
     assert_finite_metrics(tmp_path)
     assert len(read_metrics(tmp_path)) == updates
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -156,7 +164,7 @@ def test_rm_runs_with_every_pair_of_options(row, tmp_path, small_pairs_file, fam
         args.update(dataset_name=small_pairs_file)
     if not args["padding_free"]:
         args["prefix_sharing"] = True  # (ignored: the padded batch)
-    run("rm.py", args, ranks, str(tmp_path / "out"))
+    run("rm.py", args, ranks, str(tmp_path / "out"), first=dict(max_steps=2))
     assert_finite_metrics(tmp_path / "out")
     results = json.load(open(tmp_path / "out" / "eval_results.json"))
     assert 0 <= results["accuracy"] <= 1 and math.isfinite(results["loss"])

@@ -3,6 +3,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -342,6 +343,27 @@ def test_a_killed_rank_ends_the_job_and_its_sharded_checkpoint_resumes_on_one_pr
     assert_saved_models_equal([tmp_path / "one", cut], "AutoModelForCausalLM")
 
 
+def test_resume_on_another_number_of_ranks_continues_where_the_episodes_left_off(tmp_path, reward_model_path):
+    """2 ranks (rollout batch 16) cut after 2 updates, resumed on 1 (batch 8); 1 rank cut after 2 updates, resumed on
+    2: each of the 64 episodes rolled out once, and the linear schedule continued by episodes (lr = lr0 (1 - episodes
+    / 64)), ending at 64."""
+    base = ["tests/faults.py", "ppo.py", "--reward_model_path", reward_model_path, *TINY]
+    for cut, resumed in (("two_cut", "one_resumed"), ("one_cut", "two_resumed")):
+        trace = dict(TRACE=str(tmp_path / f"{cut}.trace"))
+        proc = run_script(base + ["--save_steps", "2", "--output_dir", str(tmp_path / resumed)], check=False,
+                          nproc=2 if "two" in cut else 1, env=dict(STOP_AFTER_SAVE="2", **trace))
+        assert proc.returncode == (1 if "two" in cut else 3), proc.stderr[-2000:]
+        run_script(base + ["--resume", "--output_dir", str(tmp_path / resumed)], nproc=2 if "two" in resumed else 1,
+                   env=trace)
+        episodes = [e for r in (0, 1) if os.path.exists(f"{trace['TRACE']}.rank{r}")
+                    for line in open(f"{trace['TRACE']}.rank{r}") for e in json.loads(line)]
+        assert sorted(episodes) == list(range(64)), (cut, sorted(episodes))
+        metrics = read_metrics(tmp_path / resumed)
+        assert metrics[-1]["episodes"] == 64 and [m["episodes"] for m in metrics] == sorted({m["episodes"]
+                                                                                             for m in metrics})
+        assert np.allclose([m["lr"] for m in metrics], [3e-4 * (1 - m["episodes"] / 64) for m in metrics])
+
+
 def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, reward_model_path):
     out = tmp_path / "ppo"
     history = ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(out), total_episodes=640,
@@ -384,8 +406,10 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(estimator, tmp_p
     with pytest.raises(KeyboardInterrupt):
         ppo.main(ppo.Args(output_dir=str(tmp_path / "cut"), **args))
     monkeypatch.setattr(common, "commit_checkpoint", real_save)
+    shutil.copytree(tmp_path / "cut", tmp_path / "short")
     ppo.main(ppo.Args(output_dir=str(tmp_path / "cut"), resume=True, **args))
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
+                        for m in ms]
     full, cut = strip(read_metrics(tmp_path / "full")), strip(read_metrics(tmp_path / "cut"))
     assert len(full) == 12 and cut == full
     samples = [open(tmp_path / k / "samples.jsonl").read() for k in ("full", "cut")]
@@ -393,6 +417,54 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(estimator, tmp_p
     assert full[-1]["kl_coef"] != full[0]["kl_coef"]  # the adaptive controller's state was resumed too
     saved = common.read_checkpoint(common.latest_checkpoint(tmp_path / "cut"))["model"]
     assert any(k.startswith("critic.") for k in saved) == (not estimator)  # without GAE no critic, nor its state
+    # resumed with a total the checkpoint (update 8) has passed: the checkpoint's policy is saved, the log closed
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "short"), resume=True, **dict(args, total_episodes=48)))
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "short").state_dict()
+    at_8 = common.read_checkpoint(common.latest_checkpoint(tmp_path / "short"))["model"]
+    assert all(torch.equal(policy[k.removeprefix("policy.")], v) for k, v in at_8.items() if k.startswith("policy."))
+    assert strip(read_metrics(tmp_path / "short")) == full[:8]
+    # the finished run, resumed again: nothing to do, nothing rewritten
+    before = {f: os.path.getmtime(tmp_path / "cut" / f) for f in os.listdir(tmp_path / "cut")}
+    assert ppo.main(ppo.Args(output_dir=str(tmp_path / "cut"), resume=True, **args)) is None
+    assert before == {f: os.path.getmtime(tmp_path / "cut" / f) for f in os.listdir(tmp_path / "cut")}
+
+
+def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_that_resumes(tmp_path):
+    """A cluster's SIGTERM reaching one rank of 2: every rank stops after the same update (they agree in a collective,
+    so none waits for the other), they save a checkpoint together and exit 143 without a traceback, the one line on
+    how to resume last; --resume on one process ends as the uninterrupted one-process run does."""
+    base = ["ppo.py", "--reward_fn", "common:gold_rewards", *TINY, "--total_episodes", "128"]
+    one = ["--gradient_accumulation_steps", "2"]
+    cut, logs = tmp_path / "cut", tmp_path / "logs"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(29500 + (os.getpid() + 11) % 1000), "--log-dir", str(logs), "--redirects", "3"]
+    job = subprocess.Popen(launcher + base + ["--per_device_train_batch_size", "2", *one, "--output_dir", str(cut)],
+                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    log, deadline = cut / "metrics.jsonl.running", time.time() + 300
+    while not (log.exists() and log.read_text()) and job.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    workers = open(f"/proc/{job.pid}/task/{job.pid}/children").read().split()
+    rank1 = next(p for p in workers if b"RANK=1\0" in open(f"/proc/{p}/environ", "rb").read().replace(
+        b"LOCAL_RANK=1\0", b""))
+    os.kill(int(rank1), signal.SIGTERM)
+    job.wait(timeout=120)
+    stopped = common.load_latest_checkpoint(cut)["step"]
+    assert 1 <= stopped < 8 and not (cut / "model.safetensors").exists()
+    for rank in (0, 1):  # torchrun reports its workers' exit codes in its own error file
+        stderr = next(logs.rglob(f"attempt_0/{rank}/stderr.log")).read_text()
+        assert "Traceback" not in stderr, stderr[-3000:]
+    last = next(logs.rglob("attempt_0/0/stderr.log")).read_text().strip().splitlines()[-1]
+    assert last.startswith(f"stopped by SIGTERM after step {stopped}") and "--resume" in last, last
+    for folder, resume in ((cut, ["--resume"]), (tmp_path / "one", [])):  # in this process: no imports to wait for
+        ppo.main(tyro.cli(ppo.Args, args=base[1:] + one + resume + ["--output_dir", str(folder)], use_underscores=True))
+    runs = {k: read_metrics(tmp_path / k) for k in ("one", "cut")}
+    assert [m["step"] for m in runs["cut"]] == list(range(1, 9))
+    for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/grad_norm"):
+        assert np.allclose([m[key] for m in runs["cut"]], [m[key] for m in runs["one"]], atol=1e-5, rtol=1e-5), key
+    assert_saved_models_equal([tmp_path / "one", cut], "AutoModelForCausalLM")
 
 
 def test_gradient_checkpointing_changes_no_number(tmp_path, reward_model_path):
@@ -521,9 +593,43 @@ def test_reward_function_errors_name_the_function(tmp_path, body, expected, caps
         with pytest.raises(SystemExit) as exit_:
             common.exit_on_user_error(ppo.main, tyro.cli(ppo.Args, args=argv, use_underscores=True))
         code, stderr = exit_.value.code, capsys.readouterr().err
-    assert code == 2 and "Traceback" not in stderr, stderr[-2000:]
+    assert code == 2, stderr[-2000:]
+    if "raise" in body:  # the user's own code: its traceback, from the function in (none of ppo.py's frames)
+        assert 'bad_reward.py", line 2, in reward' in stderr and 'ppo.py", line' not in stderr, stderr[-2000:]
+    else:
+        assert "Traceback" not in stderr, stderr[-2000:]
     last = stderr.strip().splitlines()[-1]  # (under the progress bar: the function ran during the first update)
     assert last.startswith("error: ") and f"--reward_fn {spec} {expected}" in last, last
+
+
+def test_a_reward_function_that_raises_mid_run_leaves_a_folder_that_resume_continues(tmp_path, capsys, monkeypatch):
+    """--reward_fn raising in the third update: its traceback, exit 2, and the folder as a rerun expects it (the
+    checkpoint of update 2, the log still open): a rerun without --resume stops in one line, and --resume with the
+    function fixed continues from update 2, each update logged once."""
+    (tmp_path / "flaky.py").write_text(
+        "import os\n\ncalls = 0\n\n\ndef reward(prompts, responses):\n    global calls\n    calls += 1\n"
+        "    if calls == int(os.environ.get('FAIL_AT_CALL', 0)):\n        raise KeyError('answer')\n"
+        "    return [float(len(r.split())) for r in responses]\n")
+    out = tmp_path / "out"
+    argv = ["--reward_fn", f"{tmp_path / 'flaky.py'}:reward", *TINY, "--total_episodes", "32", "--save_steps", "1",
+            "--output_dir", str(out)]
+
+    def run(*flags):  # the scripts' entry point, in this process (a process costs seconds of imports)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            common.exit_on_user_error(ppo.main, tyro.cli(ppo.Args, args=argv + list(flags), use_underscores=True))
+        return exit_.value.code, capsys.readouterr().err
+
+    monkeypatch.setenv("FAIL_AT_CALL", "3")
+    code, err = run()
+    assert code == 2 and 'flaky.py", line 10, in reward' in err and err.strip().splitlines()[-1].startswith(
+        "error: --reward_fn"), err[-2000:]
+    assert common.load_latest_checkpoint(out)["step"] == 2 and (out / "metrics.jsonl.running").exists()
+    monkeypatch.delenv("FAIL_AT_CALL")
+    code, err = run()
+    assert code == 2 and "holds checkpoints: pass --resume" in err, err[-2000:]
+    ppo.main(tyro.cli(ppo.Args, args=argv + ["--resume"], use_underscores=True))
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4] and not (out / "metrics.jsonl.running").exists()
 
 
 def test_gold_reward_function_and_separate_critic_learning_rate(tmp_path):

@@ -222,7 +222,7 @@ def test_evaluation_holds_out_whole_prompts_uses_validation_and_whole_eval_split
              "rejected": " gold"} for t in common.TOPICS for w in common.TOPICS[t] for _ in range(5)]
     write_rows(tmp_path / "many.jsonl", rows)
     args = rm.Args(dataset_name=str(tmp_path / "many.jsonl"), max_length=64, max_prompt_length=32)
-    train, evals = rm.load_data(args, TOK, 0)
+    train, evals, _ = rm.load_data(args, TOK, 0)
     prompts = lambda pairs: {tuple(p["prompt"]) for p in pairs}  # noqa: E731
     assert not prompts(train) & prompts(evals) and len(evals) >= 0.1 * len(rows) - 5
 
@@ -230,10 +230,12 @@ def test_evaluation_holds_out_whole_prompts_uses_validation_and_whole_eval_split
     folder.mkdir()
     write_rows(folder / "train.jsonl", rows[:100])
     write_rows(folder / "validation.jsonl", rows[100:130])
+    write_rows(folder / "test.jsonl", rows[130:150])  # validation comes first: a run tuned on it never sees test
     args = rm.Args(dataset_mixer_list=[str(folder), "0.5"], max_length=64, max_prompt_length=32)
-    train, evals = rm.load_data(args, TOK, 0)
+    train, evals, eval_sets = rm.load_data(args, TOK, 0)
     assert len(evals) == 30 and len(train) == 50  # the weight halves the training pairs, never the eval split
-    assert "evaluating on its 'validation' split" in capsys.readouterr().out
+    assert eval_sets == {str(folder): "split 'validation'"}
+    assert f"{folder}: evaluating on split 'validation' (30 pairs)" in capsys.readouterr().out
 
 
 def test_eval_loss_is_the_training_objective_with_its_centering_term():
@@ -248,3 +250,35 @@ def test_eval_loss_is_the_training_objective_with_its_centering_term():
                                   0, torch.device("cpu"), 0, 1)
         assert ev["eval/loss"] == pytest.approx(rm.reward_model_loss(rewards[:, 0], rewards[:, 1], torch.zeros(4),
                                                                      "sigmoid", coefficient).item(), rel=1e-6)
+
+
+def test_calibration_error_is_of_the_probability_the_loss_models_with_its_margin():
+    """With margins, the loss models P(chosen wins) = sigmoid(r_c - r_r - margin): the ECE reported is of that."""
+    model = rm.RewardModel(rm.load_reward_model(rm.Args(), TOK)[0]).eval()
+    g = torch.Generator().manual_seed(0)
+    pairs = [{"prompt": [2, 4], "chosen": torch.randint(20, 40, (3,), generator=g).tolist() + [3],
+              "rejected": torch.randint(20, 40, (2,), generator=g).tolist() + [3], "margin": m, "gold": None}
+             for m in [0.0, 1.0, 3.0, -2.0] * 8]
+    ev, rewards = rm.evaluate(model, pairs, rm.Args(padding_free=False), 0, torch.device("cpu"), 0, 1)
+    rc, rr = rewards[:, 0].double(), rewards[:, 1].double()
+    margin = torch.tensor([p["margin"] for p in pairs], dtype=torch.float64)
+    p, y = torch.cat([torch.sigmoid(rc - rr - margin), 1 - torch.sigmoid(rc - rr - margin)]), torch.arange(64) < 32
+    bins = (p * 10).long().clamp(max=9)
+    ece = sum((bins == b).float().mean() * (p[bins == b].mean() - y[bins == b].double().mean()).abs()
+              for b in range(10) if (bins == b).any())
+    assert ev["eval/calibration_error"] == pytest.approx(ece.item(), abs=1e-6)
+    assert abs(rm.calibration_error(torch.sigmoid(rc - rr)) - ece.item()) > 0.05  # the margin matters here
+
+
+def test_a_mixture_is_evaluated_per_dataset_as_each_dataset_alone_and_overall():
+    model = rm.RewardModel(rm.load_reward_model(rm.Args(), TOK)[0]).eval()
+    rows = [dict(r, _source="m", _row=i, _dataset="ab"[i % 2]) for i, r in enumerate(common.embedded_pairs(24, 3))]
+    pairs, _, _ = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=64, max_prompt_length=32))
+    args = rm.Args(padding_free=False)
+    evaluate = lambda pairs: rm.evaluate(model, pairs, args, 0, torch.device("cpu"), 0, 1)[0]  # noqa: E731
+    both = evaluate(pairs)
+    for name in "ab":
+        alone = evaluate([p for p in pairs if p["dataset"] == name])
+        assert all(both[f"eval/{name}/{k[5:]}"] == pytest.approx(v, abs=1e-5) for k, v in alone.items())
+    assert "eval/a/accuracy" not in evaluate([p for p in pairs if p["dataset"] == "a"])  # one dataset: overall only
+

@@ -1,13 +1,22 @@
+import collections
 import gzip
 import json
 import math
 import os
+import random
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import assert_saved_models_equal, read_metrics, run_script
+import tyro
+from conftest import ROOT, assert_saved_models_equal, read_metrics, run_script
+from test_errors import snapshot
+from test_families import write_jsonl
 
 import common
 import rm
@@ -48,6 +57,19 @@ def test_preference_losses_match_formulas():
     for loss_type in ("sigmoid", "logexp"):
         got = rm.preference_loss(rc, rr, m, loss_type)
         assert torch.allclose(got, torch.tensor(expected), atol=1e-6), loss_type
+
+
+def test_logexp_and_sigmoid_losses_agree_in_value_and_gradient_at_any_reward_gap():
+    gap = torch.cat([torch.linspace(-150, 150, 301), torch.tensor([-1e4, 88.5, 1e4])])
+    values, grads = [], []
+    for loss_type in ("sigmoid", "logexp"):
+        r_chosen = gap.clone().requires_grad_()
+        loss = rm.preference_loss(r_chosen, torch.zeros_like(gap), torch.full_like(gap, 0.5), loss_type)
+        loss.sum().backward()
+        values.append(loss.detach()), grads.append(r_chosen.grad)
+    assert all(torch.isfinite(t).all() for t in values + grads)
+    assert torch.allclose(values[0], values[1], rtol=1e-6, atol=1e-6)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-6, atol=1e-6)
 
 
 def test_calibration_error_and_pearson_against_direct_computation():
@@ -140,6 +162,9 @@ def test_truncation_keeps_prompt_end_and_bos_and_caps_responses():
     p, c, r, cut = rm.truncate_pair(prompt[1:], chosen, rejected, max_length=7, max_prompt_length=4, bos_id=2)
     assert p == [11, 12, 13, 14] and c == [20, 21, 22]
     assert rm.truncate_pair([5], [6, 3], [7, 3], 10, 5) == ([5], [6, 3], [7, 3], False)
+    # the prompt is cut only where the pair would not fit, and only by what the longer response needs
+    assert rm.truncate_pair(prompt, [20, 3], [30], 8, 4, bos_id=2) == (prompt, [20, 3], [30], False)
+    assert rm.truncate_pair(prompt, [20, 3], [30], 7, 4, bos_id=2) == ([2, 11, 12, 13, 14], [20, 3], [30], True)
     # a pair whose responses are identical after truncation carries no preference: dropped and counted
     rows = [{"prompt": "User:", "chosen": " cat dog red", "rejected": " cat dog blue", "_source": "m", "_row": 0}]
     pairs, truncated, dropped = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=3, max_prompt_length=1))
@@ -220,7 +245,7 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
 
     hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
-    rows = common.embedded_pairs(16, seed=1)  # the first eval pairs
+    rows = common.embedded_pairs(16, seed=common.EMBEDDED_SPLITS["validation"])  # the first eval pairs
     pairs, _, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)], tok,
                                     rm.Args(max_length=512, max_prompt_length=384))
     ids, mask, _ = rm.collate(pairs, tok.pad_token_id)
@@ -230,7 +255,27 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     assert torch.allclose(ours, plain, atol=1e-5)
     rc, rr = ours.chunk(2)
     assert (rc > rr).float().mean() > 0.6
-    assert hf.config.reward_shift == pytest.approx(results["reward_mean"]) and hf.config.reward_scale == 1.0
+    assert hf.config.reward_shift == pytest.approx(results["reward_shift"]) and hf.config.reward_scale == 1.0
+
+
+def test_reward_normalization_is_fitted_on_the_training_pairs_not_the_eval_pairs(tmp_path, small_pairs_file):
+    """reward_shift and reward_scale are the mean and std of the saved model's rewards over the training pairs (all of
+    them here: fewer than rm.NORMALIZATION_PAIRS), computed again here from the saved model, in the padded batch."""
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "rm"
+    rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=6, num_evals=1, output_dir=str(out),
+                    reward_normalization="shift_scale"))
+    results = json.load(open(out / "eval_results.json"))
+    train, _, _ = rm.load_data(rm.Args(dataset_name=small_pairs_file, max_length=128, max_prompt_length=96), TOK, 0)
+    hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    ids, mask, _ = rm.collate(train, TOK.pad_token_id)
+    with torch.no_grad():
+        rewards = rm.RewardModel(hf)(ids, mask)
+    assert hf.config.reward_shift == pytest.approx(rewards.mean().item(), abs=1e-4)
+    assert hf.config.reward_scale == pytest.approx(rewards.std().item(), rel=1e-4)
+    assert results["reward_normalization_fitted_on"] == f"{len(train)} training pairs"
+    assert abs(results["reward_shift"] - results["reward_mean"]) > 1e-3  # the eval pairs' mean is another number
 
 
 def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_pairs_file, monkeypatch):
@@ -250,12 +295,177 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_
         rm.main(rm.Args(output_dir=str(tmp_path / "cut"), **args))
     monkeypatch.setattr(common, "commit_checkpoint", real_save)
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["latest", "step_00000003", "step_00000006"]
+    shutil.copytree(tmp_path / "cut", tmp_path / "short")
     rm.main(rm.Args(output_dir=str(tmp_path / "cut"), resume=True, **args))
 
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
+                        for m in ms]
     assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))
     assert json.load(open(tmp_path / "cut" / "eval_results.json"))["loss"] == \
         json.load(open(tmp_path / "full" / "eval_results.json"))["loss"]
+
+    # resumed with a total the checkpoint (step 6) has already passed: no step to run; the checkpoint's model is
+    # evaluated and saved, and the log closed
+    rm.main(rm.Args(output_dir=str(tmp_path / "short"), resume=True, **dict(args, max_steps=5)))
+    from transformers import AutoModelForSequenceClassification
+
+    saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "short").state_dict()
+    at_6 = common.read_checkpoint(common.latest_checkpoint(tmp_path / "short"))["model"]
+    assert all(torch.equal(saved[k.removeprefix("hf.")], v) for k, v in at_6.items())
+    assert [m["step"] for m in read_metrics(tmp_path / "short")][-1] == 6
+    assert "accuracy" in json.load(open(tmp_path / "short" / "eval_results.json"))
+
+
+def test_a_finished_run_is_replaced_only_when_asked(tmp_path, small_pairs_file, capsys, monkeypatch):
+    """The same command twice into one --output_dir: the second stops before loading anything, in one line naming
+    --resume, --overwrite_output_dir and another folder, and the first run's files stay byte for byte. --resume then
+    says the run is complete and changes nothing; --overwrite_output_dir trains afresh (the earlier checkpoints gone);
+    --resume into an empty folder says there is nothing to resume and trains."""
+    out = tmp_path / "run"
+    argv = ["--dataset_name", small_pairs_file, "--max_steps", "3", "--num_evals", "1", "--save_steps", "2"]
+
+    def run(*flags, folder=out):
+        capsys.readouterr()
+        common.exit_on_user_error(rm.main, tyro.cli(rm.Args, args=[*argv, "--output_dir", str(folder), *flags],
+                                                    use_underscores=True))
+        return capsys.readouterr()
+
+    run()
+    before = snapshot(out)
+    real_load = rm.load_tokenizer
+    monkeypatch.setattr(rm, "load_tokenizer", lambda name: pytest.fail("loaded before refusing"))
+    with pytest.raises(SystemExit) as exit_:
+        run()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert all(word in err for word in ("holds a finished run", "--resume", "--overwrite_output_dir", "another "
+                                                                                                     "--output_dir"))
+    monkeypatch.setattr(rm, "load_tokenizer", real_load)
+    assert "the run is complete (step 3 of 3); nothing to do" in run("--resume").out
+    assert snapshot(out) == before
+    assert "final eval accuracy" in run("--overwrite_output_dir").out
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_00000002"]  # no step_00000002_1 beside it
+    printed = run("--resume", folder=tmp_path / "new").out
+    assert f"--resume: no checkpoint in {tmp_path / 'new'}; starting from the first step" in printed
+    assert [m["step"] for m in read_metrics(tmp_path / "new") if "train/loss" in m] == [3]
+
+
+def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path, small_pairs_file):
+    """Ctrl-C during training: the run ends after the step under way with a checkpoint, one line saying how to resume,
+    exit code 130 and no traceback; --resume then ends as the uninterrupted run does."""
+    args = dict(dataset_name=small_pairs_file, max_steps=30, logging_steps=1, num_evals=2,
+                per_device_train_batch_size=8)
+    flags = [f for k, v in args.items() for f in (f"--{k}", str(v))]
+    cut = tmp_path / "cut"
+    job = subprocess.Popen([sys.executable, "rm.py", *flags, "--output_dir", str(cut)], cwd=ROOT, text=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    log, deadline = cut / "metrics.jsonl.running", time.time() + 300
+    while not (log.exists() and log.read_text().count("\n") >= 2) and job.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    job.send_signal(signal.SIGINT)
+    stderr = job.communicate(timeout=120)[1]
+    assert job.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    stopped = common.load_latest_checkpoint(cut)["step"]
+    assert 2 <= stopped < 30 and stderr.strip().splitlines()[-1].startswith(f"stopped by SIGINT after step {stopped}")
+    assert "--resume" in stderr.strip().splitlines()[-1] and not (cut / "model.safetensors").exists()
+    rm.main(rm.Args(output_dir=str(cut), resume=True, **args))
+    rm.main(rm.Args(output_dir=str(tmp_path / "full"), **args))
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
+                        for m in ms]
+    assert strip(read_metrics(cut)) == strip(read_metrics(tmp_path / "full"))
+    assert_saved_models_equal([cut, tmp_path / "full"], "AutoModelForSequenceClassification")
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(capsys):
+    """The first SIGINT only asks for a stop at the next step boundary; the second interrupts whatever runs, and the
+    scripts' entry point ends it with one line and exit code 130."""
+    def train():
+        common.stop_on_signals()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert common.STOP == {"signal": signal.SIGINT}  # asked, not stopped
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        pytest.fail("the second SIGINT did not stop the run")
+
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            common.exit_on_user_error(train)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 130 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("stopped at once")
+
+
+def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tmp_path, small_pairs_file):
+    """2 ranks (global batch 16) cut after 4 steps, resumed on 1 (batch 8); 1 rank cut after 4 steps, resumed on 2:
+    every pair of the epoch trained once, in the uninterrupted run's order, and the schedule continued by progress
+    (the uninterrupted run's learning rate at each step). A cut the new batch does not divide stops before any step,
+    naming the flags that keep the saved batch."""
+    base = ["tests/faults.py", "rm.py", "--dataset_name", small_pairs_file, "--num_train_epochs", "1",
+            "--logging_steps", "1", "--num_evals", "1", "--warmup_ratio", "0.2", "--per_device_train_batch_size", "8"]
+
+    def trained(name, resumed=(), **kw):
+        out, env = tmp_path / name, dict(TRACE=str(tmp_path / f"{name}.trace"), **kw)
+        proc = run_script(base + list(resumed) + ["--output_dir", str(out)], nproc=2 if "two" in name else 1,
+                          check=not kw, env=env)
+        assert proc.returncode == (0 if not kw else 1 if "two" in name else 3), proc.stderr[-2000:]
+        return [json.loads(line) for r in (0, 1) if os.path.exists(f"{env['TRACE']}.rank{r}")
+                for line in open(f"{env['TRACE']}.rank{r}")]
+
+    for cut, resumed, batch in (("two_cut", "one_resumed", 8), ("one_cut", "two_resumed", 16)):
+        whole = trained(f"whole{batch}", ["--gradient_accumulation_steps", str(batch // 8)])
+        steps = trained(cut, ["--save_steps", "2"], STOP_AFTER_SAVE="4")
+        os.rename(tmp_path / cut, tmp_path / resumed)
+        steps += trained(resumed, ["--resume"])
+        pairs = lambda steps: sorted(json.dumps(p) for step in steps for p in step)  # noqa: E731
+        assert pairs(steps) == pairs(whole) and len(pairs(whole)) == len(whole) * batch  # each pair once, all of them
+        lrs = {k: {m["step"]: (m["lr"], m["epoch"]) for m in read_metrics(tmp_path / k) if "lr" in m}
+               for k in (f"whole{batch}", resumed)}
+        later = sorted(s for s in lrs[resumed] if s > 64 // batch)
+        assert later[0] == 64 // batch + 1 and later[-1] == len(whole)
+        assert [lrs[resumed][s] for s in later] == [lrs[f"whole{batch}"][s] for s in later]
+
+    trained("refused_cut", ["--save_steps", "3"], STOP_AFTER_SAVE="3")
+    os.rename(tmp_path / "refused_cut", tmp_path / "refused_two")
+    proc = run_script(base + ["--resume", "--output_dir", str(tmp_path / "refused_two")], nproc=2, check=False)
+    assert proc.returncode != 0 and proc.stderr.count("error: --resume: the checkpoint") == 2  # every rank, no step
+    assert "--resume: the checkpoint was saved after 24 pairs of its epoch in global batches of 8; this run's global " \
+           "batch, 16, does not divide 24: to keep 8, on 2 ranks pass --per_device_train_batch_size 4 " \
+           "--gradient_accumulation_steps 1" in proc.stderr
+
+
+def _save_and_resume_random_streams(rank, folder):
+    import random
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    torch.manual_seed(10 + rank)
+    random.seed(10 + rank)
+    saved = torch.get_rng_state(), random.getstate()
+    common.save_training(model, optimizer, scheduler, 1, rank, folder, global_batch=2)
+    torch.manual_seed(99)
+    random.seed(99)
+    common.resume_training(model, optimizer, scheduler, folder, lambda ckpt: ckpt["step"])
+    assert torch.equal(torch.get_rng_state(), saved[0]) and random.getstate() == saved[1]
+    dist.destroy_process_group()
+
+
+def test_each_rank_resumes_its_own_random_streams(tmp_path):
+    """2 ranks, each with its own random streams, save and resume: each gets its own back; one process resuming the
+    same checkpoint gets rank 0's."""
+    torch.multiprocessing.spawn(_save_and_resume_random_streams, args=(str(tmp_path),), nprocs=2)
+    torch.manual_seed(10)
+    rank0 = torch.get_rng_state()
+    torch.manual_seed(99)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    common.resume_training(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                           str(tmp_path), lambda ckpt: ckpt["step"])
+    assert torch.equal(torch.get_rng_state(), rank0)
 
 
 def test_checkpoint_write_is_atomic(tmp_path):
@@ -527,10 +737,30 @@ def test_each_mixed_dataset_is_evaluated_on_its_split_or_its_own_held_out_pairs(
             f.write(json.dumps({"prompt": "User:", "chosen": " red", "rejected": " blue"}) + "\n")
     args = rm.Args(dataset_mixer_list=[str(with_split), "1.0", str(alone), "1.0"], eval_holdout=0.2,
                    max_length=64, max_prompt_length=32)
-    train, evals = rm.load_data(args, TOK, 0)
+    train, evals, _ = rm.load_data(args, TOK, 0)
     red, cat = TOK.convert_tokens_to_ids("red"), TOK.convert_tokens_to_ids("cat")
     assert sum(p["chosen"][0] == red for p in evals) == 10 and sum(p["chosen"][0] == cat for p in evals) == 7
     assert len(train) == 40 + 40
+
+
+def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(tmp_path):
+    """Two datasets that share pairs: a prompt held out of one is trained on in neither. A dataset weighted 0.05 gives
+    evaluation about its share of the training mixture, not a tenth of all its rows."""
+    rng = random.Random(0)
+    shared = [{"prompt": f"User: tell me about {t} such as {w} Assistant:", "chosen": f" {rng.choice(common.WORDS)}",
+               "rejected": " gold"} for t in common.TOPICS for w in common.TOPICS[t] for _ in range(3)]
+    big = [{"prompt": f"User: {w} {v} Assistant:", "chosen": f" {w}", "rejected": " gold"}
+           for w in common.WORDS for v in common.WORDS[:40]]
+    files = [write_jsonl(tmp_path / f"{n}.jsonl", r) for n, r in (("a", shared), ("b", shared[::-1]), ("big", big))]
+    args = rm.Args(dataset_mixer_list=[files[0], "1.0", files[1], "1.0", files[2], "0.05"], max_length=64,
+                   max_prompt_length=32)
+    train, evals, eval_sets = rm.load_data(args, TOK, 0)
+    assert not {tuple(p["prompt"]) for p in train} & {tuple(p["prompt"]) for p in evals}
+    in_eval = collections.Counter(p["dataset"] for p in evals)
+    in_train = collections.Counter(p["dataset"] for p in train)
+    assert in_eval[files[2]] / len(evals) < 2 * in_train[files[2]] / len(train) and in_eval[files[2]] > 0
+    assert in_eval[files[0]] == in_eval[files[1]] > 0  # a held-out prompt takes its pairs out of both copies
+    assert set(eval_sets) == set(files) and "held out by prompt" in eval_sets[files[2]]
 
 
 def test_evaluation_with_fewer_pairs_than_ranks(tmp_path, small_pairs_file):
@@ -564,7 +794,8 @@ def test_eval_only_reproduces_the_final_evaluation_of_training(tmp_path, small_p
     evaluated = json.load(open(tmp_path / "eval" / "eval_results.json"))
     for key in ("accuracy", "loss", "reward_gap", "calibration_error", "length_correlation"):
         assert evaluated[key] == pytest.approx(trained[key], abs=1e-5), key
-    assert evaluated["normalized_reward_mean"] == pytest.approx(0.0, abs=1e-5)  # normalized on these very pairs
+    assert evaluated["normalized_reward_mean"] == pytest.approx(
+        (trained["reward_mean"] - trained["reward_shift"]) / trained["reward_scale"], abs=1e-5)
     assert (tmp_path / "eval" / "eval.png").stat().st_size > 10_000
     plain = tmp_path / "plain"
     model = AutoModelForSequenceClassification.from_pretrained(train_dir)

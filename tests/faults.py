@@ -1,0 +1,55 @@
+"""Run rm.py or ppo.py as its command line does (`python tests/faults.py rm.py --flags...`, alone or under torchrun),
+with what a test needs set by environment variables; the scripts hold nothing of it:
+  STOP_AFTER_SAVE=N  every rank stops (exit code 3) right after the checkpoint of step N, as a killed job would;
+  TRACE=PATH         each rank appends what it trains to PATH.rank<R>, one JSON line per step (ppo.py: the indices of
+                     the episodes it rolls out; rm.py: the pairs of its micro-batches, as token ids);
+  FULL_DISK_RANK=R   rank R's checkpoint writer fails as on a full disk (OSError ENOSPC)."""
+
+import errno
+import json
+import os
+import sys
+
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
+import ppo  # noqa: E402
+import rm  # noqa: E402
+
+script, rank = {"rm.py": rm, "ppo.py": ppo}[os.path.basename(sys.argv[1])], os.environ.get("RANK", "0")
+
+
+def patch(owner, name, wrap):
+    setattr(owner, name, wrap(getattr(owner, name)))
+
+
+def record(items):
+    with open(f"{os.environ['TRACE']}.rank{rank}", "a") as f:
+        f.write(json.dumps(items) + "\n")
+
+
+if "STOP_AFTER_SAVE" in os.environ:
+    def stop_after(save):
+        def save_then_stop(*args, **kwargs):
+            save(*args, **kwargs)
+            if args[3] == int(os.environ["STOP_AFTER_SAVE"]):
+                sys.exit(3)
+        return save_then_stop
+    patch(common, "save_training", stop_after)
+
+if "TRACE" in os.environ:
+    patch(ppo, "rollout", lambda rollout: lambda policy, prompt_ids, episodes, *args: (
+        record(list(episodes)), rollout(policy, prompt_ids, episodes, *args))[1])
+    patch(rm, "train_step", lambda step: lambda model, micro_batches, *args: (
+        record([[p["prompt"], p["chosen"], p["rejected"]] for mb in micro_batches for p in mb]),
+        step(model, micro_batches, *args))[1])
+
+if os.environ.get("FULL_DISK_RANK") == rank:
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    def full_disk(self, plan, planner):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+    HuggingFaceStorageWriter.write_data = full_disk
+
+common.exit_on_user_error(script.main, tyro.cli(script.Args, args=sys.argv[2:], use_underscores=True))
