@@ -47,7 +47,8 @@ COLORS = ["tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple"]
 def train_reward_model(size, seed, out):
     import rm
 
-    args = rm.Args(dataset_mixer_list=["embedded", str(size)], seed=seed, num_evals=1, output_dir=out)
+    args = rm.Args(dataset_mixer_list=["embedded", str(size)], seed=seed, num_evals=1, output_dir=out,
+                   overwrite_output_dir=True)  # the sweep's own scratch folder: a second sweep replaces the first
     common.exit_on_user_error(rm.main, args)
     ev = json.load(open(os.path.join(out, "eval_results.json")))
     return {"accuracy": ev["accuracy"], "bayes_accuracy": ev["bayes_accuracy"]}
@@ -95,7 +96,8 @@ def rl_run(seed, episodes, out, rm_dir=None):
     import ppo
 
     reward = dict(reward_model_path=rm_dir) if rm_dir else dict(reward_fn="common:gold_rewards")
-    args = ppo.Args(**reward, seed=seed, kl_coef=0.0, total_episodes=episodes, output_dir=out, sample_every=10 ** 9)
+    args = ppo.Args(**reward, seed=seed, kl_coef=0.0, total_episodes=episodes, output_dir=out, sample_every=10 ** 9,
+                    overwrite_output_dir=True)
     history = common.exit_on_user_error(ppo.main, args)
     points = []
     for k in range(0, len(history) - UPDATES_PER_POINT + 1, UPDATES_PER_POINT):
