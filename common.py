@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -28,6 +29,27 @@ import torch.nn.functional as F
 
 class UserError(Exception):
     """Bad input (file, row, field, value): main() prints the message and exits with code 2."""
+
+
+def cli(args_class):
+    """The command line, parsed by tyro. Each option's docstring is one paragraph the terminal wraps (tyro keeps the
+    source's line breaks); help and parse errors are printed by rank 0 only (torchrun starts every rank on them)."""
+    import contextlib
+    import io
+    from typing import Annotated
+
+    import docstring_parser
+    import tyro
+
+    docs = {p.arg_name: " ".join(p.description.split()) for p in docstring_parser.parse_from_object(args_class).params}
+    flat = dataclasses.make_dataclass(args_class.__name__, [
+        (f.name, Annotated[f.type, tyro.conf.arg(help=docs.get(f.name))],
+         dataclasses.field(default=f.default, default_factory=f.default_factory))
+        for f in dataclasses.fields(args_class)])
+    quiet = int(os.environ.get("RANK", 0)) != 0
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \
+            contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        return args_class(**vars(tyro.cli(flat, use_underscores=True)))
 
 
 def first_line(error):
@@ -81,6 +103,42 @@ def load_pretrained(loader, name, flag, **kwargs):
     except (OSError, ValueError) as e:
         raise UserError(f"{flag} {name}: cannot load it ({first_line(e)[:200]}); pass a local model folder or a hub "
                         "name") from None
+
+
+def check_source(name, flag, repo_type="model"):
+    """A model or dataset the run reads, found before any model loads: a local file or folder, or a hub repository
+    that is in the hub cache or on a reachable hub. Anything else is one line now, not half a minute of network
+    retries in from_pretrained, nor a missing dataset found after the models are built."""
+    if name.startswith("embedded") or os.path.exists(name):
+        return
+    import huggingface_hub
+    from huggingface_hub import constants, errors
+
+    missing = f"{flag} {name}: no such file or folder"
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) or name.startswith(".") or name.removesuffix(".gz").endswith(
+            tuple(LOCAL_BUILDERS)):  # a path, not a hub name
+        raise UserError(f"{missing}; check the path")
+    if os.path.isdir(os.path.join(constants.HF_HUB_CACHE, f"{repo_type}s--{name.replace('/', '--')}")):
+        return
+    if repo_type == "dataset":  # prepared once by `datasets` (offline clusters): its own cache, as its loader names it
+        from datasets import config
+        from datasets.naming import camelcase_to_snakecase
+
+        *owner, dataset = name.split("/")
+        if os.path.isdir(os.path.join(config.HF_DATASETS_CACHE, "___".join([*owner, camelcase_to_snakecase(dataset)]))):
+            return
+    if huggingface_hub.is_offline_mode():
+        raise UserError(f"{missing}, and not in the hub cache (HF_HUB_OFFLINE is set); pass a local path")
+    try:
+        huggingface_hub.HfApi().repo_info(name, repo_type=repo_type, timeout=10)
+    except errors.GatedRepoError:
+        pass  # there, behind an access request: from_pretrained says what to do
+    except errors.RepositoryNotFoundError:
+        raise UserError(f"{missing}, nor a {repo_type} on the hub (or a private one your token cannot read); pass a "
+                        "local path or a hub name") from None
+    except Exception as e:  # no network: transformers would retry for half a minute, then say the same
+        raise UserError(f"{missing}, and the hub is unreachable ({first_line(e)}); pass a local path, or set "
+                        "HF_HUB_OFFLINE=1 to read the hub cache") from None
 
 
 def seed_of(*keys):
@@ -496,6 +554,26 @@ def tokenize_prompts(tokenizer, texts):
     return [x if lead and t.startswith(lead) else prefix + x for t, x in zip(texts, ids)]
 
 
+UNKNOWN_SHARE = 0.5  # measured (README): English HH-RLHF is 95-96% unknown to the embedded tokenizer, 4% to the tests'
+# 400-token tokenizers, 0% to byte-level ones; the embedded task is 0% unknown to all of them, but 28% to the tests'
+# Llama 2 ones in its chat template, whose brackets they lack
+
+
+def check_vocabulary(tokenizer, ids, data, model, flag):
+    """Stop before training on a tokenizer that does not cover the data: a model trained on its unknown token learns
+    nothing from the text (the embedded model on English data trains to chance accuracy and exits 0). ids: token id
+    lists of the data (a sample is enough)."""
+    sample = ids[::max(1, len(ids) // 2000)]
+    n_tokens = sum(map(len, sample))
+    if tokenizer.unk_token_id is None or not n_tokens:  # byte-level tokenizers have no unknown token
+        return
+    share = sum(x.count(tokenizer.unk_token_id) for x in sample) / n_tokens
+    if share > UNKNOWN_SHARE:
+        raise UserError(f"{data}: {share:.0%} of its tokens are {tokenizer.unk_token} to {model}'s tokenizer, which "
+                        f"does not cover this data; pass {flag} a model whose tokenizer does (e.g. a hub model trained "
+                        "on such text)")
+
+
 def tokenize_responses(tokenizer, prompts, responses):
     """Response ids, tokenized in context after their prompt text (SentencePiece-style tokenizers give a text's first
     word other tokens than the same word after a prompt), cut after the first end token or ended with one."""
@@ -659,6 +737,18 @@ def adapter_base(name):
         raise UserError(f"{name}: an adapter of {base or 'an unnamed base'}, a model built at random in its run: load "
                         "the merged model saved beside it (its parent folder)")
     return base
+
+
+def with_new_head(config):
+    """config's sequence-classification class, for a checkpoint without its head (a causal LM): the head's weights
+    missing and the LM head's unused are expected (the script says so), so transformers' load report lists only the
+    backbone's keys, which really are unexpected."""
+    from transformers import AutoModelForSequenceClassification
+
+    cls = AutoModelForSequenceClassification._model_mapping[type(config)]
+    outside = [rf"^(?!{cls.base_model_prefix}\.)"]  # every key but the backbone's
+    return type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_missing": outside,
+                                       "_keys_to_ignore_on_load_unexpected": outside})
 
 
 def adapter_task(name):

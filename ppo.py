@@ -44,7 +44,6 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import tyro
 from tqdm import tqdm
 from transformers import PreTrainedModel, StaticCache
 
@@ -55,6 +54,59 @@ import common
 
 @dataclass
 class Args:
+    # --- the advantage estimator, where the KL goes, how the loss is averaged
+    advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = "gae"
+    """gae: a learned critic and GAE (Schulman et al. 2016), PPO's own. The others need no critic (none is built,
+    trained or saved; the critic's flags are refused): rloo: the episode's return minus the mean return of the other
+    K - 1 episodes of its prompt (Ahmadian et al. 2024, "Back to basics"); grpo: the return minus its prompt's mean
+    return, divided by their std (Shao et al. 2024, DeepSeekMath); reinforce_pp: REINFORCE++ (Hu 2025), each token's
+    return (the sum of the rewards from it on), whitened over the whole batch. rloo and grpo use an episode's return,
+    the score minus kl_coef x the response's KL (under --kl_penalty reward), at every token of the response."""
+    num_samples_per_prompt: int | None = None
+    """K: responses sampled to each prompt in one rollout batch (a multiple of K). Default: 4 for rloo and grpo (their
+    baseline is the other responses to the same prompt), 1 otherwise."""
+    scale_rewards: bool = True
+    """grpo: divide by the std of the prompt's returns. --no_scale_rewards is Dr. GRPO (Liu et al. 2025, "Understanding
+    R1-Zero-like training"), usually with --loss_aggregation constant."""
+    kl_penalty: Literal["reward", "loss"] = "reward"
+    """Where the KL to the reference goes. reward: -kl_coef x KL at every token, in the rewards (Ziegler et al. 2019,
+    eq. 2); loss: kl_coef x the current policy's KL at every token, added to the policy loss and averaged as it is
+    (GRPO, Shao et al. 2024, eq. 3). --target_kl adapts kl_coef in both."""
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    """How a mini-batch's per-token losses are averaged. token_mean: the sum over all its tokens / their number (a long
+    response weighs more); sequence_mean: each response's token mean, averaged over responses (GRPO's 1/|o|, Shao et
+    al. 2024); constant: the sum over tokens / (responses x --response_length) (Dr. GRPO, Liu et al. 2025: no bias
+    for or against length)."""
+    ptx_coef: float = 0.0
+    """Weight of a language-modelling loss on --ptx_dataset_name (InstructGPT's PPO-ptx, Ouyang et al. 2022)."""
+    ptx_dataset_name: str | None = None
+    """Text for the ptx loss: a dataset with a `text` column, or `embedded`."""
+    # --- PPO
+    kl_coef: float = 0.1
+    """Initial coefficient of the per-token KL penalty to the reference policy."""
+    kl_estimator: Literal["k1", "k3"] | None = None
+    """Per-token KL estimate: k1 = log p - log q, k3 = (q/p - 1) - log(q/p) (Schulman 2020, non-negative). Default: k1
+    with --kl_penalty reward, k3 with --kl_penalty loss (GRPO's: as a loss, k1's gradient is zero in expectation on
+    the policy's own samples)."""
+    target_kl: float | None = None
+    """Adaptive KL controller target (sum over the response); None keeps kl_coef fixed (Ziegler et al. 2019)."""
+    kl_horizon: int = 10000
+    """Horizon in episodes of the adaptive KL controller."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    cliprange: float = 0.2
+    """Clip range of the policy ratio."""
+    cliprange_value: float = 0.2
+    """Clip range of the value prediction around its rollout value."""
+    vf_coef: float = 0.1
+    """Weight of the value loss."""
+    ent_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    whiten_rewards: bool = False
+    """Whiten the per-token rewards before GAE, keeping their mean: (r - mean) / std + mean over the batch's real
+    tokens (masked_whiten with shift_mean=False)."""
     # --- models and data
     sft_model_path: str = "embedded-llama"
     """The initial policy: a Hugging Face causal LM name or path, or embedded-llama / embedded-neox (a tiny model built
@@ -105,7 +157,10 @@ class Args:
     lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
     """Learning-rate schedule over the updates."""
     max_grad_norm: float = 1.0
-    """Gradient clipping norm over policy and critic together (0 disables)."""
+    """Gradient clipping norm over policy and critic together (0 disables), logged as policy/grad_norm. One clip, not
+    one per model: on the embedded task the critic's gradient is 2-4% of the joint norm (up to 45% in the first
+    updates, a fresh head's too), and per-model clips reached the same gold score at equal KL over 3 seeds
+    (benchmarks/README.md, Gradient clipping)."""
     seed: int = 1
     """Seed of data order and sampling (each episode's sampling is seeded by its global index)."""
     # --- sampling
@@ -118,59 +173,6 @@ class Args:
     """Token that ends a response: `eos`, a token string, or `none`. Tokens after it are padding."""
     missing_eos_penalty: float | None = None
     """Subtracted from the score of responses that never emit the stop token."""
-    # --- PPO
-    kl_coef: float = 0.1
-    """Initial coefficient of the per-token KL penalty to the reference policy."""
-    kl_estimator: Literal["k1", "k3"] | None = None
-    """Per-token KL estimate: k1 = log p - log q, k3 = (q/p - 1) - log(q/p) (Schulman 2020, non-negative). Default: k1
-    with --kl_penalty reward, k3 with --kl_penalty loss (GRPO's: as a loss, k1's gradient is zero in expectation on
-    the policy's own samples)."""
-    target_kl: float | None = None
-    """Adaptive KL controller target (sum over the response); None keeps kl_coef fixed (Ziegler et al. 2019)."""
-    kl_horizon: int = 10000
-    """Horizon in episodes of the adaptive KL controller."""
-    gamma: float = 1.0
-    """Discount factor."""
-    lam: float = 0.95
-    """GAE lambda."""
-    cliprange: float = 0.2
-    """Clip range of the policy ratio."""
-    cliprange_value: float = 0.2
-    """Clip range of the value prediction around its rollout value."""
-    vf_coef: float = 0.1
-    """Weight of the value loss."""
-    ent_coef: float = 0.0
-    """Weight of the entropy bonus."""
-    whiten_rewards: bool = False
-    """Whiten the per-token rewards before GAE, keeping their mean: (r - mean) / std + mean over the batch's real
-    tokens (masked_whiten with shift_mean=False)."""
-    # --- the advantage estimator, where the KL goes, how the loss is averaged
-    advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = "gae"
-    """gae: a learned critic and GAE (Schulman et al. 2016), PPO's own. The others need no critic (none is built,
-    trained or saved; the critic's flags are refused): rloo: the episode's return minus the mean return of the other
-    K - 1 episodes of its prompt (Ahmadian et al. 2024, "Back to basics"); grpo: the return minus its prompt's mean
-    return, divided by their std (Shao et al. 2024, DeepSeekMath); reinforce_pp: REINFORCE++ (Hu 2025), each token's
-    return (the sum of the rewards from it on), whitened over the whole batch. rloo and grpo use an episode's return,
-    the score minus kl_coef x the response's KL (under --kl_penalty reward), at every token of the response."""
-    num_samples_per_prompt: int | None = None
-    """K: responses sampled to each prompt in one rollout batch (a multiple of K). Default: 4 for rloo and grpo (their
-    baseline is the other responses to the same prompt), 1 otherwise."""
-    scale_rewards: bool = True
-    """grpo: divide by the std of the prompt's returns. --no_scale_rewards is Dr. GRPO (Liu et al. 2025, "Understanding
-    R1-Zero-like training"), usually with --loss_aggregation constant."""
-    kl_penalty: Literal["reward", "loss"] = "reward"
-    """Where the KL to the reference goes. reward: -kl_coef x KL at every token, in the rewards (Ziegler et al. 2019,
-    eq. 2); loss: kl_coef x the current policy's KL at every token, added to the policy loss and averaged as it is
-    (GRPO, Shao et al. 2024, eq. 3). --target_kl adapts kl_coef in both."""
-    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
-    """How a mini-batch's per-token losses are averaged. token_mean: the sum over all its tokens / their number (a long
-    response weighs more); sequence_mean: each response's token mean, averaged over responses (GRPO's 1/|o|, Shao et
-    al. 2024); constant: the sum over tokens / (responses x --response_length) (Dr. GRPO, Liu et al. 2025: no bias
-    for or against length)."""
-    ptx_coef: float = 0.0
-    """Weight of a language-modelling loss on --ptx_dataset_name (InstructGPT's PPO-ptx, Ouyang et al. 2022)."""
-    ptx_dataset_name: str | None = None
-    """Text for the ptx loss: a dataset with a `text` column, or `embedded`."""
     # --- LoRA (through peft)
     lora_r: int = 0
     """Rank of the LoRA adapters (Hu et al. 2021) on the linear layers of the policy's and the critic's backbones (the
@@ -439,7 +441,8 @@ def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collect
         for rows in (g.to(responses.device)[i:i + micro] for g in groups for i in range(0, len(g), micro)):
             ids, ids_mask, context, kept = trim_padding(batch.query_response[rows], batch.attention_mask[rows],
                                                         context_length)
-            if critic is not None:
+            if critic is not None:  # (under --bf16 rollout_logprobs recomputes them; kept first here all the same:
+                # FSDP fixes a model's gradient dtypes at its first forward, which must run with the LoRA adapter on)
                 values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
             if reward.in_critic is not None:  # LoRA: the reward model is the critic with its adapter off
                 with reward.in_critic():
@@ -457,14 +460,16 @@ def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collect
 
 
 @torch.no_grad()
-def rollout_logprobs(policy, ref_policy, batch, args, update, rank, world, reference_mode=contextlib.nullcontext):
-    """3. The sampled tokens' log-probs under the reference policy, and under --bf16 under the policy again, computed
-    by the learning forward on the very rows and groups the first PPO epoch will run (epoch_plan): so the first
-    ratio is exactly 1, and the KL at initialisation exactly 0, in any precision. (A one-token KV-cached decode and a
-    whole-sequence forward, or one group's padding and another's, can round differently in bfloat16; in float32 the
-    sampling log-probs equal the learning forward's, which tests check on every family, and are kept.) Each rank
-    computes the rows it will learn on; a sum over ranks assembles the batch. Fills ref_logprobs (and logprobs)."""
-    ref, old = torch.zeros_like(batch.logprobs), torch.zeros_like(batch.logprobs)
+def rollout_logprobs(policy, ref_policy, critic, batch, args, update, rank, world,
+                     reference_mode=contextlib.nullcontext):
+    """3. The sampled tokens' log-probs under the reference policy, and under --bf16 under the policy again (and the
+    values under the critic again), computed by the learning forward on the very rows and groups the first PPO epoch
+    will run (epoch_plan): so the first ratio is exactly 1, the first value clip centred on what learning computes,
+    and the KL at initialisation exactly 0, in any precision. (A one-token KV-cached decode and a whole-sequence
+    forward, or one group's padding and another's, can round differently in bfloat16; in float32 the sampling
+    log-probs equal the learning forward's, which tests check on every family, and are kept.) Each rank computes the
+    rows it will learn on; a sum over ranks assembles the batch. Fills ref_logprobs (and logprobs and values)."""
+    ref, old, values = (torch.zeros_like(batch.logprobs) for _ in range(3))
     with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for step in epoch_plan(batch, args, update, 0, rank, world):
             for rows in step.forwards:
@@ -476,9 +481,13 @@ def rollout_logprobs(policy, ref_policy, batch, args, update, rank, world, refer
                 if args.bf16:
                     old[rows, :kept] = policy_forward(policy, ids, ids_mask, context, args.temperature,
                                                       entropy=False)[0]
+                    if critic is not None:
+                        values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
     batch.ref_logprobs = all_reduce(ref).masked_fill(~batch.mask, 0.0)
     if args.bf16:
         batch.logprobs = all_reduce(old).masked_fill(~batch.mask, 0.0)
+        if critic is not None:
+            batch.values = all_reduce(values).masked_fill(~batch.mask, 0.0)
 
 
 def advantages(batch, kl_coef, args):
@@ -625,7 +634,8 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
 
 
 def check_args(args):
-    """Every size and range, before anything is loaded or written; a bad one is named in one line."""
+    """Every size and range, and every model and dataset found, before anything is loaded or written; a bad one is
+    named in one line."""
     for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                  "num_collect_steps", "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every",
                  "kl_horizon", "num_samples_per_prompt"):
@@ -650,6 +660,12 @@ def check_args(args):
     if args.ptx_coef > 0 and args.ptx_dataset_name is None:
         raise common.UserError(f"--ptx_coef {args.ptx_coef} needs --ptx_dataset_name (a dataset with a 'text' column)")
     check_estimator_args(args)
+    for name, flag, kind in ((args.sft_model_path, "--sft_model_path", "model"),
+                             (reward_model_source(args), "--reward_model_path", "model"),
+                             (args.dataset_name, "--dataset_name", "dataset"),
+                             (args.ptx_dataset_name if args.ptx_coef > 0 else None, "--ptx_dataset_name", "dataset")):
+        if name is not None:
+            common.check_source(name, flag, kind)
 
 
 def check_estimator_args(args):
@@ -689,6 +705,10 @@ def main(args):
                                "each rank rolls out per update")
     if num_updates == 0:
         raise common.UserError(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
+    if args.total_episodes % batch_size and rank == 0:
+        trained = num_updates * batch_size
+        print(f"--total_episodes {args.total_episodes}: {trained} trained, whole rollout batches of {batch_size} (the "
+              f"nearest to train all: {trained} or {trained + batch_size})")
     if batch_size % args.num_samples_per_prompt:
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
                                f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
@@ -698,10 +718,14 @@ def main(args):
 
     tokenizer = load_tokenizer(args)
     stop_id = stop_token_id(args, tokenizer)
+    prompts, prompt_texts = load_prompts(args, tokenizer)  # before the models: a data mistake is found in seconds
+    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     # Models: policy and critic (GAE's) are trained; reference and reward model are frozen.
     policy_hf, lora, policy, critic, ref_policy, reward = build_models(args, tokenizer, device, rank, world)
-    prompts, prompt_texts = load_prompts(args, tokenizer)
-    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
+    # the lengths, fitted to the models, cut the prompts and the ptx text
+    bos_id, limit = common.leading_id(tokenizer), args.max_prompt_length + args.response_length
+    prompts = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]
+    ptx = ptx and [ids[:limit] for ids in ptx]
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
     start, kl_coef, history, saved = 0, args.kl_coef, [], None
     if args.resume and (resumed := common.resume_training(trainable, optimizer, scheduler, args.output_dir, lambda c:
@@ -744,7 +768,7 @@ def main(args):
 
         # 3. Log-probs under the reference (and, in bfloat16, the policy again) on the first epoch's partition.
         with offloaded([None if lora else ref_policy], device, args.offload_inference_models):
-            rollout_logprobs(policy, ref_policy, batch, args, update, rank, world,
+            rollout_logprobs(policy, ref_policy, critic, batch, args, update, rank, world,
                              reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
         t_score = time.time()
 
@@ -1029,17 +1053,17 @@ def build_optimizer(policy, critic, args, num_updates):
 
 
 def load_prompts(args, tokenizer):
-    """Prompt token ids (rm.py's convention and truncation rule) and the prompt texts."""
+    """Prompt token ids (rm.py's convention; main truncates them) and the prompt texts."""
     if args.dataset_name == "embedded":
         rng = random.Random(args.seed)
-        texts = [common.embedded_prompt(rng) for _ in range(4096)]
+        rows = [{"prompt": common.embedded_prompt(rng), "_source": "embedded", "_row": i} for i in range(4096)]
     else:
         rows = common.load_rows(args.dataset_name, args.dataset_config, args.dataset_train_split)
         if not rows:
             raise common.UserError(f"{args.dataset_name}: no split '{args.dataset_train_split}'")
-        texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
-    bos_id = common.leading_id(tokenizer)
-    ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in common.tokenize_prompts(tokenizer, texts)]
+    texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
+    ids = common.tokenize_prompts(tokenizer, texts)
+    common.check_vocabulary(tokenizer, ids, args.dataset_name, args.sft_model_path, "--sft_model_path")
     empty = next((i for i, p in enumerate(ids) if not p), None)
     if empty is not None:  # no BOS and no text: the first response token would attend to nothing
         raise common.UserError(f"{common.where(rows[empty])}: the prompt is empty and {args.sft_model_path}'s "
@@ -1076,8 +1100,8 @@ def load_ptx(args, tokenizer):
         if not rows or "text" not in rows[0]:
             raise common.UserError(f"{args.ptx_dataset_name}: --ptx_dataset_name needs a 'text' column")
         texts = [r["text"] for r in rows]
-    limit, end = args.max_prompt_length + args.response_length, common.end_id(tokenizer)
-    return [(ids + [end])[:limit] for ids in common.tokenize_prompts(tokenizer, texts)]
+    end = common.end_id(tokenizer)
+    return [ids + [end] for ids in common.tokenize_prompts(tokenizer, texts)]  # (main cuts them to the length)
 
 
 def pad_left(seqs, width, pad_id):
@@ -1735,4 +1759,4 @@ def summarize(history, window=5):
 
 
 if __name__ == "__main__":
-    common.exit_on_user_error(main, tyro.cli(Args, use_underscores=True))
+    common.exit_on_user_error(main, common.cli(Args))

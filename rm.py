@@ -27,7 +27,6 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import tyro
 from tqdm import tqdm
 
 import common
@@ -37,6 +36,20 @@ import common
 
 @dataclass
 class Args:
+    # --- reward model
+    loss_type: Literal["sigmoid", "logexp"] = "sigmoid"
+    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)) (ColossalChat's LogExpLoss),
+    the same function, computed as softplus so that it stays finite at any reward gap."""
+    center_rewards_coefficient: float = 0.0
+    """Weight of mean((r_c + r_r)^2), which keeps rewards centred at 0 (Eisenstein et al. 2023)."""
+    head_init_std: float | None = None
+    """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1)). The head is new unless the model
+    is a sequence classifier or an adapter folder holding the head's weights (as rm.py's do)."""
+    reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
+    """After training: make the mean reward over 2048 training pairs (never the eval pairs) 0 (shift) and optionally
+    their std 1 (shift_scale). Saved in config.json as reward_shift and reward_scale: a reward is (the model's logit -
+    reward_shift) / reward_scale (ppo.py applies it; README's scoring snippet shows how); eval_results.json records
+    what they were fitted on."""
     # --- model and data
     model_name_or_path: str = "embedded-llama"
     """Hugging Face model name or local path (any causal LM or sequence-classification checkpoint, or a peft adapter
@@ -99,20 +112,6 @@ class Args:
     """Gradient clipping norm (0 disables)."""
     seed: int = 1
     """Seed of model initialisation, head initialisation and data order."""
-    # --- reward model
-    loss_type: Literal["sigmoid", "logexp"] = "sigmoid"
-    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)) (ColossalChat's LogExpLoss),
-    the same function, computed as softplus so that it stays finite at any reward gap."""
-    center_rewards_coefficient: float = 0.0
-    """Weight of mean((r_c + r_r)^2), which keeps rewards centred at 0 (Eisenstein et al. 2023)."""
-    head_init_std: float | None = None
-    """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1)). The head is new unless the model
-    is a sequence classifier or an adapter folder holding the head's weights (as rm.py's do)."""
-    reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
-    """After training: make the mean reward over 2048 training pairs (never the eval pairs) 0 (shift) and optionally
-    their std 1 (shift_scale). Saved in config.json as reward_shift and reward_scale: a reward is (the model's logit -
-    reward_shift) / reward_scale (ppo.py applies it; README's scoring snippet shows how); eval_results.json records
-    what they were fitted on."""
     # --- LoRA (through peft)
     lora_r: int = 0
     """Rank of the LoRA adapters on the backbone's linear layers (Hu et al. 2021), the scalar head trained in full
@@ -127,7 +126,7 @@ class Args:
     eval_steps: int = 0
     """Evaluate every this many steps (0: use --num_evals)."""
     num_evals: int = 5
-    """Evaluations evenly spread over training (the final one always runs)."""
+    """Evaluations evenly spread over training, the last at its end (at most one per step)."""
     logging_steps: int = 50
     """Log train metrics every this many steps."""
     save_steps: int | None = None
@@ -337,7 +336,8 @@ def pair_metrics(rc, rr, margin, pairs, args, prefix):
 
 
 def check_args(args):
-    """Every size and range, before anything is loaded or written; a bad one is named in one line."""
+    """Every size and range, and every model and dataset found, before anything is loaded or written; a bad one is
+    named in one line."""
     for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "per_device_eval_batch_size", "logging_steps", "num_evals"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -357,10 +357,9 @@ def check_args(args):
     if None not in (args.max_length, args.max_prompt_length) and args.max_length <= args.max_prompt_length:
         raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
                                f"{args.max_length} to leave room for the responses")
-    name = args.model_name_or_path
-    if not name.startswith("embedded-") and (name.startswith((".", "/", "~")) or os.sep in name.strip("/")
-                                             and name.count("/") != 1) and not os.path.exists(name):
-        raise common.UserError(f"--model_name_or_path {name}: no such folder; pass a local model folder or a hub name")
+    common.check_source(args.model_name_or_path, "--model_name_or_path")
+    for name, _ in common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
+        common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
 
 
 def main(args):
@@ -386,9 +385,12 @@ def main(args):
     if steps_per_epoch == 0 and not args.eval_only:
         raise common.UserError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
-    eval_every = args.eval_steps or math.ceil(total_steps / max(args.num_evals, 1))  # the last one at the end
+    evals_at = {*range(args.eval_steps, total_steps, args.eval_steps), total_steps} if args.eval_steps else \
+        {math.ceil(k * total_steps / args.num_evals) for k in range(1, args.num_evals + 1)}  # the last one at the end
     if not args.eval_only and common.run_complete(args, total_steps, rank):
         return None
+    if len(evals_at) < args.num_evals and not (args.eval_steps or args.eval_only) and rank == 0:
+        print(f"--num_evals {args.num_evals}: {len(evals_at)}, one after each of the {total_steps} steps")
 
     # 2. Batch layout, optimizer, schedule.
     args, layout = choose_layout(RewardModel(hf_model if sharded else hf_model.to(device)), args, len(tokenizer), rank)
@@ -453,7 +455,7 @@ def main(args):
                       time.time() - t_window, device, world, **memory)
             window, t_window, memory = [], time.time(), {}
         t_pause = time.time()
-        if done % eval_every == 0 or done == total_steps:
+        if done in evals_at:
             model.eval()
             ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
             ev = {"step": done, **ev, "perf/eval_pairs_per_s": len(evals) / (time.time() - t_pause)}
@@ -521,15 +523,20 @@ def load_reward_model(args, tokenizer, skeleton=False):
             common.adapter_base(name) is not None and common.adapter_holds_head(name)
         config.num_labels = 1
         # dropout off, before the model is built: the two passes of a pair must see the same network
-        model = common.load_model(AutoModelForSequenceClassification, name, "--model_name_or_path", skeleton,
-                                  config=common.without_dropout(config), dtype=dtype)
+        plain = trained_head or skeleton or common.adapter_base(name)  # (an adapter's model is built by load_model)
+        loader = AutoModelForSequenceClassification if plain else common.with_new_head(config)
+        model = common.load_model(loader, name, "--model_name_or_path", skeleton, config=common.without_dropout(config),
+                                  dtype=dtype)
     common.disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.pad_token_id = tokenizer.pad_token_id
     if not trained_head and hasattr(model, "score"):  # encoders' pooled heads keep transformers' initialisation
         hidden = model.score.in_features
-        torch.nn.init.normal_(model.score.weight, std=args.head_init_std or 1 / math.sqrt(hidden + 1))
+        std = args.head_init_std or 1 / math.sqrt(hidden + 1)
+        torch.nn.init.normal_(model.score.weight, std=std)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"{name}: a new reward head (score, {hidden} -> 1, initial std {std:.3g}) on its backbone")
     common.scalar_head_in_float32(model)
     return model, common.add_lora(model, args, "SEQ_CLS") if args.lora_r and not args.eval_only else None
 
@@ -594,6 +601,8 @@ def load_data(args, tokenizer, rank):
         train_rows, held = hold_out_by_prompt(pool, args.eval_holdout, args.seed, tokenizer, train_rows)
         eval_rows += held
     train, cut, dropped = tokenize_pairs(train_rows, tokenizer, args)
+    common.check_vocabulary(tokenizer, [p["prompt"] + p["chosen"] + p["rejected"] for p in train],
+                            " ".join(n for n, _ in mixer), args.model_name_or_path, "--model_name_or_path")
     if train_rows and not train:
         raise common.UserError(f"{' '.join(n for n, _ in mixer)}: all {len(train_rows)} training pairs were dropped: chosen and "
                                "rejected are identical (after truncation to --max_length); check the data or raise "
@@ -1107,4 +1116,4 @@ def plot_eval(path, rewards, metrics):
 
 
 if __name__ == "__main__":
-    common.exit_on_user_error(main, tyro.cli(Args, use_underscores=True))
+    common.exit_on_user_error(main, common.cli(Args))

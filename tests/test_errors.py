@@ -4,6 +4,7 @@ the file, line and field, and an --output_dir holding an earlier run is left byt
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -271,6 +272,97 @@ def test_a_tokenizer_loaded_as_the_wrong_class_is_named_before_any_pair_is_dropp
         common.tokenize_prompts(tokenizer, ["User: tell me about animals Assistant:"])
 
 
+def test_data_the_tokenizer_does_not_cover_stops_both_scripts_before_training(hh_path, tmp_path):
+    """English data on the embedded model is 95% <unk>: trained on, it gives chance accuracy and exits 0. A tokenizer
+    that covers it but for a few characters (the tests' 400-token WordPiece, 4% unknown) is not stopped."""
+    import ppo
+    from families import build_tokenizer
+
+    unknown = r"test.jsonl.gz: 9\d% of its tokens are <unk> to embedded-llama's tokenizer, which does not cover this " \
+              r"data; pass {} a model whose tokenizer does"
+    with pytest.raises(common.UserError, match=unknown.format("--model_name_or_path")):
+        rm.main(rm.Args(dataset_name=hh_path, max_steps=2, num_evals=1, output_dir=str(tmp_path / "rm")))
+    with pytest.raises(common.UserError, match=unknown.format("--sft_model_path")):
+        ppo.main(ppo.Args(dataset_name=hh_path, reward_fn="common:gold_rewards", total_episodes=32,
+                          output_dir=str(tmp_path / "ppo")))
+    assert not os.path.exists(tmp_path / "rm" / "model.safetensors") and not os.path.exists(tmp_path / "ppo")
+    rows = common.load_rows(hh_path)
+    tokenizer = build_tokenizer("bert")
+    common.check_vocabulary(tokenizer, tokenizer([r["chosen"] for r in rows])["input_ids"], "hh", "bert", "--flag")
+
+
+@pytest.mark.parametrize("script, flags, named", [
+    ("ppo", ["--reward_model_path", "runs/rm-missing"], "--reward_model_path runs/rm-missing"),
+    ("ppo", ["--sft_model_path", "someone/no-such-model"], "--sft_model_path someone/no-such-model"),
+    ("ppo", ["--dataset_name", "someone/no-such-prompts"], "--dataset_name someone/no-such-prompts"),
+    ("ppo", ["--dataset_name", "no_such_prompts.jsonl"], "--dataset_name no_such_prompts.jsonl"),
+    ("ppo", ["--ptx_coef", "0.1", "--ptx_dataset_name", "someone/no-such-text"], "--ptx_dataset_name someone/"),
+    ("rm", ["--model_name_or_path", "someone/no-such-model"], "--model_name_or_path someone/no-such-model"),
+    ("rm", ["--dataset_mixer_list", "embedded", "100", "someone/no-such-pairs", "1.0"], "someone/no-such-pairs"),
+])
+def test_every_model_and_dataset_is_found_before_any_model_loads(script, flags, named, tmp_path, monkeypatch, capsys):
+    """With the hub off (HF_HUB_OFFLINE, as here), a name that is neither a local path nor in the hub cache is one
+    line naming it once, before any model loads (not half a minute of retries, nor a dataset missed for minutes)."""
+    import huggingface_hub
+
+    import ppo
+
+    module = {"ppo": ppo, "rm": rm}[script]
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)
+    monkeypatch.setattr(module, "build_models" if script == "ppo" else "load_reward_model",
+                        lambda *a, **k: pytest.fail("a model was loaded before the names were found"))
+    flags = flags + (["--reward_fn", "common:gold_rewards"] if script == "ppo" and "runs/rm-missing" not in flags
+                     else [])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        common.exit_on_user_error(module.main, tyro.cli(module.Args, args=flags + ["--output_dir", str(tmp_path)],
+                                                        use_underscores=True))
+    stderr = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert named in stderr and stderr.count(named.split()[-1]) == 1 and "no such file or folder" in stderr, stderr
+
+
+def wrapped_raggedly(help_text):
+    """The lines of a help box that end short although the next line's first word would have fit on them (a line
+    break of the source kept); the first line, the width the box gives its text."""
+    lines = [line[1:-1] for line in help_text.splitlines() if line.startswith("│") and line.endswith("│")]
+    ragged = []
+    for a, b in zip(lines, lines[1:]):
+        start = len(b) - len(b.lstrip())  # a continuation line: its text starts where its description's does
+        continued = b.strip() and not b.lstrip().startswith("-") and start > 2
+        if continued and a[start:].strip() and a[start - 2:start] == "  ":
+            if len(a.rstrip()) + 1 + len(b.split()[0]) <= len(a) - 1:  # (one space of padding on the right)
+                ragged.append(a)
+    return ragged
+
+
+def test_help_is_printed_once_under_torchrun_the_methods_options_first_each_one_paragraph():
+    proc = run_script(["rm.py", "--help"], nproc=2, env={"COLUMNS": "80"})
+    assert proc.stdout.count("usage: rm.py") == 1, proc.stdout[-2000:]
+    assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--loss_type", "--center_rewards_coefficient"]
+    assert wrapped_raggedly(proc.stdout) == []
+    proc = run_script(["ppo.py", "--help"], env={"COLUMNS": "80"})
+    assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--advantage_estimator", "--num_samples_per_prompt"]
+    assert wrapped_raggedly(proc.stdout) == []
+
+
+def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_reported(family_dir, tmp_path):
+    """A causal LM as rm.py's starting point: its new score head (missing from the checkpoint) and its unused LM head
+    are what the script means, said in one line; a backbone weight missing from the checkpoint is still reported."""
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path / "lm"
+    shutil.copytree(family_dir("llama"), source)
+    weights = load_file(source / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+    proc = run_script(["rm.py", "--model_name_or_path", str(source), "--max_steps", "1", "--num_evals", "1",
+                       "--output_dir", str(tmp_path / "out")])
+    out = proc.stdout + proc.stderr
+    assert out.count("a new reward head (score, 32 -> 1, initial std 0.174) on its backbone") == 1, out
+    assert "model.norm.weight" in out and "score.weight" not in out and "lm_head.weight" not in out, out
+
+
 def test_nodes_that_do_not_share_the_output_folder_stop_before_training(tmp_path, small_pairs_file):
     """Two torchrun agents (--nnodes 2) started in different folders with a relative --output_dir: each node would
     write its own shards; both stop at start-up with one line, within a minute."""
@@ -317,3 +409,19 @@ def test_a_full_disk_on_one_rank_during_a_sharded_checkpoint_is_one_line_on_ever
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr
     assert proc.stderr.count("checkpoints: no room to save") == 2 and "CheckpointException" not in proc.stderr
     assert snapshot(tmp_path / "checkpoints") == before  # no step_00000004.tmp; step 2 whole, still latest
+
+
+def test_a_dataset_prepared_in_datasets_own_cache_is_found_offline(tmp_path, monkeypatch):
+    """Offline clusters prepare a hub dataset once with `datasets` and read it from its cache: the name check finds it
+    there (the folder `datasets` names it by) and still refuses a name that is in neither cache."""
+    import huggingface_hub
+    from datasets import config
+
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)
+    monkeypatch.setattr(config, "HF_DATASETS_CACHE", str(tmp_path))
+    (tmp_path / "Anthropic___hh-rlhf").mkdir()
+    (tmp_path / "trl-lib___my_prefs").mkdir()  # "MyPrefs", as its loader names it: snake case
+    common.check_source("Anthropic/hh-rlhf", "--dataset_name", "dataset")
+    common.check_source("trl-lib/MyPrefs", "--dataset_name", "dataset")
+    with pytest.raises(common.UserError, match="not in the hub cache"):
+        common.check_source("Anthropic/other", "--dataset_name", "dataset")

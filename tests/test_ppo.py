@@ -718,3 +718,25 @@ def test_offloaded_replicas_are_on_the_device_only_while_they_score_and_nothing_
     assert frozen.weight is host  # the host parameter is put back as it was: nothing is copied back
     with ppo.offloaded([frozen], meta, enabled=False):  # without --offload_inference_models nothing moves
         assert frozen.weight.device.type == "cpu"
+
+
+def test_an_empty_embedded_prompt_is_named_too(monkeypatch):
+    monkeypatch.setattr(common, "embedded_prompt", lambda rng: "")
+    with pytest.raises(common.UserError, match=r"^embedded: row 0: the prompt is empty"):
+        ppo.load_prompts(ppo.Args(max_prompt_length=256), TOK)
+
+
+def test_total_episodes_that_are_not_whole_rollout_batches_are_said(monkeypatch, capsys, tmp_path):
+    class ModelsReached(Exception):
+        pass
+
+    def build_models(*args, **kwargs):
+        raise ModelsReached  # the line comes first
+
+    monkeypatch.setattr(ppo, "build_models", build_models)
+    for total, said in ((100, "--total_episodes 100: 96 trained, whole rollout batches of 32 (the nearest to train "
+                               "all: 96 or 128)"), (96, None)):
+        with pytest.raises(ModelsReached):
+            ppo.main(ppo.Args(total_episodes=total, reward_fn="common:gold_rewards", output_dir=str(tmp_path)))
+        out = capsys.readouterr().out
+        assert (said in out) if said else "--total_episodes" not in out, out

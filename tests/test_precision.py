@@ -19,14 +19,15 @@ import rm
 TOK = common.embedded_tokenizer()
 
 
-def first_mini_batch_spy(monkeypatch):
-    """Record, for each policy_loss call of the first optimizer step, the largest |new - old| log-prob."""
-    calls, real = [], ppo.policy_loss
+def first_mini_batch_spy(monkeypatch, loss="policy_loss"):
+    """Record, for each call of the loss (policy_loss: new and old log-probs; value_loss: new values and the values
+    its clip is centred on), the largest |new - old|."""
+    calls, real = [], getattr(ppo, loss)
 
-    def spy(new, old, adv, mask, *a, **k):
+    def spy(new, old, third, mask, *a, **k):
         calls.append(((new - old).abs() * mask).max().item())
-        return real(new, old, adv, mask, *a, **k)
-    monkeypatch.setattr(ppo, "policy_loss", spy)
+        return real(new, old, third, mask, *a, **k)
+    monkeypatch.setattr(ppo, loss, spy)
     return calls
 
 
@@ -39,13 +40,15 @@ def test_bf16_first_mini_batch_is_on_policy_and_the_kl_at_initialisation_is_zero
                                                                                  monkeypatch):
     """Under bfloat16 the sampling decode and the learning forward round differently; the old log-probs are
     recomputed on the first epoch's own partition, so its first mini-batch's ratio is exactly 1 (clip fraction 0) and
-    the reference equals the policy at initialisation (KL 0). Full fine-tuning with the KV cache in bfloat16 (it
-    crashed at the first rollout), and LoRA with its frozen base held in bfloat16."""
-    calls = first_mini_batch_spy(monkeypatch)
+    the reference equals the policy at initialisation (KL 0). The values the value clip is centred on are the
+    learning forward's too (the scoring phase's forward runs on other groups). Full fine-tuning with the KV cache in
+    bfloat16 (it crashed at the first rollout), and LoRA with its frozen base held in bfloat16."""
+    calls, value_calls = first_mini_batch_spy(monkeypatch), first_mini_batch_spy(monkeypatch, "value_loss")
     ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(tmp_path), lora_r=lora, **FIRST_UPDATE))
     steps_per_mini_batch = len(calls) // 2
-    assert calls[:steps_per_mini_batch] == [0.0] * steps_per_mini_batch  # every forward of the first mini-batch
-    assert max(calls[steps_per_mini_batch:]) > 0  # the policy moved after the first step
+    for moved in (calls, value_calls):
+        assert moved[:steps_per_mini_batch] == [0.0] * steps_per_mini_batch  # every forward of the first mini-batch
+        assert max(moved[steps_per_mini_batch:]) > 0  # the models moved after the first step
     m = read_metrics(tmp_path)[0]
     assert m["objective/kl"] == 0.0 and np.isfinite(m["loss/policy"])
 

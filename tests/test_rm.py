@@ -195,7 +195,7 @@ def test_invalid_json_line_and_missing_file_exit_2(tmp_path):
     proc = run_script(["rm.py", "--dataset_name", str(bad), "--output_dir", str(tmp_path / "o")], check=False)
     assert proc.returncode == 2 and "line 2: not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "nope.jsonl")], check=False)
-    assert proc.returncode == 2 and "file not found" in proc.stderr
+    assert proc.returncode == 2 and "nope.jsonl: no such file or folder" in proc.stderr
 
 
 # --- training runs ----------------------------------------------------------------------------------------------------
@@ -864,9 +864,13 @@ def test_local_folders_in_every_layout_load_with_their_splits(tmp_path):
 
 
 def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path):
+    """The snippet imports common.py: the README says it runs from the repository's folder, and it does, pasted into
+    a fresh Python there."""
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    snippet = readme.split("<!-- scoring snippet -->")[1].split("```python")[1].split("```")[0]
-    snippet = snippet.replace('"runs/rm"', repr(reward_model_path))
+    before, after = readme.split("<!-- scoring snippet -->")
+    assert "run\nfrom this repository's folder" in before[-400:]
+    snippet = after.split("```python")[1].split("```")[0].replace('"runs/rm"', repr(reward_model_path))
+    run_script(["-c", snippet])
     scope = {}
     exec(snippet, scope)  # noqa: S102 - the README's own code, as a user would paste it
     from transformers import AutoModelForSequenceClassification
@@ -879,3 +883,14 @@ def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path)
     with torch.no_grad():
         trained = (rm.RewardModel(hf)(ids, mask) - hf.config.reward_shift) / hf.config.reward_scale
     assert torch.allclose(scope["rewards"], trained, atol=1e-5)
+
+
+def test_num_evals_is_the_number_of_evaluations(tmp_path, small_pairs_file, capsys):
+    """7 steps and 5 evaluations: 5 (not 4, at every ceil(7 / 5) = 2 steps and the last); more than the steps: one
+    per step, said in one line."""
+    for max_steps, num_evals, expected in ((7, 5, 5), (3, 5, 3)):
+        rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=max_steps, num_evals=num_evals, logging_steps=100,
+                        per_device_train_batch_size=8, output_dir=str(tmp_path / str(max_steps))))
+        evals = [m["step"] for m in read_metrics(tmp_path / str(max_steps)) if "eval/accuracy" in m]
+        assert len(evals) == expected and evals[-1] == max_steps, evals
+    assert "--num_evals 5: 3, one after each of the 3 steps" in capsys.readouterr().out
