@@ -175,8 +175,9 @@ def attention_without_nan(device):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The embedded task: no download needed. A user asks about a topic; a response is a few words. Every word has a hidden
-# value, and words of the asked topic are worth one more. The gold reward of a response is the mean value of its words,
-# so it is known exactly, a small transformer can learn it, and a policy can be trained to raise it.
+# value, and words of the asked topic are worth one more; a word said again is worth nothing. The gold reward of a
+# response is the mean value of its words, so it is known exactly, a small transformer can learn it, and a policy can be
+# trained to raise it (or, against a learned reward model, overoptimize it: benchmarks/overoptimization.py).
 
 TOPICS = {
     "animals": "cat dog horse fox owl bear wolf deer frog duck goat lion".split(),
@@ -242,12 +243,15 @@ def prompt_topic(prompt):
 
 
 def gold_reward(prompt, response):
-    """The task's true reward: mean over response words of value(word) + 1[word is of the asked topic]."""
+    """The task's true reward: mean over response words of value(word) + 1[word is of the asked topic], a word said
+    again worth 0. Repetition is rare in the preference pairs and costs them little, so a reward model can miss it and
+    a policy can find it: a direction the proxy rewards and the gold does not (Gao et al. 2022, sec. 4)."""
     topic = prompt_topic(prompt)
     words = [w for w in response.split() if w != "<eos>"]
     if not words:
         return NON_WORD_VALUE
-    vals = [WORD_VALUE[w] + (TOPIC_OF[w] == topic) if w in WORD_VALUE else NON_WORD_VALUE for w in words]
+    vals = [0.0 if w in words[:i] else WORD_VALUE[w] + (TOPIC_OF[w] == topic) if w in WORD_VALUE else NON_WORD_VALUE
+            for i, w in enumerate(words)]
     return sum(vals) / len(vals)
 
 

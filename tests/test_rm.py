@@ -225,6 +225,14 @@ def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, small_pairs_file):
 
 
 
+def test_embedded_gold_reward_counts_a_word_said_again_zero():
+    v, prompt = common.WORD_VALUE, "User: tell me about animals such as cat Assistant:"
+    assert common.gold_reward(prompt, " cat red cat dog") == pytest.approx((v["cat"] + 1 + v["red"] + 0 + v["dog"] + 1)
+                                                                           / 4)
+    assert common.gold_reward(prompt, " cat cat cat cat <eos>") == pytest.approx((v["cat"] + 1) / 4)
+    assert common.gold_reward(prompt, " cat me") == pytest.approx((v["cat"] + 1 + common.NON_WORD_VALUE) / 2)
+
+
 def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     out = tmp_path / "rm"
     # the default task and model, a shorter schedule (the full default run is measured in README)

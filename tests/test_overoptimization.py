@@ -1,0 +1,58 @@
+"""benchmarks/overoptimization.py: its best-of-n estimator and fits against direct computations, and its --quick
+sweep's trends."""
+
+import itertools
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_script
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import overoptimization  # noqa: E402
+
+
+def test_best_of_n_estimator_is_the_mean_over_every_subset():
+    rng = np.random.default_rng(0)
+    proxy, gold = rng.normal(size=(3, 7)), rng.normal(size=(3, 7))
+    for n in range(1, 8):
+        direct = np.mean([np.mean([g[list(s)][np.argmax(p[list(s)])] for s in itertools.combinations(range(7), n)])
+                          for p, g in zip(proxy, gold)])
+        assert overoptimization.best_of_n(proxy, gold, n) == pytest.approx(direct, abs=1e-12), n
+
+
+@pytest.mark.parametrize("form", ["bon", "rl"])
+def test_fits_recover_a_known_curve_and_its_peak(form):
+    d = np.linspace(0.1, 6, 40)
+    truth = {"alpha": 0.8, "beta": 0.3}
+    f = overoptimization.fit(d, overoptimization.curve(form, truth, d), form)
+    assert f["alpha"] == pytest.approx(0.8) and f["beta"] == pytest.approx(0.3) and f["r2"] == pytest.approx(1.0)
+    grid = np.linspace(1e-3, 20, 200001)
+    r = overoptimization.curve(form, truth, grid)
+    assert f["peak_d"] == pytest.approx(grid[r.argmax()], abs=1e-3) and f["peak"] == pytest.approx(r.max())
+
+
+def test_quick_sweep_shows_overoptimization(tmp_path):
+    """The smallest setting: two reward models (250 and 1,000 pairs), one seed. What it can see: the larger reward model
+    is more accurate and its best-of-n and RL reach a higher gold score; best-of-n's proxy estimate rises with n; under
+    RL against either reward model the proxy rises to the end while the gold score turns down, and PPO on the gold
+    reward itself ends higher."""
+    out = tmp_path / "quick.json"
+    run_script(["benchmarks/overoptimization.py", "--quick", "--out", str(out), "--scratch", str(tmp_path)])
+    runs = json.load(open(out))["runs"]
+    small, large, ceiling = runs
+    assert small["accuracy"] < large["accuracy"] < large["bayes_accuracy"]
+    for r in (small, large):
+        assert all(a["proxy"] <= b["proxy"] + 1e-12 for a, b in zip(r["bon"], r["bon"][1:]))
+        assert all(a["d"] < b["d"] for a, b in zip(r["bon"], r["bon"][1:]))
+        proxy, gold = [p["proxy"] for p in r["rl"]], [p["gold"] for p in r["rl"]]
+        assert proxy[-1] > proxy[0] and gold[-1] < max(gold) - 0.1
+    assert large["bon"][-1]["gold"] > small["bon"][-1]["gold"] > small["gold_init"]
+    assert max(p["gold"] for p in large["rl"]) > max(p["gold"] for p in small["rl"])
+    assert ceiling["rl"][-1]["gold"] > max(p["gold"] for r in (small, large) for p in r["rl"])
+    assert os.path.getsize(tmp_path / "quick.png") > 1000
+    assert not math.isnan(overoptimization.summarize(runs)[0]["rl"]["r2"])
