@@ -133,7 +133,7 @@ def main():
             for reward in args.rewards:
                 for estimator in args.estimators:
                     spec = dict(ESTIMATORS[estimator], **REWARDS[reward], seed=seed,
-                                total_episodes=args.total_episodes,
+                                total_episodes=args.total_episodes, overwrite_output_dir=True,
                                 output_dir=os.path.join(scratch, f"{estimator}-{reward}-{seed}"))
                     proc = subprocess.run([sys.executable, __file__, "--row", json.dumps(spec)], cwd=ROOT,
                                           capture_output=True, text=True,

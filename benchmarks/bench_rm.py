@@ -163,7 +163,7 @@ def child_trl(work, args):
 def child_rm(work, args, flags):
     out = os.path.join(work, "rm-" + "-".join(f.strip("-") for f in flags))
     sys.argv = ["rm.py", "--model_name_or_path", os.path.join(work, "model"), "--dataset_name", work,
-                "--output_dir", out, "--learning_rate", str(args.lr), "--num_train_epochs", "1",
+                "--output_dir", out, "--overwrite_output_dir", "--learning_rate", str(args.lr), "--num_train_epochs", "1",
                 "--per_device_train_batch_size", str(args.batch),
                 "--max_length", str(args.max_length), "--max_prompt_length", str(args.max_length * 3 // 4),
                 "--logging_steps", "10", "--warmup_steps", str(warmup_steps(args)),

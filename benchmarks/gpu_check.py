@@ -100,7 +100,7 @@ def check_scripts(device, quick, scratch):
 
     def run(*argv):
         t = time.time()
-        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+        proc = subprocess.run([sys.executable, *argv, "--overwrite_output_dir"], cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode:
             return {"exit": proc.returncode, "stderr": proc.stderr[-1500:]}
         out = argv[argv.index("--output_dir") + 1]
