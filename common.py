@@ -933,11 +933,16 @@ STOP = {}  # the signal that asked this process to stop at the next step boundar
 SAVE_EVERY_S = 1800  # the default checkpoint cadence (--save_steps unset): 30 minutes of training
 
 
-def stop_on_signals():
+def stop_on_signals(enabled=True):
     """From here on, SIGINT (Ctrl-C) and SIGTERM (a cluster's notice before it preempts a job) end the run at the next
-    step boundary, with a checkpoint (step_end); a second SIGINT stops at once."""
+    step boundary, with a checkpoint (step_end); a second SIGINT stops at once. enabled=False, once the loop is over:
+    the handlers from before (a caller that runs main in its own process, a notebook, gets its Ctrl-C back)."""
+    if not enabled:
+        for s, handler in STOP.pop("previous", {}).items():
+            signal.signal(s, handler)
+        return
     def ask(signum, frame):
-        if STOP:
+        if "signal" in STOP:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return  # SIGTERM again (a scheduler and torchrun may both send it): the stop is already on its way
@@ -945,8 +950,10 @@ def stop_on_signals():
         if int(os.environ.get("RANK", 0)) == 0:  # os.write: a print could re-enter a write the signal interrupted
             os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C "
                         "again to stop at once)\n".encode())
+    previous = STOP.get("previous")  # (still ours if a run in this process ended by an exception)
     STOP.clear()
-    for s in (signal.SIGINT, signal.SIGTERM):
+    STOP["previous"] = previous or {s: signal.signal(s, ask) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in STOP["previous"]:
         signal.signal(s, ask)
 
 

@@ -803,6 +803,7 @@ def main(args):
             t_saved = time.time()
         if stop and update + 1 < num_updates:
             common.exit_stopped(stop, update + 1, args, rank, bar)
+    common.stop_on_signals(False)
 
     save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown

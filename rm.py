@@ -470,6 +470,7 @@ def main(args):
         if stop and done < total_steps:
             common.exit_stopped(stop, done, args, rank, bar)
         t_window += time.time() - t_pause
+    common.stop_on_signals(False)
     if ev is None:  # resumed at or past the total: no step ran, so its evaluation too
         model.eval()
         ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)

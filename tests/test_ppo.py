@@ -372,6 +372,7 @@ def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, rew
     assert results["gold_last"] - results["gold_first"] >= results["gold_std_first"], results
     assert results["proxy_last"] > results["proxy_first"] and results["kl_last"] > 0
     assert os.path.getsize(out / "curves.png") > 1000 and len(history) == 20
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is the caller's again after main
 
     from transformers import AutoModelForCausalLM
 
