@@ -551,7 +551,8 @@ def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, flag
     (dict(advantage_estimator="grpo", gamma=0.9), "--gamma is for per-token returns, which --advantage_estimator grpo"),
     (dict(advantage_estimator="rloo", whiten_rewards=True), "--whiten_rewards is for per-token returns"),
     (dict(scale_rewards=False), "--no_scale_rewards is grpo's (Dr. GRPO)"),
-    (dict(advantage_estimator="grpo", num_samples_per_prompt=3), "--num_samples_per_prompt 3: must divide the rollout "
+    (dict(advantage_estimator="grpo", num_samples_per_prompt=3, reward_fn="common:gold_rewards"),
+     "--num_samples_per_prompt 3: must divide the rollout "
      "batch (32 episodes)"),
 ])
 def test_an_estimator_refuses_the_flags_it_would_ignore(flags, expected, tmp_path):
