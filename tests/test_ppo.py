@@ -464,7 +464,9 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_that_resumes(tmp
     runs = {k: read_metrics(tmp_path / k) for k in ("one", "cut")}
     assert [m["step"] for m in runs["cut"]] == list(range(1, 9))
     for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/grad_norm"):
-        assert np.allclose([m[key] for m in runs["cut"]], [m[key] for m in runs["one"]], atol=1e-5, rtol=1e-5), key
+        # the updates before the stop ran on 2 ranks, which sum in another order than one process: 1e-7 differences
+        # that the KL, a sum over tokens, carries to ~1e-4 (a replayed or skipped episode differs by far more)
+        assert np.allclose([m[key] for m in runs["cut"]], [m[key] for m in runs["one"]], atol=1e-5, rtol=1e-3), key
     assert_saved_models_equal([tmp_path / "one", cut], "AutoModelForCausalLM")
 
 
