@@ -255,6 +255,8 @@ def profile_learning(root, workload):
 
 def row(args):
     t = time.time()
+    if args.code_root:  # an earlier checkout of this project: its ppo.py and common.py imported first
+        sys.path.insert(0, args.code_root)
     if args.row == "profile":
         return print("RESULT " + json.dumps(profile_learning(args.assets, args.workload)))
     result = (run_trl if args.row == "trl" else run_ours)(args.assets, args.workload)
@@ -274,7 +276,10 @@ def main():
     p.add_argument("--beside_threads", type=int, default=0,
                    help="run each row beside a torch matrix-product loop on this many threads (0: an idle machine)")
     p.add_argument("--omp_wait_policy", choices=["passive", "active"], help="OMP_WAIT_POLICY of the rows")
+    p.add_argument("--before", help="a checkout of an earlier commit of this project: its ppo.py runs as a row beside "
+                   "today's, in place of TRL's (before/after comparisons of one change)")
     p.add_argument("--row", choices=["trl", "ours", "profile"], help=argparse.SUPPRESS)
+    p.add_argument("--code_root", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--assets", help=argparse.SUPPRESS)
     p.add_argument("--startup_s", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -282,6 +287,10 @@ def main():
     if args.row:
         return row(args)
     busy = args.beside_threads > 0
+    if args.before:
+        args.before = os.path.abspath(args.before)
+        args.before_commit = subprocess.run(["git", "-C", args.before, "rev-parse", "--short", "HEAD"],
+                                            capture_output=True, text=True).stdout.strip() or args.before
     args.out = args.out or os.path.join(ROOT, "benchmarks", "results", f"ppo_cpu{'_busy' if busy else ''}.json")
     if not os.path.exists(HH):
         sys.exit(f"the long workload needs the HH-RLHF pairs at {HH}")
@@ -293,12 +302,13 @@ def main():
     if args.omp_wait_policy:
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
 
-    def child(python, row, workload):
+    def child(python, row, workload, code_root=None):
         neighbour = busy and subprocess.Popen(
             [sys.executable, "-c", (f"import torch\ntorch.set_num_threads({args.beside_threads})\n"
                                     "a = torch.randn(512, 512)\nwhile True: a @ a")], env=neighbour_env)
         try:
-            proc = subprocess.run([python, __file__, "--row", row, "--workload", workload, "--assets", assets],
+            proc = subprocess.run([python, __file__, "--row", row, "--workload", workload, "--assets", assets,
+                                   *(["--code_root", code_root] if code_root else [])],
                                   capture_output=True, text=True, env=env, cwd=ROOT)
         finally:
             if neighbour:
@@ -311,9 +321,11 @@ def main():
 
     for repeat in range(args.repeats):
         for workload in args.workloads:
-            for name, python in (("TRL 1.12 PPOTrainer", args.trl_python), ("ppo.py", sys.executable)):
+            first = ((f"ppo.py at {args.before_commit}", sys.executable, args.before) if args.before else
+                     ("TRL 1.12 PPOTrainer", args.trl_python, None))
+            for name, python, code_root in (first, ("ppo.py", sys.executable, None)):
                 t = time.time()
-                r = child(python, "trl" if name.startswith("TRL") else "ours", workload)
+                r = child(python, "trl" if name.startswith("TRL") else "ours", workload, code_root)
                 r |= {"row": name, "workload": workload, "repeat": repeat, "whole_process_s": time.time() - t,
                       "beside_threads": args.beside_threads, "omp_wait_policy": env.get("OMP_WAIT_POLICY", "default")}
                 r["episodes_per_s"] = r["episodes"] / r["train_s"]
@@ -335,12 +347,14 @@ def main():
 
 
 def table(results):
+    """Each row against the workload's first (TRL's, or the earlier commit's with --before), repeat by repeat."""
     lines = ["| workload | row | episodes/s (loop) | generated tokens/s | whole process (s) | generation / scoring / "
-             "learning (s) | peak RSS (MB) | vs TRL (loop) | vs TRL (process) |", "|" + "---|" * 9]
+             "learning (s) | peak RSS (MB) | vs first row (loop) | vs first row (process) |", "|" + "---|" * 9]
     for workload in dict.fromkeys(r["workload"] for r in results):
-        for name in ("TRL 1.12 PPOTrainer", "ppo.py"):
+        names = list(dict.fromkeys(r["row"] for r in results if r["workload"] == workload))
+        for name in names:
             rs = [r for r in results if r["workload"] == workload and r["row"] == name]
-            trl = [r for r in results if r["workload"] == workload and r["row"].startswith("TRL")]
+            trl = [r for r in results if r["workload"] == workload and r["row"] == names[0]]
             eps = [r["episodes_per_s"] for r in rs]
             ratio = [r["episodes_per_s"] / t["episodes_per_s"] for r, t in zip(rs, trl)]
             proc = [t["whole_process_s"] / r["whole_process_s"] for r, t in zip(rs, trl)]

@@ -160,7 +160,7 @@ def child_trl(work, args):
     return {"train_seconds": seconds, "pairs_trained": steps * args.batch, "accuracy": correct / len(ids["test"])}
 
 
-def child_rm(work, args, flags):
+def child_rm(work, args, flags, code_root=ROOT):
     out = os.path.join(work, "rm-" + "-".join(f.strip("-") for f in flags))
     sys.argv = ["rm.py", "--model_name_or_path", os.path.join(work, "model"), "--dataset_name", work,
                 "--output_dir", out, "--overwrite_output_dir", "--learning_rate", str(args.lr), "--num_train_epochs", "1",
@@ -175,7 +175,8 @@ def child_rm(work, args, flags):
     for f in os.listdir(work):
         if f.startswith(("tokenizer", "special_tokens")):
             shutil.copy(os.path.join(work, f), os.path.join(work, "model", f))
-    runpy.run_path(os.path.join(ROOT, "rm.py"), run_name="__main__")
+    sys.path.insert(0, code_root)  # its common.py too
+    runpy.run_path(os.path.join(code_root, "rm.py"), run_name="__main__")
     metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     windows = [m for m in metrics if "perf/pairs_per_s" in m]
     pairs, seconds, last = 0, 0.0, 0
@@ -218,6 +219,8 @@ def main():
     p.add_argument("--repeats", type=int, default=1, help="run every row this many times, one after the other")
     p.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "rm_cpu.json"))
+    p.add_argument("--before", default=None, help="a checkout of an earlier commit of this project: each rm.py row "
+                   "also runs from there, as ROW@before (before/after comparisons of one change)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     assert all("," not in row for row in MODES), "--rows is comma-separated: a row's name cannot hold a comma"
@@ -225,7 +228,9 @@ def main():
     if args.child:  # one row, in its own process
         work, row = args.child.split("::")
         task_args = argparse.Namespace(**json.load(open(os.path.join(work, "settings.json"))))
-        result = child_trl(work, task_args) if row == "trl" else child_rm(work, task_args, MODES[row])
+        mode, before = row.removesuffix("@before"), row.endswith("@before")
+        result = (child_trl(work, task_args) if row == "trl" else
+                  child_rm(work, task_args, MODES[mode], os.path.abspath(args.before) if before else ROOT))
         import torch
 
         result["peak_memory_mb"] = (torch.cuda.max_memory_allocated() / 2 ** 20 if args.device == "cuda" else
@@ -247,7 +252,8 @@ def main():
                                           "max_length": args.max_length or max_length})
         work = os.path.join(work_root, task)
         info = prepare_task(task, task_args, work)
-        runs = {row: [] for row in args.rows.split(",")}
+        runs = {row: [] for r in args.rows.split(",") for row in ([r + "@before"] if args.before and r != "trl" else [])
+                + [r]}
         for _ in range(args.repeats):  # rows interleaved, so that a slow spell of the machine hits every row
             for row in runs:
                 env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
