@@ -276,9 +276,8 @@ def load_rows(name, config=None, split="train"):
                 return None  # a single local file has one split; the caller holds out an eval fraction
             if ext == ".jsonl":  # read here: errors name the line, and no Arrow cache is written beside the user's data
                 return read_jsonl(name)
-            rows = list(hf_datasets().load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train"))
-            line_of_first = 2 if ext == ".csv" else None  # a CSV row's line in an editor: after the header
-            return [dict(r, _source=name, _row=i, **({"_line": i + line_of_first} if line_of_first else {}))
+            rows = hf_datasets().load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train")
+            return [dict(r, _source=name, _row=i, **({"_line": i + 2} if ext == ".csv" else {}))  # (after the header)
                     for i, r in enumerate(rows)]
         if split not in hf_datasets().get_dataset_split_names(name, config):
             return None
@@ -366,12 +365,11 @@ def mixture(mixer):
     pairs = []
     for name, weight in zip(mixer[::2], mixer[1::2]):
         try:
-            w = float(weight)
+            pairs.append((name, float(weight)))
         except ValueError:
-            raise UserError(f"--dataset_mixer_list: weight {weight!r} of {name} is not a number") from None
-        if not (w > 0 and math.isfinite(w)):
-            raise UserError(f"--dataset_mixer_list: weight {weight} of {name} must be above 0")
-        pairs.append((name, w))
+            pairs.append((name, math.nan))
+        if not 0 < pairs[-1][1] < math.inf:
+            raise UserError(f"--dataset_mixer_list: weight {weight!r} of {name} must be a number above 0")
     return pairs
 
 
@@ -910,9 +908,8 @@ def stop_on_signals(enabled=True):
         if int(os.environ.get("RANK", 0)) == 0:  # os.write: a print could re-enter a write the signal interrupted
             os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C "
                         "again to stop at once)\n".encode())
-    previous = STOP.get("previous")  # (still ours if a run in this process ended by an exception)
-    STOP.clear()
-    STOP["previous"] = previous or {s: signal.signal(s, ask) for s in (signal.SIGINT, signal.SIGTERM)}
+    STOP.pop("signal", None)  # "previous" stays if a run in this process ended by an exception: the handlers before it
+    STOP.setdefault("previous", {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)})
     for s in STOP["previous"]:
         signal.signal(s, ask)
 
