@@ -1,6 +1,15 @@
-"""Small utilities shared by rm.py and ppo.py: the embedded task, data loading, logging, checkpoint I/O.
+"""What rm.py and ppo.py share. The algorithms are in those scripts; this file holds, by section:
 
-Nothing here is part of the algorithms; read rm.py and ppo.py for those.
+- Errors and start-up checks: a user's mistake is one line and exit code 2, found before any model loads.
+- The embedded task: preference data and a gold reward with no download.
+- Preference data: hub, local file or folder, any pair format, to (prompt, chosen, rejected) text.
+- Tokens: one prompt/response convention for both scripts.
+- Models: where a reward is read, float32 scalar heads, attention without NaN, position tables, dropout off.
+- LoRA and adapter folders.
+- Logging.
+- A run's life in its --output_dir: nothing replaced unasked, signals stop at a step with a checkpoint.
+- Final artifacts and checkpoints: written atomically; checkpoints sharded, resumed on any number of ranks.
+- The memory plan and sharded loading: what each GPU holds, known before any weight is read.
 """
 
 import codecs
@@ -24,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Errors a user can fix: one line, exit code 2, no traceback.
+# Errors and start-up checks: a mistake a user can fix is one line and exit code 2, no traceback, on every rank at once.
 
 
 class UserError(Exception):
@@ -32,8 +41,7 @@ class UserError(Exception):
 
 
 def cli(args_class):
-    """The command line, parsed by tyro. Each option's docstring is one paragraph the terminal wraps (tyro keeps the
-    source's line breaks); help and parse errors are printed by rank 0 only (torchrun starts every rank on them)."""
+    """The command line, parsed by tyro, each option's docstring one paragraph; help and errors from rank 0 only."""
     import contextlib
     import io
     from typing import Annotated
@@ -71,9 +79,7 @@ def exit_on_user_error(fn, *args):
 
 
 def agreed(check):
-    """check()'s result on this rank, once every rank has run its own: if it raised on any rank, every rank raises
-    the first failing rank's error (a UserError with its message on the others), so that no rank waits in a
-    collective for a rank that has stopped (across nodes that wait lasts the process group's timeout)."""
+    """check()'s result on every rank, or the first failing rank's error raised on all: none waits for a dead one."""
     import torch.distributed as dist
 
     try:
@@ -93,10 +99,10 @@ def agreed(check):
 
 
 def load_pretrained(loader, name, flag, **kwargs):
-    """loader.from_pretrained(name), with transformers' long errors about a missing folder or hub repository turned
-    into one line naming the flag."""
+    """loader.from_pretrained(name), a missing folder or hub repository said in one line naming the flag."""
     base = adapter_base(name)
-    if base and not (loader.__name__ == "AutoTokenizer" and os.path.exists(os.path.join(name, "tokenizer_config.json"))):
+    own_tokenizer = loader.__name__ == "AutoTokenizer" and os.path.exists(os.path.join(name, "tokenizer_config.json"))
+    if base and not own_tokenizer:
         name = base  # a peft adapter folder: its base's config and weights, and its own tokenizer if it has one
     try:
         return loader.from_pretrained(name, **kwargs)
@@ -106,9 +112,7 @@ def load_pretrained(loader, name, flag, **kwargs):
 
 
 def check_source(name, flag, repo_type="model"):
-    """A model or dataset the run reads, found before any model loads: a local file or folder, or a hub repository
-    that is in the hub cache or on a reachable hub. Anything else is one line now, not half a minute of network
-    retries in from_pretrained, nor a missing dataset found after the models are built."""
+    """A model or dataset found before any model loads (local, hub cache, reachable hub), or one line naming it."""
     if name.startswith("embedded") or os.path.exists(name):
         return
     import huggingface_hub
@@ -142,42 +146,17 @@ def check_source(name, flag, repo_type="model"):
 
 
 def seed_of(*keys):
-    """A seed for the random stream named by keys (e.g. seed, "prompt order", epoch): streams of different keys are
-    independent (numpy's SeedSequence hashes them), so seed s + 1 never replays a stream of seed s."""
+    """A seed for the stream named by keys (seed, "prompt order", epoch), hashed: seed s + 1 never replays seed s."""
     import numpy as np
 
     return int(np.random.SeedSequence([k if isinstance(k, int) else int.from_bytes(k.encode(), "little")
                                        for k in keys]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def attention_without_nan(device):
-    """Two guards against NaN in attention on CUDA, set once at start-up by both scripts.
-    1. No query attends to nothing. A left-padded row's padding positions (ppo.py's prompts) see no real key, and
-       some SDPA kernels answer such a row with NaN, which reaches the real tokens through 0 x NaN in the next layer.
-       transformers' SDPA mask is given the diagonal too: each position sees at least itself. Real tokens see
-       themselves already, so their outputs are unchanged; padding positions' outputs are never read.
-    2. cuDNN's SDPA is switched off on CUDA: with a boolean mask its backward gives NaN gradients at some sequence
-       lengths in torch 2.13 (pytorch #196678; trl #7181). The flash and memory-efficient kernels take its place."""
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def sdpa_mask_with_diagonal(*args, q_offset=0, kv_offset=0, **kwargs):
-        mask = sdpa_mask(*args, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
-        if not torch.is_tensor(mask):  # None: no mask needed (is_causal)
-            return mask
-        q = torch.arange(mask.shape[-2], device=mask.device) + q_offset
-        kv = torch.arange(mask.shape[-1], device=mask.device) + kv_offset
-        return mask | (q[:, None] == kv[None, :])
-
-    AttentionMaskInterface.register("sdpa", sdpa_mask_with_diagonal)
-    if device.type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# The embedded task: no download needed. A user asks about a topic; a response is a few words. Every word has a hidden
-# value, and words of the asked topic are worth one more; a word said again is worth nothing. The gold reward of a
-# response is the mean value of its words, so it is known exactly, a small transformer can learn it, and a policy can be
-# trained to raise it (or, against a learned reward model, overoptimize it: benchmarks/overoptimization.py).
+# The embedded task: no download. A user asks about a topic; a response is a few words, each with a hidden value, one
+# more if of the asked topic, nothing if said again. The gold reward (the mean) is known exactly, a small transformer
+# can learn it, and a policy can raise it or overoptimize a learned proxy of it (benchmarks/overoptimization.py).
 
 TOPICS = {
     "animals": "cat dog horse fox owl bear wolf deer frog duck goat lion".split(),
@@ -237,16 +216,10 @@ def embedded_prompt(rng):
     return f"User: tell me about {topic} such as {rng.choice(TOPICS[topic])} Assistant:"
 
 
-def prompt_topic(prompt):
-    words = prompt.split()
-    return next((w for w in words if w in TOPICS), None)
-
-
 def gold_reward(prompt, response):
-    """The task's true reward: mean over response words of value(word) + 1[word is of the asked topic], a word said
-    again worth 0. Repetition is rare in the preference pairs and costs them little, so a reward model can miss it and
-    a policy can find it: a direction the proxy rewards and the gold does not (Gao et al. 2022, sec. 4)."""
-    topic = prompt_topic(prompt)
+    """Mean over words of value + 1[of the asked topic], a repeat worth 0: rare in the pairs, so a reward model can
+    miss it and a policy find it, a direction the proxy rewards and the gold does not (Gao et al. 2022, sec. 4)."""
+    topic = next((w for w in prompt.split() if w in TOPICS), None)
     words = [w for w in response.split() if w != "<eos>"]
     if not words:
         return NON_WORD_VALUE
@@ -279,16 +252,15 @@ def embedded_pairs(n, seed):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Preference data: a hub name, a local file, or the embedded task, in explicit, implicit or conversational format.
+# Preference data: a hub name, a local file or folder, or the embedded task, in explicit, implicit or conversational
+# format, read to (prompt, chosen, rejected) text; a bad row is named by its file and line.
 
 EMBEDDED_SPLITS = {"train": 0, "test": 1, "validation": 2}  # the seed of each split's pairs
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def load_rows(name, config=None, split="train"):
-    """Rows (dicts, each knowing its `_source` file and `_row`/`_line` there) of one split of a dataset: the embedded
-    task, a local file (one split: train), a local folder (see load_folder), or a hub dataset. None if there is no
-    such split."""
+    """One split's rows, each knowing its `_source` and `_row`/`_line`, or None if there is no such split."""
     if name == "embedded":  # three splits, each its own draw
         if split not in EMBEDDED_SPLITS:
             return None
@@ -297,8 +269,7 @@ def load_rows(name, config=None, split="train"):
     try:
         if os.path.isdir(name):
             return load_folder(name, config, split)
-        base = name[:-3] if name.endswith(".gz") else name
-        ext = os.path.splitext(base)[1]
+        ext = os.path.splitext(name.removesuffix(".gz"))[1]
         if ext in LOCAL_BUILDERS:
             if not os.path.exists(name):
                 raise UserError(f"{name}: file not found; pass an existing .jsonl/.json/.parquet/.csv(.gz) path")
@@ -306,9 +277,8 @@ def load_rows(name, config=None, split="train"):
                 return None  # a single local file has one split; the caller holds out an eval fraction
             if ext == ".jsonl":  # read here: errors name the line, and no Arrow cache is written beside the user's data
                 return read_jsonl(name)
-            rows = list(hf_datasets().load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train"))
-            line_of_first = 2 if ext == ".csv" else None  # a CSV row's line in an editor: after the header
-            return [dict(r, _source=name, _row=i, **({"_line": i + line_of_first} if line_of_first else {}))
+            rows = hf_datasets().load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train")
+            return [dict(r, _source=name, _row=i, **({"_line": i + 2} if ext == ".csv" else {}))  # (after the header)
                     for i, r in enumerate(rows)]
         if split not in hf_datasets().get_dataset_split_names(name, config):
             return None
@@ -330,9 +300,7 @@ def hf_datasets():
 
 
 def load_folder(path, config, split):
-    """A local folder as people have them: written by Dataset(Dict).save_to_disk, cloned from the Hub
-    (data/train-00000-of-00001.parquet, a README.md with `configs:`), or split files (train.jsonl, test.parquet, ...).
-    `datasets` resolves the layout; each file is then read by load_rows, so errors name the file and line."""
+    """A folder from save_to_disk, a hub clone or of split files: `datasets` resolves the layout, load_rows reads."""
     datasets = hf_datasets()
     if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
         ds = datasets.load_from_disk(path)
@@ -341,8 +309,9 @@ def load_folder(path, config, split):
         elif split != "train":
             ds = None
         return None if ds is None else [dict(r, _source=path, _row=i) for i, r in enumerate(ds)]
+
     def is_split_file(f, s):
-        base = f[:-3] if f.endswith(".gz") else f
+        base = f.removesuffix(".gz")
         return os.path.isfile(os.path.join(path, f)) and base.split(".")[0] == s and os.path.splitext(base)[1] in \
             LOCAL_BUILDERS
 
@@ -370,7 +339,8 @@ def read_jsonl(path):
             try:  # a byte-order mark (written by some Windows tools) is not part of the first row
                 line = (raw.removeprefix(codecs.BOM_UTF8) if line_number == 1 else raw).decode("utf-8")
             except UnicodeDecodeError as e:
-                raise UserError(f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8") from None
+                raise UserError(f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as "
+                                "UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -390,24 +360,22 @@ def where(row):
 
 
 def mixture(mixer):
-    """open-instruct's dataset mixer, [name, weight, name, weight, ...], as (name, weight) pairs: a weight <= 1 is a
-    fraction of a dataset's training rows, > 1 a count."""
+    """open-instruct's dataset mixer, [name, weight, ...], as (name, weight) pairs."""
     if len(mixer) % 2:
         raise UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
     pairs = []
     for name, weight in zip(mixer[::2], mixer[1::2]):
         try:
-            w = float(weight)
+            pairs.append((name, float(weight)))
         except ValueError:
-            raise UserError(f"--dataset_mixer_list: weight {weight!r} of {name} is not a number") from None
-        if not (w > 0 and math.isfinite(w)):
-            raise UserError(f"--dataset_mixer_list: weight {weight} of {name} must be above 0")
-        pairs.append((name, w))
+            pairs.append((name, math.nan))
+        if not 0 < pairs[-1][1] < math.inf:
+            raise UserError(f"--dataset_mixer_list: weight {weight!r} of {name} must be a number above 0")
     return pairs
 
 
 def take_share(rows, weight, seed):
-    """A mixture weight's share of a dataset's rows: a fraction (<= 1) or a count (> 1), drawn at random by seed."""
+    """A weight's share of the rows, drawn by seed: a fraction (<= 1) or a count (> 1)."""
     n = int(round(weight * len(rows))) if weight <= 1 else int(weight)
     if n < len(rows):
         rows = list(rows)
@@ -416,8 +384,7 @@ def take_share(rows, weight, seed):
 
 
 def shared_prefix_split(a, b):
-    """Implicit-prompt pairs: the prompt is the longest common prefix that ends before a whitespace character, so both
-    responses start at a word boundary (with their leading space, as subword tokenizers expect)."""
+    """Implicit prompt: the longest common prefix ending before a space, each response starting with its space."""
     i = max(0, min(len(os.path.commonprefix([a, b])), len(a) - 1, len(b) - 1))
     while i > 0 and not (a[i].isspace() and b[i].isspace()):
         i -= 1
@@ -428,11 +395,11 @@ def shared_prefix_split(a, b):
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}  # ShareGPT's names for the same turns
+_RENDERED_ROLES = {}  # (tokenizer, role): whether its chat template renders the role
 
 
 def checked_messages(messages, tokenizer, where, field):
-    """The messages of a row with ShareGPT's roles renamed (human -> user, gpt -> assistant), after checking that each
-    is {'role': text, 'content': text} with a role the chat template renders."""
+    """A row's messages checked, ShareGPT's roles renamed; a role the chat template would silently drop refused."""
     if not isinstance(messages, list):
         raise UserError(f"{where}: field '{field}' is {type(messages).__name__}; expected a list of messages")
     for k, m in enumerate(messages):
@@ -444,24 +411,14 @@ def checked_messages(messages, tokenizer, where, field):
         if m["role"] not in ROLES:
             raise UserError(f"{where}: field '{field}', message {k}: role {m['role']!r} is not one of "
                             f"{', '.join(sorted(ROLES))} (or ShareGPT's human, gpt); rename it")
-    check_roles(tokenizer, messages, where, field)
-    return messages
-
-
-_RENDERED_ROLES = {}
-
-
-def check_roles(tokenizer, messages, where, field):
-    """A role the chat template does not know is often dropped without a word (the message vanishes from the text):
-    render each new role once with a marker and make sure the marker is there."""
-    for k, m in enumerate(messages):
         key = (id(tokenizer), m["role"])
-        if key not in _RENDERED_ROLES:
+        if key not in _RENDERED_ROLES:  # rendered once with a marker, alone and after a user turn
             mark, shown = "\u2042probe\u2042", False
             for context in ([], [{"role": "user", "content": "hi"}]):
                 try:
-                    shown = shown or mark in tokenizer.apply_chat_template(context + [{"role": m["role"], "content": mark}],
-                                                                          tokenize=False)
+                    probe = context + [{"role": m["role"], "content": mark}]
+                    text = tokenizer.apply_chat_template(probe, tokenize=False)
+                    shown = shown or mark in text
                 except Exception:
                     pass
             _RENDERED_ROLES[key] = shown
@@ -469,6 +426,7 @@ def check_roles(tokenizer, messages, where, field):
             raise UserError(f"{where}: field '{field}', message {k}: role {m['role']!r} is not one the chat template "
                             "renders (the message would be dropped); use the roles the template knows, e.g. "
                             "'system', 'user', 'assistant'")
+    return messages
 
 
 def render_chat(tokenizer, messages, where, generation_prompt=False):
@@ -511,10 +469,11 @@ def split_pair(row, tokenizer, where):
     return shared_prefix_split(chosen, rejected)
 
 
-# One convention for both scripts. A prompt is the special tokens the tokenizer puts BEFORE a text (BOS; [CLS] for
-# encoders) and then the text's tokens, never the ones it puts after (EOS, [SEP]): the policy continues the prompt. A
-# response is tokenized after its prompt, as the policy produces it, and ends at its first EOS (appended if missing):
-# the reward model reads there, at the token where ppo.py's policy stops.
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokens, one convention for both scripts. A prompt is the special tokens the tokenizer puts BEFORE a text (BOS, [CLS])
+# and the text's tokens, never those it puts after (EOS, [SEP]): the policy continues the prompt. A response is
+# tokenized after its prompt, as the policy produces it, and ends at its first EOS (appended if missing): the reward
+# model reads there, where ppo.py's policy stops.
 
 
 def special_affixes(tokenizer):
@@ -554,15 +513,11 @@ def tokenize_prompts(tokenizer, texts):
     return [x if lead and t.startswith(lead) else prefix + x for t, x in zip(texts, ids)]
 
 
-UNKNOWN_SHARE = 0.5  # measured (README): English HH-RLHF is 95-96% unknown to the embedded tokenizer, 4% to the tests'
-# 400-token tokenizers, 0% to byte-level ones; the embedded task is 0% unknown to all of them, but 28% to the tests'
-# Llama 2 ones in its chat template, whose brackets they lack
+UNKNOWN_SHARE = 0.5  # measured (README): English is 95-96% unknown to the embedded tokenizer; covered data <= 28%
 
 
 def check_vocabulary(tokenizer, ids, data, model, flag):
-    """Stop before training on a tokenizer that does not cover the data: a model trained on its unknown token learns
-    nothing from the text (the embedded model on English data trains to chance accuracy and exits 0). ids: token id
-    lists of the data (a sample is enough)."""
+    """Stop on a tokenizer that does not cover the data: on its unknown token a model learns nothing, yet exits 0."""
     sample = ids[::max(1, len(ids) // 2000)]
     n_tokens = sum(map(len, sample))
     if tokenizer.unk_token_id is None or not n_tokens:  # byte-level tokenizers have no unknown token
@@ -575,8 +530,8 @@ def check_vocabulary(tokenizer, ids, data, model, flag):
 
 
 def tokenize_responses(tokenizer, prompts, responses):
-    """Response ids, tokenized in context after their prompt text (SentencePiece-style tokenizers give a text's first
-    word other tokens than the same word after a prompt), cut after the first end token or ended with one."""
+    """Response ids, tokenized after their prompt as the policy writes them, cut after the first end token or ended
+    with one."""
     if not responses:
         return []
     end = end_id(tokenizer)
@@ -598,15 +553,18 @@ def truncate_prompt(ids, max_prompt_length, bos_id=None):
     return ids[:keep] + ids[len(ids) - max_prompt_length + keep:]
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Models: a reward read at the last real token, by a scalar head computed in float32; attention that never gives NaN;
+# lengths checked against a learned position table; dropout off, so that training and evaluation are one network.
+
+
 def last_token_index(mask):
-    """Index of the last real token of each row, for right or left padding, and also when pad == eos (a pad id cannot
-    tell a real trailing EOS from padding; the attention mask can)."""
+    """The last real token of each row, right or left padded, read from the mask (a pad id may equal EOS)."""
     return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
 
 
 def sequence_reward(model, ids, mask):
-    """A transformers sequence classifier's scalar per row, where both scripts read a reward: a decoder's head at the
-    last real token (the response's EOS), position ids from the mask; an encoder's own pooled head at [CLS]."""
+    """Where both scripts read a reward: a decoder's head at the last real token (the EOS); an encoder's at [CLS]."""
     if not hasattr(model, "score"):  # BERT, RoBERTa, DeBERTa: a pooled `classifier`
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
     hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
@@ -615,9 +573,7 @@ def sequence_reward(model, ids, mask):
 
 
 class Float32Linear(torch.nn.Linear):
-    """A linear layer computed in float32 whatever autocast asks and whatever dtype its weights are held in. A scalar
-    head is one: a reward or a value rounded to bfloat16 moves in steps of 1/128 of its size (0.03 at 4, 0.06 at 8),
-    so close pairs would tie and evaluation would count the ties."""
+    """Computed in float32 whatever autocast asks: a bfloat16 reward moves in steps of 1/128 of its size, pairs tie."""
 
     def forward(self, x):
         with torch.autocast(x.device.type, enabled=False):
@@ -625,8 +581,7 @@ class Float32Linear(torch.nn.Linear):
 
 
 def scalar_head_in_float32(model):
-    """A sequence classifier with its final linear layer (a decoder's `score`, the last linear layer of an encoder's
-    `classifier`) computed in float32 (Float32Linear; its weights and their dtype unchanged). Returns the model."""
+    """The model, its scalar head (`score`, or the last linear layer of `classifier`) computed in float32."""
     head = getattr(model, "score", None)
     if head is None and hasattr(model, "classifier"):
         head = [m for m in model.classifier.modules() if isinstance(m, torch.nn.Linear)][-1]
@@ -635,9 +590,27 @@ def scalar_head_in_float32(model):
     return model
 
 
+def attention_without_nan(device):
+    """1. transformers' SDPA mask, patched globally, lets each position see itself: left padding sees no real key,
+    some kernels answer NaN, and 0 x NaN reaches real tokens (which see themselves already: unchanged).
+    2. cuDNN's SDPA off on CUDA: with a boolean mask its backward gives NaN at some lengths (pytorch #196678)."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def sdpa_mask_with_diagonal(*args, q_offset=0, kv_offset=0, **kwargs):
+        mask = sdpa_mask(*args, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
+        if not torch.is_tensor(mask):  # None: no mask needed (is_causal)
+            return mask
+        q = torch.arange(mask.shape[-2], device=mask.device) + q_offset
+        kv = torch.arange(mask.shape[-1], device=mask.device) + kv_offset
+        return mask | (q[:, None] == kv[None, :])
+
+    AttentionMaskInterface.register("sdpa", sdpa_mask_with_diagonal)
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def position_table(model):
-    """The length of a model's learned position table (GPT-2, OPT, BERT), which it cannot read past; None for rotary
-    and ALiBi models, which have no table to run past."""
+    """The length of a model's learned position table (GPT-2, OPT, BERT); None for rotary and ALiBi models."""
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m is not model.get_input_embeddings()
               and limit and limit <= m.num_embeddings <= limit + 2]  # OPT's table has 2 extra rows
@@ -645,17 +618,15 @@ def position_table(model):
 
 
 def check_position_table(model, length, flag):
-    """Say before training, not as an index error at the first long batch, that a length the user asked for runs past
-    the model's learned position table."""
+    """A length past the learned position table, refused now rather than as an index error later."""
     limit = position_table(model)
     if limit and length > limit:
-        raise UserError(f"{flag}: {length} tokens, but {model.config.name_or_path or 'the model'} has a learned position "
-                        f"table of {limit}; pass at most {limit}")
+        raise UserError(f"{flag}: {length} tokens, but {model.config.name_or_path or 'the model'} has a learned "
+                        f"position table of {limit}; pass at most {limit}")
 
 
 def length_default(given, default, limit, flag, rank):
-    """A length flag's value: the user's as given (check_position_table refuses it if too long), else the default,
-    clamped to the model's limit with a line saying so: a value the user did not choose is never why a run fails."""
+    """As given, else the default clamped to the model's limit: a value not chosen never fails a run."""
     if given is not None:
         return given
     if limit is not None and default > limit:
@@ -666,9 +637,7 @@ def length_default(given, default, limit, flag, rank):
 
 
 def without_dropout(config):
-    """The config with every dropout probability set to 0. Many models read dropout from the config when they are
-    built and call F.dropout themselves (OPT), so zeroing nn.Dropout modules afterwards is not enough. Training and
-    evaluation forwards must be one network: the two passes of a pair (rm.py), rollout and learning log-probs (ppo.py)."""
+    """Every dropout probability 0 in the config: some models (OPT) call F.dropout with it, past nn.Dropout."""
     for key, value in list(vars(config).items()):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
@@ -684,13 +653,13 @@ def disable_dropout(model):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# LoRA (Hu et al. 2021) through peft: adapters on the backbone's linear layers, merged into the weights when saved.
+# LoRA (Hu et al. 2021) through peft: adapters on the backbone's linear layers, merged into the weights when saved; an
+# adapter folder loads as its base model with the adapter merged in.
 
 
 def add_lora(model, args, task_type):
-    """Adapters on the model's linear layers, added in place (the transformers model keeps its class and forward), and
-    for a sequence classifier its head trained in full beside them (peft's modules_to_save). Only those are trainable,
-    in float32, whatever dtype the frozen base is held in. Returns the peft model (disable_adapter, the config)."""
+    """Adapters added in place (the model keeps its class and forward), a classifier's head trained in full beside
+    them; only those train, in float32. Returns the peft model."""
     from peft import LoraConfig, get_peft_model
 
     targets = args.lora_target_modules
@@ -711,10 +680,7 @@ def add_lora(model, args, task_type):
 
 
 def save_lora(model, peft_model, state_dict, tokenizer, output_dir):
-    """A LoRA model's full state dict (gathered from any number of ranks): its adapter saved in output_dir/adapter, and
-    returned, the plain model with the adapters merged into its weights (float32, on the CPU), which loads without
-    peft."""
-
+    """The adapter saved in output_dir/adapter; returned, the model with it merged in, which loads without peft."""
     from peft import get_peft_model
 
     with torch.device("meta"):  # no weights allocated: the state dict's tensors are assigned in
@@ -740,9 +706,7 @@ def adapter_base(name):
 
 
 def with_new_head(config):
-    """config's sequence-classification class, for a checkpoint without its head (a causal LM): the head's weights
-    missing and the LM head's unused are expected (the script says so), so transformers' load report lists only the
-    backbone's keys, which really are unexpected."""
+    """A classifier class whose load report from a causal LM lists only the backbone's keys (the heads' expected)."""
     from transformers import AutoModelForSequenceClassification
 
     cls = AutoModelForSequenceClassification._model_mapping[type(config)]
@@ -806,25 +770,24 @@ def load_model(loader, name, flag, skeleton=False, **kwargs):
     return model
 
 
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# Logging: stdout (through tqdm), metrics.jsonl, and optionally Weights & Biases and TensorBoard.
+# Logging: stdout (through tqdm), metrics.jsonl, and optionally Weights & Biases and TensorBoard. The log is
+# metrics.jsonl.running until the run finishes, so an earlier run's log stays whole until then.
 
 
 RUNNING = ".running"
 
 
 def open_log(path, resume_step=None):
-    """A JSON-lines log for appending, kept as path + RUNNING until close_log names it path: an earlier run's log in
-    the same folder stays whole until this run has finished. On resume, the interrupted run's lines after the resumed
-    step are dropped (they will be redone)."""
+    """path + RUNNING, opened to append; on resume, the lines after the resumed step dropped (they will be redone)."""
     kept = []
     source = next((p for p in (path + RUNNING, path) if os.path.exists(p)), None)
     if resume_step is not None and source is not None:
         with open(source) as f:
             kept = [line for line in f if json.loads(line).get("step", 0) <= resume_step]
-    with open(path + RUNNING + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + RUNNING + ".tmp", path + RUNNING)
+    write_atomic(path + RUNNING, "".join(kept))
     return open(path + RUNNING, "a")
 
 
@@ -843,8 +806,6 @@ class Logger:
         self.file = open_log(os.path.join(args.output_dir, "metrics.jsonl"), resume_step)
         self.wandb = self.tensorboard = None
         if args.track:
-            import dataclasses
-
             import wandb
 
             self.wandb = wandb.init(project=project, name=args.run_name, config=dataclasses.asdict(args),
@@ -899,8 +860,7 @@ def finished_steps(output_dir):
 
 
 def check_output_dir(args, rank):
-    """Before anything is loaded: an --output_dir that holds a finished run or checkpoints is written into only with
-    --resume (continue it) or --overwrite_output_dir (replace it); --resume with nothing to resume says so."""
+    """A finished run or checkpoints in --output_dir are continued or replaced only when asked."""
     held = "a finished run" if finished_steps(args.output_dir) is not None else \
         "checkpoints" if latest_checkpoint(args.output_dir) else None
     if args.resume and args.overwrite_output_dir:
@@ -913,8 +873,7 @@ def check_output_dir(args, rank):
 
 
 def run_complete(args, total, rank):
-    """Whether --resume finds the run finished at or past its `total` steps (said in one line: nothing to do). A
-    finished run with no checkpoint to continue it to a larger total is refused (training afresh would replace it)."""
+    """Whether --resume finds the run finished at `total` steps or past them (nothing to do)."""
     finished = finished_steps(args.output_dir) if args.resume else None
     if finished is not None and finished < total and latest_checkpoint(args.output_dir) is None:
         raise UserError(f"--resume: {args.output_dir} holds a run finished at step {finished} and no checkpoint to "
@@ -934,13 +893,13 @@ SAVE_EVERY_S = 1800  # the default checkpoint cadence (--save_steps unset): 30 m
 
 
 def stop_on_signals(enabled=True):
-    """From here on, SIGINT (Ctrl-C) and SIGTERM (a cluster's notice before it preempts a job) end the run at the next
-    step boundary, with a checkpoint (step_end); a second SIGINT stops at once. enabled=False, once the loop is over:
-    the handlers from before (a caller that runs main in its own process, a notebook, gets its Ctrl-C back)."""
+    """SIGINT and SIGTERM (preemption's notice) end the run at the next step with a checkpoint; a second SIGINT at
+    once. enabled=False: the handlers from before are back."""
     if not enabled:
         for s, handler in STOP.pop("previous", {}).items():
             signal.signal(s, handler)
         return
+
     def ask(signum, frame):
         if "signal" in STOP:
             if signum == signal.SIGINT:
@@ -950,17 +909,14 @@ def stop_on_signals(enabled=True):
         if int(os.environ.get("RANK", 0)) == 0:  # os.write: a print could re-enter a write the signal interrupted
             os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C "
                         "again to stop at once)\n".encode())
-    previous = STOP.get("previous")  # (still ours if a run in this process ended by an exception)
-    STOP.clear()
-    STOP["previous"] = previous or {s: signal.signal(s, ask) for s in (signal.SIGINT, signal.SIGTERM)}
+    STOP.pop("signal", None)  # "previous" stays if a run in this process ended by an exception: the handlers before it
+    STOP.setdefault("previous", {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)})
     for s in STOP["previous"]:
         signal.signal(s, ask)
 
 
 def step_end(step, save_steps, last_save, device):
-    """(save, stop) after a step, agreed by every rank in one all-reduce of their flags, so that no rank waits in a
-    collective the others skip: save every save_steps steps (None: once SAVE_EVERY_S seconds have passed since
-    last_save; 0: never), and whenever the run stops; stop (the signal's number, else 0) once any rank got one."""
+    """(save, stop), agreed by all ranks: save every save_steps (None: SAVE_EVERY_S s; 0: never) and on a stop."""
     due = step % save_steps == 0 if save_steps else save_steps is None and time.time() - last_save >= SAVE_EVERY_S
     flags = torch.tensor([float(due), float(STOP.get("signal", 0))], device=device)
     if torch.distributed.is_initialized():
@@ -970,9 +926,7 @@ def step_end(step, save_steps, last_save, device):
 
 
 def exit_stopped(signum, step, args, rank, bar):
-    """The end of a run stopped by a signal once its checkpoint is saved: one line saying how to resume, then every
-    rank exits together with 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as a shell reports it. The
-    log stays metrics.jsonl.running, which --resume continues."""
+    """After a signal's checkpoint: how to resume, then every rank exits with 128 + the signal, as a shell says."""
     bar.close()
     if rank == 0:
         print(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved in {args.output_dir}: "
@@ -987,16 +941,19 @@ def exit_stopped(signum, step, args, rank, bar):
 # Final artifacts: written under a temporary name and renamed, so a crash while saving leaves the previous ones whole.
 
 
-def write_json_atomic(path, obj):
+def write_atomic(path, text):
     with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
 
 
+def write_json_atomic(path, obj):
+    write_atomic(path, json.dumps(obj, indent=2))
+
+
 def save_figure(fig, path):
-    """A matplotlib figure as PNG, written under a temporary name and renamed."""
     import matplotlib.pyplot as plt
 
     for ax in fig.axes:
@@ -1011,8 +968,7 @@ WEIGHT_FILES = ("model.safetensors", "model-", "pytorch_model", "adapter_model")
 
 
 def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
-    """save_pretrained into a temporary folder, then moved in; the weight files of an earlier save that this one does
-    not rewrite (a single file beside a new sharded index) are removed, so a loader never mixes two saves."""
+    """save_pretrained into a temporary folder, moved in over an earlier save, whose other weight files go."""
     tmp = os.path.join(output_dir, ".saving")
     os.makedirs(output_dir, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1032,12 +988,27 @@ def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
     os.rmdir(tmp)
 
 
+def state_bytes(obj):
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    return sum(state_bytes(v) for v in obj) if isinstance(obj, (list, tuple)) else 0
+
+
+def raise_if_disk_full(folder, needed, error):
+    free = shutil.disk_usage(folder).free
+    if free < needed * 1.1 or getattr(error, "errno", None) == 28 or "No space left" in str(error):  # ENOSPC
+        raise UserError(f"{folder}: no room to save ({needed / 1e6:.0f} MB needed, {free / 1e6:.0f} MB free); the "
+                        "partial files were removed and earlier saves are intact: free space or pass another "
+                        "--output_dir") from None
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# Checkpoints: a directory per step, written under a temporary name and renamed, then `latest` replaced atomically, so
-# a crash at any moment leaves the previous checkpoint intact and `latest` naming a complete one. Tensors are sharded:
-# each rank writes its own (torch.distributed.checkpoint, in safetensors files), and a resume reads them on any number
-# of ranks; everything else (schedule, progress, every rank's random streams) is in state.pt, written by rank 0. So every
-# rank must see the same folder (check_shared_output_dir). Neither format runs code on load.
+# Checkpoints: a crash at any moment leaves `latest` naming a complete one, and a resume continues on any number of
+# ranks. A folder per step, written as NAME.tmp and renamed, then `latest` replaced. Each rank writes its shards of the
+# tensors (torch.distributed.checkpoint, safetensors); rank 0 the rest (schedule, progress, every rank's random
+# streams) in state.pt, so every rank must see one folder. Neither format runs code on load.
 
 
 def fsync_dir(path):
@@ -1049,33 +1020,28 @@ def fsync_dir(path):
 
 
 def check_shared_output_dir(output_dir, rank):
-    """Every rank sees the folder rank 0 writes to, and in it the checkpoint rank 0 sees (nodes that do not share a
-    file system would each write their own shards, and resume from different steps): rank 0 writes a fresh token
-    there, every rank reads it back, and a rank that reads anything else stops every rank, before any model is
-    loaded."""
+    """Every rank reads back the token rank 0 writes into output_dir: nodes must share the folder of the shards."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
-    path, token = os.path.join(output_dir, ".rank0"), [(os.urandom(8).hex(), latest_checkpoint(output_dir))]
+    path, token = os.path.join(output_dir, ".rank0"), [os.urandom(8).hex()]
 
     def write():
         os.makedirs(output_dir, exist_ok=True)
         with open(path, "w") as f:
-            f.write(token[0][0])
+            f.write(token[0])
 
     def read():
         try:
             with open(path) as f:
-                seen = (f.read(), latest_checkpoint(output_dir))
+                seen = f.read()
         except OSError:
             seen = None
         if seen != token[0]:
-            what = "does not see the file rank 0 has just written there" if seen is None or seen[0] != token[0][0] \
-                else f"sees {seen[1]} as the latest checkpoint, rank 0 {token[0][1]}"
-            raise UserError(f"--output_dir {output_dir}: rank {rank} {what}; "
-                            "every rank writes its shards of each checkpoint into this folder, so it must be one "
-                            "folder on a file system every node mounts (pass it as an absolute path)")
+            raise UserError(f"--output_dir {output_dir}: rank {rank} does not see the file rank 0 has just written "
+                            "there; every rank writes its shards of each checkpoint into this folder, so it must be "
+                            "one folder on a file system every node mounts (pass it as an absolute path)")
 
     agreed(lambda: rank == 0 and write())
     dist.broadcast_object_list(token, src=0)
@@ -1100,9 +1066,7 @@ def new_checkpoint_dir(output_dir, step):
 
 
 def commit_checkpoint(root, name, state, keep=2):
-    """Write state.pt into root/NAME.tmp (beside the shards already there), make it durable (files and directories
-    fsynced), rename it NAME, then switch `latest` to it, and only then delete older checkpoints, never the one
-    `latest` names."""
+    """state.pt beside the shards, made durable, NAME.tmp renamed NAME, `latest` switched, then older ones go."""
     tmp = os.path.join(root, name + ".tmp")
     try:
         with open(os.path.join(tmp, "state.pt"), "wb") as f:
@@ -1116,11 +1080,7 @@ def commit_checkpoint(root, name, state, keep=2):
     fsync_dir(tmp)
     os.replace(tmp, os.path.join(root, name))
     fsync_dir(root)
-    with open(os.path.join(root, "latest.tmp"), "w") as f:
-        f.write(name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    write_atomic(os.path.join(root, "latest"), name)
     fsync_dir(root)
     done = sorted((d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp") and d != name),
                   key=lambda d: os.path.getmtime(os.path.join(root, d)))
@@ -1129,29 +1089,11 @@ def commit_checkpoint(root, name, state, keep=2):
 
 
 def save_checkpoint(output_dir, step, state, keep=2):
-    """A checkpoint of state alone (one process): state.pt in a new directory, then `latest` switched to it."""
-    root, name = new_checkpoint_dir(output_dir, step)
-    commit_checkpoint(root, name, state, keep)
-
-
-def state_bytes(obj):
-    if torch.is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(state_bytes(v) for v in obj.values())
-    return sum(state_bytes(v) for v in obj) if isinstance(obj, (list, tuple)) else 0
-
-
-def raise_if_disk_full(folder, needed, error):
-    free = shutil.disk_usage(folder).free
-    if free < needed * 1.1 or getattr(error, "errno", None) == 28 or "No space left" in str(error):  # ENOSPC
-        raise UserError(f"{folder}: no room to save ({needed / 1e6:.0f} MB needed, {free / 1e6:.0f} MB free); the "
-                        "partial files were removed and earlier saves are intact: free space or pass another "
-                        "--output_dir") from None
+    """A checkpoint of state alone (one process)."""
+    commit_checkpoint(*new_checkpoint_dir(output_dir, step), state, keep)
 
 
 def latest_checkpoint(output_dir):
-    """The directory `latest` names (None if there is none)."""
     root = os.path.join(output_dir, "checkpoints")
     try:
         with open(os.path.join(root, "latest")) as f:
@@ -1161,14 +1103,12 @@ def latest_checkpoint(output_dir):
 
 
 def load_latest_checkpoint(output_dir):
-    """The latest checkpoint's state.pt (None if there is none)."""
     path = latest_checkpoint(output_dir)
     return None if path is None else torch.load(os.path.join(path, "state.pt"), weights_only=True)  # runs no code
 
 
 def read_checkpoint(path):
-    """A checkpoint's tensors, whole, in one process: {"model": {name: tensor}, "optimizer": {name.moment: tensor}}
-    (to inspect or convert one; resume_training reads them sharded)."""
+    """A checkpoint's tensors, whole, in one process: {"model": {name: t}, "optimizer": {name.moment: t}}."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
 
     meta = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
@@ -1184,9 +1124,7 @@ def read_checkpoint(path):
 
 
 def sharded_state(model, optimizer):
-    """The tensors of a training state, this rank's shards of them (DTensors under FSDP): the model's weights and
-    the optimizer's per-parameter state (AdamW's moments; created if no step has been taken), by parameter name; and
-    the optimizer's param_groups (numbers, kept in state.pt)."""
+    """This rank's shards of weights and optimizer state by name, and the param_groups (kept in state.pt)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -1194,11 +1132,8 @@ def sharded_state(model, optimizer):
 
 
 def save_training(model, optimizer, scheduler, step, rank, output_dir, global_batch, **extra):
-    """A resumable checkpoint of a training run, on every rank together: each rank writes its own shard of weights and
-    optimizer state (under DDP the replicas are written once); rank 0 adds the schedule, every rank's random streams
-    and the script's extra state, and switches `latest` once every shard is durable (each writer fsyncs its files).
-    step x global_batch is the progress a resume continues from, on any number of ranks (step_at).
-    A failure on any rank (a full disk) stops every rank with its message, the partial checkpoint removed."""
+    """A checkpoint, on every rank: its shards, and on rank 0 the rest. step x global_batch is the progress a resume
+    continues from (step_at). A failure on any rank (a full disk) stops all, the partial checkpoint removed."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
     from torch.distributed.checkpoint.api import CheckpointException
@@ -1229,10 +1164,7 @@ def save_training(model, optimizer, scheduler, step, rank, output_dir, global_ba
 
 
 def step_at(done, saved_batch, args, world, what, counts_steps=False):
-    """This run's step once `done` episodes or pairs are trained: a checkpoint saved with another global batch
-    (saved_batch; another number of ranks) continues where its data left off, if `done` is a whole number of this
-    run's global batches (and no flag counts steps, --max_steps); otherwise the run stops before any step, naming the
-    flags that keep saved_batch."""
+    """This run's step after `done` episodes or pairs in its global batches, or a stop naming the flags that fit."""
     micro, other = args.per_device_train_batch_size, getattr(args, "num_mini_batches", 1)
     batch = micro * args.gradient_accumulation_steps * other * world
     if done % batch == 0 and (batch == saved_batch or not counts_steps):
@@ -1249,11 +1181,8 @@ def step_at(done, saved_batch, args, world, what, counts_steps=False):
 
 
 def resume_training(model, optimizer, scheduler, output_dir, step_of):
-    """The latest checkpoint in output_dir restored into the model, optimizer, schedule and random streams, on any
-    number of ranks (each reads the parts of the shards it holds; rank r takes rank r's random streams, where the
-    saving run had a rank r). step_of(state) is this run's step at the checkpoint's progress (a UserError if there
-    is none, before anything is loaded); the schedule is continued from it. Returns that step and the checkpoint's
-    state (None if there is no checkpoint)."""
+    """The latest checkpoint restored on any number of ranks; step_of(state) is this run's step at its progress.
+    Returns (that step, the checkpoint's state), or None."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
     from torch.distributed.checkpoint.state_dict import set_state_dict
