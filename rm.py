@@ -254,6 +254,29 @@ class RewardModel(torch.nn.Module):
         return common.sequence_reward(self.hf, input_ids, attention_mask)
 
 
+def collate(pairs, pad_id, padding_side="right"):
+    """The plain layout: one batch of 2B sequences, chosen first then rejected, so both go through one forward pass.
+    It equals two passes (one of chosen, one of rejected) because rows never attend to each other and dropout is off;
+    each reward is read at its row's last real token (common.sequence_reward)."""
+    seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        span = slice(0, len(s)) if padding_side == "right" else slice(width - len(s), width)
+        ids[i, span], mask[i, span] = torch.tensor(s), 1
+    return ids, mask, torch.tensor([p["margin"] for p in pairs])
+
+
+def model_inputs(pairs, pad_id, args):
+    """(ids, mask, position ids, read points, segments) of a micro-batch: the padded batch of collate, or (the default,
+    --padding_free) the faster packed row of pack_segments, which computes the same rewards (tests/test_rm.py
+    compares the two) with no padding and, under --prefix_sharing, each prompt's tokens once."""
+    if not args.padding_free:
+        return collate(pairs, pad_id)[:2] + (None, None, None)
+    return pack_segments(pairs, share_prompt=args.prefix_sharing)
+
+
 def train_step(model, micro_batches, args, pad_id, device):
     """The forward and backward passes of one optimizer step: per micro-batch, chosen and rejected in one forward,
     the Bradley-Terry loss, gradients accumulated (under DDP all-reduced on the last micro-batch only). Returns
@@ -268,6 +291,8 @@ def train_step(model, micro_batches, args, pad_id, device):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             r_chosen, r_rejected = chosen_and_rejected(model(*inputs))
         loss = reward_model_loss(r_chosen, r_rejected, margin, args.loss_type, args.center_rewards_coefficient)
+        # / accumulation: the summed gradients are the mean over this rank's pairs, and DDP/FSDP average the ranks',
+        # so the step's gradient is that of the mean loss over the global batch (equal micro-batches)
         (loss / len(micro_batches)).backward()
         stats["loss"] += loss.item() / len(micro_batches)
         stats["accuracy"] += (r_chosen > r_rejected).float().mean().item() / len(micro_batches)
@@ -362,15 +387,24 @@ def check_args(args):
         common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
 
 
-def main(args):
+def start_up(args):
+    """The checks before any weight is read, every one failing in one line: the arguments, the models and datasets
+    found, and the output folder (one every rank sees, not another run's). Returns (args, rank, world, device)."""
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
     check_args(args)
     if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
-        return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
+        return args, None, args.plan_world_size, None
     rank, world, device = setup_distributed()
     common.check_shared_output_dir(args.output_dir, rank)
     common.check_output_dir(args, rank)
+    return args, rank, world, device
+
+
+def main(args):
+    args, rank, world, device = start_up(args)  # arguments, models, datasets and output folder checked
+    if args.plan_only:
+        return common.check_memory_plan(memory_plan, args, world, None, 0)
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
 
@@ -378,19 +412,15 @@ def main(args):
     tokenizer = load_tokenizer(args.model_name_or_path)
     common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
     sharded = args.fsdp and world > 1  # then only rank 0 reads the weights, and shards them (parallelize)
+    # a new scalar head `score`, normal with std 1/sqrt(hidden + 1) (or --head_init_std), held in float32
     hf_model, lora = load_reward_model(args, tokenizer, skeleton=sharded and rank != 0)
     args = resolve_lengths(args, hf_model, rank)
+    # eval: each dataset's --eval_split, else --eval_holdout of the prompts held out (whole prompts, none trained on);
+    # a pair past --max_length: the prompt cut from the left (to no less than --max_prompt_length), then each response
     train, evals, eval_sets = load_data(args, tokenizer, rank)
-    steps_per_epoch = len(train) // global_batch
-    if steps_per_epoch == 0 and not args.eval_only:
-        raise common.UserError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
-    evals_at = {*range(args.eval_steps, total_steps, args.eval_steps), total_steps} if args.eval_steps else \
-        {math.ceil(k * total_steps / args.num_evals) for k in range(1, args.num_evals + 1)}  # the last one at the end
+    steps_per_epoch, total_steps, evals_at = schedule(args, len(train), global_batch, rank)
     if not args.eval_only and common.run_complete(args, total_steps, rank):
         return None
-    if len(evals_at) < args.num_evals and not (args.eval_steps or args.eval_only) and rank == 0:
-        print(f"--num_evals {args.num_evals}: {len(evals_at)}, one after each of the {total_steps} steps")
 
     # 2. Batch layout, optimizer, schedule.
     args, layout = choose_layout(RewardModel(hf_model if sharded else hf_model.to(device)), args, len(tokenizer), rank)
@@ -399,29 +429,13 @@ def main(args):
     model = parallelize(RewardModel(hf_model), args, device)
     if args.eval_only:
         return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets)
+    # AdamW (lr 1e-5; 1e-3 for the embedded models) with --weight_decay; --lr_scheduler_type after linear warm-up
     optimizer, scheduler = build_optimizer(model, args, total_steps)
-
-    def step_of(ckpt):  # progress is in pairs, whole epochs and then into one (the saving run's batch may differ)
-        epoch, offset = divmod(ckpt["step"], len(train) // ckpt["global_batch"])
-        return epoch * steps_per_epoch + common.step_at(offset * ckpt["global_batch"], ckpt["global_batch"], args,
-                                                        world, "pairs of its epoch", counts_steps=args.max_steps > 0)
-
-    start_step, saved = 0, None
-    if args.resume and (resumed := common.resume_training(model, optimizer, scheduler, args.output_dir, step_of)):
-        start_step, saved = resumed[0], resumed[1]["step"]  # (saved: in the saving run's steps, maybe of another size)
+    start_step, saved = resume(model, optimizer, scheduler, args, len(train), steps_per_epoch, world)
     logger = common.Logger(args, args.wandb_project, saved) if rank == 0 else None
     if rank == 0:
-        n_trained = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
-        mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
-        print(f"model {args.model_name_or_path}: {sum(p.numel() for p in hf_model.parameters()) / 1e6:.2f}M parameters"
-              f", {n_trained / 1e6:.2f}M trained{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} "
-              f"({device.type}, {'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})\n"
-              f"batch layout: {layout}\nglobal batch {global_batch} pairs = {micro} x {accumulation} accumulation x "
-              f"{world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
-              f"({total_steps / steps_per_epoch:.2f} epochs); lr {optimizer.param_groups[0]['initial_lr']:g}, "
-              f"{args.lr_scheduler_type}, warmup {args.warmup_steps or int(args.warmup_ratio * total_steps)}"
-              + (f"; resumed from step {start_step}" if start_step else "")
-              + (" (at or past the total: the final evaluation and save remain)" if start_step >= total_steps else ""))
+        describe_run(args, hf_model, lora, train, layout, optimizer, world, device, steps_per_epoch, total_steps,
+                     start_step)
 
     # 3. Training loop: per step, one fused forward per micro-batch, Bradley-Terry loss, one optimizer step.
     model.train()
@@ -475,11 +489,11 @@ def main(args):
         model.eval()
         ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
 
-    # 5. Normalize (shift the mean reward of training pairs to 0, optionally scale its std to 1) and save in
-    # transformers' format.
+    # 5. Normalize: reward_shift = the mean reward of up to 2,048 seeded training pairs (never eval ones), reward_scale
+    # their std (with shift_scale); both go in config.json: reward = (score - shift) / scale. Save in HF format.
     normalization = fit_normalization(model, train, args, tokenizer.pad_token_id, device, rank, world)
-    save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank,
-               dict(normalization, eval_sets=eval_sets))
+    common.agreed(lambda: save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank,
+                                     dict(normalization, eval_sets=eval_sets)))  # a failing save ends every rank
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
         dist.barrier()
         dist.destroy_process_group()
@@ -689,6 +703,51 @@ def margin_of(row):
     return float(value)
 
 
+def schedule(args, n_train, global_batch, rank):
+    """(steps per epoch, total steps, the steps after which to evaluate: --eval_steps apart, else --num_evals spread
+    evenly, the last one at the end)."""
+    steps_per_epoch = n_train // global_batch
+    if steps_per_epoch == 0 and not args.eval_only:
+        raise common.UserError(f"{n_train} training pairs are fewer than one global batch of {global_batch}")
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
+    evals_at = {*range(args.eval_steps, total_steps, args.eval_steps), total_steps} if args.eval_steps else \
+        {math.ceil(k * total_steps / args.num_evals) for k in range(1, args.num_evals + 1)}
+    if len(evals_at) < args.num_evals and not (args.eval_steps or args.eval_only) and rank == 0:
+        print(f"--num_evals {args.num_evals}: {len(evals_at)}, one after each of the {total_steps} steps")
+    return steps_per_epoch, total_steps, evals_at
+
+
+def resume(model, optimizer, scheduler, args, n_train, steps_per_epoch, world):
+    """With --resume and a checkpoint in output_dir: its state loaded; returns (the step to start at, the saved step,
+    in the saving run's steps), else (0, None). Progress is counted in pairs, whole epochs and then into one, so a run
+    whose global batch differs from the saving run's resumes at the same pair."""
+    def step_of(ckpt):
+        epoch, offset = divmod(ckpt["step"], n_train // ckpt["global_batch"])
+        return epoch * steps_per_epoch + common.step_at(offset * ckpt["global_batch"], ckpt["global_batch"], args,
+                                                        world, "pairs of its epoch", counts_steps=args.max_steps > 0)
+
+    if args.resume and (resumed := common.resume_training(model, optimizer, scheduler, args.output_dir, step_of)):
+        return resumed[0], resumed[1]["step"]
+    return 0, None
+
+
+def describe_run(args, hf_model, lora, train, layout, optimizer, world, device, steps_per_epoch, total_steps,
+                 start_step):
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    global_batch = micro * accumulation * world
+    n_trained = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
+    mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
+    print(f"model {args.model_name_or_path}: {sum(p.numel() for p in hf_model.parameters()) / 1e6:.2f}M parameters"
+          f", {n_trained / 1e6:.2f}M trained{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} "
+          f"({device.type}, {'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})\n"
+          f"batch layout: {layout}\nglobal batch {global_batch} pairs = {micro} x {accumulation} accumulation x "
+          f"{world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
+          f"({total_steps / steps_per_epoch:.2f} epochs); lr {optimizer.param_groups[0]['initial_lr']:g}, "
+          f"{args.lr_scheduler_type}, warmup {args.warmup_steps or int(args.warmup_ratio * total_steps)}"
+          + (f"; resumed from step {start_step}" if start_step else "")
+          + (" (at or past the total: the final evaluation and save remain)" if start_step >= total_steps else ""))
+
+
 def build_optimizer(model, args, total_steps):
     """AdamW over the trainable parameters and transformers' learning-rate schedule, with warm-up."""
     from transformers import get_scheduler
@@ -705,28 +764,8 @@ def build_optimizer(model, args, total_steps):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Batch layout: model_inputs gives a micro-batch as the padded batch (collate) or as pairs packed end to end in
-# one row (pack_segments, segment_attention), whichever choose_layout found right for the model.
-
-
-def model_inputs(pairs, pad_id, args):
-    """(ids, mask, position ids, read points, segments) of a micro-batch in the layout the arguments ask for; with
-    the plain padded batch, position ids and read points come from the mask."""
-    if not args.padding_free:
-        return collate(pairs, pad_id)[:2] + (None, None, None)
-    return pack_segments(pairs, share_prompt=args.prefix_sharing)
-
-
-def collate(pairs, pad_id, padding_side="right"):
-    """One batch of 2B sequences, chosen first then rejected, so both go through one forward pass."""
-    seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        span = slice(0, len(s)) if padding_side == "right" else slice(width - len(s), width)
-        ids[i, span], mask[i, span] = torch.tensor(s), 1
-    return ids, mask, torch.tensor([p["margin"] for p in pairs])
+# The packed layout behind model_inputs: pairs end to end in one row (pack_segments, segment_attention), used where
+# choose_layout finds it right for the model.
 
 
 BLOCK_TOKENS = 256
