@@ -46,16 +46,14 @@ class Args:
     """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1)). The head is new unless the model
     is a sequence classifier or an adapter folder holding the head's weights (as rm.py's do)."""
     reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
-    """After training: make the mean reward over 2048 training pairs (never the eval pairs) 0 (shift) and optionally
-    their std 1 (shift_scale). Saved in config.json as reward_shift and reward_scale: a reward is (the model's logit -
-    reward_shift) / reward_scale (ppo.py applies it; README's scoring snippet shows how); eval_results.json records
-    what they were fitted on."""
+    """After training: make the mean reward over 2048 training pairs (never eval pairs) 0 (shift), and their std 1
+    (shift_scale). Saved in config.json: reward = (logit - reward_shift) / reward_scale, as ppo.py reads it."""
     # --- model and data
     model_name_or_path: str = "embedded-llama"
     """Hugging Face model name or local path (any causal LM or sequence-classification checkpoint, or a peft adapter
     folder, merged into its base), or a tiny model built locally: embedded-llama, embedded-neox."""
     dataset_name: str = "embedded"
-    """Hub dataset name, local .jsonl/.json/.parquet/.csv file (gzip too), or `embedded` (the built-in synthetic task)."""
+    """Hub dataset name, local .jsonl/.json/.parquet/.csv file (gzip too), or `embedded` (the built-in task)."""
     dataset_config: str | None = None
     """Hub dataset configuration name."""
     dataset_mixer_list: list[str] = field(default_factory=list)
@@ -65,9 +63,7 @@ class Args:
     train_split: str = "train"
     """Split to train on."""
     eval_split: str | None = None
-    """Split to evaluate on (default: validation, else test); a dataset with none holds out --eval_holdout of its
-    training pairs instead, by prompt. The split each dataset was evaluated on is printed and recorded in
-    eval_results.json (eval_sets)."""
+    """Split to evaluate on (default: validation, else test); a dataset with none holds out --eval_holdout instead."""
     eval_holdout: float = 0.1
     """Fraction of training pairs held out for evaluation, by prompt, when there is no eval split: no held-out prompt is
     trained on in any dataset of the mixture."""
@@ -75,10 +71,8 @@ class Args:
     """Maximum tokens of prompt + response (default: 512, or the model's learned position table if shorter). Longer
     pairs are truncated (see --max_prompt_length), never dropped."""
     max_prompt_length: int | None = None
-    """Prompt tokens kept when prompt + longer response exceeds --max_length (default: 256 as in ppo.py, whose reward
-    model sees prompts cut there; or 3/4 of --max_length if less): the prompt is cut only then, to what the longer
-    response leaves but never below this, keeping its END (the turn being answered) and its BOS token; the responses
-    are then cut to fit."""
+    """Prompt tokens kept at least when prompt + longer response exceeds --max_length (default: 256 as in ppo.py, or
+    3/4 of --max_length if less): the prompt keeps its end and BOS, the responses are then cut to fit."""
     output_dir: str = "runs/rm"
     """Where the reward model, tokenizer, metrics.jsonl, eval_results.json and checkpoints are written."""
     # --- optimisation
@@ -95,8 +89,7 @@ class Args:
     gradient_accumulation_steps: int = 1
     """Micro-steps per optimizer step. Global batch = per-device batch x accumulation x world size."""
     per_device_eval_batch_size: int | None = None
-    """Pairs per device per evaluation forward pass (default: --per_device_train_batch_size, a size training has shown
-    to fit; larger ones are no faster on CPU, where a smaller batch stays in cache)."""
+    """Pairs per device per evaluation forward pass (default: --per_device_train_batch_size)."""
     lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
                                "constant_with_warmup"] = "cosine"
     """Learning-rate schedule (transformers.get_scheduler)."""
@@ -134,9 +127,8 @@ class Args:
     Ctrl-C (SIGINT) or SIGTERM ends a run after its current step with a checkpoint, whatever this is (exit 130 /
     143)."""
     resume: bool = False
-    """Continue from the latest checkpoint in --output_dir, at the pairs it had trained (none: start from the first
-    step; a finished run: nothing to do; on any number of ranks, a global batch that does not divide them refused,
-    naming the flags that keep the saved one)."""
+    """Continue from the latest checkpoint in --output_dir, at the pairs it had trained, on any number of ranks (none:
+    start afresh; a finished run: nothing to do)."""
     overwrite_output_dir: bool = False
     """Train afresh in an --output_dir that holds a finished run or checkpoints (refused without this or --resume):
     its checkpoints are deleted when training starts, its other files replaced as this run writes them."""
@@ -171,13 +163,12 @@ class Args:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     plan_only: bool = False
-    """Print the memory plan for --plan_world_size GPUs of --plan_gpu_memory_gb and exit, 0 if it fits and 2 if not
-    (naming flags that would fit), from the models' config.json alone: no weight, tokenizer or GPU needed."""
+    """Print the memory plan for --plan_world_size GPUs of --plan_gpu_memory_gb from config.json alone and exit, 0 if
+    it fits and 2 if not."""
     plan_world_size: int = 8
     """--plan_only: the GPUs (ranks) to plan for."""
     plan_gpu_memory_gb: float = 80.0
-    """--plan_only: each GPU's memory, in GB of 10^9 bytes as the plan prints them (torch reports an 80 GB H100 as
-    85.0)."""
+    """--plan_only: each GPU's memory, in GB of 10^9 bytes."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -309,7 +300,8 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
     metrics and, per pair, (r_chosen, r_rejected, margin)."""
     per_rank = math.ceil(len(pairs) / world)
     # longest first, so that a batch holds pairs of similar length (little padding) and the peak memory comes first
-    by_length = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
+    by_length = sorted(range(len(pairs)), key=lambda i: -sum(map(len, (pairs[i]["prompt"], pairs[i]["chosen"],
+                                                                       pairs[i]["rejected"]))))
     mine = by_length[rank::world]
     n_mine = len(mine)
     mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts (FSDP's forward is collective)
@@ -600,8 +592,8 @@ def load_data(args, tokenizer, rank):
                              is not None), (None, None))
         train = [] if args.eval_only and evals else common.load_rows(name, args.dataset_config, args.train_split)
         if not train and not (args.eval_only and evals):
-            raise common.UserError(f"{name}: no rows in split '{args.train_split}'"
-                                   + (f" nor {' or '.join(repr(s) for s in tried)}" if args.eval_only else "") + "; pass --train_split")
+            raise common.UserError(f"{name}: no rows in split '{args.train_split}'" + (
+                f" nor {' or '.join(repr(s) for s in tried)}" if args.eval_only else "") + "; pass --train_split")
         if args.eval_only and evals is None:
             split, evals, train = args.train_split, train, []
         ours = lambda rows: [dict(r, _dataset=name) for r in rows]  # noqa: E731
@@ -619,9 +611,9 @@ def load_data(args, tokenizer, rank):
     common.check_vocabulary(tokenizer, [p["prompt"] + p["chosen"] + p["rejected"] for p in train],
                             " ".join(n for n, _ in mixer), args.model_name_or_path, "--model_name_or_path")
     if train_rows and not train:
-        raise common.UserError(f"{' '.join(n for n, _ in mixer)}: all {len(train_rows)} training pairs were dropped: chosen and "
-                               "rejected are identical (after truncation to --max_length); check the data or raise "
-                               "--max_length")
+        raise common.UserError(f"{' '.join(n for n, _ in mixer)}: all {len(train_rows)} training pairs were dropped: "
+                               "chosen and rejected are identical (after truncation to --max_length); check the "
+                               "data or raise --max_length")
     evals, cut_e, dropped_e = tokenize_pairs(eval_rows, tokenizer, args)
     if not evals:
         raise common.UserError(f"{' '.join(n for n, _ in mixer)}: no evaluation pairs left after tokenization")
@@ -671,9 +663,9 @@ def tokenize_pairs(rows, tokenizer, args):
         p, c, r, cut = truncate_pair(p, c, r, args.max_length, args.max_prompt_length, bos_id)
         n_truncated += cut
         if c != r:
+            gold = (row["gold_chosen"], row["gold_rejected"]) if row.get("gold_chosen") is not None else None
             pairs.append({"prompt": p, "chosen": c, "rejected": r, "margin": float(margin),
-                          "dataset": row.get("_dataset"),
-                          "gold": (row["gold_chosen"], row["gold_rejected"]) if row.get("gold_chosen") is not None else None})
+                          "dataset": row.get("_dataset"), "gold": gold})
     return pairs, n_truncated, len(rows) - len(pairs)
 
 
@@ -798,10 +790,9 @@ class Segments:
 
 def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                       sliding_window=None, rm_segments=None, **kwargs):
-    """The attention of a model given the packed layout (choose_layout registers it): per block of whole pairs, one
-    SDPA call whose mask keeps each token inside its own sequence (a rejected token sees the prompt, never the chosen
-    tokens) and inside this layer's sliding window; logit softcapping (Gemma 2: softcap * tanh(s / softcap)) in plain
-    operations. Sinks (a learned extra logit) are not supported: such a model keeps the padded batch."""
+    """The attention of a packed row: per block of whole pairs, one SDPA call whose mask keeps each token inside its
+    own sequence (a rejected token sees the prompt, never the chosen tokens) and this layer's sliding window; Gemma 2's
+    softcapping in plain operations. Attention sinks are refused (choose_layout then keeps the padded batch)."""
     if rm_segments is None:
         raise ValueError("a model given the packed layout is called with a packed row only (see pack_segments)")
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
@@ -884,22 +875,16 @@ def declared_windows(config):
 
 @torch.no_grad()
 def choose_layout(model, args, vocab_size, rank=0):
-    """The packed layout (one row, segment_attention) wherever it is right by construction, else the padded batch,
-    and why. Packing needs position ids and a read at the last token: encoders (pooled over the whole sequence) and
-    ALiBi models (positions from a 2D mask) get the padded batch. Otherwise the model's attention is switched to
-    segment_attention, and one packed forward must show that every layer called it, each with the sliding window the
-    config declares for it; a model that does not (attention outside transformers' interface, sinks) keeps its own
-    attention and the padded batch. That forward's rewards are then compared with the padded batch's, a last check.
-    The check runs once, on rank 0, on the model's device and in the run's precision (the kernels the run will use);
-    every rank takes its verdict."""
+    """(args, layout): the packed layout where it is right, else the padded batch, and why. Encoders (a pooled read)
+    and models without position ids (ALiBi) are padded; otherwise rank 0 runs packed_layout_fault once, on the run's
+    device and precision, and every rank takes its verdict."""
     padded = dataclasses.replace(args, padding_free=False)
     if not args.padding_free:
         return args, "padded (as asked)"
     if not model.reads_last_token:
-        return padded, "padded: an encoder reads its pooled [CLS] over the whole sequence, so sequences cannot share a row"
+        return padded, "padded: an encoder reads its pooled [CLS] over the whole sequence"
     if not model.takes_position_ids:
-        return padded, "padded: the model takes no position ids (ALiBi or recurrent), so packed sequences would get " \
-                       "wrong positions"
+        return padded, "padded: the model takes no position ids (ALiBi or recurrent)"
     why_not = [common.agreed(lambda: packed_layout_fault(model, args, vocab_size) if rank == 0 else None)]
     if dist.is_initialized():
         dist.broadcast_object_list(why_not, src=0)
@@ -911,8 +896,8 @@ def choose_layout(model, args, vocab_size, rank=0):
 
 
 def packed_layout_fault(model, args, vocab_size):
-    """What is wrong with the packed layout for this model (None: nothing): 4 pairs of random tokens, packed and
-    padded, on the model's device under the run's autocast."""
+    """What is wrong with the packed layout for this model (None: nothing): on 4 random pairs, every layer must call
+    segment_attention with the window its config declares, and the rewards must equal the padded batch's."""
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(0)
     ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
@@ -960,8 +945,8 @@ def setup_distributed():
 
 
 def parallelize(model, args, device):
-    """DDP, or FSDP2 with one shard group per transformer block (the ModuleList of num_hidden_layers blocks) and one
-    for the input embeddings (unless an output layer shares them), rank 0's weights broadcast into the shards (the other ranks may pass a meta-device skeleton: common.shard_from_rank0)."""
+    """DDP, or FSDP2 with one shard group per transformer block and one for the input embeddings (unless an output
+    layer shares them), rank 0's weights broadcast into the others' meta-device skeletons (common.shard_from_rank0)."""
     if not dist.is_initialized():
         return model.to(device)
     if args.fsdp:
@@ -982,8 +967,8 @@ def parallelize(model, args, device):
         return common.shard_from_rank0(model, shard, device)
     model.to(device)
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                     broadcast_buffers=False, gradient_as_bucket_view=True)
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else
+                                                     None, broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
 def set_grad_sync(model, enabled):
