@@ -123,9 +123,8 @@ class Args:
     logging_steps: int = 50
     """Log train metrics every this many steps."""
     save_steps: int | None = None
-    """Write a resumable checkpoint every this many steps (default: one every 30 minutes of training; 0: none).
-    Ctrl-C (SIGINT) or SIGTERM ends a run after its current step with a checkpoint, whatever this is (exit 130 /
-    143)."""
+    """Write a resumable checkpoint every this many steps (default: every 30 minutes; 0: none). SIGINT or SIGTERM
+    ends a run after its current step with a checkpoint, whatever this is (exit 130 / 143)."""
     resume: bool = False
     """Continue from the latest checkpoint in --output_dir, at the pairs it had trained, on any number of ranks (none:
     start afresh; a finished run: nothing to do)."""
@@ -149,9 +148,8 @@ class Args:
     """Hub repository for --push_to_hub (default: the output directory's name)."""
     # --- systems
     padding_free: bool = True
-    """No pad tokens: the sequences of a micro-batch lie end to end in one row, position ids restarting, and attention
-    is computed per block of whole pairs (segment_attention), with each layer's own sliding window and softcapping.
-    Encoders, ALiBi models and attention with sinks take the padded batch. --no_padding_free: the plain padded batch."""
+    """No pad tokens: a micro-batch's sequences end to end in one row, attention per block of whole pairs (same
+    rewards). Encoders, ALiBi models and attention sinks take the padded batch. --no_padding_free: the padded batch."""
     prefix_sharing: bool = True
     """One sequence per pair: prompt + chosen + rejected, the rejected tokens seeing the prompt but not the chosen
     ones, so the shared prompt is computed once. Same rewards as two sequences. --no_prefix_sharing to turn off."""
@@ -269,9 +267,8 @@ def model_inputs(pairs, pad_id, args):
 
 
 def train_step(model, micro_batches, args, pad_id, device):
-    """The forward and backward passes of one optimizer step: per micro-batch, chosen and rejected in one forward,
-    the Bradley-Terry loss, gradients accumulated (under DDP all-reduced on the last micro-batch only). Returns
-    the step's mean loss, accuracy and reward gap (r_c - r_r), its token count and the clipped gradient norm."""
+    """The forward and backward passes of one optimizer step: per micro-batch, chosen and rejected in one forward and
+    the pair loss. Returns the step's mean loss, accuracy, reward gap, token count and clipped gradient norm."""
     stats = dict.fromkeys(("loss", "accuracy", "reward_gap", "tokens"), 0.0)
     for m, pairs in enumerate(micro_batches):
         inputs = [x.to(device) if torch.is_tensor(x) else x for x in model_inputs(pairs, pad_id, args)]
@@ -762,14 +759,12 @@ def build_optimizer(model, args, total_steps):
 
 BLOCK_TOKENS = 256
 """segment_attention makes one SDPA call per block of consecutive pairs of at most this many tokens (a longer pair is
-a block alone): short pairs share a call, which costs more than their attention, and long ones pay only for their
-own length, never for the row's."""
+a block alone): short pairs share a call, long ones pay only for their own length, never for the row's."""
 
 
 class Segments:
-    """What segment_attention needs to know of a packed row: each token's sequence, branch (0 prompt, 1 chosen,
-    2 rejected) and position, and the blocks (start, end) of whole sequences it attends within. The mask of a block is
-    built once per sliding window (layers may differ) and kept for the other layers."""
+    """A packed row as segment_attention reads it: each token's sequence, branch (0 prompt, 1 chosen, 2 rejected) and
+    position, and the blocks (start, end) of whole sequences; a block's mask is built once per sliding window."""
 
     def __init__(self, sequence, branch, position, blocks):
         self.sequence, self.branch, self.position, self.blocks = sequence, branch, position, blocks
@@ -818,9 +813,8 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def sdpa_takes_groups_with_mask(device):
-    """Whether segment_attention hands SDPA grouped keys and values (enable_gqa) beside its boolean mask: not on CUDA,
-    where that pair can fall back to the math kernel (whole attention matrices: ~144 MB per 1,500-token pair and
-    layer), so keys and values are repeated per query head there, as transformers' own SDPA path does."""
+    """Whether SDPA gets grouped keys and values beside a boolean mask: not on CUDA, where that pair can fall back to
+    the math kernel (whole attention matrices), so keys and values are repeated per query head there."""
     return device.type != "cuda"
 
 
@@ -836,11 +830,9 @@ def use_segment_attention(hf_model):
 
 
 def pack_segments(pairs, share_prompt=True):
-    """A padding-free batch of one row: every pair's prompt + chosen + rejected (share_prompt: the rejected position
-    ids continuing from the prompt's end) or its two sequences, end to end, position ids restarting per sequence, cut
-    into blocks of whole sequences (BLOCK_TOKENS). So each reward equals the one the separate sequence prompt +
-    response gives (Wang et al. 2024, arXiv 2410.20305). Returns ids, None where a padded batch has its mask, position
-    ids, the (row, column) read points of every chosen reward then every rejected one, and the Segments."""
+    """A padding-free batch of one row: every pair's prompt + chosen + rejected (share_prompt: rejected's position ids
+    continue from the prompt's end; Wang et al. 2024, arXiv 2410.20305) or its two sequences, end to end. Returns ids,
+    None for the mask, position ids, the (row, column) read points (chosen ones, then rejected) and the Segments."""
     ids, seq, branch, positions, reads, blocks = [], [], [], [], [[], []], []
 
     def add(tokens, branches, pos):
