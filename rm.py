@@ -46,16 +46,14 @@ class Args:
     """Std of the new scalar head's initial weights (default 1/sqrt(hidden_size + 1)). The head is new unless the model
     is a sequence classifier or an adapter folder holding the head's weights (as rm.py's do)."""
     reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
-    """After training: make the mean reward over 2048 training pairs (never the eval pairs) 0 (shift) and optionally
-    their std 1 (shift_scale). Saved in config.json as reward_shift and reward_scale: a reward is (the model's logit -
-    reward_shift) / reward_scale (ppo.py applies it; README's scoring snippet shows how); eval_results.json records
-    what they were fitted on."""
+    """After training: make the mean reward over 2048 training pairs (never eval pairs) 0 (shift), and their std 1
+    (shift_scale). Saved in config.json: reward = (logit - reward_shift) / reward_scale, as ppo.py reads it."""
     # --- model and data
     model_name_or_path: str = "embedded-llama"
     """Hugging Face model name or local path (any causal LM or sequence-classification checkpoint, or a peft adapter
     folder, merged into its base), or a tiny model built locally: embedded-llama, embedded-neox."""
     dataset_name: str = "embedded"
-    """Hub dataset name, local .jsonl/.json/.parquet/.csv file (gzip too), or `embedded` (the built-in synthetic task)."""
+    """Hub dataset name, local .jsonl/.json/.parquet/.csv file (gzip too), or `embedded` (the built-in task)."""
     dataset_config: str | None = None
     """Hub dataset configuration name."""
     dataset_mixer_list: list[str] = field(default_factory=list)
@@ -65,9 +63,7 @@ class Args:
     train_split: str = "train"
     """Split to train on."""
     eval_split: str | None = None
-    """Split to evaluate on (default: validation, else test); a dataset with none holds out --eval_holdout of its
-    training pairs instead, by prompt. The split each dataset was evaluated on is printed and recorded in
-    eval_results.json (eval_sets)."""
+    """Split to evaluate on (default: validation, else test); a dataset with none holds out --eval_holdout instead."""
     eval_holdout: float = 0.1
     """Fraction of training pairs held out for evaluation, by prompt, when there is no eval split: no held-out prompt is
     trained on in any dataset of the mixture."""
@@ -75,10 +71,8 @@ class Args:
     """Maximum tokens of prompt + response (default: 512, or the model's learned position table if shorter). Longer
     pairs are truncated (see --max_prompt_length), never dropped."""
     max_prompt_length: int | None = None
-    """Prompt tokens kept when prompt + longer response exceeds --max_length (default: 256 as in ppo.py, whose reward
-    model sees prompts cut there; or 3/4 of --max_length if less): the prompt is cut only then, to what the longer
-    response leaves but never below this, keeping its END (the turn being answered) and its BOS token; the responses
-    are then cut to fit."""
+    """Prompt tokens kept at least when prompt + longer response exceeds --max_length (default: 256 as in ppo.py, or
+    3/4 of --max_length if less): the prompt keeps its end and BOS, the responses are then cut to fit."""
     output_dir: str = "runs/rm"
     """Where the reward model, tokenizer, metrics.jsonl, eval_results.json and checkpoints are written."""
     # --- optimisation
@@ -95,8 +89,7 @@ class Args:
     gradient_accumulation_steps: int = 1
     """Micro-steps per optimizer step. Global batch = per-device batch x accumulation x world size."""
     per_device_eval_batch_size: int | None = None
-    """Pairs per device per evaluation forward pass (default: --per_device_train_batch_size, a size training has shown
-    to fit; larger ones are no faster on CPU, where a smaller batch stays in cache)."""
+    """Pairs per device per evaluation forward pass (default: --per_device_train_batch_size)."""
     lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
                                "constant_with_warmup"] = "cosine"
     """Learning-rate schedule (transformers.get_scheduler)."""
@@ -130,13 +123,11 @@ class Args:
     logging_steps: int = 50
     """Log train metrics every this many steps."""
     save_steps: int | None = None
-    """Write a resumable checkpoint every this many steps (default: one every 30 minutes of training; 0: none).
-    Ctrl-C (SIGINT) or SIGTERM ends a run after its current step with a checkpoint, whatever this is (exit 130 /
-    143)."""
+    """Write a resumable checkpoint every this many steps (default: every 30 minutes; 0: none). SIGINT or SIGTERM
+    ends a run after its current step with a checkpoint, whatever this is (exit 130 / 143)."""
     resume: bool = False
-    """Continue from the latest checkpoint in --output_dir, at the pairs it had trained (none: start from the first
-    step; a finished run: nothing to do; on any number of ranks, a global batch that does not divide them refused,
-    naming the flags that keep the saved one)."""
+    """Continue from the latest checkpoint in --output_dir, at the pairs it had trained, on any number of ranks (none:
+    start afresh; a finished run: nothing to do)."""
     overwrite_output_dir: bool = False
     """Train afresh in an --output_dir that holds a finished run or checkpoints (refused without this or --resume):
     its checkpoints are deleted when training starts, its other files replaced as this run writes them."""
@@ -157,9 +148,8 @@ class Args:
     """Hub repository for --push_to_hub (default: the output directory's name)."""
     # --- systems
     padding_free: bool = True
-    """No pad tokens: the sequences of a micro-batch lie end to end in one row, position ids restarting, and attention
-    is computed per block of whole pairs (segment_attention), with each layer's own sliding window and softcapping.
-    Encoders, ALiBi models and attention with sinks take the padded batch. --no_padding_free: the plain padded batch."""
+    """No pad tokens: a micro-batch's sequences end to end in one row, attention per block of whole pairs (same
+    rewards). Encoders, ALiBi models and attention sinks take the padded batch. --no_padding_free: the padded batch."""
     prefix_sharing: bool = True
     """One sequence per pair: prompt + chosen + rejected, the rejected tokens seeing the prompt but not the chosen
     ones, so the shared prompt is computed once. Same rewards as two sequences. --no_prefix_sharing to turn off."""
@@ -171,13 +161,12 @@ class Args:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     plan_only: bool = False
-    """Print the memory plan for --plan_world_size GPUs of --plan_gpu_memory_gb and exit, 0 if it fits and 2 if not
-    (naming flags that would fit), from the models' config.json alone: no weight, tokenizer or GPU needed."""
+    """Print the memory plan for --plan_world_size GPUs of --plan_gpu_memory_gb from config.json alone and exit, 0 if
+    it fits and 2 if not."""
     plan_world_size: int = 8
     """--plan_only: the GPUs (ranks) to plan for."""
     plan_gpu_memory_gb: float = 80.0
-    """--plan_only: each GPU's memory, in GB of 10^9 bytes as the plan prints them (torch reports an 80 GB H100 as
-    85.0)."""
+    """--plan_only: each GPU's memory, in GB of 10^9 bytes."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -254,10 +243,32 @@ class RewardModel(torch.nn.Module):
         return common.sequence_reward(self.hf, input_ids, attention_mask)
 
 
+def collate(pairs, pad_id, padding_side="right"):
+    """The plain layout: one batch of 2B sequences, chosen first then rejected, so both go through one forward pass.
+    It equals two passes (one of chosen, one of rejected) because rows never attend to each other and dropout is off;
+    each reward is read at its row's last real token (common.sequence_reward)."""
+    seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        span = slice(0, len(s)) if padding_side == "right" else slice(width - len(s), width)
+        ids[i, span], mask[i, span] = torch.tensor(s), 1
+    return ids, mask, torch.tensor([p["margin"] for p in pairs])
+
+
+def model_inputs(pairs, pad_id, args):
+    """(ids, mask, position ids, read points, segments) of a micro-batch: the padded batch of collate, or (the default,
+    --padding_free) the faster packed row of pack_segments, which computes the same rewards (tests/test_rm.py
+    compares the two) with no padding and, under --prefix_sharing, each prompt's tokens once."""
+    if not args.padding_free:
+        return collate(pairs, pad_id)[:2] + (None, None, None)
+    return pack_segments(pairs, share_prompt=args.prefix_sharing)
+
+
 def train_step(model, micro_batches, args, pad_id, device):
-    """The forward and backward passes of one optimizer step: per micro-batch, chosen and rejected in one forward,
-    the Bradley-Terry loss, gradients accumulated (under DDP all-reduced on the last micro-batch only). Returns
-    the step's mean loss, accuracy and reward gap (r_c - r_r), its token count and the clipped gradient norm."""
+    """The forward and backward passes of one optimizer step: per micro-batch, chosen and rejected in one forward and
+    the pair loss. Returns the step's mean loss, accuracy, reward gap, token count and clipped gradient norm."""
     stats = dict.fromkeys(("loss", "accuracy", "reward_gap", "tokens"), 0.0)
     for m, pairs in enumerate(micro_batches):
         inputs = [x.to(device) if torch.is_tensor(x) else x for x in model_inputs(pairs, pad_id, args)]
@@ -268,6 +279,8 @@ def train_step(model, micro_batches, args, pad_id, device):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             r_chosen, r_rejected = chosen_and_rejected(model(*inputs))
         loss = reward_model_loss(r_chosen, r_rejected, margin, args.loss_type, args.center_rewards_coefficient)
+        # / accumulation: the summed gradients are the mean over this rank's pairs, and DDP/FSDP average the ranks',
+        # so the step's gradient is that of the mean loss over the global batch (equal micro-batches)
         (loss / len(micro_batches)).backward()
         stats["loss"] += loss.item() / len(micro_batches)
         stats["accuracy"] += (r_chosen > r_rejected).float().mean().item() / len(micro_batches)
@@ -284,7 +297,8 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
     metrics and, per pair, (r_chosen, r_rejected, margin)."""
     per_rank = math.ceil(len(pairs) / world)
     # longest first, so that a batch holds pairs of similar length (little padding) and the peak memory comes first
-    by_length = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
+    by_length = sorted(range(len(pairs)), key=lambda i: -sum(map(len, (pairs[i]["prompt"], pairs[i]["chosen"],
+                                                                       pairs[i]["rejected"]))))
     mine = by_length[rank::world]
     n_mine = len(mine)
     mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts (FSDP's forward is collective)
@@ -362,15 +376,24 @@ def check_args(args):
         common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
 
 
-def main(args):
+def start_up(args):
+    """The checks before any weight is read, every one failing in one line: the arguments, the models and datasets
+    found, and the output folder (one every rank sees, not another run's). Returns (args, rank, world, device)."""
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
     check_args(args)
     if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
-        return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
+        return args, None, args.plan_world_size, None
     rank, world, device = setup_distributed()
     common.check_shared_output_dir(args.output_dir, rank)
     common.check_output_dir(args, rank)
+    return args, rank, world, device
+
+
+def main(args):
+    args, rank, world, device = start_up(args)  # arguments, models, datasets and output folder checked
+    if args.plan_only:
+        return common.check_memory_plan(memory_plan, args, world, None, 0)
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
 
@@ -378,19 +401,15 @@ def main(args):
     tokenizer = load_tokenizer(args.model_name_or_path)
     common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
     sharded = args.fsdp and world > 1  # then only rank 0 reads the weights, and shards them (parallelize)
+    # a new scalar head `score`, normal with std 1/sqrt(hidden + 1) (or --head_init_std), held in float32
     hf_model, lora = load_reward_model(args, tokenizer, skeleton=sharded and rank != 0)
     args = resolve_lengths(args, hf_model, rank)
+    # eval: each dataset's --eval_split, else --eval_holdout of the prompts held out (whole prompts, none trained on);
+    # a pair past --max_length: the prompt cut from the left (to no less than --max_prompt_length), then each response
     train, evals, eval_sets = load_data(args, tokenizer, rank)
-    steps_per_epoch = len(train) // global_batch
-    if steps_per_epoch == 0 and not args.eval_only:
-        raise common.UserError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
-    evals_at = {*range(args.eval_steps, total_steps, args.eval_steps), total_steps} if args.eval_steps else \
-        {math.ceil(k * total_steps / args.num_evals) for k in range(1, args.num_evals + 1)}  # the last one at the end
+    steps_per_epoch, total_steps, evals_at = schedule(args, len(train), global_batch, rank)
     if not args.eval_only and common.run_complete(args, total_steps, rank):
         return None
-    if len(evals_at) < args.num_evals and not (args.eval_steps or args.eval_only) and rank == 0:
-        print(f"--num_evals {args.num_evals}: {len(evals_at)}, one after each of the {total_steps} steps")
 
     # 2. Batch layout, optimizer, schedule.
     args, layout = choose_layout(RewardModel(hf_model if sharded else hf_model.to(device)), args, len(tokenizer), rank)
@@ -399,29 +418,13 @@ def main(args):
     model = parallelize(RewardModel(hf_model), args, device)
     if args.eval_only:
         return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets)
+    # AdamW (lr 1e-5; 1e-3 for the embedded models) with --weight_decay; --lr_scheduler_type after linear warm-up
     optimizer, scheduler = build_optimizer(model, args, total_steps)
-
-    def step_of(ckpt):  # progress is in pairs, whole epochs and then into one (the saving run's batch may differ)
-        epoch, offset = divmod(ckpt["step"], len(train) // ckpt["global_batch"])
-        return epoch * steps_per_epoch + common.step_at(offset * ckpt["global_batch"], ckpt["global_batch"], args,
-                                                        world, "pairs of its epoch", counts_steps=args.max_steps > 0)
-
-    start_step, saved = 0, None
-    if args.resume and (resumed := common.resume_training(model, optimizer, scheduler, args.output_dir, step_of)):
-        start_step, saved = resumed[0], resumed[1]["step"]  # (saved: in the saving run's steps, maybe of another size)
+    start_step, saved = resume(model, optimizer, scheduler, args, len(train), steps_per_epoch, world)
     logger = common.Logger(args, args.wandb_project, saved) if rank == 0 else None
     if rank == 0:
-        n_trained = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
-        mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
-        print(f"model {args.model_name_or_path}: {sum(p.numel() for p in hf_model.parameters()) / 1e6:.2f}M parameters"
-              f", {n_trained / 1e6:.2f}M trained{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} "
-              f"({device.type}, {'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})\n"
-              f"batch layout: {layout}\nglobal batch {global_batch} pairs = {micro} x {accumulation} accumulation x "
-              f"{world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
-              f"({total_steps / steps_per_epoch:.2f} epochs); lr {optimizer.param_groups[0]['initial_lr']:g}, "
-              f"{args.lr_scheduler_type}, warmup {args.warmup_steps or int(args.warmup_ratio * total_steps)}"
-              + (f"; resumed from step {start_step}" if start_step else "")
-              + (" (at or past the total: the final evaluation and save remain)" if start_step >= total_steps else ""))
+        describe_run(args, hf_model, lora, train, layout, optimizer, world, device, steps_per_epoch, total_steps,
+                     start_step)
 
     # 3. Training loop: per step, one fused forward per micro-batch, Bradley-Terry loss, one optimizer step.
     model.train()
@@ -475,11 +478,11 @@ def main(args):
         model.eval()
         ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
 
-    # 5. Normalize (shift the mean reward of training pairs to 0, optionally scale its std to 1) and save in
-    # transformers' format.
+    # 5. Normalize: reward_shift = the mean reward of up to 2,048 seeded training pairs (never eval ones), reward_scale
+    # their std (with shift_scale); both go in config.json: reward = (score - shift) / scale. Save in HF format.
     normalization = fit_normalization(model, train, args, tokenizer.pad_token_id, device, rank, world)
-    save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank,
-               dict(normalization, eval_sets=eval_sets))
+    common.agreed(lambda: save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank,
+                                     dict(normalization, eval_sets=eval_sets)))  # a failing save ends every rank
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
         dist.barrier()
         dist.destroy_process_group()
@@ -586,8 +589,8 @@ def load_data(args, tokenizer, rank):
                              is not None), (None, None))
         train = [] if args.eval_only and evals else common.load_rows(name, args.dataset_config, args.train_split)
         if not train and not (args.eval_only and evals):
-            raise common.UserError(f"{name}: no rows in split '{args.train_split}'"
-                                   + (f" nor {' or '.join(repr(s) for s in tried)}" if args.eval_only else "") + "; pass --train_split")
+            raise common.UserError(f"{name}: no rows in split '{args.train_split}'" + (
+                f" nor {' or '.join(repr(s) for s in tried)}" if args.eval_only else "") + "; pass --train_split")
         if args.eval_only and evals is None:
             split, evals, train = args.train_split, train, []
         ours = lambda rows: [dict(r, _dataset=name) for r in rows]  # noqa: E731
@@ -605,9 +608,9 @@ def load_data(args, tokenizer, rank):
     common.check_vocabulary(tokenizer, [p["prompt"] + p["chosen"] + p["rejected"] for p in train],
                             " ".join(n for n, _ in mixer), args.model_name_or_path, "--model_name_or_path")
     if train_rows and not train:
-        raise common.UserError(f"{' '.join(n for n, _ in mixer)}: all {len(train_rows)} training pairs were dropped: chosen and "
-                               "rejected are identical (after truncation to --max_length); check the data or raise "
-                               "--max_length")
+        raise common.UserError(f"{' '.join(n for n, _ in mixer)}: all {len(train_rows)} training pairs were dropped: "
+                               "chosen and rejected are identical (after truncation to --max_length); check the "
+                               "data or raise --max_length")
     evals, cut_e, dropped_e = tokenize_pairs(eval_rows, tokenizer, args)
     if not evals:
         raise common.UserError(f"{' '.join(n for n, _ in mixer)}: no evaluation pairs left after tokenization")
@@ -657,9 +660,9 @@ def tokenize_pairs(rows, tokenizer, args):
         p, c, r, cut = truncate_pair(p, c, r, args.max_length, args.max_prompt_length, bos_id)
         n_truncated += cut
         if c != r:
+            gold = (row["gold_chosen"], row["gold_rejected"]) if row.get("gold_chosen") is not None else None
             pairs.append({"prompt": p, "chosen": c, "rejected": r, "margin": float(margin),
-                          "dataset": row.get("_dataset"),
-                          "gold": (row["gold_chosen"], row["gold_rejected"]) if row.get("gold_chosen") is not None else None})
+                          "dataset": row.get("_dataset"), "gold": gold})
     return pairs, n_truncated, len(rows) - len(pairs)
 
 
@@ -689,6 +692,51 @@ def margin_of(row):
     return float(value)
 
 
+def schedule(args, n_train, global_batch, rank):
+    """(steps per epoch, total steps, the steps after which to evaluate: --eval_steps apart, else --num_evals spread
+    evenly, the last one at the end)."""
+    steps_per_epoch = n_train // global_batch
+    if steps_per_epoch == 0 and not args.eval_only:
+        raise common.UserError(f"{n_train} training pairs are fewer than one global batch of {global_batch}")
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
+    evals_at = {*range(args.eval_steps, total_steps, args.eval_steps), total_steps} if args.eval_steps else \
+        {math.ceil(k * total_steps / args.num_evals) for k in range(1, args.num_evals + 1)}
+    if len(evals_at) < args.num_evals and not (args.eval_steps or args.eval_only) and rank == 0:
+        print(f"--num_evals {args.num_evals}: {len(evals_at)}, one after each of the {total_steps} steps")
+    return steps_per_epoch, total_steps, evals_at
+
+
+def resume(model, optimizer, scheduler, args, n_train, steps_per_epoch, world):
+    """With --resume and a checkpoint in output_dir: its state loaded; returns (the step to start at, the saved step,
+    in the saving run's steps), else (0, None). Progress is counted in pairs, whole epochs and then into one, so a run
+    whose global batch differs from the saving run's resumes at the same pair."""
+    def step_of(ckpt):
+        epoch, offset = divmod(ckpt["step"], n_train // ckpt["global_batch"])
+        return epoch * steps_per_epoch + common.step_at(offset * ckpt["global_batch"], ckpt["global_batch"], args,
+                                                        world, "pairs of its epoch", counts_steps=args.max_steps > 0)
+
+    if args.resume and (resumed := common.resume_training(model, optimizer, scheduler, args.output_dir, step_of)):
+        return resumed[0], resumed[1]["step"]
+    return 0, None
+
+
+def describe_run(args, hf_model, lora, train, layout, optimizer, world, device, steps_per_epoch, total_steps,
+                 start_step):
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    global_batch = micro * accumulation * world
+    n_trained = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
+    mean_len = sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in train) / len(train)
+    print(f"model {args.model_name_or_path}: {sum(p.numel() for p in hf_model.parameters()) / 1e6:.2f}M parameters"
+          f", {n_trained / 1e6:.2f}M trained{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} "
+          f"({device.type}, {'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})\n"
+          f"batch layout: {layout}\nglobal batch {global_batch} pairs = {micro} x {accumulation} accumulation x "
+          f"{world} ranks; ~{mean_len * global_batch:.0f} real tokens per step; {total_steps} steps "
+          f"({total_steps / steps_per_epoch:.2f} epochs); lr {optimizer.param_groups[0]['initial_lr']:g}, "
+          f"{args.lr_scheduler_type}, warmup {args.warmup_steps or int(args.warmup_ratio * total_steps)}"
+          + (f"; resumed from step {start_step}" if start_step else "")
+          + (" (at or past the total: the final evaluation and save remain)" if start_step >= total_steps else ""))
+
+
 def build_optimizer(model, args, total_steps):
     """AdamW over the trainable parameters and transformers' learning-rate schedule, with warm-up."""
     from transformers import get_scheduler
@@ -705,40 +753,18 @@ def build_optimizer(model, args, total_steps):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Batch layout: model_inputs gives a micro-batch as the padded batch (collate) or as pairs packed end to end in
-# one row (pack_segments, segment_attention), whichever choose_layout found right for the model.
-
-
-def model_inputs(pairs, pad_id, args):
-    """(ids, mask, position ids, read points, segments) of a micro-batch in the layout the arguments ask for; with
-    the plain padded batch, position ids and read points come from the mask."""
-    if not args.padding_free:
-        return collate(pairs, pad_id)[:2] + (None, None, None)
-    return pack_segments(pairs, share_prompt=args.prefix_sharing)
-
-
-def collate(pairs, pad_id, padding_side="right"):
-    """One batch of 2B sequences, chosen first then rejected, so both go through one forward pass."""
-    seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        span = slice(0, len(s)) if padding_side == "right" else slice(width - len(s), width)
-        ids[i, span], mask[i, span] = torch.tensor(s), 1
-    return ids, mask, torch.tensor([p["margin"] for p in pairs])
+# The packed layout behind model_inputs: pairs end to end in one row (pack_segments, segment_attention), used where
+# choose_layout finds it right for the model.
 
 
 BLOCK_TOKENS = 256
 """segment_attention makes one SDPA call per block of consecutive pairs of at most this many tokens (a longer pair is
-a block alone): short pairs share a call, which costs more than their attention, and long ones pay only for their
-own length, never for the row's."""
+a block alone): short pairs share a call, long ones pay only for their own length, never for the row's."""
 
 
 class Segments:
-    """What segment_attention needs to know of a packed row: each token's sequence, branch (0 prompt, 1 chosen,
-    2 rejected) and position, and the blocks (start, end) of whole sequences it attends within. The mask of a block is
-    built once per sliding window (layers may differ) and kept for the other layers."""
+    """A packed row as segment_attention reads it: each token's sequence, branch (0 prompt, 1 chosen, 2 rejected) and
+    position, and the blocks (start, end) of whole sequences; a block's mask is built once per sliding window."""
 
     def __init__(self, sequence, branch, position, blocks):
         self.sequence, self.branch, self.position, self.blocks = sequence, branch, position, blocks
@@ -759,10 +785,9 @@ class Segments:
 
 def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                       sliding_window=None, rm_segments=None, **kwargs):
-    """The attention of a model given the packed layout (choose_layout registers it): per block of whole pairs, one
-    SDPA call whose mask keeps each token inside its own sequence (a rejected token sees the prompt, never the chosen
-    tokens) and inside this layer's sliding window; logit softcapping (Gemma 2: softcap * tanh(s / softcap)) in plain
-    operations. Sinks (a learned extra logit) are not supported: such a model keeps the padded batch."""
+    """The attention of a packed row: per block of whole pairs, one SDPA call whose mask keeps each token inside its
+    own sequence (a rejected token sees the prompt, never the chosen tokens) and this layer's sliding window; Gemma 2's
+    softcapping in plain operations. Attention sinks are refused (choose_layout then keeps the padded batch)."""
     if rm_segments is None:
         raise ValueError("a model given the packed layout is called with a packed row only (see pack_segments)")
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
@@ -788,9 +813,8 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def sdpa_takes_groups_with_mask(device):
-    """Whether segment_attention hands SDPA grouped keys and values (enable_gqa) beside its boolean mask: not on CUDA,
-    where that pair can fall back to the math kernel (whole attention matrices: ~144 MB per 1,500-token pair and
-    layer), so keys and values are repeated per query head there, as transformers' own SDPA path does."""
+    """Whether SDPA gets grouped keys and values beside a boolean mask: not on CUDA, where that pair can fall back to
+    the math kernel (whole attention matrices), so keys and values are repeated per query head there."""
     return device.type != "cuda"
 
 
@@ -806,11 +830,9 @@ def use_segment_attention(hf_model):
 
 
 def pack_segments(pairs, share_prompt=True):
-    """A padding-free batch of one row: every pair's prompt + chosen + rejected (share_prompt: the rejected position
-    ids continuing from the prompt's end) or its two sequences, end to end, position ids restarting per sequence, cut
-    into blocks of whole sequences (BLOCK_TOKENS). So each reward equals the one the separate sequence prompt +
-    response gives (Wang et al. 2024, arXiv 2410.20305). Returns ids, None where a padded batch has its mask, position
-    ids, the (row, column) read points of every chosen reward then every rejected one, and the Segments."""
+    """A padding-free batch of one row: every pair's prompt + chosen + rejected (share_prompt: rejected's position ids
+    continue from the prompt's end; Wang et al. 2024, arXiv 2410.20305) or its two sequences, end to end. Returns ids,
+    None for the mask, position ids, the (row, column) read points (chosen ones, then rejected) and the Segments."""
     ids, seq, branch, positions, reads, blocks = [], [], [], [], [[], []], []
 
     def add(tokens, branches, pos):
@@ -845,22 +867,16 @@ def declared_windows(config):
 
 @torch.no_grad()
 def choose_layout(model, args, vocab_size, rank=0):
-    """The packed layout (one row, segment_attention) wherever it is right by construction, else the padded batch,
-    and why. Packing needs position ids and a read at the last token: encoders (pooled over the whole sequence) and
-    ALiBi models (positions from a 2D mask) get the padded batch. Otherwise the model's attention is switched to
-    segment_attention, and one packed forward must show that every layer called it, each with the sliding window the
-    config declares for it; a model that does not (attention outside transformers' interface, sinks) keeps its own
-    attention and the padded batch. That forward's rewards are then compared with the padded batch's, a last check.
-    The check runs once, on rank 0, on the model's device and in the run's precision (the kernels the run will use);
-    every rank takes its verdict."""
+    """(args, layout): the packed layout where it is right, else the padded batch, and why. Encoders (a pooled read)
+    and models without position ids (ALiBi) are padded; otherwise rank 0 runs packed_layout_fault once, on the run's
+    device and precision, and every rank takes its verdict."""
     padded = dataclasses.replace(args, padding_free=False)
     if not args.padding_free:
         return args, "padded (as asked)"
     if not model.reads_last_token:
-        return padded, "padded: an encoder reads its pooled [CLS] over the whole sequence, so sequences cannot share a row"
+        return padded, "padded: an encoder reads its pooled [CLS] over the whole sequence"
     if not model.takes_position_ids:
-        return padded, "padded: the model takes no position ids (ALiBi or recurrent), so packed sequences would get " \
-                       "wrong positions"
+        return padded, "padded: the model takes no position ids (ALiBi or recurrent)"
     why_not = [common.agreed(lambda: packed_layout_fault(model, args, vocab_size) if rank == 0 else None)]
     if dist.is_initialized():
         dist.broadcast_object_list(why_not, src=0)
@@ -872,8 +888,8 @@ def choose_layout(model, args, vocab_size, rank=0):
 
 
 def packed_layout_fault(model, args, vocab_size):
-    """What is wrong with the packed layout for this model (None: nothing): 4 pairs of random tokens, packed and
-    padded, on the model's device under the run's autocast."""
+    """What is wrong with the packed layout for this model (None: nothing): on 4 random pairs, every layer must call
+    segment_attention with the window its config declares, and the rewards must equal the padded batch's."""
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(0)
     ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
@@ -921,8 +937,8 @@ def setup_distributed():
 
 
 def parallelize(model, args, device):
-    """DDP, or FSDP2 with one shard group per transformer block (the ModuleList of num_hidden_layers blocks) and one
-    for the input embeddings (unless an output layer shares them), rank 0's weights broadcast into the shards (the other ranks may pass a meta-device skeleton: common.shard_from_rank0)."""
+    """DDP, or FSDP2 with one shard group per transformer block and one for the input embeddings (unless an output
+    layer shares them), rank 0's weights broadcast into the others' meta-device skeletons (common.shard_from_rank0)."""
     if not dist.is_initialized():
         return model.to(device)
     if args.fsdp:
@@ -943,8 +959,8 @@ def parallelize(model, args, device):
         return common.shard_from_rank0(model, shard, device)
     model.to(device)
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                     broadcast_buffers=False, gradient_as_bucket_view=True)
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else
+                                                     None, broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
 def set_grad_sync(model, enabled):
