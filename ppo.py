@@ -805,7 +805,7 @@ def main(args):
             common.exit_stopped(stop, update + 1, args, rank, bar)
     common.stop_on_signals(False)
 
-    save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
+    common.agreed(lambda: save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank))  # fails on all
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
         dist.barrier()
         dist.destroy_process_group()

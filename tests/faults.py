@@ -3,7 +3,8 @@ with what a test needs set by environment variables; the scripts hold nothing of
   STOP_AFTER_SAVE=N  every rank stops (exit code 3) right after the checkpoint of step N, as a killed job would;
   TRACE=PATH         each rank appends what it trains to PATH.rank<R>, one JSON line per step (ppo.py: the indices of
                      the episodes it rolls out; rm.py: the pairs of its micro-batches, as token ids);
-  FULL_DISK_RANK=R   rank R's checkpoint writer fails as on a full disk (OSError ENOSPC)."""
+  FULL_DISK_RANK=R   rank R's checkpoint writer fails as on a full disk (OSError ENOSPC);
+  FULL_DISK_AT_END=R rank R's final save_pretrained fails so (under FSDP and DDP alike rank 0 writes the model)."""
 
 import errno
 import json
@@ -51,5 +52,12 @@ if os.environ.get("FULL_DISK_RANK") == rank:
     def full_disk(self, plan, planner):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
     HuggingFaceStorageWriter.write_data = full_disk
+
+if os.environ.get("FULL_DISK_AT_END") == rank:
+    from transformers import PreTrainedModel
+
+    def full_disk_at_end(self, path, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    PreTrainedModel.save_pretrained = full_disk_at_end
 
 common.exit_on_user_error(script.main, tyro.cli(script.Args, args=sys.argv[2:], use_underscores=True))

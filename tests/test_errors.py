@@ -411,6 +411,23 @@ def test_a_full_disk_on_one_rank_during_a_sharded_checkpoint_is_one_line_on_ever
     assert snapshot(tmp_path / "checkpoints") == before  # no step_00000004.tmp; step 2 whole, still latest
 
 
+@pytest.mark.parametrize("script", ["rm.py", "ppo.py"])
+def test_a_full_disk_at_the_final_save_is_one_line_on_every_rank(tmp_path, small_pairs_file, script):
+    """Rank 0's final save_pretrained fails as on a full disk: both ranks stop with its one line (rank 1 does not
+    wait for a rank that has failed), and nothing half-written is left in the output folder."""
+    flags = (["--dataset_name", small_pairs_file, "--max_steps", "2", "--num_evals", "1",
+              "--per_device_train_batch_size", "4"] if script == "rm.py" else
+             ["--reward_fn", "common:gold_rewards", "--total_episodes", "8", "--per_device_train_batch_size", "2",
+              "--num_mini_batches", "1", "--response_length", "8"])
+    started = time.time()
+    proc = run_script(["tests/faults.py", script, *flags, "--output_dir", str(tmp_path / "out")], nproc=2,
+                      check=False, env=dict(FULL_DISK_AT_END="0"))
+    assert time.time() - started < 120 and proc.returncode != 0 and "exitcode  : 2" in proc.stderr
+    assert proc.stderr.count(": no room to save") == 2 and "OSError" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out" / ".saving").exists()
+    assert not any(f.startswith(("model", "config.json")) for f in os.listdir(tmp_path / "out"))
+
+
 def test_a_dataset_prepared_in_datasets_own_cache_is_found_offline(tmp_path, monkeypatch):
     """Offline clusters prepare a hub dataset once with `datasets` and read it from its cache: the name check finds it
     there (the folder `datasets` names it by) and still refuses a name that is in neither cache."""
