@@ -100,7 +100,7 @@ class Args:
     lr_end: float = 0.0
     """Final learning rate of the polynomial schedule."""
     num_cycles: float = 1.0
-    """Cycles of cosine_with_restarts (and half-cycles of cosine: 0.5 = one half cosine)."""
+    """Cycles of cosine_with_restarts (a whole number); for cosine, half-cosines: 1 = from the peak down to 0."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 disables)."""
     seed: int = 1
