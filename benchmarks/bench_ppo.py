@@ -224,6 +224,8 @@ def matmul_peak(n=2048, reps=10):
 def profile_learning(root, workload):
     """ppo.py's learning phase of one update (the second: warm) under the profiler: the share of its time in matrix
     products and their GFLOP/s, against matmul_peak()."""
+    import inspect
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -232,7 +234,7 @@ def profile_learning(root, workload):
     real_learn, found = ppo.learn, {}
 
     def profiled(*a, **k):
-        if a[6] != 1:  # the update index
+        if inspect.signature(real_learn).bind(*a, **k).arguments["update"] != 1:
             return real_learn(*a, **k)
         with profile(activities=[ProfilerActivity.CPU], with_flops=True) as p:
             out = real_learn(*a, **k)
