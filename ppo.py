@@ -13,7 +13,7 @@ its adapter switched off, and a reward model the critic initialises from is the 
 update hands one Rollout batch through the phases:
   1. rollout: sample a response to every prompt of the batch (K per prompt; KV-cached, seeded per episode);
   2. score: values, and the reward at the response's stop token;
-  3. log-probs of the responses under the reference (and under --bf16 the policy), on the first epoch's partition;
+  3. log-probs of the responses under the reference (the old log-probs are the sampler's; under --bf16, recomputed);
   4. advantages: rewards = -kl_coef * KL per token + score at the last token; GAE, whitened;
   5. learn: num_ppo_epochs passes of clipped-surrogate policy loss and clipped value loss over shuffled mini-batches;
   6. adapt kl_coef, log, checkpoint.
@@ -347,6 +347,17 @@ def truncate_after_stop(responses, stop_id, pad_id):
     return responses.masked_fill(after_stop, pad_id), ~after_stop
 
 
+def response_logprobs(model, query_response, attention_mask, context_length, temperature):
+    """The log-prob of each response token under the model at the sampling temperature, written plainly: the logits
+    at position t predict token t + 1, so the response (columns context_length ..) is read at positions
+    context_length - 1 .. T - 2; float32 log-softmax. The phases call policy_forward, which computes the same (and
+    the entropies) in memory bounded by the micro-batch; tests/test_ppo.py checks that the two agree."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: a position counts real tokens only
+    logits = model(input_ids=query_response, attention_mask=attention_mask, position_ids=position_ids).logits
+    logprobs = torch.log_softmax(logits[:, context_length - 1:-1].float() / temperature, -1)
+    return logprobs.gather(-1, query_response[:, context_length:, None]).squeeze(-1)
+
+
 def language_modelling_loss(policy, seqs, pad_id, n_tokens, device):
     """The ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy on pretraining text, summed over the
     sequences' real transitions and divided by n_tokens (those of the whole mini-batch). The log-probs of every token
@@ -377,7 +388,8 @@ class Rollout:
     mask: torch.Tensor
     """(B, response_length) bool: the response's real tokens, through its stop token."""
     logprobs: torch.Tensor
-    """(B, response_length) the sampled tokens' log-probs under the policy that sampled them: the ratio's "old"."""
+    """(B, response_length) the sampled tokens' log-probs under the policy that sampled them: the ratio's "old" (under
+    --bf16, recomputed by reference_logprobs)."""
     scores: torch.Tensor | None = None
     """(B,) the episode's score (reward model and/or function, missing-EOS penalty)."""
     values: torch.Tensor | None = None
@@ -420,6 +432,23 @@ def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collect
                    torch.cat(logprobs).masked_fill(~mask, 0.0))
 
 
+class Critic(torch.nn.Module):
+    """The value of each state: a sequence-classification model's scalar head (float32) at every position, minus a
+    constant offset. Built by critic_from: from rm.py's reward model (--critic_init reward; the head divided by its
+    scale, the offset shift / scale, so that it starts out reading the normalized score (w.h - shift) / scale), or
+    from the policy's backbone with a new head (--critic_init policy)."""
+
+    def __init__(self, hf_model, offset=0.0):
+        super().__init__()
+        self.hf, self.offset = hf_model, offset
+
+    def forward(self, input_ids, attention_mask):
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                    position_ids=position_ids).last_hidden_state
+        return self.hf.score(hidden).squeeze(-1).float() - self.offset
+
+
 @torch.no_grad()
 def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collective=False):
     """2. Each episode's values (with a critic) and score: the reward model read at the response's last real token
@@ -441,7 +470,7 @@ def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collect
         for rows in (g.to(responses.device)[i:i + micro] for g in groups for i in range(0, len(g), micro)):
             ids, ids_mask, context, kept = trim_padding(batch.query_response[rows], batch.attention_mask[rows],
                                                         context_length)
-            if critic is not None:  # (under --bf16 rollout_logprobs recomputes them; kept first here all the same:
+            if critic is not None:  # (under --bf16 reference_logprobs recomputes them; kept first here all the same:
                 # FSDP fixes a model's gradient dtypes at its first forward, which must run with the LoRA adapter on)
                 values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
             if reward.in_critic is not None:  # LoRA: the reward model is the critic with its adapter off
@@ -460,34 +489,23 @@ def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collect
 
 
 @torch.no_grad()
-def rollout_logprobs(policy, ref_policy, critic, batch, args, update, rank, world,
-                     reference_mode=contextlib.nullcontext):
-    """3. The sampled tokens' log-probs under the reference policy, and under --bf16 under the policy again (and the
-    values under the critic again), computed by the learning forward on the very rows and groups the first PPO epoch
-    will run (epoch_plan): so the first ratio is exactly 1, the first value clip centred on what learning computes,
-    and the KL at initialisation exactly 0, in any precision. (A one-token KV-cached decode and a whole-sequence
-    forward, or one group's padding and another's, can round differently in bfloat16; in float32 the sampling
-    log-probs equal the learning forward's, which tests check on every family, and are kept.) Each rank computes the
-    rows it will learn on; a sum over ranks assembles the batch. Fills ref_logprobs (and logprobs and values)."""
-    ref, old, values = (torch.zeros_like(batch.logprobs) for _ in range(3))
-    with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        for step in epoch_plan(batch, args, update, 0, rank, world):
-            for rows in step.forwards:
-                ids, ids_mask, context, kept = trim_padding(batch.query_response[rows], batch.attention_mask[rows],
-                                                            batch.context_length)
-                with reference_mode():  # under LoRA: the policy with its adapter switched off
-                    ref[rows, :kept] = policy_forward(ref_policy, ids, ids_mask, context, args.temperature,
-                                                      entropy=False)[0]
-                if args.bf16:
-                    old[rows, :kept] = policy_forward(policy, ids, ids_mask, context, args.temperature,
-                                                      entropy=False)[0]
-                    if critic is not None:
-                        values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
-    batch.ref_logprobs = all_reduce(ref).masked_fill(~batch.mask, 0.0)
+def reference_logprobs(policy, ref_policy, critic, batch, args, update, rank, world, reference_mode):
+    """3. The sampled tokens' log-probs under the reference policy, and where the old log-probs come from. Each is
+    computed as learn() computes its first steps (learning_forward): under --bf16 the KL at initialisation is then
+    exactly 0, in float32 within rounding. Fills ref_logprobs (under --bf16, logprobs and values too)."""
+    forward = functools.partial(learning_forward, batch, args, update, rank, world)
+    with reference_mode():  # the frozen copy of the initial policy (LoRA: the policy with its adapter switched off)
+        batch.ref_logprobs = forward(lambda ids, mask, context: policy_forward(
+            ref_policy, ids, mask, context, args.temperature, entropy=False)[0])
+    # The old log-probs (the ratio's denominator) are the sampler's, recorded in step 1 at the sampling temperature:
+    # in float32 they equal the learning forward's (tests check it on every family). In bfloat16 a one-token KV-cached
+    # decode and a whole-sequence forward round differently, so --bf16 recomputes them here, and the values: the first
+    # ratio is then exactly 1 and the first value clip centred on what learning computes.
     if args.bf16:
-        batch.logprobs = all_reduce(old).masked_fill(~batch.mask, 0.0)
+        batch.logprobs = forward(lambda ids, mask, context: policy_forward(
+            policy, ids, mask, context, args.temperature, entropy=False)[0])
         if critic is not None:
-            batch.values = all_reduce(values).masked_fill(~batch.mask, 0.0)
+            batch.values = forward(lambda ids, mask, context: critic(ids, mask)[:, context - 1:-1])
 
 
 def advantages(batch, kl_coef, args):
@@ -520,7 +538,13 @@ def advantages(batch, kl_coef, args):
 class OptimizerStep:
     """One mini-batch of a PPO epoch, as this rank runs it."""
     rows: torch.Tensor
-    """The whole mini-batch's rows (every rank's): its real-token count normalises every loss."""
+    """The whole mini-batch's rows (every rank's)."""
+    n_tokens: torch.Tensor
+    """Its real tokens: every loss of the mini-batch is a sum divided by this, so that its forwards, on every rank,
+    add up to the mini-batch's mean however it is split."""
+    weights: torch.Tensor | None
+    """(B, response_length) each token's --loss_aggregation weight (aggregation_weights, over the whole mini-batch;
+    indexed by batch row, as the forwards are); None for token_mean."""
     forwards: list
     """This rank's forward calls, in order: its rows of each accumulation step, in groups of similar length."""
 
@@ -529,9 +553,9 @@ def epoch_plan(batch, args, update, epoch, rank, world):
     """One PPO epoch's optimizer steps: the rollout batch shuffled (seeded by update and epoch) and cut into
     --num_mini_batches mini-batches; of each, this rank takes per_device_train_batch_size x gradient_accumulation_steps
     rows and runs each accumulation step's rows as groups of similar length (length_groups; one group under FSDP,
-    where every rank must make the same calls). rollout_logprobs runs epoch 0's plan, learn every epoch's."""
+    where every rank must make the same calls)."""
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    size, device = micro * accumulation * world, batch.mask.device
+    size, device, mask = micro * accumulation * world, batch.mask.device, batch.mask.float()
     order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(
         common.seed_of(args.seed, "mini-batches", update, epoch))).to(device)
     prompt_lengths, response_lengths = batch.attention_mask[:, :batch.context_length].sum(1), batch.mask.sum(1)
@@ -542,19 +566,18 @@ def epoch_plan(batch, args, update, epoch, rank, world):
             rows = mini[(rank * accumulation + m) * micro:][:micro]
             forwards += [rows] if args.fsdp and world > 1 else [
                 rows[g.to(device)] for g in length_groups(prompt_lengths[rows], response_lengths[rows])]
-        steps.append(OptimizerStep(mini, forwards))
+        weights = aggregation_weights(mask[mini], args.loss_aggregation)
+        weights = None if weights is None else torch.zeros_like(mask).index_copy(0, mini, weights)
+        steps.append(OptimizerStep(mini, mask[mini].sum(), weights, forwards))
     return steps
 
 
 def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, rank, world, ptx, pad_id):
-    """5. num_ppo_epochs passes over the rollout batch, num_mini_batches optimizer steps each. Every loss is an
-    average over the WHOLE mini-batch (all its forwards, on all ranks), as --loss_aggregation says: each forward adds
-    its tokens' weighted sum divided by the mini-batch's token count (the weights, from aggregation_weights, computed
-    on the whole mini-batch), so micro-batching, accumulation, world size and length groups change nothing. Without a
-    critic, the policy's losses only. Returns the mean of each statistic over the optimizer steps, and the last
-    gradient norm."""
-    mask, device = batch.mask.float(), batch.mask.device
-    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    """5. num_ppo_epochs passes over the rollout batch, num_mini_batches optimizer steps each, the losses averaged
+    over the WHOLE mini-batch (all its forwards, on all ranks: OptimizerStep.n_tokens), so that micro-batching,
+    accumulation, world size and length groups change nothing. Without a critic, the policy's losses only. Returns
+    each statistic's mean over the optimizer steps, and the last gradient norm."""
+    autocast = functools.partial(torch.autocast, batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16)
     models = [policy] if critic is None else [policy, critic]
 
     def backward(loss):
@@ -562,75 +585,48 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
         one place a loss is scaled."""
         (loss * world).backward()
 
-    stats = {}  # name -> per optimizer step, the mini-batch's mean (this rank's share of it, until summed over ranks)
+    stats = []  # per optimizer step: name -> this rank's share of the mini-batch's mean
     for epoch in range(args.num_ppo_epochs):
         for mb, step in enumerate(epoch_plan(batch, args, update, epoch, rank, world)):
-            n_tokens, sums = mask[step.rows].sum(), {}
-            weights = aggregation_weights(mask[step.rows], args.loss_aggregation)
-            if weights is not None:  # indexed by batch row, as the forwards are
-                weights = torch.zeros_like(mask).index_copy(0, step.rows, weights)
-            if ptx is not None:  # PPO-ptx: this rank's share of the mini-batch's pretraining text, counted the same way
-                first = ((update * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb) * len(step.rows)
-                seqs = [ptx[i % len(ptx)] for i in range(first, first + len(step.rows))]
-                micro, share = args.per_device_train_batch_size, len(step.rows) // world
-                set_grad_sync([policy], args.fsdp)  # (all-reduced with the PPO losses' under DDP)
-                for i in range(rank * share, (rank + 1) * share, micro):
-                    with autocast():
-                        ptx_loss = language_modelling_loss(policy, seqs[i:i + micro], pad_id,
-                                                           sum(len(s) - 1 for s in seqs), device)
-                    backward(args.ptx_coef * ptx_loss)
-                    sums["loss/ptx"] = sums.get("loss/ptx", 0) + ptx_loss.detach()
+            sums = {}
+            if ptx is not None:  # PPO-ptx (Ouyang et al. 2022, eq. 2): language modelling on pretraining text
+                sums["loss/ptx"] = ptx_backward(policy, ptx, step, (update, epoch, mb), args, rank, world, pad_id,
+                                                backward)
             for i, rows in enumerate(step.forwards):
-                # DDP all-reduces in the step's last backward only (it decides at the forward); FSDP reduce-scatters
-                # every backward's, so that no rank holds a whole model's unsharded gradients
-                set_grad_sync(models, i == len(step.forwards) - 1 or args.fsdp)
-                ids, ids_mask, context, kept = trim_padding(batch.query_response[rows], batch.attention_mask[rows],
-                                                            batch.context_length)
-                real, w = mask[rows][:, :kept], None if weights is None else weights[rows][:, :kept]
+                sync_gradients(models, last=i == len(step.forwards) - 1, fsdp=args.fsdp)
+                f = trimmed(batch, rows)
+                real, w = f.take(batch.mask).float(), None if step.weights is None else f.take(step.weights)
 
                 def average(x):  # this forward's share of the mini-batch's average, as --loss_aggregation says
-                    return masked_mean(x if w is None else x * w, real, n_tokens)
+                    return masked_mean(x if w is None else x * w, real, step.n_tokens)
 
                 # Policy and critic share no weights: each loss goes backward on its own graph, so only one model's
                 # activations are alive at a time (the sum's gradients, at half the peak memory).
-                with autocast():
-                    new_logprobs, entropy = policy_forward(policy, ids, ids_mask, context, args.temperature,
-                                                           with_entropy_grad=args.ent_coef > 0)
-                pg_loss, pg = policy_loss(new_logprobs, batch.logprobs[rows][:, :kept],
-                                          batch.advantages[rows][:, :kept], real, args.cliprange, n_tokens, w)
-                ent = masked_mean(entropy, real, n_tokens)
-                named = {"loss/policy": pg_loss, "policy/entropy": ent, **{f"policy/{k}": v for k, v in pg.items()}}
+                with autocast():  # (policy_forward: response_logprobs and the entropies, in bounded memory)
+                    new_logprobs, entropy = policy_forward(policy, f.ids, f.attention_mask, f.context,
+                                                           args.temperature, with_entropy_grad=args.ent_coef > 0)
+                pg_loss, pg = policy_loss(new_logprobs, f.take(batch.logprobs), f.take(batch.advantages), real,
+                                          args.cliprange, step.n_tokens, w)
                 loss = pg_loss - args.ent_coef * average(entropy)
+                named = {"loss/policy": pg_loss, "policy/entropy": masked_mean(entropy, real, step.n_tokens),
+                         **{f"policy/{k}": v for k, v in pg.items()}}
                 if args.kl_penalty == "loss":  # GRPO (Shao et al. 2024, eq. 3): the current policy's KL, in the loss
-                    kl_loss = average(kl_per_token(new_logprobs, batch.ref_logprobs[rows][:, :kept], args.kl_estimator))
+                    kl_loss = average(kl_per_token(new_logprobs, f.take(batch.ref_logprobs), args.kl_estimator))
                     loss = loss + kl_coef * kl_loss
                     named["loss/kl"] = kl_loss
                 backward(loss)
                 if critic is not None:
                     with autocast():
-                        new_values = critic(ids, ids_mask)[:, context - 1:-1]
-                    vf_loss, vf_clipfrac = value_loss(new_values, batch.values[rows][:, :kept],
-                                                      batch.returns[rows][:, :kept], real, args.cliprange_value,
-                                                      n_tokens, w)
+                        new_values = critic(f.ids, f.attention_mask)[:, f.context - 1:-1]
+                    vf_loss, vf_clipfrac = value_loss(new_values, f.take(batch.values), f.take(batch.returns), real,
+                                                      args.cliprange_value, step.n_tokens, w)
                     backward(args.vf_coef * vf_loss)
                     named.update({"loss/value": vf_loss, "val/clipfrac": vf_clipfrac})
                 for name, value in named.items():
                     sums[name] = sums.get(name, 0) + value.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable.parameters(), args.max_grad_norm or float("inf"))
-            norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            if not math.isfinite(norm):  # stop before the step: the last checkpoint stays the last good state
-                raise common.UserError(f"update {update + 1}: the gradient norm is {norm} (policy loss "
-                                       f"{pg_loss.item():.4g}); training diverged: lower --learning_rate; --resume "
-                                       "continues from the last checkpoint")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            for name, value in sums.items():
-                stats.setdefault(name, []).append(value)
-    names = list(stats)  # one all-reduce for every statistic of every step: the sum over ranks is the mean
-    per_step = dict(zip(names, all_reduce(torch.stack([torch.stack(stats[k]) for k in names]))))
-    means = {k: v.mean().item() for k, v in per_step.items() if k != "policy/ratio_sq"}
-    means["policy/ratio_var"] = (per_step["policy/ratio_sq"] - per_step["policy/ratio"] ** 2).mean().item()
-    return means, norm
+            grad_norm = clip_and_step(trainable, optimizer, args.max_grad_norm, update, pg_loss)
+            stats.append(sums)
+    return mean_over_steps(stats), grad_norm
 
 
 def check_args(args):
@@ -691,14 +687,21 @@ def check_estimator_args(args):
         args.kl_estimator = "k1" if args.kl_penalty == "reward" else "k3"
 
 
-def main(args):
-    check_args(args)
-    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
-        return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
-    rank, world, device = setup_distributed()
+@dataclass
+class Sizes:
+    """The run's sizes, derived from the flags and the number of ranks."""
+    local_batch: int
+    """Episodes each rank rolls out per update: micro-batch x accumulation x mini-batches."""
+    batch_size: int
+    """The rollout batch: local_batch x ranks."""
+    num_updates: int
+
+
+def start_up(args, rank, world):
+    """The run's sizes, checked (a bad one named in one line), and its output folder: the same folder for every rank,
+    and one it may write to. None when the folder holds this run already finished."""
     common.check_shared_output_dir(args.output_dir, rank)
-    micro = args.per_device_train_batch_size
-    local_batch = micro * args.gradient_accumulation_steps * args.num_mini_batches  # episodes per rank per update
+    local_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size, num_updates = local_batch * world, args.total_episodes // (local_batch * world)
     if local_batch % args.num_collect_steps:
         raise common.UserError(f"--num_collect_steps {args.num_collect_steps}: must divide the {local_batch} episodes "
@@ -713,15 +716,26 @@ def main(args):
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
                                f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
     common.check_output_dir(args, rank)
-    if common.run_complete(args, num_updates, rank):
+    return None if common.run_complete(args, num_updates, rank) else Sizes(local_batch, batch_size, num_updates)
+
+
+def main(args):
+    check_args(args)
+    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
+        return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
+    rank, world, device = setup_distributed()
+    if (sizes := start_up(args, rank, world)) is None:  # finished already: nothing to do
         return None
+    batch_size, local_batch, num_updates = sizes.batch_size, sizes.local_batch, sizes.num_updates
 
     tokenizer = load_tokenizer(args)
     stop_id = stop_token_id(args, tokenizer)
     prompts, prompt_texts = load_prompts(args, tokenizer)  # before the models: a data mistake is found in seconds
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
-    # Models: policy and critic (GAE's) are trained; reference and reward model are frozen.
-    policy_hf, lora, policy, critic, ref_policy, reward = build_models(args, tokenizer, device, rank, world)
+    # The policy (trained, from --sft_model_path); the reference, a frozen copy of it (LoRA: the policy with its
+    # adapter off); the critic (GAE's: a Critic, trained); the reward: a frozen reward model and/or a function.
+    models = build_models(args, tokenizer, device, rank, world)
+    policy, critic, reward, lora = models.policy, models.critic, models.reward, models.lora
     # the lengths, fitted to the models, cut the prompts and the ptx text
     bos_id, limit = common.leading_id(tokenizer), args.max_prompt_length + args.response_length
     prompts = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]
@@ -734,14 +748,7 @@ def main(args):
         saved, kl_coef, history = ckpt["step"], ckpt["kl_coef"], ckpt["history"]
     logs = open_logs(args, rank, saved)
     if rank == 0:
-        print(f"rollout batch {batch_size} episodes = {micro} x {args.gradient_accumulation_steps} accumulation x "
-              f"{args.num_mini_batches} mini-batches x {world} ranks ({batch_size // args.num_samples_per_prompt} "
-              f"prompts x {args.num_samples_per_prompt} responses); {num_updates} updates x {args.num_ppo_epochs} "
-              f"epochs; advantages {args.advantage_estimator}, KL ({args.kl_estimator}) in the {args.kl_penalty}, "
-              f"loss {args.loss_aggregation}; lr {optimizer.param_groups[0]['initial_lr']:g}"
-              + (f" (critic {optimizer.param_groups[1]['initial_lr']:g})" if critic is not None else "")
-              + f"; {len(prompts)} prompts"
-              + (f"; resumed at update {start} ({start * batch_size} episodes)" if start else ""))
+        print(describe_run(args, sizes, world, optimizer, critic, len(prompts), start))
 
     orders, collective = {}, args.fsdp and world > 1  # under FSDP every rank must make the same forward calls
     bar = tqdm(range(start, num_updates), disable=rank != 0, initial=start, total=num_updates, desc="ppo")
@@ -758,18 +765,18 @@ def main(args):
                         stop_id, tokenizer.pad_token_id, device, collective)
         t_rollout = time.time()
 
-        # 2. Score: values and the reward at the response's stop token; then every rank takes the whole batch, so the
-        # learning phase is the same for any number of ranks.
+        # 2. Score: values and the reward at the response's last real token; then every rank takes the whole batch,
+        # so that the learning phase is the same for any number of ranks.
         texts = [prompt_texts[i] for i in prompt_index]
         with offloaded([reward.model], device, args.offload_inference_models):
             response_texts = score(critic, reward, batch, texts, tokenizer, stop_id, args, collective)
         batch.gold = gold_scores(args, texts, response_texts, batch.scores)
         batch = all_gather_rollout(batch)
 
-        # 3. Log-probs under the reference (and, in bfloat16, the policy again) on the first epoch's partition.
-        with offloaded([None if lora else ref_policy], device, args.offload_inference_models):
-            rollout_logprobs(policy, ref_policy, critic, batch, args, update, rank, world,
-                             reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
+        # 3. Log-probs under the reference; the old log-probs are the sampler's (recomputed under --bf16).
+        with offloaded([None if lora else models.reference], device, args.offload_inference_models):
+            reference_logprobs(policy, models.reference, critic, batch, args, update, rank, world,
+                               reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
         t_score = time.time()
 
         # 4. Advantages: KL-penalised per-token rewards; GAE, whitened, or a critic-free estimator.
@@ -788,8 +795,8 @@ def main(args):
              **rollout_metrics(batch, kl, non_score_reward),
              **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, batch.attention_mask, args)}
         if update == start:  # the plan beside what this rank holds
-            m.update(common.memory_metrics(memory_plan(args, world, len(tokenizer)), [policy, critic, ref_policy,
-                                                                                      reward.model], optimizer, device))
+            m.update(common.memory_metrics(memory_plan(args, world, len(tokenizer)), [
+                policy, critic, models.reference, reward.model], optimizer, device))
         if args.target_kl is not None:
             kl_coef = adaptive_kl_coef(kl_coef, m["objective/kl"], args.target_kl, args.kl_horizon, batch_size)
         history.append({k: m[k] for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean",
@@ -805,7 +812,7 @@ def main(args):
             common.exit_stopped(stop, update + 1, args, rank, bar)
     common.stop_on_signals(False)
 
-    common.agreed(lambda: save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank))  # fails on all
+    common.agreed(lambda: save_final(trainable, models.policy_hf, lora, tokenizer, history, logs, args, rank))
     if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
         dist.barrier()
         dist.destroy_process_group()
@@ -877,22 +884,6 @@ def load_policy(args, tokenizer, skeleton=False):
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     return common.disable_dropout(common.load_model(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path",
                                                     skeleton, config=config, dtype=dtype))
-
-
-class Critic(torch.nn.Module):
-    """A decoder sequence-classification model's scalar head (in float32) applied at every position, minus a constant
-    offset: the value of each state. Initialised from rm.py's reward model, the head is divided by its scale and the
-    offset is shift / scale, so the critic starts out reading the normalized score (w.h - shift) / scale."""
-
-    def __init__(self, hf_model, offset=0.0):
-        super().__init__()
-        self.hf, self.offset = hf_model, offset
-
-    def forward(self, input_ids, attention_mask):
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                    position_ids=position_ids).last_hidden_state
-        return self.hf.score(hidden).squeeze(-1).float() - self.offset
 
 
 def critic_from(args, policy, reward):
@@ -970,6 +961,21 @@ def memory_plan(args, world, vocab_size=None):
     return models
 
 
+@dataclass
+class Models:
+    policy: torch.nn.Module
+    """Trained: DDP- or FSDP-wrapped."""
+    critic: torch.nn.Module | None
+    """Trained (a Critic, wrapped so); None without GAE."""
+    reference: torch.nn.Module
+    """Frozen: the initial policy (with LoRA the policy itself, read with its adapter switched off)."""
+    reward: "Reward"
+    policy_hf: PreTrainedModel
+    """The policy's transformers model, for the final save."""
+    lora: object = None
+    """With LoRA: the peft model holding the policy's adapter."""
+
+
 def build_models(args, tokenizer, device, rank, world):
     """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
     function). Returns the policy's transformers model too, and with LoRA the peft model holding its adapter. First,
@@ -1033,7 +1039,7 @@ def build_models(args, tokenizer, device, rank, world):
               + (f"critic from the {critic_init}" if critic is not None else f"no critic ({args.advantage_estimator})")
               + f"; world size {world} ({device.type}, "
               f"{'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})")
-    return policy_hf, lora, policy, critic, policy if lora else ref_policy, reward
+    return Models(policy, critic, policy if lora else ref_policy, reward, policy_hf, lora)
 
 
 def build_optimizer(policy, critic, args, num_updates):
@@ -1452,6 +1458,39 @@ def trim_padding(query_response, mask, context_length):
     return query_response[:, first:last], mask[:, first:last], context_length - first, last - context_length
 
 
+@dataclass
+class Trimmed:
+    """One forward's rows of the rollout batch, less the columns that are padding in all of them (trim_padding)."""
+    ids: torch.Tensor
+    attention_mask: torch.Tensor
+    context: int
+    """Prompt columns left: the response starts there."""
+    kept: int
+    """Response columns kept."""
+    rows: torch.Tensor
+
+    def take(self, field):
+        """A (B, response_length) field of the batch at these rows and the response columns kept."""
+        return field[self.rows][:, :self.kept]
+
+
+def trimmed(batch, rows):
+    return Trimmed(*trim_padding(batch.query_response[rows], batch.attention_mask[rows], batch.context_length), rows)
+
+
+def learning_forward(batch, args, update, rank, world, fn):
+    """fn(ids, attention_mask, context) -> a value per response token, computed exactly as learn() computes at its
+    first optimizer steps: on epoch 0's rows and length groups (epoch_plan), trimmed so, under the same autocast.
+    Each rank computes its rows; a sum over ranks assembles the (B, response_length) batch, 0 after each response."""
+    out = torch.zeros_like(batch.logprobs)
+    with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        for step in epoch_plan(batch, args, update, 0, rank, world):
+            for rows in step.forwards:
+                f = trimmed(batch, rows)
+                out[rows, :f.kept] = fn(f.ids, f.attention_mask, f.context)
+    return all_reduce(out).masked_fill(~batch.mask, 0.0)
+
+
 GROUP_OVERHEAD_TOKENS = 64
 """What one more forward and backward call costs, in tokens of work (about 30 measured on 2 CPU cores with a 4-layer
 model of width 256; more on a GPU): a batch is cut into length groups only where that saves more padding than this."""
@@ -1474,6 +1513,64 @@ def length_groups(prompt_lengths, response_lengths, overhead=None):
             grown = (p[i], r[i])
         longest = grown
     return [torch.tensor(g) for g in groups]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The learning phase's bookkeeping.
+
+
+def ptx_backward(policy, ptx, step, index, args, rank, world, pad_id, backward):
+    """PPO-ptx's gradient for one optimizer step: as many pretraining sequences as the mini-batch has episodes, taken
+    in order through the ptx text by the step's global index (update, epoch, mini-batch: the same on any number of
+    ranks, and after a resume), this rank's share in micro-batches, the loss divided by all of their tokens (the
+    mini-batch's mean, as the PPO losses are). Returns this rank's share of that mean."""
+    update, epoch, mb = index
+    first = ((update * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb) * len(step.rows)
+    seqs = [ptx[i % len(ptx)] for i in range(first, first + len(step.rows))]
+    micro, share, total = args.per_device_train_batch_size, len(step.rows) // world, 0
+    sync_gradients([policy], last=False, fsdp=args.fsdp)  # (all-reduced with the PPO losses' under DDP)
+    for i in range(rank * share, (rank + 1) * share, micro):
+        with torch.autocast(step.rows.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            loss = language_modelling_loss(policy, seqs[i:i + micro], pad_id, sum(len(s) - 1 for s in seqs),
+                                           step.rows.device)
+        backward(args.ptx_coef * loss)
+        total = total + loss.detach()
+    return total
+
+
+def sync_gradients(models, last, fsdp):
+    """Whether this backward averages gradients over ranks: DDP all-reduces in a step's last backward only (it decides
+    at the forward); FSDP reduce-scatters every backward's, so that no rank holds a whole model's unsharded
+    gradients."""
+    for model in models:
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            model.set_requires_gradient_sync(last or fsdp)
+        elif hasattr(model, "require_backward_grad_sync"):  # DDP
+            model.require_backward_grad_sync = last or fsdp
+
+
+def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
+    """The optimizer step: the gradients of policy and critic clipped together to max_grad_norm (0: not clipped), the
+    step, the gradients cleared. Returns the norm before clipping. A norm that is not finite stops the run before the
+    step, so that the last checkpoint stays the last good state."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable.parameters(), max_grad_norm or float("inf"))
+    norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if not math.isfinite(norm):
+        raise common.UserError(f"update {update + 1}: the gradient norm is {norm} (policy loss {pg_loss.item():.4g}); "
+                               "training diverged: lower --learning_rate; --resume continues from the last checkpoint")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def mean_over_steps(stats):
+    """Each statistic's mean over an update's optimizer steps, a step's value being the sum of every rank's share
+    (one all-reduce for all); the ratio's variance from its mean and mean square."""
+    names = list(stats[0])
+    per_step = dict(zip(names, all_reduce(torch.stack([torch.stack([s[k] for s in stats]) for k in names]))))
+    means = {k: v.mean().item() for k, v in per_step.items() if k != "policy/ratio_sq"}
+    means["policy/ratio_var"] = (per_step["policy/ratio_sq"] - per_step["policy/ratio"] ** 2).mean().item()
+    return means
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1571,14 +1668,6 @@ def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def set_grad_sync(models, enabled):
-    for model in models:
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            model.set_requires_gradient_sync(enabled)
-        elif hasattr(model, "require_backward_grad_sync"):  # DDP
-            model.require_backward_grad_sync = enabled
-
-
 def all_gather_cat(t):
     if not dist.is_initialized():
         return t
@@ -1646,6 +1735,19 @@ def open_logs(args, rank, saved):
         return None
     return common.Logger(args, args.wandb_project, saved), \
         common.open_log(os.path.join(args.output_dir, "samples.jsonl"), saved)
+
+
+def describe_run(args, sizes, world, optimizer, critic, n_prompts, start):
+    """One line: how the rollout batch is made, the updates, the method's choices, the learning rates."""
+    k = args.num_samples_per_prompt
+    return (f"rollout batch {sizes.batch_size} episodes = {args.per_device_train_batch_size} x "
+            f"{args.gradient_accumulation_steps} accumulation x {args.num_mini_batches} mini-batches x {world} ranks "
+            f"({sizes.batch_size // k} prompts x {k} responses); {sizes.num_updates} updates x {args.num_ppo_epochs} "
+            f"epochs; advantages {args.advantage_estimator}, KL ({args.kl_estimator}) in the {args.kl_penalty}, "
+            f"loss {args.loss_aggregation}; lr {optimizer.param_groups[0]['initial_lr']:g}"
+            + (f" (critic {optimizer.param_groups[1]['initial_lr']:g})" if critic is not None else "")
+            + f"; {n_prompts} prompts" + (f"; resumed at update {start} ({start * sizes.batch_size} episodes)"
+                                          if start else ""))
 
 
 def log_update(logs, bar, m, last, args, tokenizer, batch):

@@ -10,6 +10,7 @@ section must show.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -247,7 +248,7 @@ def check_8b_shapes(device, quick):
 def check_logprobs(device, quick):
     """5. Sampling vs learning log-probs at initialisation, on a policy trained first (random weights hide the
     effect): |new - old| over the response tokens, the fraction of ratios outside 1 +- 0.2 and the KL per sequence
-    at initialisation, for bf16 weights and for fp32 weights under bf16 autocast; then rollout_logprobs' (the fix)."""
+    at initialisation, for bf16 weights and for fp32 weights under bf16 autocast; then reference_logprobs' (the fix)."""
     tok = common.embedded_tokenizer()
     policy = ppo.embedded_sft_policy("embedded-llama", tok, seed=0, steps=50 if quick else 400).to(device)
     args = ppo.Args(response_length=16, per_device_train_batch_size=32, num_mini_batches=2, bf16=True)
@@ -260,7 +261,7 @@ def check_logprobs(device, quick):
         model = policy.to(dtype)
         batch = ppo.rollout(model, prompts, range(64), args, tok.eos_token_id, tok.pad_token_id, device, False)
         sampled = batch.logprobs.clone()
-        ppo.rollout_logprobs(model, model, batch, args, 0, 0, 1)
+        ppo.reference_logprobs(model, model, None, batch, args, 0, 0, 1, contextlib.nullcontext)
         real = batch.mask
         diff = (batch.logprobs - sampled)[real]
         ratio = diff.exp()

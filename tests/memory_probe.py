@@ -19,7 +19,8 @@ def ppo_held(flags, rank, world, device):
     args = tyro.cli(ppo.Args, args=flags)
     ppo.check_args(args)
     tokenizer = ppo.load_tokenizer(args)
-    _, lora, policy, critic, ref_policy, reward = ppo.build_models(args, tokenizer, device, rank, world)
+    models = ppo.build_models(args, tokenizer, device, rank, world)
+    policy, critic = models.policy, models.critic
     trainable, optimizer, _ = ppo.build_optimizer(policy, critic, args, 10)
     ids = torch.randint(3, len(tokenizer), (2, 12))
     mask = torch.ones_like(ids)
@@ -28,10 +29,10 @@ def ppo_held(flags, rank, world, device):
         loss = loss + critic(ids, mask).mean()
     loss.backward()
     optimizer.step()
-    models = {"policy": policy, "critic": critic, "reference policy": None if lora else ref_policy,
-              "reward model": reward.model}
+    held = {"policy": policy, "critic": critic, "reference policy": None if models.lora else models.reference,
+              "reward model": models.reward.model}
     plan = ppo.memory_plan(args, world, len(tokenizer))
-    return plan, {name: common.held_bytes(m, optimizer) for name, m in models.items() if m is not None}
+    return plan, {name: common.held_bytes(m, optimizer) for name, m in held.items() if m is not None}
 
 
 def rm_held(flags, rank, world, device):

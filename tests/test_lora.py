@@ -230,9 +230,9 @@ def test_ppo_lora_two_ranks_equal_one_and_under_fsdp_bf16_the_adapters_stay_floa
 @pytest.mark.parametrize("critic_init", ["reward", "policy"])
 def test_ppo_lora_bf16_holds_every_frozen_weight_in_bfloat16_and_trains_in_float32(critic_init, reward_model_path):
     args = ppo.Args(reward_model_path=reward_model_path, bf16=True, critic_init=critic_init, **LORA)
-    policy_hf, lora, policy, critic, ref_policy, reward = ppo.build_models(
-        args, ppo.load_tokenizer(args), torch.device("cpu"), 0, 1)
-    assert ref_policy is policy  # the reference is the policy with its adapter off: no copy
+    models = ppo.build_models(args, ppo.load_tokenizer(args), torch.device("cpu"), 0, 1)
+    policy, critic, reward = models.policy, models.critic, models.reward
+    assert models.reference is policy  # the reference is the policy with its adapter off: no copy
     if critic_init == "reward":  # ... and the reward model is the critic with its adapter off
         assert reward.model is None and reward.in_critic is not None
     else:
@@ -252,7 +252,8 @@ def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_re
     json.dump(dict(config, reward_scale=2.5), open(tmp_path / "rm" / "config.json", "w"))  # shift_scale's normalization
     args = ppo.Args(reward_model_path=str(tmp_path / "rm"), **LORA)
     tokenizer = ppo.load_tokenizer(args)
-    _, lora, policy, critic, _, reward = ppo.build_models(args, tokenizer, torch.device("cpu"), 0, 1)
+    models = ppo.build_models(args, tokenizer, torch.device("cpu"), 0, 1)
+    critic, reward = models.critic, models.reward
     separate = ppo.load_reward(args, tokenizer)
     assert reward.model is None and separate.model is not None and separate.scale != 1 and separate.shift != 0
     perturb_adapters(critic)

@@ -697,11 +697,13 @@ def test_logits_in_blocks_give_the_log_probs_entropies_and_gradients_of_the_whol
     assert len(blocks) == 8  # 7 positions in 4 blocks, each computed again in the backward pass
     for whole, blocked in zip(*results.values()):
         assert torch.allclose(whole, blocked, atol=1e-6, rtol=1e-5)
-    # ... and both are the formulas written out on the model's own logits at temperature 0.7
+    # ... and both are what the method's plain forward computes (response_logprobs), the entropy the formula written
+    # out on the model's own logits at temperature 0.7
     with torch.no_grad():
+        plain = ppo.response_logprobs(policy, qr, qr_mask.long(), query.shape[1], 0.7)
         logp = torch.log_softmax(policy(input_ids=qr, attention_mask=qr_mask.long()).logits[:, query.shape[1] - 1:-1]
                                  / 0.7, -1)
-    assert torch.allclose(results[10 ** 9][0], logp.gather(-1, responses[..., None]).squeeze(-1), atol=1e-5)
+    assert torch.allclose(results[10 ** 9][0], plain, atol=1e-5)
     assert torch.allclose(results[10 ** 9][1], -(logp.exp() * logp).sum(-1), atol=1e-5)
 
 
