@@ -157,10 +157,8 @@ class Args:
     lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
     """Learning-rate schedule over the updates."""
     max_grad_norm: float = 1.0
-    """Gradient clipping norm over policy and critic together (0 disables), logged as policy/grad_norm. One clip, not
-    one per model: on the embedded task the critic's gradient is 2-4% of the joint norm (up to 45% in the first
-    updates, a fresh head's too), and per-model clips reached the same gold score at equal KL over 3 seeds
-    (benchmarks/README.md, Gradient clipping)."""
+    """Gradient clipping norm over policy and critic together (0 disables), logged as policy/grad_norm (one clip, not
+    one per model: the same gold score at equal KL on the embedded task; benchmarks/README.md, Gradient clipping)."""
     seed: int = 1
     """Seed of data order and sampling (each episode's sampling is seeded by its global index)."""
     # --- sampling
@@ -194,9 +192,8 @@ class Args:
     Ctrl-C (SIGINT) or SIGTERM ends a run after its current update with a checkpoint, whatever this is (exit 130 /
     143)."""
     resume: bool = False
-    """Continue from the latest checkpoint in --output_dir, at the episodes it had trained (none: start from the first
-    update; a finished run: nothing to do; on any number of ranks, a global batch that does not divide them refused,
-    naming the flags that keep the saved one)."""
+    """Continue from the latest checkpoint in --output_dir at the episodes it had trained, on any number of ranks (a
+    global batch that does not divide them is refused, naming the flags that keep the saved one)."""
     overwrite_output_dir: bool = False
     """Train afresh in an --output_dir that holds a finished run or checkpoints (refused without this or --resume):
     its checkpoints are deleted when training starts, its other files replaced as this run writes them."""
@@ -218,10 +215,9 @@ class Args:
     """Recompute the policy's and critic's activations in the backward pass (activation checkpointing: less memory
     for one more forward of each block in learning)."""
     bf16: bool = False
-    """bfloat16 autocast (weights and optimizer state stay float32; with LoRA, the frozen base weights are held in
-    bfloat16, the adapters and value head in float32). The output layer, log-softmax, entropy and scalar heads are
-    computed in float32 whatever this says; the old log-probs are recomputed by the learning forward (README,
-    Precision)."""
+    """bfloat16 autocast (weights and optimizer state stay float32; with LoRA the frozen base weights are held in
+    bfloat16). Output layer, log-softmax, entropy and scalar heads stay float32; the old log-probs are recomputed by
+    the learning forward (reference_logprobs)."""
     plan_only: bool = False
     """Print the memory plan for --plan_world_size GPUs of --plan_gpu_memory_gb and exit, 0 if it fits and 2 if not
     (naming flags that would fit), from the models' config.json alone: no weight, tokenizer or GPU needed."""
@@ -451,10 +447,12 @@ class Critic(torch.nn.Module):
 
 @torch.no_grad()
 def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collective=False):
-    """2. Each episode's values (with a critic) and score: the reward model read at the response's last real token
-    (its stop token), plus the reward function, minus the missing-EOS penalty. Forwards run on groups of similar
-    length (one group under FSDP, where every rank must make the same calls). Fills scores, values and has_stop;
-    returns the response texts."""
+    """2. Each episode's values (with a critic) and score: the frozen reward model's output at the response's last
+    real token (its stop token, or the last one of a response cut at --response_length; rm.py trains it to read
+    there), normalized as rm.py saved it, (output - shift) / scale; read in the policy's tokens, or where it has its
+    own tokenizer, on the decoded text in its tokens (reward_model_tokens). Plus the reward function of the prompt
+    and response texts, minus the missing-EOS penalty. Forwards run on groups of similar length (one group under
+    FSDP, where every rank must make the same calls). Fills scores, values and has_stop; returns the response texts."""
     responses, mask, context_length = batch.responses, batch.mask, batch.context_length
     has_stop = (responses == stop_id).any(1) if stop_id is not None else None
     response_texts = [tokenizer.decode(r[m & (r != stop_id)] if stop_id is not None else r[m], skip_special_tokens=True)
@@ -468,8 +466,8 @@ def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collect
         rm_ids, rm_mask = (t.to(responses.device) for t in reward_model_tokens(batch, stop_id, tokenizer, reward, args))
     with torch.autocast(responses.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for rows in (g.to(responses.device)[i:i + micro] for g in groups for i in range(0, len(g), micro)):
-            ids, ids_mask, context, kept = trim_padding(batch.query_response[rows], batch.attention_mask[rows],
-                                                        context_length)
+            f = trimmed(batch, rows)
+            ids, ids_mask, context, kept = f.ids, f.attention_mask, f.context, f.kept
             if critic is not None:  # (under --bf16 reference_logprobs recomputes them; kept first here all the same:
                 # FSDP fixes a model's gradient dtypes at its first forward, which must run with the LoRA adapter on)
                 values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
@@ -611,7 +609,10 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
                 named = {"loss/policy": pg_loss, "policy/entropy": masked_mean(entropy, real, step.n_tokens),
                          **{f"policy/{k}": v for k, v in pg.items()}}
                 if args.kl_penalty == "loss":  # GRPO (Shao et al. 2024, eq. 3): the current policy's KL, in the loss
-                    kl_loss = average(kl_per_token(new_logprobs, f.take(batch.ref_logprobs), args.kl_estimator))
+                    # (padding's log-probs set to 0, as the reference's are: k3 = exp(ref - new) - ... of a pad token
+                    # at a low temperature would overflow to inf, and inf x a zero mask is NaN)
+                    kl_loss = average(kl_per_token(new_logprobs.masked_fill(real == 0, 0.0),
+                                                   f.take(batch.ref_logprobs), args.kl_estimator))
                     loss = loss + kl_coef * kl_loss
                     named["loss/kl"] = kl_loss
                 backward(loss)
@@ -689,11 +690,8 @@ def check_estimator_args(args):
 
 @dataclass
 class Sizes:
-    """The run's sizes, derived from the flags and the number of ranks."""
-    local_batch: int
-    """Episodes each rank rolls out per update: micro-batch x accumulation x mini-batches."""
-    batch_size: int
-    """The rollout batch: local_batch x ranks."""
+    local_batch: int  # episodes each rank rolls out per update: micro-batch x accumulation x mini-batches
+    batch_size: int  # the rollout batch: local_batch x ranks
     num_updates: int
 
 
@@ -805,8 +803,8 @@ def main(args):
             log_update(logs, bar, m, update == num_updates - 1, args, tokenizer, batch)
         save, stop = common.step_end(update + 1, args.save_steps, t_saved, device)
         if save and update + 1 < num_updates:
-            common.save_training(trainable, optimizer, scheduler, update + 1, rank, args.output_dir, kl_coef=kl_coef,
-                                 history=history, global_batch=batch_size)
+            common.save_training(trainable, optimizer, scheduler, update + 1, rank, args.output_dir, batch_size,
+                                 kl_coef=kl_coef, history=history)
             t_saved = time.time()
         if stop and update + 1 < num_updates:
             common.exit_stopped(stop, update + 1, args, rank, bar)
@@ -963,17 +961,12 @@ def memory_plan(args, world, vocab_size=None):
 
 @dataclass
 class Models:
-    policy: torch.nn.Module
-    """Trained: DDP- or FSDP-wrapped."""
-    critic: torch.nn.Module | None
-    """Trained (a Critic, wrapped so); None without GAE."""
-    reference: torch.nn.Module
-    """Frozen: the initial policy (with LoRA the policy itself, read with its adapter switched off)."""
+    policy: torch.nn.Module  # trained: DDP- or FSDP-wrapped
+    critic: torch.nn.Module | None  # trained (a Critic, wrapped so); None without GAE
+    reference: torch.nn.Module  # frozen: the initial policy (LoRA: the policy, read with its adapter off)
     reward: "Reward"
-    policy_hf: PreTrainedModel
-    """The policy's transformers model, for the final save."""
-    lora: object = None
-    """With LoRA: the peft model holding the policy's adapter."""
+    policy_hf: PreTrainedModel  # the policy's transformers model, for the final save
+    lora: object = None  # with LoRA: the peft model holding the policy's adapter
 
 
 def build_models(args, tokenizer, device, rank, world):
@@ -1448,25 +1441,15 @@ def takes_argument(model_class, name):
 # Length groups: rows of similar length run as one trimmed forward (less padding, the same numbers).
 
 
-def trim_padding(query_response, mask, context_length):
-    """Drop the columns that are padding in every row: left of the longest prompt, right of the longest response.
-    The real tokens' outputs are unchanged (position ids come from the mask), for less work. Returns the trimmed
-    tensors, the new context length and the number of response columns kept."""
-    real = mask.bool().any(0)
-    first = min(int(real.int().argmax()), context_length - 1)
-    last = max(len(real) - int(real.flip(0).int().argmax()), context_length + 1)
-    return query_response[:, first:last], mask[:, first:last], context_length - first, last - context_length
-
-
 @dataclass
 class Trimmed:
-    """One forward's rows of the rollout batch, less the columns that are padding in all of them (trim_padding)."""
+    """One forward's rows of the rollout batch, less the columns that are padding in all of them: left of the longest
+    prompt, right of the longest response. The real tokens' outputs are unchanged (position ids come from the mask),
+    for less work."""
     ids: torch.Tensor
     attention_mask: torch.Tensor
-    context: int
-    """Prompt columns left: the response starts there."""
-    kept: int
-    """Response columns kept."""
+    context: int  # prompt columns left: the response starts there
+    kept: int  # response columns kept
     rows: torch.Tensor
 
     def take(self, field):
@@ -1475,7 +1458,12 @@ class Trimmed:
 
 
 def trimmed(batch, rows):
-    return Trimmed(*trim_padding(batch.query_response[rows], batch.attention_mask[rows], batch.context_length), rows)
+    mask, context = batch.attention_mask[rows], batch.context_length
+    real = mask.bool().any(0)
+    first = min(int(real.int().argmax()), context - 1)
+    last = max(len(real) - int(real.flip(0).int().argmax()), context + 1)
+    return Trimmed(batch.query_response[rows][:, first:last], mask[:, first:last], context - first, last - context,
+                   rows)
 
 
 def learning_forward(batch, args, update, rank, world, fn):

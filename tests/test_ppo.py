@@ -172,6 +172,23 @@ def test_advantages_phase_puts_the_kl_where_asked(estimator, kl_penalty):
             assert torch.allclose(first, returns, atol=1e-5)
 
 
+def test_kl_in_the_loss_stays_finite_when_padding_is_improbable(tmp_path, monkeypatch):
+    """--kl_penalty loss (k3) over length groups whose padding columns the policy finds very improbable (a pad token
+    at a low temperature: log-prob -200): exp(ref - new) there would overflow, and inf x a zero mask is NaN. The run
+    must train on the real tokens alone, its KL loss finite."""
+    real_forward = ppo.policy_forward
+
+    def improbable_padding(policy, ids, mask, context, *args, **kwargs):
+        logprobs, entropy = real_forward(policy, ids, mask, context, *args, **kwargs)
+        return logprobs.masked_fill(mask[:, context:] == 0, -200.0), entropy
+
+    monkeypatch.setattr(ppo, "policy_forward", improbable_padding)
+    history = ppo.main(ppo.Args(kl_penalty="loss", reward_fn="common:gold_rewards", total_episodes=32,
+                                per_device_train_batch_size=8, output_dir=str(tmp_path)))
+    losses = [m["loss/kl"] for m in read_metrics(tmp_path)]
+    assert len(history) == 2 and all(math.isfinite(x) for x in losses), losses
+
+
 def test_kl_estimators_are_unbiased_for_known_distributions():
     p = torch.tensor([0.5, 0.3, 0.2])
     q = torch.tensor([0.2, 0.3, 0.5])
@@ -345,7 +362,7 @@ def test_a_killed_rank_ends_the_job_and_its_sharded_checkpoint_resumes_on_one_pr
 
 def test_resume_on_another_number_of_ranks_continues_where_the_episodes_left_off(tmp_path, reward_model_path):
     """2 ranks (rollout batch 16) cut after 2 updates, resumed on 1 (batch 8); 1 rank cut after 2 updates, resumed on
-    2: each of the 64 episodes rolled out once, and the linear schedule continued by episodes (lr = lr0 (1 - episodes
+    2: each of the 64 episodes rolled out once, the linear schedule continued by episodes (lr = lr0 (1 - episodes
     / 64)), ending at 64."""
     base = ["tests/faults.py", "ppo.py", "--reward_model_path", reward_model_path, *TINY]
     for cut, resumed in (("two_cut", "one_resumed"), ("one_cut", "two_resumed")):
