@@ -731,13 +731,15 @@ def main(args):
     prompts, prompt_texts = load_prompts(args, tokenizer)  # before the models: a data mistake is found in seconds
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     # The policy (trained, from --sft_model_path); the reference, a frozen copy of it (LoRA: the policy with its
-    # adapter off); the critic (GAE's: a Critic, trained); the reward: a frozen reward model and/or a function.
+    # adapter off); the critic (GAE's: a Critic, trained, from the reward model or from the policy's backbone with a
+    # new head: critic_from); the reward: a frozen reward model and/or a function.
     models = build_models(args, tokenizer, device, rank, world)
     policy, critic, reward, lora = models.policy, models.critic, models.reward, models.lora
-    # the lengths, fitted to the models, cut the prompts and the ptx text
-    bos_id, limit = common.leading_id(tokenizer), args.max_prompt_length + args.response_length
-    prompts = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]
-    ptx = ptx and [ids[:limit] for ids in ptx]
+    bos_id, limit = common.leading_id(tokenizer), args.max_prompt_length + args.response_length  # (fitted to models)
+    prompts = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]  # rm.py's rule: the last
+    ptx = ptx and [ids[:limit] for ids in ptx]  # tokens kept, and the leading BOS
+    # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type over the updates, no
+    # warm-up, stepped once per update (one learning rate for an update's num_ppo_epochs x num_mini_batches steps)
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
     start, kl_coef, history, saved = 0, args.kl_coef, [], None
     if args.resume and (resumed := common.resume_training(trainable, optimizer, scheduler, args.output_dir, lambda c:
