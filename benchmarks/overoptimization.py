@@ -7,7 +7,7 @@ the embedded task, whose gold reward is known exactly.
 
 What it measures, per seed (the seed of the reward model's initialisation, its share of the 40,000 training pairs and
 their order; of the initial policy and of every sample):
-  1. Reward models of several strengths: `rm.py` on 250, 1,000, 4,000 and 16,000 preference pairs, each with its
+  1. Reward models of several strengths: `rm.py` on 125, 500, 2,000 and 8,000 preference pairs, each with its
      held-out accuracy (4,000 pairs) beside the Bayes-optimal accuracy the task knows exactly.
   2. Best-of-n: one pool of N responses per prompt from the initial policy (ppo.py's, seeded as a run with that seed),
      scored by every reward model and by the gold reward. The gold (and proxy) score of the response the proxy ranks
@@ -16,10 +16,12 @@ their order; of the initial policy and of every sample):
      unbiased estimator). Its KL to the initial policy is log n - (n-1)/n.
   3. RL: `ppo.py` against each reward model, and against the gold reward itself (the ceiling), with no KL penalty
      (as the paper's main runs: the KL travelled is the x axis); every 4 updates (128 episodes) one point: the mean
-     gold score, the mean proxy score and d = sqrt(mean KL to the initial policy).
+     gold score, the mean proxy score and d = sqrt(mean KL to the initial policy). ppo.py's defaults otherwise (a
+     smaller learning rate spread the rise over more points but fitted the RL form worse: benchmarks/README.md).
   4. Fits, per reward model, of the gold score relative to the initial policy's: R_bon(d) = d (alpha - beta d) and
-     R_RL(d) = d (alpha - beta log d), least squares through the origin on every seed's points, with R^2 and the peak
-     (d* = alpha / 2 beta, height alpha^2 / 4 beta; d* = exp(alpha / beta - 1), height beta d*).
+     R_RL(d) = d (alpha - beta log d), least squares through the origin on the mean curve over seeds (the mean d and
+     score at each n, or after each update), with R^2 and the peak (d* = alpha / 2 beta, height alpha^2 / 4 beta;
+     d* = exp(alpha / beta - 1), height beta d*); each seed's own fit gives the spread.
 The proxy score is drawn divided by PREFERENCE_BETA: labels are sigmoid(beta (gold_a - gold_b)), so a reward model
 learns beta x gold, and proxy / beta is on the gold's scale. Everything runs in this one process, one run after another.
 """
