@@ -7,7 +7,7 @@ the embedded task, whose gold reward is known exactly.
 
 What it measures, per seed (the seed of the reward model's initialisation, its share of the 40,000 training pairs and
 their order; of the initial policy and of every sample):
-  1. Reward models of several strengths: `rm.py` on 250, 1,000, 4,000 and 16,000 preference pairs, each with its
+  1. Reward models of several strengths: `rm.py` on 125, 500, 2,000 and 8,000 preference pairs, each with its
      held-out accuracy (4,000 pairs) beside the Bayes-optimal accuracy the task knows exactly.
   2. Best-of-n: one pool of N responses per prompt from the initial policy (ppo.py's, seeded as a run with that seed),
      scored by every reward model and by the gold reward. The gold (and proxy) score of the response the proxy ranks
@@ -16,10 +16,12 @@ their order; of the initial policy and of every sample):
      unbiased estimator). Its KL to the initial policy is log n - (n-1)/n.
   3. RL: `ppo.py` against each reward model, and against the gold reward itself (the ceiling), with no KL penalty
      (as the paper's main runs: the KL travelled is the x axis); every 4 updates (128 episodes) one point: the mean
-     gold score, the mean proxy score and d = sqrt(mean KL to the initial policy).
+     gold score, the mean proxy score and d = sqrt(mean KL to the initial policy). ppo.py's defaults otherwise (a
+     smaller learning rate spread the rise over more points but fitted the RL form worse: benchmarks/README.md).
   4. Fits, per reward model, of the gold score relative to the initial policy's: R_bon(d) = d (alpha - beta d) and
-     R_RL(d) = d (alpha - beta log d), least squares through the origin on every seed's points, with R^2 and the peak
-     (d* = alpha / 2 beta, height alpha^2 / 4 beta; d* = exp(alpha / beta - 1), height beta d*).
+     R_RL(d) = d (alpha - beta log d), least squares through the origin on the mean curve over seeds (the mean d and
+     score at each n, or after each update), with R^2 and the peak (d* = alpha / 2 beta, height alpha^2 / 4 beta;
+     d* = exp(alpha / beta - 1), height beta d*); each seed's own fit gives the spread.
 The proxy score is drawn divided by PREFERENCE_BETA: labels are sigmoid(beta (gold_a - gold_b)), so a reward model
 learns beta x gold, and proxy / beta is on the gold's scale. Everything runs in this one process, one run after another.
 """
@@ -38,8 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
-FULL = dict(sizes=[250, 1000, 4000, 16000], seeds=[1, 2], pool=512, max_n=256, episodes=4096)
-QUICK = dict(sizes=[250, 1000], seeds=[1], pool=64, max_n=32, episodes=2048)
+FULL = dict(sizes=[125, 500, 2000, 8000], seeds=[1, 2, 3, 4], pool=512, max_n=256, episodes=4096)
+QUICK = dict(sizes=[125, 2000], seeds=[1], pool=64, max_n=32, episodes=2048)
 UPDATES_PER_POINT = 4
 COLORS = ["tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple"]
 
@@ -159,15 +161,25 @@ def relative(run, points, key):
     return [p["d"] for p in points], [(p[key] - base) / scale for p in points]
 
 
+def mean_curve(group, form, key="gold"):
+    """The curve of the mean over seeds at matched point (the same n, or the same update): (d, relative score)."""
+    xy = np.array([relative(r, r[form], key) for r in group])  # (seeds, 2, points)
+    return list(xy[:, 0].mean(0)), list(xy[:, 1].mean(0))
+
+
 def summarize(runs):
-    """Per reward model (and the gold run): accuracy, and the fits of both forms on every seed's gold points."""
+    """Per reward model (and the gold run): accuracy, and the fits of both forms on the gold score's mean curve over
+    seeds; each seed's own fit gives the spread. A run's collapse onto repeated words comes at a different update in
+    each seed, so one fit through every seed's raw points mixes curves of different shapes, while the mean curve is
+    the expected gold score after k updates, the quantity the paper's forms describe."""
     rows = []
     for pairs in dict.fromkeys(r["pairs"] for r in runs):
         group = [r for r in runs if r["pairs"] == pairs]
         row = {"pairs": pairs, "seeds": [r["seed"] for r in group]}
         for form in ("bon", "rl") if pairs else ("rl",):
             xy = [relative(r, r[form], "gold") for r in group]
-            row[form] = fit(sum((x for x, _ in xy), []), sum((y for _, y in xy), []), form)
+            row[form] = fit(*mean_curve(group, form), form)
+            row[form]["seed_fits"] = [fit(x, y, form) for x, y in xy]
             row[form]["max_gold"] = [max(y) for _, y in xy]  # the highest gold point of each seed
             row[form]["last_gold"] = [y[-1] for _, y in xy]
             row[form]["last_proxy"] = [relative(r, r[form], "proxy")[1][-1] for r in group] if pairs else None
@@ -185,12 +197,16 @@ def report(runs, out_png):
     import matplotlib.pyplot as plt
 
     rows = summarize(runs)
-    def spread(xs, p=2):  # the mean over seeds, and (min–max) where there are several
-        return f"{np.mean(xs):.{p}f}" + (f" ({min(xs):.{p}f}–{max(xs):.{p}f})" if len(xs) > 1 else "")
+
+    def span(xs, p):  # (min–max) over seeds where there are several
+        return f" ({min(xs):.{p}f}–{max(xs):.{p}f})" if len(xs) > 1 else ""
+
+    def spread(xs, p=2):  # the mean over seeds, and its span
+        return f"{np.mean(xs):.{p}f}" + span(xs, p)
 
     num = lambda x: "none" if math.isinf(x) else f"{x:.2f}"  # noqa: E731
-    lines = ["| reward model | held-out accuracy (Bayes-optimal) | method | alpha | beta | R^2 | peak d (KL) | peak gold "
-             "(fit) | highest gold point | last point: gold / proxy |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| reward model | held-out accuracy (Bayes-optimal) | method | alpha | beta (per seed) | R^2 (per seed) | "
+             "peak d (KL) | peak gold (fit) | highest gold point | last point: gold / proxy |", "|---" * 10 + "|"]
     for row in rows:
         name = f"{row['pairs']:,} pairs" if row["pairs"] else "gold reward (ceiling)"
         acc = f"{spread(row['accuracy'], 3)} ({row['bayes_accuracy']:.3f})" if row["pairs"] else "–"
@@ -199,8 +215,10 @@ def report(runs, out_png):
                 f = row[form]
                 kl = "" if math.isinf(f["peak_d"]) else f" ({f['peak_d'] ** 2:.1f})"
                 last = spread(f["last_gold"]) + (f" / {spread(f['last_proxy'])}" if f["last_proxy"] else "")
+                per_seed = lambda key, p: span([x[key] for x in f["seed_fits"]], p)  # noqa: E731
                 lines.append(f"| {name} | {acc} | {'best-of-n' if form == 'bon' else 'RL'} | {f['alpha']:.3f} | "
-                             f"{f['beta']:.3f} | {f['r2']:.2f} | {num(f['peak_d'])}{kl} | {num(f['peak'])} | "
+                             f"{f['beta']:.3f}{per_seed('beta', 3)} | {f['r2']:.2f}{per_seed('r2', 2)} | "
+                             f"{num(f['peak_d'])}{kl} | {num(f['peak'])} | "
                              f"{spread(f['max_gold'])} | {last} |")
     print("\n".join(lines))
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
@@ -211,11 +229,10 @@ def report(runs, out_png):
         for ax, form in zip(axes, ("bon", "rl")):
             if form not in row:
                 continue
-            for k, r in enumerate(group):
-                for key, style in (("gold", "o"), ("proxy", "x")) if pairs else (("gold", "o"),):
-                    d, y = relative(r, r[form], key)
-                    ax.plot(d, y, style, color=color, ms=3, alpha=0.5, ls="-" if key == "gold" else "--", lw=0.8,
-                            label=(f"{label}: {key}" if k == 0 else None))
+            for r in group:  # each seed's gold points, faint; the mean curves over seeds drawn over them
+                ax.plot(*relative(r, r[form], "gold"), ".", color=color, ms=2, alpha=0.25)
+            for key, style in (("gold", "o-"), ("proxy", "x--")) if pairs else (("gold", "o-"),):
+                ax.plot(*mean_curve(group, form, key), style, color=color, ms=3, lw=0.8, label=f"{label}: {key}")
             d = np.linspace(0, max(p["d"] for r in group for p in r[form]), 100)
             ax.plot(d, curve(form, row[form], d), color=color, lw=2.5, alpha=0.6)
     for ax, title in zip(axes, ("Best-of-n (n = 1 ... {})".format(runs[0]["bon"][-1]["n"]),
@@ -225,7 +242,8 @@ def report(runs, out_png):
                ylabel="score - initial policy's (gold: solid; proxy / beta: dashed)")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
-    fig.suptitle("Reward-model overoptimization on the embedded task; thick lines: the fitted forms on the gold score")
+    fig.suptitle("Reward-model overoptimization on the embedded task: means over seeds (dots: each seed's gold); "
+                 "thick lines: the fitted forms")
     common.save_figure(fig, out_png)
     return rows, "\n".join(lines)
 

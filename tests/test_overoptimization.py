@@ -36,8 +36,26 @@ def test_fits_recover_a_known_curve_and_its_peak(form):
     assert f["peak_d"] == pytest.approx(grid[r.argmax()], abs=1e-3) and f["peak"] == pytest.approx(r.max())
 
 
+def test_fits_are_on_the_mean_curve_over_seeds():
+    """Two seeds whose gold points straddle a known curve by opposite noise: the fit of the mean curve recovers the
+    curve exactly, each seed's own fit (the spread) does not."""
+    d = np.linspace(0.2, 6, 20)
+    truth = {"alpha": 0.5, "beta": 0.2}
+    noise = 0.05 * np.sin(3 * d)
+    runs = [{"pairs": 500, "seed": seed, "gold_init": 0.4, "proxy_init": 0.0, "accuracy": 0.6, "bayes_accuracy": 0.7,
+             "bon": [{"d": x, "gold": 0.4 + overoptimization.curve("bon", truth, x) + sign * e, "proxy": 0.0}
+                     for x, e in zip(d, noise)],
+             "rl": [{"d": x, "gold": 0.4 + overoptimization.curve("rl", truth, x) + sign * e, "proxy": 0.0}
+                    for x, e in zip(d, noise)]} for seed, sign in ((1, 1), (2, -1))]
+    (row,) = overoptimization.summarize(runs)
+    for form in ("bon", "rl"):
+        assert row[form]["alpha"] == pytest.approx(0.5) and row[form]["beta"] == pytest.approx(0.2), form
+        assert row[form]["r2"] == pytest.approx(1.0), form
+        assert all(abs(f["alpha"] - 0.5) > 1e-3 and f["r2"] < 1 - 1e-4 for f in row[form]["seed_fits"]), form
+
+
 def test_quick_sweep_shows_overoptimization(tmp_path):
-    """The smallest setting: two reward models (250 and 1,000 pairs), one seed. What it can see: the larger reward model
+    """The smallest setting: two reward models (125 and 2,000 pairs), one seed. What it can see: the larger reward model
     is more accurate and its best-of-n and RL reach a higher gold score; best-of-n's proxy estimate rises with n; under
     RL against either reward model the proxy rises to the end while the gold score turns down, and PPO on the gold
     reward itself ends higher."""
