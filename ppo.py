@@ -17,6 +17,9 @@ update hands one Rollout batch through the phases:
   4. advantages: rewards = -kl_coef * KL per token + score at the last token; GAE, whitened;
   5. learn: num_ppo_epochs passes of clipped-surrogate policy loss and clipped value loss over shuffled mini-batches;
   6. adapt kl_coef, log, checkpoint.
+Sampling and every log-prob use the logits divided by --temperature (no top-k / top-p). Weights and optimizer state
+are float32; --bf16 autocasts the transformer blocks, while the output layer, log-softmax, entropy, values and rewards
+stay float32 (with --bf16 and LoRA or --fsdp, frozen weights are held in bfloat16: computed so under autocast anyway).
 Schulman et al. 2017 (PPO); Ziegler et al. 2019 and Stiennon et al. 2020 (PPO for language); Huang et al. 2024
 ("The N implementation details of RLHF with PPO"). The same loop without a critic (--advantage_estimator rloo, grpo,
 reinforce_pp: advantages from the K responses to a prompt, or from the batch), with the KL in the loss instead of
