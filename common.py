@@ -26,6 +26,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 import types
 import warnings
 
@@ -60,22 +61,48 @@ def cli(args_class):
         return args_class(**vars(tyro.cli(flat, use_underscores=True)))
 
 
+def leave_together():
+    """The end of a run on several ranks: every rank waits for the others (a rank whose peer is still saving could
+    abort in gloo's teardown), then leaves at once (os._exit, its output flushed), not through the interpreter's
+    teardown: there a process group still held by DDP's reducer joins gloo's threads, which can wait an hour on a
+    peer that has already gone."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def first_line(error):
     """The first line of an exception's message (a library's own errors can run to pages), or its type's name."""
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def exit_on_user_error(fn, *args):
+    """The command line's main: a UserError printed in one line, exit code 2. Under torchrun a process that fails
+    leaves at once, as leave_together does."""
+    distributed, result = int(os.environ.get("WORLD_SIZE", "1")) > 1, None
     try:
-        return fn(*args)
+        result, code = fn(*args), 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        if torch.distributed.is_initialized():  # (left to the interpreter's exit, gloo aborts when a peer has gone)
-            torch.distributed.destroy_process_group()
-        sys.exit(2)
+        code = 2
     except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it (stop_on_signals)
         print("stopped at once by Ctrl-C; --resume continues from the last checkpoint, if any", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+        code = 128 + signal.SIGINT
+    except BaseException as e:  # exit_stopped's 130 / 143, or a bug
+        if not distributed:
+            raise
+        code = e.code if isinstance(e, SystemExit) else traceback.print_exc() or 1
+    if distributed:
+        if isinstance(code, str):
+            print(code, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+    if code:
+        sys.exit(code)
+    return result
 
 
 def agreed(check):

@@ -816,9 +816,7 @@ def main(args):
     common.stop_on_signals(False)
 
     common.agreed(lambda: save_final(trainable, models.policy_hf, lora, tokenizer, history, logs, args, rank))
-    if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
-        dist.barrier()
-        dist.destroy_process_group()
+    common.leave_together()  # (under torchrun: every rank done, the process ends here)
     return history
 
 

@@ -483,9 +483,7 @@ def main(args):
     normalization = fit_normalization(model, train, args, tokenizer.pad_token_id, device, rank, world)
     common.agreed(lambda: save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank,
                                      dict(normalization, eval_sets=eval_sets)))  # a failing save ends every rank
-    if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
-        dist.barrier()
-        dist.destroy_process_group()
+    common.leave_together()  # (under torchrun: every rank done, the process ends here)
     return ev
 
 
@@ -1077,9 +1075,7 @@ def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, 
         print(common.format_metrics(ev))
         print(f"evaluated {args.model_name_or_path} on {len(evals)} pairs: accuracy {ev['eval/accuracy']:.4f}; "
               f"eval_results.json and eval.png in {args.output_dir}")
-    if dist.is_initialized():  # leave together: a rank whose peer is still saving can abort in gloo's teardown
-        dist.barrier()
-        dist.destroy_process_group()
+    common.leave_together()  # (under torchrun: every rank done, the process ends here)
     return ev
 
 
