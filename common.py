@@ -736,13 +736,18 @@ def adapter_holds_head(name):
 
 def load_model(loader, name, flag, skeleton=False, **kwargs):
     """loader.from_pretrained(name); for a peft adapter folder, its base model with the adapter merged in (and the
-    reward normalization rm.py saved beside the adapter). skeleton: the model built from its config on the meta
-    device, no weight read (a rank that will receive its shards from rank 0; not for an adapter folder)."""
+    reward normalization rm.py saved beside the adapter). skeleton (FSDP on several ranks, the shards filled by
+    shard_from_rank0): from a safetensors checkpoint, on every rank the model on the meta device, each rank to read its
+    own slices (sliced_skeleton); else on rank 0 the model whole, on the others its meta skeleton."""
+    import torch.distributed as dist
+
     if skeleton and not adapter_base(name):
         from transformers import AutoConfig
 
         config = kwargs.get("config") or load_pretrained(AutoConfig, name, flag)
-        return meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
+        model = sliced_skeleton(loader, name, config, kwargs.get("dtype"))
+        if model is not None or dist.get_rank() != 0:
+            return model or meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
     if adapter_base(name) and "CausalLM" not in loader.__name__ and adapter_task(name) == "CAUSAL_LM":
         # an SFT adapter as a classifier's start: merged into its causal LM, whose backbone the classifier takes; the
         # new head gets transformers' initialisation (rm.py then its own)
@@ -1253,16 +1258,128 @@ class Transient:
     size: float
 
 
-def shard_from_rank0(model, shard, device, host=False):
-    """FSDP on several ranks, loading once: what every rank's shards hold is rank 0's weights and buffers, broadcast
-    into them. On the other ranks the model may be a skeleton on the meta device (its structure, no weights, no
-    memory); rank 0's whole copy is released once broadcast. shard(model) applies fully_shard to a meta model; host:
-    the shards in host memory (FSDP's CPU offload), the buffers on the device."""
+def safetensors_index(name):
+    """{key: file} of the safetensors weights of the model at name (a folder, or a hub name in the local cache; one file
+    or an index of shards), or None: .bin weights, an adapter folder, an embedded model, not found here."""
+    folder = name
+    if name.startswith("embedded-") or adapter_base(name):
+        return None
+    if not os.path.isdir(name):
+        import huggingface_hub
+
+        try:
+            folder = huggingface_hub.snapshot_download(name, local_files_only=True)
+        except Exception:  # not in the hub cache (or not a hub name)
+            return None
+    if os.path.exists(single := os.path.join(folder, "model.safetensors")):  # (from_pretrained's order)
+        from safetensors import safe_open
+
+        with safe_open(single, "pt") as f:
+            files = dict.fromkeys(f.keys(), single)
+    elif os.path.exists(index := os.path.join(folder, "model.safetensors.index.json")):
+        with open(index) as f:
+            files = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+    else:
+        return None
+    return files if all(map(os.path.exists, set(files.values()))) else None
+
+
+def sliced_skeleton(loader, name, config, dtype):
+    """The model at name on the meta device, each tensor its safetensors checkpoint holds (under the key
+    from_pretrained renames it to) tagged on its module (`_checkpoint`: name -> (file, key)) for shard_from_rank0 to
+    read each rank's own slices of it. Rank 0 holds for real, as from_pretrained makes them, what the scripts change
+    or the checkpoint lacks: a classifier's head (read whole), the tensors the checkpoint lacks (a classifier's new
+    head: transformers' initialisation) and the non-persistent buffers (RoPE's). None where that would not be
+    from_pretrained's model: no such checkpoint (safetensors_index), a shape that differs, tensors from_pretrained
+    merges or splits (its converters): rank 0 then loads the model whole."""
     import torch.distributed as dist
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    if (files := safetensors_index(name)) is None:
+        return None
+    opened = {f: safe_open(f, "pt") for f in set(files.values())}
+    model = meta_model(lambda: loader.from_config(config, dtype=dtype))
+    expected, mapping, keys = model.state_dict(keep_vars=True), get_model_conversion_mapping(model), {}
+    renames, converters = ([m for m in mapping if isinstance(m, kind)] for kind in (WeightRenaming, WeightConverter))
+    for key in sorted(files, key=dot_natural_key):  # (from_pretrained's order: a renaming may depend on it)
+        renamed, converted = rename_source_key(key, renames, converters, model.base_model_prefix, expected)
+        if renamed not in expected and key in expected:
+            renamed, converted = key, None
+        if renamed in expected and (converted is not None or list(opened[files[key]].get_slice(key).get_shape()) !=
+                                    list(expected[renamed].shape)):
+            return None
+        keys.setdefault(id(expected.get(renamed)), (files[key], key))
+    prefix, rank0, output = model.base_model_prefix + ".", dist.get_rank() == 0, model.get_output_embeddings()
+    heads = {id(t) for k, t in expected.items() if id(t) in keys and not k.startswith(prefix) and
+             (output is None or t is not output.weight)}
+    made, tagged = {}, set()
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)  # (set by from_config; initialize_weights skips those)
+        module._checkpoint = {}
+        for slots in (module._parameters, module._buffers):
+            for n, t in slots.items():
+                if t is not None and id(t) in keys and not (rank0 and id(t) in heads):
+                    t._is_hf_initialized = True
+                    if id(t) not in tagged:
+                        module._checkpoint[n] = keys[id(t)]
+                        tagged.add(id(t))
+                elif t is not None and rank0:
+                    if id(t) not in made:
+                        value = opened[keys[id(t)][0]].get_tensor(keys[id(t)][1]).to(t.dtype) if id(t) in heads \
+                            else torch.empty_like(t, device="cpu")
+                        made[id(t)] = torch.nn.Parameter(value, t.requires_grad) if isinstance(
+                            t, torch.nn.Parameter) else value
+                        made[id(t)]._is_hf_initialized = id(t) in heads
+                    slots[n] = made[id(t)]
+    if rank0:
+        model.initialize_weights()  # the new tensors, as from_pretrained initialises those the checkpoint lacks
+    if model.can_generate() and os.path.exists(os.path.join(folder := os.path.dirname(next(iter(opened))),
+                                                            "generation_config.json")):
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval()
+
+
+def read_whole(module):
+    """On rank 0, module's tensors that sliced_skeleton left on the meta device read whole, before rank 0 changes them
+    (rm.py grows the embeddings: the new rows, and the random draws after them, as from a whole model)."""
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    for n, (file, key) in getattr(module, "_checkpoint", {}).items():  # (the tags stay: every rank lists the same)
+        if dist.get_rank() == 0:
+            t = getattr(module, n)
+            with safe_open(file, "pt") as f:
+                value = f.get_tensor(key).to(t.dtype)
+            setattr(module, n, torch.nn.Parameter(value, t.requires_grad) if isinstance(t, torch.nn.Parameter) else value)
+
+
+def shard_from_rank0(model, shard, device, host=False):
+    """FSDP on several ranks, loading once: every rank's shards filled as rank 0 holds the model. What rank 0 holds
+    is broadcast (on the other ranks the model may be a skeleton on the meta device: its structure, no weights, no
+    memory; rank 0's whole copy is released once broadcast); what rank 0 left on the meta device, tagged by
+    sliced_skeleton, each rank reads its own slices of, from the safetensors files. shard(model) applies fully_shard to
+    a meta model; host: the shards in host memory (FSDP's CPU offload), the buffers on the device."""
+    import torch.distributed as dist
+    from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     rank0 = dist.get_rank() == 0
-    weights, buffers = (model.state_dict(), dict(model.named_buffers())) if rank0 else ({}, {})
+    tags = [(m, n, *source) for m in model.modules() for n, source in getattr(m, "_checkpoint", {}).items()]
+    read = [[i for i, (m, n, *_) in enumerate(tags) if getattr(m, n).is_meta] if rank0 else None]
+    if rank0 and (lost := [k for k, v in model.state_dict(keep_vars=True).items() if v.is_meta and id(v) not in
+                           {id(getattr(m, n)) for m, n, *_ in tags}]):
+        read = [f"rank 0 holds no weights for {lost[:3]}: nothing to broadcast, no checkpoint to read"]
+    dist.broadcast_object_list(read, src=0)  # rank 0's choice: what it holds, it broadcasts
+    if isinstance(read[0], str):
+        raise RuntimeError(read[0])
+    weights = {k: v for k, v in model.state_dict().items() if not v.is_meta} if rank0 else {}
+    buffers = dict(model.named_buffers()) if rank0 else {}
     on_meta = {}  # one meta parameter for each parameter, so that tied ones stay tied (Module.to("meta") unties them)
     for module in model.modules():
         for name, p in module._parameters.items():
@@ -1277,11 +1394,24 @@ def shard_from_rank0(model, shard, device, host=False):
         for name, b in module._buffers.items():
             if b is not None:
                 module._buffers[name] = b.to(device)
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                  strict=not read[0]))
+    files, from_files = {}, set()
+    for m, n, file, key in (tags[i] for i in read[0]):
+        t = getattr(m, n)
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements) if isinstance(
+            t, DTensor) else (t.shape, [0] * t.dim())
+        local, from_files = t.to_local() if isinstance(t, DTensor) else t, from_files | {id(t)}
+        if local.numel():
+            f = files.setdefault(file, safe_open(file, "pt"))
+            with torch.no_grad():  # (the checkpoint's dtype converted to the parameter's, as from_pretrained does)
+                local.copy_(f.get_slice(key)[tuple(slice(o, o + s) for o, s in zip(offset, shape))] if shape else
+                            f.get_tensor(key))
     for name, buffer in model.named_buffers():  # those outside the state dict too (RoPE's inverse frequencies)
-        if rank0:
-            buffer.copy_(buffers[name])
-        dist.broadcast(buffer, 0)
+        if id(buffer) not in from_files:
+            if rank0:
+                buffer.copy_(buffers[name])
+            dist.broadcast(buffer, 0)
     return model
 
 

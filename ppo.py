@@ -907,13 +907,15 @@ def critic_from(args, policy, reward):
         return critic
     config = common.without_dropout(copy.deepcopy(policy.config))
     config.num_labels = 1
-    with torch.device(policy.device):
-        critic = AutoModelForSequenceClassification.from_config(config)
+    critic = common.meta_model(lambda: AutoModelForSequenceClassification.from_config(config))
     try:  # strict: every backbone weight of the policy, none left at its random initialisation
-        critic.base_model.load_state_dict(policy.base_model.state_dict())
+        critic.base_model.load_state_dict(policy.base_model.state_dict(), assign=True)
     except RuntimeError as e:
         raise common.UserError(f"--critic_init policy: {args.sft_model_path}'s backbone does not load into a "
                                f"sequence-classification model ({common.first_line(e)})") from None
+    setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))  # (a skeleton's: where to read it)
+    critic._init_weights(critic.score.to_empty(device=policy.device if dist.is_initialized() and dist.get_rank() else
+                                               "cpu"))  # (rank 0 makes the head: common.sliced_skeleton)
     torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
     return common.scalar_head_in_float32(critic)
 
@@ -974,10 +976,10 @@ def build_models(args, tokenizer, device, rank, world):
     """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
     function). Returns the policy's transformers model too, and with LoRA the peft model holding its adapter. First,
     the memory plan (memory_plan) printed, and checked against the GPU's memory before any weight is loaded. Under
-    FSDP on several ranks only rank 0 reads the weights; the others build skeletons on the meta device, and every
-    rank's shards are filled from rank 0's (parallelize)."""
+    FSDP on several ranks each rank reads only its slices of a safetensors checkpoint, else rank 0 reads the model
+    whole and the others build skeletons on the meta device (common.load_model), when sharded (parallelize)."""
     common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
-    skeleton = args.fsdp and world > 1 and rank != 0
+    skeleton = args.fsdp and world > 1 and (rank != 0 or not args.lora_r)  # (LoRA: rank 0 makes the adapters)
     reward = load_reward(args, tokenizer, skeleton)
     critic_init = args.critic_init if args.advantage_estimator == "gae" else None  # the others have no critic
     if critic_init == "auto":

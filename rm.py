@@ -400,9 +400,9 @@ def main(args):
     # 1. Model and data: preference pairs -> token ids (the same on every rank; each takes its slice of every batch).
     tokenizer = load_tokenizer(args.model_name_or_path)
     common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
-    sharded = args.fsdp and world > 1  # then only rank 0 reads the weights, and shards them (parallelize)
+    sharded = args.fsdp and world > 1  # then each rank reads its slices, or rank 0 the whole (common.load_model)
     # a new scalar head `score`, normal with std 1/sqrt(hidden + 1) (or --head_init_std), held in float32
-    hf_model, lora = load_reward_model(args, tokenizer, skeleton=sharded and rank != 0)
+    hf_model, lora = load_reward_model(args, tokenizer, skeleton=sharded and (rank != 0 or not args.lora_r))
     args = resolve_lengths(args, hf_model, rank)
     # eval: each dataset's --eval_split, else --eval_holdout of the prompts held out (whole prompts, none trained on);
     # a pair past --max_length: the prompt cut from the left (to no less than --max_prompt_length), then each response
@@ -510,7 +510,7 @@ def load_tokenizer(name):
 
 def load_reward_model(args, tokenizer, skeleton=False):
     """The reward model (a transformers sequence classifier) and, with --lora_r, the peft model holding its adapters.
-    skeleton: built on the meta device, no weight read (a rank that receives its shards from rank 0)."""
+    skeleton: built on the meta device, its weights read when sharded (common.load_model)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     torch.manual_seed(args.seed)
@@ -533,6 +533,7 @@ def load_reward_model(args, tokenizer, skeleton=False):
                                   dtype=dtype)
     common.disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        common.read_whole(model.get_input_embeddings())  # (rank 0, before it grows the table: common.sliced_skeleton)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.pad_token_id = tokenizer.pad_token_id
     if not trained_head and hasattr(model, "score"):  # encoders' pooled heads keep transformers' initialisation
