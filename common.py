@@ -1262,7 +1262,7 @@ def safetensors_index(name):
     """{key: file} of the safetensors weights of the model at name (a folder, or a hub name in the local cache; one file
     or an index of shards), or None: .bin weights, an adapter folder, an embedded model, not found here."""
     folder = name
-    if name.startswith("embedded-") or adapter_base(name):
+    if name.startswith("embedded-") or adapter_base(name) or os.environ.get("NOSLICE"):
         return None
     if not os.path.isdir(name):
         import huggingface_hub
@@ -1354,7 +1354,8 @@ def read_whole(module):
             t = getattr(module, n)
             with safe_open(file, "pt") as f:
                 value = f.get_tensor(key).to(t.dtype)
-            setattr(module, n, torch.nn.Parameter(value, t.requires_grad) if isinstance(t, torch.nn.Parameter) else value)
+            setattr(module, n, torch.nn.Parameter(value, t.requires_grad) if isinstance(t, torch.nn.Parameter) else
+                    value)
 
 
 def shard_from_rank0(model, shard, device, host=False):

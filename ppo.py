@@ -1018,6 +1018,9 @@ def build_models(args, tokenizer, device, rank, world):
             if model is not None:
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
+    if args.fsdp and world > 1:  # (rank 0 may have held no weights above) checked on the shards, which FSDP then drops
+        common.agreed(lambda: check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
+        policy.reshard()
     offset = reward.shift / reward.scale if critic_init == "reward" else 0.0
     critic = None if critic_hf is None else parallelize(Critic(critic_hf, offset), args, device,
                                                          critic_hf.config.num_hidden_layers)

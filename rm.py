@@ -412,10 +412,14 @@ def main(args):
         return None
 
     # 2. Batch layout, optimizer, schedule.
-    args, layout = choose_layout(RewardModel(hf_model if sharded else hf_model.to(device)), args, len(tokenizer), rank)
+    if not sharded:  # (sharded, every rank checks the layout on its shards: rank 0 may hold no weights)
+        args, layout = choose_layout(RewardModel(hf_model.to(device)), args, len(tokenizer), rank)
     if args.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(RewardModel(hf_model), args, device)
+    if sharded:
+        args, layout = choose_layout(model, args, len(tokenizer))
+        model.reshard()  # (FSDP keeps the root's parameters gathered after a forward: the optimizer takes the shards)
     if args.eval_only:
         return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets)
     # AdamW (lr 1e-5; 1e-3 for the embedded models) with --weight_decay; --lr_scheduler_type after linear warm-up
