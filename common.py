@@ -1243,6 +1243,8 @@ class Planned:
     on_host: bool = False
     """Held in host memory, on the GPU only while it computes (--offload_inference_models): a replica whole, one such
     model at a time; FSDP shards one unit at a time, as every sharded model's are gathered."""
+    source: str | None = None
+    """The model folder or hub name it is loaded from (load_model): sharded, read in slices where it is safetensors."""
 
     def bytes(self):
         frozen = self.parameters - self.trained - self.frozen_in_float32
@@ -1545,9 +1547,10 @@ def plan_peaks(rows):
             for p in phases}
 
 
-def plan_table(rows, world, capacity=None):
+def plan_table(rows, world, capacity=None, lora=False):
     """The plan as a small table: per model and in total, GB per rank of weights, gradients and AdamW state; each
-    phase's rows and peak; the host memory loading takes."""
+    phase's rows and peak; the host memory loading takes (sharded, each rank reads its slices of a safetensors
+    checkpoint; else, and with LoRA, rank 0 builds the model whole: load_model)."""
     lines = [f"memory plan per rank ({world} rank{'s' if world > 1 else ''}; GB):",
              f"  {'model':<18}{'params':>9}{'weights':>9}{'grads':>9}{'AdamW':>9}{'total':>9}"]
     for m in (m for m in rows if isinstance(m, Planned)):
@@ -1559,10 +1562,19 @@ def plan_table(rows, world, capacity=None):
     for phase, peak in plan_peaks(rows).items():
         lines += [row(f"{phase}: {r.name}", r.size) for r in rows if isinstance(r, Transient) and r.phase == phase]
         lines.append(row(f"{phase} peak", peak))
-    host = sum(m.parameters * 4 for m in rows if isinstance(m, Planned))
-    lines.append(f"  host memory while loading: up to {host / 1e9:.1f} GB on "
-                 + ("rank 0 (it builds each model whole in float32, then broadcasts into the shards)" if any(
-                     m.shards > 1 for m in rows if isinstance(m, Planned)) else "each rank (a replica each)"))
+    models = [m for m in rows if isinstance(m, Planned)]
+    sliced = [not lora and m.shards > 1 and m.source and safetensors_index(m.source) is not None for m in models]
+    whole = sum(m.parameters * 4 for m, s in zip(models, sliced) if not s)
+    names = lambda read: ", ".join(dict.fromkeys(m.name for m, s in zip(models, sliced) if s == read))  # noqa: E731
+    if not any(m.shards > 1 for m in models):
+        lines.append(f"  host memory while loading: up to {whole / 1e9:.1f} GB on each rank (a replica each)")
+    else:  # sliced: one tensor at a time (rank 0 reads a head, or a table it grows, whole): the largest in float32
+        largest = max((max(c.vocab_size, getattr(c, "intermediate_size", 0) or 0) * c.hidden_size * 4 for m, s in
+                       zip(models, sliced) if s for c in [model_config(m.source)]), default=0)
+        lines.append("  host memory while loading: " + "; ".join(
+            ([f"each rank reads its own slices of the {names(True)}, up to {largest / 1e9:.1f} GB at a time"]
+             if any(sliced) else []) + ([f"rank 0 builds the {names(False)} whole in float32 ({whole / 1e9:.1f} GB), "
+                                          "then broadcasts into the shards"] if whole else [])))
     if capacity:
         peak = max(plan_peaks(rows).values())
         lines.append(f"  {'fits' if peak <= PLAN_FRACTION * capacity else 'does not fit'}: {PLAN_FRACTION:.0%} of a "
@@ -1580,7 +1592,7 @@ def check_memory_plan(plan, args, world, device, rank):
         capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     rows = plan(args, world)
     if rank == 0:
-        print(plan_table(rows, world, capacity))
+        print(plan_table(rows, world, capacity, args.lora_r))
     phase, peak = max(plan_peaks(rows).items(), key=lambda kv: kv[1])
     if capacity and peak > PLAN_FRACTION * capacity:
         r, lora, ckpt = dataclasses.replace, args.lora_r or 16, "--gradient_checkpointing"

@@ -931,12 +931,12 @@ def memory_plan(args, world, vocab_size=None):
     frozen_bytes = 2 if args.bf16 and (args.lora_r or shards > 1) else 4
     lora = common.lora_shape(args)
     policy = common.model_shape(args.sft_model_path, "causal", vocab_size, lora)
-    models = [common.Planned("policy", *policy, frozen_bytes, shards)]
+    models = [common.Planned("policy", *policy, frozen_bytes, shards, source=args.sft_model_path)]
     if not lora:
         # (its output layer in float32 under FSDP: ppo.output_layer_unit)
         head = common.output_layer_shape(args.sft_model_path, vocab_size) if shards > 1 else 0
         models.append(common.Planned("reference policy", policy[0], 0, frozen_bytes, shards, head,
-                                     args.offload_inference_models))
+                                     args.offload_inference_models, source=args.sft_model_path))
     reward_path = reward_model_source(args)
     if args.advantage_estimator == "gae":
         same_tokens = reward_path and common.model_config(reward_path).vocab_size == common.model_config(
@@ -944,10 +944,10 @@ def memory_plan(args, world, vocab_size=None):
         from_reward = args.critic_init == "reward" or args.critic_init == "auto" and same_tokens
         critic_source = (reward_path, "reward", None) if from_reward else (args.sft_model_path, "reward", vocab_size)
         critic = common.model_shape(*critic_source, lora)
-        models.append(common.Planned("critic", *critic, frozen_bytes, shards))
+        models.append(common.Planned("critic", *critic, frozen_bytes, shards, source=critic_source[0]))
     if reward_path and not (lora and args.advantage_estimator == "gae" and from_reward):
         models.append(common.Planned("reward model", common.model_shape(reward_path, "reward")[0], 0, frozen_bytes,
-                                     shards, on_host=args.offload_inference_models))
+                                     shards, on_host=args.offload_inference_models, source=reward_path))
     # Beside the states: the rollout's policy in the compute dtype (FSDP: gathered, its output layer in float32;
     # DDP: autocast's cached bfloat16 copy of its weights) and KV cache; the learning phase's activations of one
     # micro-batch, of the policy or the critic (each goes backward on its own), and under DDP autocast's copies.

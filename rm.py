@@ -557,7 +557,8 @@ def memory_plan(args, world, vocab_size=None):
     --bf16 autocast's bfloat16 copy of the weights."""
     total, trained = common.model_shape(args.model_name_or_path, "reward", vocab_size, common.lora_shape(args))
     shards, low = world if args.fsdp and world > 1 else 1, args.lora_r and args.bf16
-    rows = [common.Planned("reward model", total, 0 if args.eval_only else trained, 2 if low else 4, shards)]
+    rows = [common.Planned("reward model", total, 0 if args.eval_only else trained, 2 if low else 4, shards,
+                           source=args.model_name_or_path)]
     if not args.eval_only:  # a micro-batch's pairs, both sequences at --max_length (packing holds at most as many)
         tokens = 2 * args.per_device_train_batch_size * (args.max_length or 512)
         rows.append(common.Transient(f"activations ({tokens} tokens)", "learning", common.activation_bytes(

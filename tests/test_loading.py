@@ -88,7 +88,8 @@ def saved(tmp_path, family, base=False, shard_size="40KB"):
 
     path = save_family(family, tmp_path / family)
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
-    (model.base_model if base else model).to(model.dtype).save_pretrained(path, max_shard_size=shard_size)
+    os.remove(path / "model.safetensors")
+    (model.base_model if base else model).save_pretrained(path, max_shard_size=shard_size)
     if base:
         config = model.config  # (the backbone's saved config names the backbone: the causal LM is what's loaded)
         config.architectures = [type(model).__name__]
@@ -162,3 +163,26 @@ def test_bin_weights_are_loaded_whole_by_rank_0(tmp_path):
     ranks = load_both_ways(tmp_path, path)
     assert_equal_ways(ranks, sliced_meta=False)
     assert all(rank[f"{way} read"] == [] for rank in ranks for way in ("sliced", "rank 0"))
+
+
+def test_the_plan_states_the_host_memory_of_the_path_taken(tmp_path):
+    """The memory plan's loading line: sharded from safetensors, each rank's slices (a tensor at a time: the largest,
+    the embedding, in float32); with LoRA, or no safetensors, rank 0's whole models."""
+    import ppo
+    import rm
+
+    path = saved(tmp_path, "llama3")
+    table = lambda args, world=2: common.plan_table(ppo.memory_plan(args, world), world, lora=args.lora_r)  # noqa
+    c = common.model_config(path)
+    assert table(ppo.Args(sft_model_path=path, reward_model_path=path, fsdp=True)).splitlines()[-1] == (
+        "  host memory while loading: each rank reads its own slices of the policy, reference policy, critic, reward "
+        f"model, up to {c.vocab_size * c.hidden_size * 4 / 1e9:.1f} GB at a time")
+    assert "rank 0 builds the policy, critic whole in float32" in table(ppo.Args(
+        sft_model_path=path, reward_model_path=path, fsdp=True, lora_r=4))
+    assert "on each rank (a replica each)" in table(ppo.Args(sft_model_path=path, reward_model_path=path), 1)
+    for name in os.listdir(path):  # config only, as --plan_only may read it (or .bin weights)
+        if "safetensors" in name:
+            os.remove(os.path.join(path, name))
+    assert common.plan_table(rm.memory_plan(rm.Args(model_name_or_path=path, fsdp=True), 2), 2).splitlines()[-1] == (
+        "  host memory while loading: rank 0 builds the reward model whole in float32 "
+        f"({common.model_shape(path, 'reward')[0] * 4 / 1e9:.1f} GB), then broadcasts into the shards")
