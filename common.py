@@ -1262,122 +1262,108 @@ class Transient:
 
 def safetensors_index(name):
     """{key: file} of the safetensors weights of the model at name (a folder, or a hub name in the local cache; one file
-    or an index of shards), or None: .bin weights, an adapter folder, an embedded model, not found here."""
-    folder = name
-    if name.startswith("embedded-") or adapter_base(name) or os.environ.get("NOSLICE"):
-        return None
-    if not os.path.isdir(name):
-        import huggingface_hub
+    or an index of shards, in from_pretrained's order), or None: .bin weights, an adapter folder, not found here."""
+    from huggingface_hub import snapshot_download
 
-        try:
-            folder = huggingface_hub.snapshot_download(name, local_files_only=True)
-        except Exception:  # not in the hub cache (or not a hub name)
-            return None
-    if os.path.exists(single := os.path.join(folder, "model.safetensors")):  # (from_pretrained's order)
-        from safetensors import safe_open
-
-        with safe_open(single, "pt") as f:
-            files = dict.fromkeys(f.keys(), single)
-    elif os.path.exists(index := os.path.join(folder, "model.safetensors.index.json")):
-        with open(index) as f:
-            files = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
-    else:
+    if name.startswith("embedded-") or adapter_base(name):
         return None
+    try:
+        folder = name if os.path.isdir(name) else snapshot_download(name, local_files_only=True)
+    except Exception:  # not in the hub cache (or not a hub name)
+        return None
+    if os.path.exists(single := os.path.join(folder, "model.safetensors")):
+        return dict.fromkeys(safe_tensors(single).keys(), single)
+    if not os.path.exists(index := os.path.join(folder, "model.safetensors.index.json")):
+        return None
+    with open(index) as f:
+        files = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
     return files if all(map(os.path.exists, set(files.values()))) else None
 
 
-def sliced_skeleton(loader, name, config, dtype):
-    """The model at name on the meta device, each tensor its safetensors checkpoint holds (under the key
-    from_pretrained renames it to) tagged on its module (`_checkpoint`: name -> (file, key)) for shard_from_rank0 to
-    read each rank's own slices of it. Rank 0 holds for real, as from_pretrained makes them, what the scripts change
-    or the checkpoint lacks: a classifier's head (read whole), the tensors the checkpoint lacks (a classifier's new
-    head: transformers' initialisation) and the non-persistent buffers (RoPE's). None where that would not be
-    from_pretrained's model: no such checkpoint (safetensors_index), a shape that differs, tensors from_pretrained
-    merges or splits (its converters): rank 0 then loads the model whole."""
-    import torch.distributed as dist
+def safe_tensors(file):
     from safetensors import safe_open
+
+    return safe_open(file, "pt")  # (the header read; a tensor, or a slice of it, read when asked)
+
+
+def read_whole(t, source):
+    """The tensor t (a parameter, a buffer) read whole from source, (file, key), in t's dtype."""
+    value = safe_tensors(source[0]).get_tensor(source[1]).to(t.dtype)
+    return torch.nn.Parameter(value, t.requires_grad) if isinstance(t, torch.nn.Parameter) else value
+
+
+def sliced_skeleton(loader, name, config, dtype):
+    """The model at name on the meta device, each tensor its safetensors checkpoint holds (under from_pretrained's
+    key) tagged on its module (`_checkpoint`: name -> (file, key)), for shard_from_rank0 to read each rank's slices.
+    Rank 0 holds for real, as from_pretrained makes them, what the scripts change or the checkpoint lacks: a
+    classifier's head (read whole), a new head, the non-persistent buffers. None (rank 0 loads the model whole) for no
+    such checkpoint, a shape that differs, or tensors from_pretrained merges or splits (its converters)."""
+    import torch.distributed as dist
+    from transformers import GenerationConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
     if (files := safetensors_index(name)) is None:
         return None
-    opened = {f: safe_open(f, "pt") for f in set(files.values())}
     model = meta_model(lambda: loader.from_config(config, dtype=dtype))
     expected, mapping, keys = model.state_dict(keep_vars=True), get_model_conversion_mapping(model), {}
     renames, converters = ([m for m in mapping if isinstance(m, kind)] for kind in (WeightRenaming, WeightConverter))
     for key in sorted(files, key=dot_natural_key):  # (from_pretrained's order: a renaming may depend on it)
         renamed, converted = rename_source_key(key, renames, converters, model.base_model_prefix, expected)
-        if renamed not in expected and key in expected:
-            renamed, converted = key, None
-        if renamed in expected and (converted is not None or list(opened[files[key]].get_slice(key).get_shape()) !=
-                                    list(expected[renamed].shape)):
+        renamed, converted = (key, None) if renamed not in expected and key in expected else (renamed, converted)
+        if renamed not in expected:
+            continue  # (unexpected: ignored, as from_pretrained does)
+        if converted or safe_tensors(files[key]).get_slice(key).get_shape() != list(expected[renamed].shape):
             return None
-        keys.setdefault(id(expected.get(renamed)), (files[key], key))
-    prefix, rank0, output = model.base_model_prefix + ".", dist.get_rank() == 0, model.get_output_embeddings()
-    heads = {id(t) for k, t in expected.items() if id(t) in keys and not k.startswith(prefix) and
+        keys.setdefault(id(expected[renamed]), (files[key], key))
+    rank0, output, made = dist.get_rank() == 0, model.get_output_embeddings(), {}
+    heads = {id(t) for k, t in expected.items() if not k.startswith(model.base_model_prefix + ".") and
              (output is None or t is not output.weight)}
-    made, tagged = {}, set()
     for module in model.modules():
         module.__dict__.pop("_is_hf_initialized", None)  # (set by from_config; initialize_weights skips those)
         module._checkpoint = {}
         for slots in (module._parameters, module._buffers):
-            for n, t in slots.items():
-                if t is not None and id(t) in keys and not (rank0 and id(t) in heads):
+            for n, t in [(n, t) for n, t in slots.items() if t is not None]:
+                if id(t) in keys and not (rank0 and id(t) in heads):
                     t._is_hf_initialized = True
-                    if id(t) not in tagged:
-                        module._checkpoint[n] = keys[id(t)]
-                        tagged.add(id(t))
-                elif t is not None and rank0:
-                    if id(t) not in made:
-                        value = opened[keys[id(t)][0]].get_tensor(keys[id(t)][1]).to(t.dtype) if id(t) in heads \
-                            else torch.empty_like(t, device="cpu")
-                        made[id(t)] = torch.nn.Parameter(value, t.requires_grad) if isinstance(
-                            t, torch.nn.Parameter) else value
-                        made[id(t)]._is_hf_initialized = id(t) in heads
-                    slots[n] = made[id(t)]
+                    if id(t) not in made:  # (tied: tagged once)
+                        module._checkpoint[n], made[id(t)] = keys[id(t)], t
+                elif rank0:
+                    slots[n] = made.setdefault(id(t), read_whole(t, keys[id(t)]) if id(t) in keys else
+                                               torch.empty_like(t, device="cpu"))
+                    slots[n]._is_hf_initialized = id(t) in keys
     if rank0:
         model.initialize_weights()  # the new tensors, as from_pretrained initialises those the checkpoint lacks
-    if model.can_generate() and os.path.exists(os.path.join(folder := os.path.dirname(next(iter(opened))),
+    if model.can_generate() and os.path.exists(os.path.join(folder := os.path.dirname(next(iter(files.values()))),
                                                             "generation_config.json")):
-        from transformers import GenerationConfig
-
         model.generation_config = GenerationConfig.from_pretrained(folder)
     return model.eval()
 
 
-def read_whole(module):
+def read_on_rank0(module):
     """On rank 0, module's tensors that sliced_skeleton left on the meta device read whole, before rank 0 changes them
     (rm.py grows the embeddings: the new rows, and the random draws after them, as from a whole model)."""
     import torch.distributed as dist
-    from safetensors import safe_open
 
-    for n, (file, key) in getattr(module, "_checkpoint", {}).items():  # (the tags stay: every rank lists the same)
-        if dist.get_rank() == 0:
-            t = getattr(module, n)
-            with safe_open(file, "pt") as f:
-                value = f.get_tensor(key).to(t.dtype)
-            setattr(module, n, torch.nn.Parameter(value, t.requires_grad) if isinstance(t, torch.nn.Parameter) else
-                    value)
+    for n, source in getattr(module, "_checkpoint", {}).items() if dist.get_rank() == 0 else ():
+        setattr(module, n, read_whole(getattr(module, n), source))  # (the tags stay: every rank lists the same)
 
 
 def shard_from_rank0(model, shard, device, host=False):
-    """FSDP on several ranks, loading once: every rank's shards filled as rank 0 holds the model. What rank 0 holds
-    is broadcast (on the other ranks the model may be a skeleton on the meta device: its structure, no weights, no
-    memory; rank 0's whole copy is released once broadcast); what rank 0 left on the meta device, tagged by
-    sliced_skeleton, each rank reads its own slices of, from the safetensors files. shard(model) applies fully_shard to
-    a meta model; host: the shards in host memory (FSDP's CPU offload), the buffers on the device."""
+    """FSDP on several ranks, loading once: what rank 0 holds is broadcast into every rank's shards (the others may
+    hold a meta-device skeleton: no weights, no memory); what it left on the meta device (sliced_skeleton), each rank
+    reads its own slices of. shard(model) applies fully_shard to a meta model; host: the shards in host memory (FSDP's
+    CPU offload), the buffers on the device."""
     import torch.distributed as dist
-    from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     rank0 = dist.get_rank() == 0
     tags = [(m, n, *source) for m in model.modules() for n, source in getattr(m, "_checkpoint", {}).items()]
     read = [[i for i, (m, n, *_) in enumerate(tags) if getattr(m, n).is_meta] if rank0 else None]
-    if rank0 and (lost := [k for k, v in model.state_dict(keep_vars=True).items() if v.is_meta and id(v) not in
-                           {id(getattr(m, n)) for m, n, *_ in tags}]):
-        read = [f"rank 0 holds no weights for {lost[:3]}: nothing to broadcast, no checkpoint to read"]
+    tagged = {id(getattr(m, n)) for m, n, *_ in tags}
+    if rank0 and any(v.is_meta and id(v) not in tagged for v in model.state_dict(keep_vars=True).values()):
+        read = ["rank 0 holds a tensor on the meta device with no checkpoint to read it from"]
     dist.broadcast_object_list(read, src=0)  # rank 0's choice: what it holds, it broadcasts
     if isinstance(read[0], str):
         raise RuntimeError(read[0])
@@ -1399,19 +1385,15 @@ def shard_from_rank0(model, shard, device, host=False):
                 module._buffers[name] = b.to(device)
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                   strict=not read[0]))
-    files, from_files = {}, set()
-    for m, n, file, key in (tags[i] for i in read[0]):
-        t = getattr(m, n)
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements) if isinstance(
-            t, DTensor) else (t.shape, [0] * t.dim())
-        local, from_files = t.to_local() if isinstance(t, DTensor) else t, from_files | {id(t)}
-        if local.numel():
-            f = files.setdefault(file, safe_open(file, "pt"))
-            with torch.no_grad():  # (the checkpoint's dtype converted to the parameter's, as from_pretrained does)
-                local.copy_(f.get_slice(key)[tuple(slice(o, o + s) for o, s in zip(offset, shape))] if shape else
-                            f.get_tensor(key))
+    sliced = {id(getattr(m, n)): (getattr(m, n), file, key) for m, n, file, key in (tags[i] for i in read[0])}
+    for t, file, key in sliced.values():  # each rank its own rows (FSDP shards dim 0) in t's dtype (from_pretrained's)
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements) if hasattr(
+            t, "device_mesh") else (t.shape, [0] * t.dim())
+        with torch.no_grad():
+            (t.to_local() if hasattr(t, "to_local") else t).copy_(safe_tensors(file).get_slice(key)[tuple(
+                slice(o, o + s) for o, s in zip(offset, shape))] if shape else safe_tensors(file).get_tensor(key))
     for name, buffer in model.named_buffers():  # those outside the state dict too (RoPE's inverse frequencies)
-        if id(buffer) not in from_files:
+        if id(buffer) not in sliced:
             if rank0:
                 buffer.copy_(buffers[name])
             dist.broadcast(buffer, 0)

@@ -537,7 +537,7 @@ def load_reward_model(args, tokenizer, skeleton=False):
                                   dtype=dtype)
     common.disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        common.read_whole(model.get_input_embeddings())  # (rank 0, before it grows the table: common.sliced_skeleton)
+        common.read_on_rank0(model.get_input_embeddings())  # (before rank 0 grows the table: common.sliced_skeleton)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.pad_token_id = tokenizer.pad_token_id
     if not trained_head and hasattr(model, "score"):  # encoders' pooled heads keep transformers' initialisation

@@ -53,7 +53,7 @@ def _load_both_ways(rank, folder, path, kind, frozen_bf16, grow):
         model = common.load_model(loader, path, "--model", skeleton, config=copy.deepcopy(config), dtype=torch.float32)
         out[f"{way} meta"] = next(model.parameters()).is_meta
         if grow:  # rm.py's pad token: the table grown, then its new head drawn
-            common.read_whole(model.get_input_embeddings())
+            common.read_on_rank0(model.get_input_embeddings())
             model.resize_token_embeddings(model.get_input_embeddings().num_embeddings + 1, mean_resizing=False)
         if kind == "classifier":
             torch.nn.init.normal_(model.score.weight, std=0.1)
