@@ -1345,7 +1345,7 @@ def read_on_rank0(module):
     (rm.py grows the embeddings: the new rows, and the random draws after them, as from a whole model)."""
     import torch.distributed as dist
 
-    for n, source in getattr(module, "_checkpoint", {}).items() if dist.get_rank() == 0 else ():
+    for n, source in module._checkpoint.items() if hasattr(module, "_checkpoint") and dist.get_rank() == 0 else ():
         setattr(module, n, read_whole(getattr(module, n), source))  # (the tags stay: every rank lists the same)
 
 
