@@ -989,7 +989,7 @@ def build_models(args, tokenizer, device, rank, world):
                                "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer, skeleton)
-    common.agreed(lambda: policy_hf.device.type == "meta" or  # (under FSDP rank 0 alone holds the weights)
+    common.agreed(lambda: policy_hf.device.type == "meta" or  # (sharded: checked once the shards are filled)
                   check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
     readers = [policy_hf] + ([reward.model.hf] if reward.model is not None and reward.tokenizer is None else [])
     limit = min((n for n in map(common.position_table, readers) if n), default=None)
@@ -1500,10 +1500,10 @@ def setup_distributed():
 
 def parallelize(model, args, device, num_layers, frozen=False):
     """DDP, or FSDP2 with one shard group per transformer block, one for the input embeddings and one for the output
-    layer (see output_layer_unit), rank 0's weights broadcast into the shards (the other ranks may pass a meta-device
-    skeleton: common.shard_from_rank0). A frozen model is sharded too under FSDP (so it computes as the trained ones do), and
-    under DDP stays a plain replica (it has no gradients to all-reduce). With --offload_inference_models on a GPU, a
-    frozen model's weights are never moved to it here (see offloaded)."""
+    layer (see output_layer_unit), filled with rank 0's weights or each rank's slices of the checkpoint (the ranks may
+    pass a meta-device skeleton: common.shard_from_rank0). A frozen model is sharded too under FSDP (so it computes as
+    the trained ones do), and under DDP stays a plain replica (it has no gradients to all-reduce). With
+    --offload_inference_models on a GPU, a frozen model's weights are never moved to it here (see offloaded)."""
     host = frozen and args.offload_inference_models and device.type == "cuda"
     if not dist.is_initialized() or (frozen and not args.fsdp):
         return held_on_host(model, device) if host else model.to(device)

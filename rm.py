@@ -944,7 +944,7 @@ def setup_distributed():
 
 def parallelize(model, args, device):
     """DDP, or FSDP2 with one shard group per transformer block and one for the input embeddings (unless an output
-    layer shares them), rank 0's weights broadcast into the others' meta-device skeletons (common.shard_from_rank0)."""
+    layer shares them), filled with rank 0's weights or each rank's checkpoint slices (common.shard_from_rank0)."""
     if not dist.is_initialized():
         return model.to(device)
     if args.fsdp:

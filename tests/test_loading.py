@@ -186,3 +186,21 @@ def test_the_plan_states_the_host_memory_of_the_path_taken(tmp_path):
     assert common.plan_table(rm.memory_plan(rm.Args(model_name_or_path=path, fsdp=True), 2), 2).splitlines()[-1] == (
         "  host memory while loading: rank 0 builds the reward model whole in float32 "
         f"({common.model_shape(path, 'reward')[0] * 4 / 1e9:.1f} GB), then broadcasts into the shards")
+
+
+def test_ppo_critic_from_the_policy_on_two_sliced_ranks_trains_as_one_process(tmp_path):
+    """ppo.py's critic from the policy's backbone (a copy of its skeleton: read from the policy's checkpoint) and a new
+    head rank 0 draws: 2 FSDP ranks reading their slices train as 1 process does."""
+    from conftest import read_metrics, run_script
+
+    path = saved(tmp_path, "llama3")
+    base = ["ppo.py", "--sft_model_path", path, "--reward_fn", "common:gold_rewards", "--critic_init", "policy",
+            "--total_episodes", "16", "--per_device_train_batch_size", "4", "--num_mini_batches", "1",
+            "--response_length", "6", "--max_prompt_length", "32", "--learning_rate", "1e-3"]
+    run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
+    out = run_script(base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")], nproc=2).stdout
+    assert "host memory while loading: each rank reads its own slices of the policy, reference policy, critic," in out
+    one, fsdp = (read_metrics(tmp_path / k) for k in ("one", "fsdp"))
+    for key in ("objective/scores", "loss/policy", "loss/value", "policy/grad_norm"):
+        assert [m[key] for m in one if key in m] == pytest.approx([m[key] for m in fsdp if key in m], abs=1e-5,
+                                                                 rel=1e-5), key
