@@ -737,17 +737,18 @@ def adapter_holds_head(name):
 def load_model(loader, name, flag, skeleton=False, **kwargs):
     """loader.from_pretrained(name); for a peft adapter folder, its base model with the adapter merged in (and the
     reward normalization rm.py saved beside the adapter). skeleton (FSDP on several ranks, the shards filled by
-    shard_from_rank0): from a safetensors checkpoint, on every rank the model on the meta device, each rank to read its
-    own slices (sliced_skeleton); else on rank 0 the model whole, on the others its meta skeleton."""
+    shard_from_rank0): on ranks but 0 the model on the meta device; on rank 0 too from a safetensors checkpoint, each
+    rank to read its own slices (sliced_skeleton), else the model whole."""
     import torch.distributed as dist
 
     if skeleton and not adapter_base(name):
         from transformers import AutoConfig
 
         config = kwargs.get("config") or load_pretrained(AutoConfig, name, flag)
-        model = sliced_skeleton(loader, name, config, kwargs.get("dtype"))
-        if model is not None or dist.get_rank() != 0:
-            return model or meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
+        if dist.get_rank() != 0:
+            return meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
+        if (model := sliced_skeleton(loader, name, config, kwargs.get("dtype"))) is not None:
+            return model
     if adapter_base(name) and "CausalLM" not in loader.__name__ and adapter_task(name) == "CAUSAL_LM":
         # an SFT adapter as a classifier's start: merged into its causal LM, whose backbone the classifier takes; the
         # new head gets transformers' initialisation (rm.py then its own)
@@ -1293,12 +1294,11 @@ def read_whole(t, source):
 
 
 def sliced_skeleton(loader, name, config, dtype):
-    """The model at name on the meta device, each tensor its safetensors checkpoint holds (under from_pretrained's
-    key) tagged on its module (`_checkpoint`: name -> (file, key)), for shard_from_rank0 to read each rank's slices.
-    Rank 0 holds for real, as from_pretrained makes them, what the scripts change or the checkpoint lacks: a
-    classifier's head (read whole), a new head, the non-persistent buffers. None (rank 0 loads the model whole) for no
-    such checkpoint, a shape that differs, or tensors from_pretrained merges or splits (its converters)."""
-    import torch.distributed as dist
+    """Rank 0's model at name on the meta device, each tensor its safetensors checkpoint holds (under from_pretrained's
+    key) tagged on its module (`_checkpoint`: name -> (file, key)), for shard_from_rank0 to read each rank's slices;
+    held for real, as from_pretrained makes them, what the scripts change or the checkpoint lacks: a classifier's head
+    (read whole), a new head, the non-persistent buffers. None (rank 0 loads the model whole) for no such checkpoint,
+    a shape that differs, or tensors from_pretrained merges or splits (its converters)."""
     from transformers import GenerationConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
@@ -1316,7 +1316,7 @@ def sliced_skeleton(loader, name, config, dtype):
         if converted or safe_tensors(files[key]).get_slice(key).get_shape() != list(expected[renamed].shape):
             return None
         keys.setdefault(id(expected[renamed]), (files[key], key))
-    rank0, output, made = dist.get_rank() == 0, model.get_output_embeddings(), {}
+    output, made = model.get_output_embeddings(), {}
     heads = {id(t) for k, t in expected.items() if not k.startswith(model.base_model_prefix + ".") and
              (output is None or t is not output.weight)}
     for module in model.modules():
@@ -1324,16 +1324,15 @@ def sliced_skeleton(loader, name, config, dtype):
         module._checkpoint = {}
         for slots in (module._parameters, module._buffers):
             for n, t in [(n, t) for n, t in slots.items() if t is not None]:
-                if id(t) in keys and not (rank0 and id(t) in heads):
+                if id(t) in keys and id(t) not in heads:
                     t._is_hf_initialized = True
                     if id(t) not in made:  # (tied: tagged once)
                         module._checkpoint[n], made[id(t)] = keys[id(t)], t
-                elif rank0:
+                else:
                     slots[n] = made.setdefault(id(t), read_whole(t, keys[id(t)]) if id(t) in keys else
                                                torch.empty_like(t, device="cpu"))
                     slots[n]._is_hf_initialized = id(t) in keys
-    if rank0:
-        model.initialize_weights()  # the new tensors, as from_pretrained initialises those the checkpoint lacks
+    model.initialize_weights()  # the new tensors, as from_pretrained initialises those the checkpoint lacks
     if model.can_generate() and os.path.exists(os.path.join(folder := os.path.dirname(next(iter(files.values()))),
                                                             "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(folder)
@@ -1358,13 +1357,17 @@ def shard_from_rank0(model, shard, device, host=False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    def at(name):  # the parameter or buffer of that name
+        owner, _, attribute = name.rpartition(".")
+        return getattr(model.get_submodule(owner), attribute)
+
     rank0 = dist.get_rank() == 0
-    tags = [(m, n, *source) for m in model.modules() for n, source in getattr(m, "_checkpoint", {}).items()]
-    read = [[i for i, (m, n, *_) in enumerate(tags) if getattr(m, n).is_meta] if rank0 else None]
-    tagged = {id(getattr(m, n)) for m, n, *_ in tags}
-    if rank0 and any(v.is_meta and id(v) not in tagged for v in model.state_dict(keep_vars=True).values()):
+    read = [{f"{p}.{n}".lstrip("."): source for p, m in model.named_modules() for n, source in
+             getattr(m, "_checkpoint", {}).items() if getattr(m, n).is_meta} if rank0 else None]
+    meta = {id(v) for v in model.state_dict(keep_vars=True).values() if v.is_meta} if rank0 else set()
+    if meta - {id(at(name)) for name in read[0] or ()}:
         read = ["rank 0 holds a tensor on the meta device with no checkpoint to read it from"]
-    dist.broadcast_object_list(read, src=0)  # rank 0's choice: what it holds, it broadcasts
+    dist.broadcast_object_list(read, src=0)  # rank 0's choice: what it holds, it broadcasts; the rest, each reads
     if isinstance(read[0], str):
         raise RuntimeError(read[0])
     weights = {k: v for k, v in model.state_dict().items() if not v.is_meta} if rank0 else {}
@@ -1385,13 +1388,16 @@ def shard_from_rank0(model, shard, device, host=False):
                 module._buffers[name] = b.to(device)
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                   strict=not read[0]))
-    sliced = {id(getattr(m, n)): (getattr(m, n), file, key) for m, n, file, key in (tags[i] for i in read[0])}
-    for t, file, key in sliced.values():  # each rank its own rows (FSDP shards dim 0) in t's dtype (from_pretrained's)
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements) if hasattr(
-            t, "device_mesh") else (t.shape, [0] * t.dim())
-        with torch.no_grad():
-            (t.to_local() if hasattr(t, "to_local") else t).copy_(safe_tensors(file).get_slice(key)[tuple(
-                slice(o, o + s) for o, s in zip(offset, shape))] if shape else safe_tensors(file).get_tensor(key))
+
+    def read_slices():  # each rank its own rows (FSDP shards dim 0), in the tensor's dtype (from_pretrained's cast)
+        for t, (file, key) in ((at(name), source) for name, source in read[0].items()):
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements) if hasattr(
+                t, "device_mesh") else (t.shape, [0] * t.dim())
+            with torch.no_grad():
+                (t.to_local() if hasattr(t, "to_local") else t).copy_(safe_tensors(file).get_slice(key)[tuple(
+                    slice(o, o + s) for o, s in zip(offset, shape))] if shape else safe_tensors(file).get_tensor(key))
+    agreed(read_slices)  # (a rank that cannot read the files, another node's folder: every rank stops)
+    sliced = {id(at(name)) for name in read[0]}
     for name, buffer in model.named_buffers():  # those outside the state dict too (RoPE's inverse frequencies)
         if id(buffer) not in sliced:
             if rank0:
