@@ -1288,8 +1288,9 @@ def safe_tensors(file):
 
 
 def read_whole(t, source):
-    """The tensor t (a parameter, a buffer) read whole from source, (file, key), in t's dtype."""
-    value = safe_tensors(source[0]).get_tensor(source[1]).to(t.dtype)
+    """The tensor t (a parameter, a buffer) read whole from source, (file, key), in t's dtype; on the CPU, empty, for
+    no source."""
+    value = safe_tensors(source[0]).get_tensor(source[1]).to(t.dtype) if source else torch.empty_like(t, device="cpu")
     return torch.nn.Parameter(value, t.requires_grad) if isinstance(t, torch.nn.Parameter) else value
 
 
@@ -1329,8 +1330,7 @@ def sliced_skeleton(loader, name, config, dtype):
                     if id(t) not in made:  # (tied: tagged once)
                         module._checkpoint[n], made[id(t)] = keys[id(t)], t
                 else:
-                    slots[n] = made.setdefault(id(t), read_whole(t, keys[id(t)]) if id(t) in keys else
-                                               torch.empty_like(t, device="cpu"))
+                    slots[n] = made.setdefault(id(t), read_whole(t, keys.get(id(t))))
                     slots[n]._is_hf_initialized = id(t) in keys
     model.initialize_weights()  # the new tensors, as from_pretrained initialises those the checkpoint lacks
     if model.can_generate() and os.path.exists(os.path.join(folder := os.path.dirname(next(iter(files.values()))),

@@ -72,6 +72,7 @@ def _load_both_ways(rank, folder, path, kind, frozen_bf16, grow):
         out[f"{way} read"] = list(read)
         out[way] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         out[f"{way} buffers"] = {n: b.clone() for n, b in model.named_buffers()}
+        out[f"{way} trained"] = {n: p.requires_grad for n, p in model.named_parameters()}
     torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -106,6 +107,7 @@ def assert_equal_ways(ranks, sliced_meta=True):
             assert rank["sliced"][k].dtype == v.dtype and torch.equal(rank["sliced"][k], v), k
         for k, v in zero["rank 0 buffers"].items():
             assert torch.equal(rank["sliced buffers"][k], v), k
+        assert rank["sliced trained"] == zero["rank 0 trained"]
 
 
 @pytest.mark.parametrize("family", ["llama3", "neox"])
