@@ -914,8 +914,8 @@ def critic_from(args, policy, reward):
         raise common.UserError(f"--critic_init policy: {args.sft_model_path}'s backbone does not load into a "
                                f"sequence-classification model ({common.first_line(e)})") from None
     setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))  # (a skeleton's: where to read it)
-    critic._init_weights(critic.score.to_empty(device=policy.device if dist.is_initialized() and dist.get_rank() else
-                                               "cpu"))  # (rank 0 makes the head: common.sliced_skeleton)
+    critic._init_weights(critic.score.to_empty(device=policy.device if policy.device.type != "meta" or dist.get_rank()
+                                               else "cpu"))  # (rank 0 makes the head: common.sliced_skeleton)
     torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
     return common.scalar_head_in_float32(critic)
 
