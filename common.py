@@ -763,13 +763,19 @@ def adapter_holds_head(name):
 
 def load_model(loader, name, flag, skeleton=False, **kwargs):
     """loader.from_pretrained(name); for a peft adapter folder, its base model with the adapter merged in (and the
-    reward normalization rm.py saved beside the adapter). skeleton: the model built from its config on the meta
-    device, no weight read (a rank that will receive its shards from rank 0; not for an adapter folder)."""
+    reward normalization rm.py saved beside the adapter). skeleton (FSDP on several ranks, the shards filled by
+    shard_from_rank0): on ranks but 0 the model on the meta device; on rank 0 too from a safetensors checkpoint, each
+    rank to read its own slices (sliced_skeleton), else the model whole."""
+    import torch.distributed as dist
+
     if skeleton and not adapter_base(name):
         from transformers import AutoConfig
 
         config = kwargs.get("config") or load_pretrained(AutoConfig, name, flag)
-        return meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
+        if dist.get_rank() != 0:
+            return meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
+        if (model := sliced_skeleton(loader, name, config, kwargs.get("dtype"))) is not None:
+            return model
     if adapter_base(name) and "CausalLM" not in loader.__name__ and adapter_task(name) == "CAUSAL_LM":
         # an SFT adapter as a classifier's start: merged into its causal LM, whose backbone the classifier takes; the
         # new head gets transformers' initialisation (rm.py then its own)
@@ -1265,6 +1271,8 @@ class Planned:
     on_host: bool = False
     """Held in host memory, on the GPU only while it computes (--offload_inference_models): a replica whole, one such
     model at a time; FSDP shards one unit at a time, as every sharded model's are gathered."""
+    source: str | None = None
+    """The model folder or hub name it is loaded from (load_model): sharded, read in slices where it is safetensors."""
 
     def bytes(self):
         frozen = self.parameters - self.trained - self.frozen_in_float32
@@ -1280,16 +1288,117 @@ class Transient:
     size: float
 
 
+def safetensors_index(name):
+    """{key: file} of the safetensors weights of the model at name (a folder, or a hub name in the local cache; one file
+    or an index of shards, in from_pretrained's order), or None: .bin weights, an adapter folder, not found here."""
+    from huggingface_hub import snapshot_download
+
+    if name.startswith("embedded-") or adapter_base(name):
+        return None
+    try:
+        folder = name if os.path.isdir(name) else snapshot_download(name, local_files_only=True)
+    except Exception:  # not in the hub cache (or not a hub name)
+        return None
+    if os.path.exists(single := os.path.join(folder, "model.safetensors")):
+        return dict.fromkeys(safe_tensors(single).keys(), single)
+    if not os.path.exists(index := os.path.join(folder, "model.safetensors.index.json")):
+        return None
+    with open(index) as f:
+        files = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+    return files if all(map(os.path.exists, set(files.values()))) else None
+
+
+def safe_tensors(file):
+    from safetensors import safe_open
+
+    return safe_open(file, "pt")  # (the header read; a tensor, or a slice of it, read when asked)
+
+
+def read_whole(t, source):
+    """The tensor t (a parameter, a buffer) read whole from source, (file, key), in t's dtype; on the CPU, empty, for
+    no source."""
+    value = safe_tensors(source[0]).get_tensor(source[1]).to(t.dtype) if source else torch.empty_like(t, device="cpu")
+    return torch.nn.Parameter(value, t.requires_grad) if isinstance(t, torch.nn.Parameter) else value
+
+
+def sliced_skeleton(loader, name, config, dtype):
+    """Rank 0's model at name on the meta device, each tensor its safetensors checkpoint holds (under from_pretrained's
+    key) tagged on its module (`_checkpoint`: name -> (file, key)), for shard_from_rank0 to read each rank's slices;
+    held for real, as from_pretrained makes them, what the scripts change or the checkpoint lacks: a classifier's head
+    (read whole), a new head, the non-persistent buffers. None (rank 0 loads the model whole) for no such checkpoint,
+    a shape that differs, or tensors from_pretrained merges or splits (its converters)."""
+    from transformers import GenerationConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    if (files := safetensors_index(name)) is None:
+        return None
+    model = meta_model(lambda: loader.from_config(config, dtype=dtype))
+    expected, mapping, keys = model.state_dict(keep_vars=True), get_model_conversion_mapping(model), {}
+    renames, converters = ([m for m in mapping if isinstance(m, kind)] for kind in (WeightRenaming, WeightConverter))
+    for key in sorted(files, key=dot_natural_key):  # (from_pretrained's order: a renaming may depend on it)
+        renamed, converted = rename_source_key(key, renames, converters, model.base_model_prefix, expected)
+        renamed, converted = (key, None) if renamed not in expected and key in expected else (renamed, converted)
+        if renamed not in expected:
+            continue  # (unexpected: ignored, as from_pretrained does)
+        if converted or safe_tensors(files[key]).get_slice(key).get_shape() != list(expected[renamed].shape):
+            return None
+        keys.setdefault(id(expected[renamed]), (files[key], key))
+    output, made = model.get_output_embeddings(), {}
+    heads = {id(t) for k, t in expected.items() if not k.startswith(model.base_model_prefix + ".") and
+             (output is None or t is not output.weight)}
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)  # (set by from_config; initialize_weights skips those)
+        module._checkpoint = {}
+        for slots in (module._parameters, module._buffers):
+            for n, t in [(n, t) for n, t in slots.items() if t is not None]:
+                if id(t) in keys and id(t) not in heads:
+                    t._is_hf_initialized = True
+                    if id(t) not in made:  # (tied: tagged once)
+                        module._checkpoint[n], made[id(t)] = keys[id(t)], t
+                else:
+                    slots[n] = made.setdefault(id(t), read_whole(t, keys.get(id(t))))
+                    slots[n]._is_hf_initialized = id(t) in keys
+    model.initialize_weights()  # the new tensors, as from_pretrained initialises those the checkpoint lacks
+    if model.can_generate() and os.path.exists(os.path.join(folder := os.path.dirname(next(iter(files.values()))),
+                                                            "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval()
+
+
+def read_on_rank0(module):
+    """On rank 0, module's tensors that sliced_skeleton left on the meta device read whole, before rank 0 changes them
+    (rm.py grows the embeddings: the new rows, and the random draws after them, as from a whole model)."""
+    import torch.distributed as dist
+
+    for n, source in module._checkpoint.items() if hasattr(module, "_checkpoint") and dist.get_rank() == 0 else ():
+        setattr(module, n, read_whole(getattr(module, n), source))  # (the tags stay: every rank lists the same)
+
+
 def shard_from_rank0(model, shard, device, host=False):
-    """FSDP on several ranks, loading once: what every rank's shards hold is rank 0's weights and buffers, broadcast
-    into them. On the other ranks the model may be a skeleton on the meta device (its structure, no weights, no
-    memory); rank 0's whole copy is released once broadcast. shard(model) applies fully_shard to a meta model; host:
-    the shards in host memory (FSDP's CPU offload), the buffers on the device."""
+    """FSDP on several ranks, loading once: what rank 0 holds is broadcast into every rank's shards (the others may
+    hold a meta-device skeleton: no weights, no memory); what it left on the meta device (sliced_skeleton), each rank
+    reads its own slices of. shard(model) applies fully_shard to a meta model; host: the shards in host memory (FSDP's
+    CPU offload), the buffers on the device."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    def at(name):  # the parameter or buffer of that name
+        owner, _, attribute = name.rpartition(".")
+        return getattr(model.get_submodule(owner), attribute)
 
     rank0 = dist.get_rank() == 0
-    weights, buffers = (model.state_dict(), dict(model.named_buffers())) if rank0 else ({}, {})
+    read = [{f"{p}.{n}".lstrip("."): source for p, m in model.named_modules() for n, source in
+             getattr(m, "_checkpoint", {}).items() if getattr(m, n).is_meta} if rank0 else None]
+    meta = {id(v) for v in model.state_dict(keep_vars=True).values() if v.is_meta} if rank0 else set()
+    if meta - {id(at(name)) for name in read[0] or ()}:
+        read = ["rank 0 holds a tensor on the meta device with no checkpoint to read it from"]
+    dist.broadcast_object_list(read, src=0)  # rank 0's choice: what it holds, it broadcasts; the rest, each reads
+    if isinstance(read[0], str):
+        raise RuntimeError(read[0])
+    weights = {k: v for k, v in model.state_dict().items() if not v.is_meta} if rank0 else {}
+    buffers = dict(model.named_buffers()) if rank0 else {}
     on_meta = {}  # one meta parameter for each parameter, so that tied ones stay tied (Module.to("meta") unties them)
     for module in model.modules():
         for name, p in module._parameters.items():
@@ -1304,11 +1413,23 @@ def shard_from_rank0(model, shard, device, host=False):
         for name, b in module._buffers.items():
             if b is not None:
                 module._buffers[name] = b.to(device)
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                  strict=not read[0]))
+
+    def read_slices():  # each rank its own rows (FSDP shards dim 0), in the tensor's dtype (from_pretrained's cast)
+        for t, (file, key) in ((at(name), source) for name, source in read[0].items()):
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements) if hasattr(
+                t, "device_mesh") else (t.shape, [0] * t.dim())
+            with torch.no_grad():
+                (t.to_local() if hasattr(t, "to_local") else t).copy_(safe_tensors(file).get_slice(key)[tuple(
+                    slice(o, o + s) for o, s in zip(offset, shape))] if shape else safe_tensors(file).get_tensor(key))
+    agreed(read_slices)  # (a rank that cannot read the files, another node's folder: every rank stops)
+    sliced = {id(at(name)) for name in read[0]}
     for name, buffer in model.named_buffers():  # those outside the state dict too (RoPE's inverse frequencies)
-        if rank0:
-            buffer.copy_(buffers[name])
-        dist.broadcast(buffer, 0)
+        if id(buffer) not in sliced:
+            if rank0:
+                buffer.copy_(buffers[name])
+            dist.broadcast(buffer, 0)
     return model
 
 
@@ -1441,9 +1562,10 @@ def plan_peaks(rows):
             for p in phases}
 
 
-def plan_table(rows, world, capacity=None):
+def plan_table(rows, world, capacity=None, lora=False):
     """The plan as a small table: per model and in total, GB per rank of weights, gradients and AdamW state; each
-    phase's rows and peak; the host memory loading takes."""
+    phase's rows and peak; the host memory loading takes (sharded, each rank reads its slices of a safetensors
+    checkpoint; else, and with LoRA, rank 0 builds the model whole: load_model)."""
     lines = [f"memory plan per rank ({world} rank{'s' if world > 1 else ''}; GB):",
              f"  {'model':<18}{'params':>9}{'weights':>9}{'grads':>9}{'AdamW':>9}{'total':>9}"]
     for m in (m for m in rows if isinstance(m, Planned)):
@@ -1455,10 +1577,19 @@ def plan_table(rows, world, capacity=None):
     for phase, peak in plan_peaks(rows).items():
         lines += [row(f"{phase}: {r.name}", r.size) for r in rows if isinstance(r, Transient) and r.phase == phase]
         lines.append(row(f"{phase} peak", peak))
-    host = sum(m.parameters * 4 for m in rows if isinstance(m, Planned))
-    lines.append(f"  host memory while loading: up to {host / 1e9:.1f} GB on "
-                 + ("rank 0 (it builds each model whole in float32, then broadcasts into the shards)" if any(
-                     m.shards > 1 for m in rows if isinstance(m, Planned)) else "each rank (a replica each)"))
+    models = [m for m in rows if isinstance(m, Planned)]
+    sliced = [not lora and m.shards > 1 and m.source and safetensors_index(m.source) is not None for m in models]
+    whole = sum(m.parameters * 4 for m, s in zip(models, sliced) if not s)
+    names = lambda read: ", ".join(dict.fromkeys(m.name for m, s in zip(models, sliced) if s == read))  # noqa: E731
+    if not any(m.shards > 1 for m in models):
+        lines.append(f"  host memory while loading: up to {whole / 1e9:.1f} GB on each rank (a replica each)")
+    else:  # sliced: one tensor at a time (rank 0 reads a head, or a table it grows, whole): the largest in float32
+        largest = max((max(c.vocab_size, getattr(c, "intermediate_size", 0) or 0) * c.hidden_size * 4 for m, s in
+                       zip(models, sliced) if s for c in [model_config(m.source)]), default=0)
+        lines.append("  host memory while loading: " + "; ".join(
+            ([f"each rank reads its own slices of the {names(True)}, up to {largest / 1e9:.1f} GB at a time"]
+             if any(sliced) else []) + ([f"rank 0 builds the {names(False)} whole in float32 ({whole / 1e9:.1f} GB), "
+                                          "then broadcasts into the shards"] if whole else [])))
     if capacity:
         peak = max(plan_peaks(rows).values())
         lines.append(f"  {'fits' if peak <= PLAN_FRACTION * capacity else 'does not fit'}: {PLAN_FRACTION:.0%} of a "
@@ -1476,7 +1607,7 @@ def check_memory_plan(plan, args, world, device, rank):
         capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     rows = plan(args, world)
     if rank == 0:
-        print(plan_table(rows, world, capacity))
+        print(plan_table(rows, world, capacity, args.lora_r))
     phase, peak = max(plan_peaks(rows).items(), key=lambda kv: kv[1])
     if capacity and peak > PLAN_FRACTION * capacity:
         r, lora, ckpt = dataclasses.replace, args.lora_r or 16, "--gradient_checkpointing"

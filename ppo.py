@@ -899,13 +899,15 @@ def critic_from(args, policy, reward):
         return critic
     config = common.without_dropout(copy.deepcopy(policy.config))
     config.num_labels = 1
-    with torch.device(policy.device):
-        critic = AutoModelForSequenceClassification.from_config(config)
+    critic = common.meta_model(lambda: AutoModelForSequenceClassification.from_config(config))
     try:  # strict: every backbone weight of the policy, none left at its random initialisation
-        critic.base_model.load_state_dict(policy.base_model.state_dict())
+        critic.base_model.load_state_dict(policy.base_model.state_dict(), assign=True)
     except RuntimeError as e:
         raise common.UserError(f"--critic_init policy: {args.sft_model_path}'s backbone does not load into a "
                                f"sequence-classification model ({common.first_line(e)})") from None
+    setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))  # (a skeleton's: where to read it)
+    critic._init_weights(critic.score.to_empty(device=policy.device if policy.device.type != "meta" or dist.get_rank()
+                                               else "cpu"))  # (rank 0 makes the head: common.sliced_skeleton)
     torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
     return common.scalar_head_in_float32(critic)
 
@@ -921,12 +923,12 @@ def memory_plan(args, world, vocab_size=None):
     frozen_bytes = 2 if args.bf16 and (args.lora_r or shards > 1) else 4
     lora = common.lora_shape(args)
     policy = common.model_shape(args.sft_model_path, "causal", vocab_size, lora)
-    models = [common.Planned("policy", *policy, frozen_bytes, shards)]
+    models = [common.Planned("policy", *policy, frozen_bytes, shards, source=args.sft_model_path)]
     if not lora:
         # (its output layer in float32 under FSDP: ppo.output_layer_unit)
         head = common.output_layer_shape(args.sft_model_path, vocab_size) if shards > 1 else 0
         models.append(common.Planned("reference policy", policy[0], 0, frozen_bytes, shards, head,
-                                     args.offload_inference_models))
+                                     args.offload_inference_models, source=args.sft_model_path))
     reward_path = reward_model_source(args)
     if args.advantage_estimator == "gae":
         same_tokens = reward_path and common.model_config(reward_path).vocab_size == common.model_config(
@@ -934,10 +936,10 @@ def memory_plan(args, world, vocab_size=None):
         from_reward = args.critic_init == "reward" or args.critic_init == "auto" and same_tokens
         critic_source = (reward_path, "reward", None) if from_reward else (args.sft_model_path, "reward", vocab_size)
         critic = common.model_shape(*critic_source, lora)
-        models.append(common.Planned("critic", *critic, frozen_bytes, shards))
+        models.append(common.Planned("critic", *critic, frozen_bytes, shards, source=critic_source[0]))
     if reward_path and not (lora and args.advantage_estimator == "gae" and from_reward):
         models.append(common.Planned("reward model", common.model_shape(reward_path, "reward")[0], 0, frozen_bytes,
-                                     shards, on_host=args.offload_inference_models))
+                                     shards, on_host=args.offload_inference_models, source=reward_path))
     # Beside the states: the rollout's policy in the compute dtype (FSDP: gathered, its output layer in float32;
     # DDP: autocast's cached bfloat16 copy of its weights) and KV cache; the learning phase's activations of one
     # micro-batch, of the policy or the critic (each goes backward on its own), and under DDP autocast's copies.
@@ -976,10 +978,10 @@ def build_models(args, tokenizer, device, rank, world):
     """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
     function). Returns the policy's transformers model too, and with LoRA the peft model holding its adapter. First,
     the memory plan (memory_plan) printed, and checked against the GPU's memory before any weight is loaded. Under
-    FSDP on several ranks only rank 0 reads the weights; the others build skeletons on the meta device, and every
-    rank's shards are filled from rank 0's (parallelize)."""
+    FSDP on several ranks each rank reads only its slices of a safetensors checkpoint, else rank 0 reads the model
+    whole and the others build skeletons on the meta device (common.load_model), when sharded (parallelize)."""
     common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
-    skeleton = args.fsdp and world > 1 and rank != 0
+    skeleton = args.fsdp and world > 1 and (rank != 0 or not args.lora_r)  # (LoRA: rank 0 makes the adapters)
     reward = load_reward(args, tokenizer, skeleton)
     critic_init = args.critic_init if args.advantage_estimator == "gae" else None  # the others have no critic
     if critic_init == "auto":
@@ -989,7 +991,7 @@ def build_models(args, tokenizer, device, rank, world):
                                "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer, skeleton)
-    common.agreed(lambda: policy_hf.device.type == "meta" or  # (under FSDP rank 0 alone holds the weights)
+    common.agreed(lambda: policy_hf.device.type == "meta" or  # (sharded: checked once the shards are filled)
                   check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
     readers = [policy_hf] + ([reward.model.hf] if reward.model is not None and reward.tokenizer is None else [])
     limit = min((n for n in map(common.position_table, readers) if n), default=None)
@@ -1018,6 +1020,9 @@ def build_models(args, tokenizer, device, rank, world):
             if model is not None:
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
+    if args.fsdp and world > 1:  # (rank 0 may have held no weights above) checked on the shards, which FSDP then drops
+        common.agreed(lambda: check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
+        policy.reshard()
     offset = reward.shift / reward.scale if critic_init == "reward" else 0.0
     critic = None if critic_hf is None else parallelize(Critic(critic_hf, offset), args, device,
                                                          critic_hf.config.num_hidden_layers)
@@ -1583,10 +1588,10 @@ def setup_distributed():
 
 def parallelize(model, args, device, num_layers, frozen=False):
     """DDP, or FSDP2 with one shard group per transformer block, one for the input embeddings and one for the output
-    layer (see output_layer_unit), rank 0's weights broadcast into the shards (the other ranks may pass a meta-device
-    skeleton: common.shard_from_rank0). A frozen model is sharded too under FSDP (so it computes as the trained ones do), and
-    under DDP stays a plain replica (it has no gradients to all-reduce). With --offload_inference_models on a GPU, a
-    frozen model's weights are never moved to it here (see offloaded)."""
+    layer (see output_layer_unit), filled with rank 0's weights or each rank's slices of the checkpoint (the ranks may
+    pass a meta-device skeleton: common.shard_from_rank0). A frozen model is sharded too under FSDP (so it computes as
+    the trained ones do), and under DDP stays a plain replica (it has no gradients to all-reduce). With
+    --offload_inference_models on a GPU, a frozen model's weights are never moved to it here (see offloaded)."""
     host = frozen and args.offload_inference_models and device.type == "cuda"
     if not dist.is_initialized() or (frozen and not args.fsdp):
         return held_on_host(model, device) if host else model.to(device)

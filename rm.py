@@ -400,9 +400,9 @@ def main(args):
     # 1. Model and data: preference pairs -> token ids (the same on every rank; each takes its slice of every batch).
     tokenizer = load_tokenizer(args.model_name_or_path)
     common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
-    sharded = args.fsdp and world > 1  # then only rank 0 reads the weights, and shards them (parallelize)
+    sharded = args.fsdp and world > 1  # then each rank reads its slices, or rank 0 the whole (common.load_model)
     # a new scalar head `score`, normal with std 1/sqrt(hidden + 1) (or --head_init_std), held in float32
-    hf_model, lora = load_reward_model(args, tokenizer, skeleton=sharded and rank != 0)
+    hf_model, lora = load_reward_model(args, tokenizer, skeleton=sharded and (rank != 0 or not args.lora_r))
     args = resolve_lengths(args, hf_model, rank)
     # eval: each dataset's --eval_split, else --eval_holdout of the prompts held out (whole prompts, none trained on);
     # a pair past --max_length: the prompt cut from the left (to no less than --max_prompt_length), then each response
@@ -412,10 +412,14 @@ def main(args):
         return None
 
     # 2. Batch layout, optimizer, schedule.
-    args, layout = choose_layout(RewardModel(hf_model if sharded else hf_model.to(device)), args, len(tokenizer), rank)
+    if not sharded:  # (sharded, every rank checks the layout on its shards: rank 0 may hold no weights)
+        args, layout = choose_layout(RewardModel(hf_model.to(device)), args, len(tokenizer), rank)
     if args.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(RewardModel(hf_model), args, device)
+    if sharded:
+        args, layout = choose_layout(model, args, len(tokenizer))
+        model.reshard()  # (FSDP keeps the root's parameters gathered after a forward: the optimizer takes the shards)
     if args.eval_only:
         return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets)
     # AdamW (lr 1e-5; 1e-3 for the embedded models) with --weight_decay; --lr_scheduler_type after linear warm-up
@@ -508,7 +512,7 @@ def load_tokenizer(name):
 
 def load_reward_model(args, tokenizer, skeleton=False):
     """The reward model (a transformers sequence classifier) and, with --lora_r, the peft model holding its adapters.
-    skeleton: built on the meta device, no weight read (a rank that receives its shards from rank 0)."""
+    skeleton: built on the meta device, its weights read when sharded (common.load_model)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     torch.manual_seed(args.seed)
@@ -531,6 +535,7 @@ def load_reward_model(args, tokenizer, skeleton=False):
                                   dtype=dtype)
     common.disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        common.read_on_rank0(model.get_input_embeddings())  # (before rank 0 grows the table: common.sliced_skeleton)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.pad_token_id = tokenizer.pad_token_id
     if not trained_head and hasattr(model, "score"):  # encoders' pooled heads keep transformers' initialisation
@@ -550,7 +555,8 @@ def memory_plan(args, world, vocab_size=None):
     --bf16 autocast's bfloat16 copy of the weights."""
     total, trained = common.model_shape(args.model_name_or_path, "reward", vocab_size, common.lora_shape(args))
     shards, low = world if args.fsdp and world > 1 else 1, args.lora_r and args.bf16
-    rows = [common.Planned("reward model", total, 0 if args.eval_only else trained, 2 if low else 4, shards)]
+    rows = [common.Planned("reward model", total, 0 if args.eval_only else trained, 2 if low else 4, shards,
+                           source=args.model_name_or_path)]
     if not args.eval_only:  # a micro-batch's pairs, both sequences at --max_length (packing holds at most as many)
         tokens = 2 * args.per_device_train_batch_size * (args.max_length or 512)
         rows.append(common.Transient(f"activations ({tokens} tokens)", "learning", common.activation_bytes(
@@ -936,7 +942,7 @@ def setup_distributed():
 
 def parallelize(model, args, device):
     """DDP, or FSDP2 with one shard group per transformer block and one for the input embeddings (unless an output
-    layer shares them), rank 0's weights broadcast into the others' meta-device skeletons (common.shard_from_rank0)."""
+    layer shares them), filled with rank 0's weights or each rank's checkpoint slices (common.shard_from_rank0)."""
     if not dist.is_initialized():
         return model.to(device)
     if args.fsdp:
