@@ -61,16 +61,18 @@ def cli(args_class):
         return args_class(**vars(tyro.cli(flat, use_underscores=True)))
 
 
+LEFT = []  # the process groups of runs that have ended, held until the process ends (see leave_together)
+
+
 def leave_together():
     """The end of a run on several ranks: every rank waits for the others (a rank whose peer is still saving could
-    abort in gloo's teardown), then leaves at once (os._exit, its output flushed), not through the interpreter's
-    teardown: there a process group still held by DDP's reducer joins gloo's threads, which can wait an hour on a
-    peer that has already gone."""
+    abort in gloo's teardown); then the process group is destroyed but held here, so that DDP's reducer releasing it
+    when main returns does not run its destructor, which joins gloo's threads and can wait an hour on a peer that has
+    already gone. The command line then leaves at once (exit_on_user_error)."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        LEFT.append(torch.distributed.group.WORLD)
+        torch.distributed.destroy_process_group()
 
 
 def first_line(error):
@@ -79,8 +81,9 @@ def first_line(error):
 
 
 def exit_on_user_error(fn, *args):
-    """The command line's main: a UserError printed in one line, exit code 2. Under torchrun a process that fails
-    leaves at once, as leave_together does."""
+    """The command line's main: a UserError printed in one line, exit code 2. Under torchrun the process then leaves
+    at once (os._exit, its output flushed), however main ended, not through the interpreter's teardown, which would
+    destroy the process groups held alive (see leave_together)."""
     distributed, result = int(os.environ.get("WORLD_SIZE", "1")) > 1, None
     try:
         result, code = fn(*args), 0

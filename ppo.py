@@ -816,7 +816,7 @@ def main(args):
     common.stop_on_signals(False)
 
     common.agreed(lambda: save_final(trainable, models.policy_hf, lora, tokenizer, history, logs, args, rank))
-    common.leave_together()  # (under torchrun: every rank done, the process ends here)
+    common.leave_together()  # (under torchrun: every rank done)
     return history
 
 

@@ -487,7 +487,7 @@ def main(args):
     normalization = fit_normalization(model, train, args, tokenizer.pad_token_id, device, rank, world)
     common.agreed(lambda: save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank,
                                      dict(normalization, eval_sets=eval_sets)))  # a failing save ends every rank
-    common.leave_together()  # (under torchrun: every rank done, the process ends here)
+    common.leave_together()  # (under torchrun: every rank done)
     return ev
 
 
@@ -1081,7 +1081,7 @@ def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, 
         print(common.format_metrics(ev))
         print(f"evaluated {args.model_name_or_path} on {len(evals)} pairs: accuracy {ev['eval/accuracy']:.4f}; "
               f"eval_results.json and eval.png in {args.output_dir}")
-    common.leave_together()  # (under torchrun: every rank done, the process ends here)
+    common.leave_together()  # (under torchrun: every rank done)
     return ev
 
 
