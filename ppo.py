@@ -253,6 +253,8 @@ def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
     """Estimates of KL(policy || reference) from samples of the policy (Schulman 2020, "Approximating KL divergence")."""
     if estimator == "k1":
         return logprobs - ref_logprobs
+    if estimator != "k3":  # (Args fills its default before: a copied function must not fall back silently)
+        raise ValueError(f"unknown KL estimator {estimator!r}: k1 or k3")
     log_ratio = ref_logprobs - logprobs
     return torch.expm1(log_ratio) - log_ratio  # exp(x) - 1 - x, without float32's cancellation near 0 (never < 0)
 

@@ -189,6 +189,14 @@ def test_kl_in_the_loss_stays_finite_when_padding_is_improbable(tmp_path, monkey
     assert len(history) == 2 and all(math.isfinite(x) for x in losses), losses
 
 
+def test_an_unknown_kl_estimator_is_refused_not_read_as_k3():
+    a, b = torch.zeros(2, 3), torch.ones(2, 3)
+    assert torch.equal(ppo.kl_per_token(a, b, "k1"), a - b)
+    for estimator in (None, "k2", "K3"):
+        with pytest.raises(ValueError, match="unknown KL estimator"):
+            ppo.kl_per_token(a, b, estimator)
+
+
 def test_kl_estimators_are_unbiased_for_known_distributions():
     p = torch.tensor([0.5, 0.3, 0.2])
     q = torch.tensor([0.2, 0.3, 0.5])
