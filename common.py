@@ -98,11 +98,9 @@ def exit_on_user_error(fn, *args):
             raise
         code = e.code if isinstance(e, SystemExit) else traceback.print_exc() or 1
     if distributed:
-        if isinstance(code, str):
-            print(code, file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+        os._exit(code)
     if code:
         sys.exit(code)
     return result

@@ -413,8 +413,9 @@ class Rollout:
 
 def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collective):
     """1. Sample a response to each of this rank's episodes, in --num_collect_steps chunks, each episode with its own
-    random stream. Returns the Rollout's first fields: prompts left-padded, responses with padding after the stop
-    token, their real-token mask and the sampling log-probs."""
+    random stream: token by token from softmax(logits / --temperature) (no top-k, top-p), recording each sampled
+    token's log-prob under that same tempered distribution (generate). Returns the Rollout's first fields: prompts
+    left-padded, responses with padding after the stop token, their real-token mask and the sampling log-probs."""
     width = all_reduce(torch.tensor(max(map(len, prompt_ids)), device=device), dist.ReduceOp.MAX)  # same on all ranks
     query, query_mask = (t.to(device) for t in pad_left(prompt_ids, int(width), pad_id))
     chunk = len(episodes) // args.num_collect_steps
@@ -437,7 +438,8 @@ class Critic(torch.nn.Module):
     """The value of each state: a sequence-classification model's scalar head (float32) at every position, minus a
     constant offset. Built by critic_from: from rm.py's reward model (--critic_init reward; the head divided by its
     scale, the offset shift / scale, so that it starts out reading the normalized score (w.h - shift) / scale), or
-    from the policy's backbone with a new head (--critic_init policy)."""
+    from the policy's backbone with a new head, its weights normal with std 1 / sqrt(hidden size + 1) (--critic_init
+    policy)."""
 
     def __init__(self, hf_model, offset=0.0):
         super().__init__()
