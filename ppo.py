@@ -498,19 +498,23 @@ def reference_logprobs(policy, ref_policy, critic, batch, args, update, rank, wo
     """3. The sampled tokens' log-probs under the reference policy, and where the old log-probs come from. Each is
     computed as learn() computes its first steps (learning_forward): under --bf16 the KL at initialisation is then
     exactly 0, in float32 within rounding. Fills ref_logprobs (under --bf16, logprobs and values too)."""
-    forward = functools.partial(learning_forward, batch, args, update, rank, world)
-    with reference_mode():  # the frozen copy of the initial policy (LoRA: the policy with its adapter switched off)
-        batch.ref_logprobs = forward(lambda ids, mask, context: policy_forward(
-            ref_policy, ids, mask, context, args.temperature, entropy=False)[0])
+    def forwards(ids, mask, context):
+        with reference_mode():  # the frozen copy of the initial policy (LoRA: the policy with its adapter off)
+            out = [policy_forward(ref_policy, ids, mask, context, args.temperature, entropy=False)[0]]
+        if args.bf16:  # the old log-probs and the values, recomputed (below)
+            out.append(policy_forward(policy, ids, mask, context, args.temperature, entropy=False)[0])
+            out += [critic(ids, mask)[:, context - 1:-1]] if critic is not None else []
+        return out
+
+    batch.ref_logprobs, *recomputed = learning_forward(batch, args, update, rank, world, forwards)
     # The old log-probs (the ratio's denominator) are the sampler's, recorded in step 1 at the sampling temperature:
     # in float32 they equal the learning forward's (tests check it on every family). In bfloat16 a one-token KV-cached
     # decode and a whole-sequence forward round differently, so --bf16 recomputes them here, and the values: the first
     # ratio is then exactly 1 and the first value clip centred on what learning computes.
     if args.bf16:
-        batch.logprobs = forward(lambda ids, mask, context: policy_forward(
-            policy, ids, mask, context, args.temperature, entropy=False)[0])
+        batch.logprobs = recomputed[0]
         if critic is not None:
-            batch.values = forward(lambda ids, mask, context: critic(ids, mask)[:, context - 1:-1])
+            batch.values = recomputed[1]
 
 
 def advantages(batch, kl_coef, args):
@@ -1479,16 +1483,20 @@ def trimmed(batch, rows):
 
 
 def learning_forward(batch, args, update, rank, world, fn):
-    """fn(ids, attention_mask, context) -> a value per response token, computed exactly as learn() computes at its
-    first optimizer steps: on epoch 0's rows and length groups (epoch_plan), trimmed so, under the same autocast.
-    Each rank computes its rows; a sum over ranks assembles the (B, response_length) batch, 0 after each response."""
-    out = torch.zeros_like(batch.logprobs)
+    """fn(ids, attention_mask, context) -> a list of values per response token, computed exactly as learn() computes
+    at its first optimizer steps: on epoch 0's rows and length groups (epoch_plan), trimmed so, under the same
+    autocast. Each rank computes its rows; a sum over ranks assembles each (B, response_length) output, 0 after each
+    response."""
+    outs = None
     with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for step in epoch_plan(batch, args, update, 0, rank, world):
             for rows in step.forwards:
                 f = trimmed(batch, rows)
-                out[rows, :f.kept] = fn(f.ids, f.attention_mask, f.context)
-    return all_reduce(out).masked_fill(~batch.mask, 0.0)
+                values = fn(f.ids, f.attention_mask, f.context)
+                outs = outs or [torch.zeros_like(batch.logprobs) for _ in values]
+                for out, v in zip(outs, values):
+                    out[rows, :f.kept] = v
+    return [all_reduce(out).masked_fill(~batch.mask, 0.0) for out in outs]
 
 
 GROUP_OVERHEAD_TOKENS = 64
