@@ -1122,11 +1122,6 @@ def commit_checkpoint(root, name, state, keep=2):
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
-def save_checkpoint(output_dir, step, state, keep=2):
-    """A checkpoint of state alone (one process)."""
-    commit_checkpoint(*new_checkpoint_dir(output_dir, step), state, keep)
-
-
 def latest_checkpoint(output_dir):
     root = os.path.join(output_dir, "checkpoints")
     try:
@@ -1139,22 +1134,6 @@ def latest_checkpoint(output_dir):
 def load_latest_checkpoint(output_dir):
     path = latest_checkpoint(output_dir)
     return None if path is None else torch.load(os.path.join(path, "state.pt"), weights_only=True)  # runs no code
-
-
-def read_checkpoint(path):
-    """A checkpoint's tensors, whole, in one process: {"model": {name: t}, "optimizer": {name.moment: t}}."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader, load
-
-    meta = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
-    flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-        load(flat, storage_reader=HuggingFaceStorageReader(path))
-    out = {"model": {}, "optimizer": {}}
-    for k, v in flat.items():
-        part, name = k.split(".", 1)
-        out[part][name] = v
-    return out
 
 
 def sharded_state(model, optimizer):
@@ -1224,9 +1203,6 @@ def resume_training(model, optimizer, scheduler, output_dir, step_of):
     if (path := latest_checkpoint(output_dir)) is None:
         return None
     ckpt = load_latest_checkpoint(output_dir)
-    if "global_batch" not in ckpt:  # written before checkpoints recorded their progress
-        raise UserError(f"--resume: {path} was written by an earlier version of this script (it does not record its "
-                        "global batch): resume it with that version, or pass --overwrite_output_dir to train afresh")
     start = step_of(ckpt)
     tensors, _ = sharded_state(model, optimizer)
     with warnings.catch_warnings():  # (one process: "assuming the intent is to load in a single process")

@@ -13,6 +13,29 @@ HH_PATH = os.path.join(ROOT, "..", "shared", "data", "hh-rlhf-harmless-base", "t
 import common  # noqa: E402
 
 
+def save_checkpoint(output_dir, step, state, keep=2):
+    """A checkpoint of state alone, in one process, through the scripts' commit protocol."""
+    common.commit_checkpoint(*common.new_checkpoint_dir(output_dir, step), state, keep)
+
+
+def read_checkpoint(path):
+    """A checkpoint's tensors, whole, in one process: {"model": {name: t}, "optimizer": {name.moment: t}}."""
+    import warnings
+
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, load
+
+    meta = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
+    flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        load(flat, storage_reader=HuggingFaceStorageReader(path))
+    out = {"model": {}, "optimizer": {}}
+    for k, v in flat.items():
+        part, name = k.split(".", 1)
+        out[part][name] = v
+    return out
+
+
 def run_script(args, nproc=1, check=True, env=None):
     """Run a script as a user would: `python X.py` for one process, `torchrun` for several. Returns the process."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import tyro
-from conftest import ROOT, run_script
+from conftest import ROOT, read_checkpoint, run_script, save_checkpoint
 
 import common
 import rm
@@ -136,7 +136,7 @@ def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tm
                         per_device_train_batch_size=8, output_dir=str(tmp_path)))
     assert open(tmp_path / "checkpoints" / "latest").read() == "step_00000004"
     state = common.load_latest_checkpoint(str(tmp_path))
-    weights = common.read_checkpoint(common.latest_checkpoint(str(tmp_path)))["model"]
+    weights = read_checkpoint(common.latest_checkpoint(str(tmp_path)))["model"]
     assert state["step"] == 4 and all(torch.isfinite(v).all() for v in weights.values())
     assert not os.path.exists(tmp_path / "model.safetensors")  # no final model from a diverged run
 
@@ -169,9 +169,9 @@ def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, save
 
 def test_checkpoints_of_an_earlier_run_never_take_the_place_of_latest(tmp_path):
     for step in (7, 8):  # an earlier run into the same folder reached step 8
-        common.save_checkpoint(str(tmp_path), step, {"step": step, "run": "old"})
+        save_checkpoint(str(tmp_path), step, {"step": step, "run": "old"})
     for step in (2, 4, 6, 8):
-        common.save_checkpoint(str(tmp_path), step, {"step": step, "run": "new"})
+        save_checkpoint(str(tmp_path), step, {"step": step, "run": "new"})
         latest = common.load_latest_checkpoint(str(tmp_path))
         assert latest == {"step": step, "run": "new"}
     assert len([d for d in os.listdir(tmp_path / "checkpoints") if d.startswith("step_")]) == 2
@@ -203,12 +203,12 @@ def test_numbers_in_text_cells_are_numbers_and_sharegpt_roles_are_mapped(tmp_pat
 
 
 def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_partial_files(tmp_path, monkeypatch):
-    common.save_checkpoint(str(tmp_path), 2, {"step": 2, "w": torch.zeros(4)})
+    save_checkpoint(str(tmp_path), 2, {"step": 2, "w": torch.zeros(4)})
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("unexpected pos 64")))
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(common.UserError, match=r"checkpoints: no room to save \(0 MB needed, 0 MB free\); the "
                                                r"partial files were removed"):
-        common.save_checkpoint(str(tmp_path), 4, {"step": 4, "w": torch.zeros(10**4)})
+        save_checkpoint(str(tmp_path), 4, {"step": 4, "w": torch.zeros(10**4)})
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002"]  # no step_00000004.tmp
     monkeypatch.undo()
     assert common.load_latest_checkpoint(str(tmp_path))["step"] == 2
@@ -221,7 +221,7 @@ class _RunsCode:
 
 def test_resume_never_runs_code_from_a_checkpoint(tmp_path):
     shutil.rmtree("/tmp/rlhf-crafted-checkpoint-ran", ignore_errors=True)
-    common.save_checkpoint(str(tmp_path), 2, {"step": 2, "payload": _RunsCode()})
+    save_checkpoint(str(tmp_path), 2, {"step": 2, "payload": _RunsCode()})
     with pytest.raises(Exception, match="Weights only load failed"):
         common.load_latest_checkpoint(str(tmp_path))
     assert not os.path.exists("/tmp/rlhf-crafted-checkpoint-ran")

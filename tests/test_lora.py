@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import assert_saved_models_equal, read_metrics, run_script
+from conftest import assert_saved_models_equal, read_checkpoint, read_metrics, run_script
 from families import DECODERS, FAMILIES
 from test_families import preference_rows, tokenized_pairs, write_jsonl
 
@@ -195,7 +195,7 @@ def test_rm_lora_trains_only_adapters_and_head_and_two_ranks_equal_one(tmp_path,
 
     tokenizer = rm.load_tokenizer("embedded-llama")
     initial, _ = rm.load_reward_model(rm.Args(seed=1, lora_r=4, lora_alpha=8.0), tokenizer)
-    trained = common.read_checkpoint(common.latest_checkpoint(str(tmp_path / "one")))["model"]
+    trained = read_checkpoint(common.latest_checkpoint(str(tmp_path / "one")))["model"]
     moved = {k.removeprefix("hf.") for k, v in trained.items() if not torch.equal(v, initial.state_dict()[
         k.removeprefix("hf.")])}
     assert moved and all("lora_" in k or "modules_to_save" in k for k in moved), moved
@@ -219,7 +219,7 @@ def test_ppo_lora_two_ranks_equal_one_and_under_fsdp_bf16_the_adapters_stay_floa
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForCausalLM")
 
     run_script(base + ["--fsdp", "--bf16", "--save_steps", "1", "--output_dir", str(tmp_path / "bf16")], nproc=2)
-    ckpt = common.read_checkpoint(common.latest_checkpoint(str(tmp_path / "bf16")))
+    ckpt = read_checkpoint(common.latest_checkpoint(str(tmp_path / "bf16")))
     dtypes = {("lora_" in k or "modules_to_save" in k): v.dtype for k, v in ckpt["model"].items()
               if v.is_floating_point() and "layers" in k or "score" in k}
     assert dtypes == {True: torch.float32, False: torch.bfloat16}  # adapters train in float32, the base is held in bf16

@@ -2,7 +2,6 @@
 is what the scripts really hold."""
 
 import json
-import os
 
 import pytest
 import torch

@@ -12,7 +12,7 @@ from collections import OrderedDict
 import pytest
 import torch
 from allpairspy import AllPairs
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, save_checkpoint
 from test_families import preference_rows, write_jsonl
 
 import common
@@ -94,7 +94,7 @@ def run(script, args, ranks, out, first=None):
     shorter total `first`, leaves a checkpoint after its first update; the second resumes from it to the whole total.
     With --overwrite_output_dir the (first) run replaces an earlier finished run, of whose checkpoints none is left."""
     if args["overwrite_output_dir"]:
-        common.save_checkpoint(out, 99, {"step": 99})
+        save_checkpoint(out, 99, {"step": 99})
         with open(os.path.join(out, "metrics.jsonl"), "w") as f:
             f.write(json.dumps({"step": 99}) + "\n")
     runs = [dict(args, resume=False, save_steps=1, **first), dict(args, resume=True, overwrite_output_dir=False)] \

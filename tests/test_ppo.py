@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import tyro
-from conftest import ROOT, assert_saved_models_equal, read_metrics, run_script
+from conftest import ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, run_script
 
 import common
 import ppo
@@ -441,14 +441,14 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(estimator, tmp_p
     samples = [open(tmp_path / k / "samples.jsonl").read() for k in ("full", "cut")]
     assert samples[0] == samples[1]  # no rows written twice by the resumed run
     assert full[-1]["kl_coef"] != full[0]["kl_coef"]  # the adaptive controller's state was resumed too
-    saved = common.read_checkpoint(common.latest_checkpoint(tmp_path / "cut"))["model"]
+    saved = read_checkpoint(common.latest_checkpoint(tmp_path / "cut"))["model"]
     assert any(k.startswith("critic.") for k in saved) == (not estimator)  # without GAE no critic, nor its state
     # resumed with a total the checkpoint (update 8) has passed: the checkpoint's policy is saved, the log closed
     ppo.main(ppo.Args(output_dir=str(tmp_path / "short"), resume=True, **dict(args, total_episodes=48)))
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "short").state_dict()
-    at_8 = common.read_checkpoint(common.latest_checkpoint(tmp_path / "short"))["model"]
+    at_8 = read_checkpoint(common.latest_checkpoint(tmp_path / "short"))["model"]
     assert all(torch.equal(policy[k.removeprefix("policy.")], v) for k, v in at_8.items() if k.startswith("policy."))
     assert strip(read_metrics(tmp_path / "short")) == full[:8]
     # the finished run, resumed again: nothing to do, nothing rewritten

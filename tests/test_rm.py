@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 import tyro
-from conftest import ROOT, assert_saved_models_equal, read_metrics, run_script
+from conftest import (ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, run_script,
+                      save_checkpoint)
 from test_errors import snapshot
 from test_families import write_jsonl
 
@@ -310,7 +311,7 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_
     from transformers import AutoModelForSequenceClassification
 
     saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "short").state_dict()
-    at_6 = common.read_checkpoint(common.latest_checkpoint(tmp_path / "short"))["model"]
+    at_6 = read_checkpoint(common.latest_checkpoint(tmp_path / "short"))["model"]
     assert all(torch.equal(saved[k.removeprefix("hf.")], v) for k, v in at_6.items())
     assert [m["step"] for m in read_metrics(tmp_path / "short")][-1] == 6
     assert "accuracy" in json.load(open(tmp_path / "short" / "eval_results.json"))
@@ -469,11 +470,11 @@ def test_each_rank_resumes_its_own_random_streams(tmp_path):
 
 
 def test_checkpoint_write_is_atomic(tmp_path):
-    common.save_checkpoint(str(tmp_path), 1, {"step": 1})
+    save_checkpoint(str(tmp_path), 1, {"step": 1})
     os.makedirs(tmp_path / "checkpoints" / "step_00000002.tmp")  # a crash mid-write leaves only a .tmp directory
     assert common.load_latest_checkpoint(str(tmp_path))["step"] == 1
-    common.save_checkpoint(str(tmp_path), 2, {"step": 2})
-    common.save_checkpoint(str(tmp_path), 3, {"step": 3})
+    save_checkpoint(str(tmp_path), 2, {"step": 2})
+    save_checkpoint(str(tmp_path), 3, {"step": 3})
     assert common.load_latest_checkpoint(str(tmp_path))["step"] == 3
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002", "step_00000003"]
 
