@@ -592,7 +592,8 @@ def last_token_index(mask):
 
 
 def sequence_reward(model, ids, mask):
-    """Where both scripts read a reward: a decoder's head at the last real token (the EOS); an encoder's at [CLS]."""
+    """Where both scripts read a reward: a decoder's head at the last real token (the EOS,
+    or the last token of a response cut at the length limit); an encoder's at [CLS]."""
     if not hasattr(model, "score"):  # BERT, RoBERTa, DeBERTa: a pooled `classifier`
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
     hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,

@@ -120,8 +120,9 @@ class Args:
     Default: runs/rm, or none when --reward_fn is given (pass both to add them)."""
     reward_fn: str | None = None
     """A rule-based reward `module:function` (module importable from the working directory, or a .py path), called
-    as fn(prompts: list[str], responses: list[str]) -> list[float] with the prompt texts and the responses' text
-    (without the stop token); added to the reward model's score if there is one."""
+    as fn(prompts: list[str], responses: list[str]) -> list[float] with the prompt texts (whole: a rule judges the
+    answer to the whole question, though the policy and reward model read the prompt cut to --max_prompt_length) and
+    the responses' text (without the stop token); added to the reward model's score if there is one."""
     critic_init: Literal["auto", "reward", "policy"] = "auto"
     """Initialise the critic from the reward model (value head = reward head) or from the policy (new head). auto:
     the reward model when it is a decoder with the policy's tokenizer, else the policy."""
@@ -141,7 +142,8 @@ class Args:
     total_episodes: int = 12288
     """Episodes (prompt, response) to train on in all."""
     per_device_train_batch_size: int = 16
-    """Episodes per device per forward/backward pass of the learning phase (a micro-batch)."""
+    """Episodes per device per micro-batch of the learning phase (run as one forward/backward pass, or as a few
+    length groups: the same numbers, less padding)."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
     num_mini_batches: int = 2
@@ -261,7 +263,8 @@ def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
 
 def gae(rewards, values, mask, gamma, lam):
     """Generalized advantage estimation (Schulman et al. 2016, eq. 16) over the real tokens of each response: the
-    value after the last real token is 0. Returns advantages and returns (= advantages + values, the value targets)."""
+    value after the last real token is 0, also for a response cut at --response_length (treated as ended, as TRL
+    does; --missing_eos_penalty penalises it). Returns advantages and returns (= advantages + values, the value targets)."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[:, 0])
@@ -1784,6 +1787,7 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
 
 def rollout_metrics(batch, kl, non_score_reward):
     mask = batch.mask.float()
+    # objective/entropy: -log p of the sampled tokens, summed over the response (TRL's name): a one-sample estimate
     m = {"objective/kl": kl.sum(1).mean().item(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean().item(),
          "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
          "objective/scores": batch.scores.mean().item(),
