@@ -1418,7 +1418,7 @@ def shard_input_embeddings(model, fully_shard, **options):
     set_unshard_in_backward), so a rank holds the whole table only during the lookup, and its gradient only until it
     is reduce-scattered."""
     hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
-    table, head = hf.get_input_embeddings(), hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    table, head = hf.get_input_embeddings(), getattr(hf, "get_output_embeddings", lambda: None)()
     if head is not None and head.weight is table.weight:
         return
     fully_shard(table, **options)

@@ -252,7 +252,8 @@ def masked_whiten(x, mask, shift_mean=True):
 
 
 def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
-    """Estimates of KL(policy || reference) from samples of the policy (Schulman 2020, "Approximating KL divergence")."""
+    """Estimates of KL(policy || reference) from samples of the policy (Schulman 2020, "Approximating KL
+    divergence")."""
     if estimator == "k1":
         return logprobs - ref_logprobs
     if estimator != "k3":  # (Args fills its default before: a copied function must not fall back silently)
@@ -264,7 +265,8 @@ def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
 def gae(rewards, values, mask, gamma, lam):
     """Generalized advantage estimation (Schulman et al. 2016, eq. 16) over the real tokens of each response: the
     value after the last real token is 0, also for a response cut at --response_length (treated as ended, as TRL
-    does; --missing_eos_penalty penalises it). Returns advantages and returns (= advantages + values, the value targets)."""
+    does; --missing_eos_penalty penalises it). Returns advantages and returns (= advantages + values, the value
+    targets)."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[:, 0])
@@ -1438,7 +1440,8 @@ def policy_forward(policy, query_response, mask, context_length, temperature, wi
 def check_output_logits(model, flag, name):
     """output_logits must give the model's own logits: a family with an output transform it does not know is named
     here, before training, instead of training on wrong log-probs."""
-    ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % vocab
     own = model(input_ids=ids).logits.float()
     ours = output_logits(model, head_inputs(model, input_ids=ids)).float()
     # a model held in bfloat16 (LoRA's frozen base under --bf16) rounds its own logits to bfloat16 (2^-8 relative);
@@ -1636,7 +1639,7 @@ def parallelize(model, args, device, num_layers, frozen=False):
         return common.shard_from_rank0(model, shard, device, host)
     model.to(device)
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
                                                      broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
