@@ -441,10 +441,7 @@ def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collect
 
 class Critic(torch.nn.Module):
     """The value of each state: a sequence-classification model's scalar head (float32) at every position, minus a
-    constant offset. Built by critic_from: from rm.py's reward model (--critic_init reward; the head divided by its
-    scale, the offset shift / scale, so that it starts out reading the normalized score (w.h - shift) / scale), or
-    from the policy's backbone with a new head, its weights normal with std 1 / sqrt(hidden size + 1) (--critic_init
-    policy)."""
+    constant offset (built by critic_from)."""
 
     def __init__(self, hf_model, offset=0.0):
         super().__init__()
@@ -455,6 +452,34 @@ class Critic(torch.nn.Module):
         hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                     position_ids=position_ids).last_hidden_state
         return self.hf.score(hidden).squeeze(-1).float() - self.offset
+
+
+def critic_from(args, policy, reward):
+    """The critic's start. --critic_init reward: rm.py's reward model, its head divided by rm.py's scale and the
+    Critic's offset shift / scale (build_models), so that it starts out reading the normalized score,
+    (w.h - shift) / scale. --critic_init policy: the policy's backbone and a new head, its weights normal with std 1 / sqrt(hidden + 1) (on
+    the meta device if the policy is: a skeleton, filled when sharded)."""
+    from transformers import AutoModelForSequenceClassification
+
+    if args.critic_init == "reward":
+        critic = copy.deepcopy(reward.model.hf).requires_grad_(True)
+        with torch.no_grad():  # (a bias too, where a head has one)
+            for p in critic.score.parameters():
+                p /= reward.scale
+        return critic
+    config = common.without_dropout(copy.deepcopy(policy.config))
+    config.num_labels = 1
+    critic = common.meta_model(lambda: AutoModelForSequenceClassification.from_config(config))
+    try:  # strict: every backbone weight of the policy, none left at its random initialisation
+        critic.base_model.load_state_dict(policy.base_model.state_dict(), assign=True)
+    except RuntimeError as e:
+        raise common.UserError(f"--critic_init policy: {args.sft_model_path}'s backbone does not load into a "
+                               f"sequence-classification model ({common.first_line(e)})") from None
+    setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))  # (a skeleton's: where to read it)
+    critic._init_weights(critic.score.to_empty(device=policy.device if policy.device.type != "meta" or dist.get_rank()
+                                               else "cpu"))  # (rank 0 makes the head: common.sliced_skeleton)
+    torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
+    return common.scalar_head_in_float32(critic)
 
 
 @torch.no_grad()
@@ -898,31 +923,6 @@ def load_policy(args, tokenizer, skeleton=False):
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     return common.disable_dropout(common.load_model(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path",
                                                     skeleton, config=config, dtype=dtype))
-
-
-def critic_from(args, policy, reward):
-    """The critic, from the reward model (value head = reward head) or from the policy's backbone and a new head (on
-    the meta device if the policy is: a skeleton)."""
-    from transformers import AutoModelForSequenceClassification
-
-    if args.critic_init == "reward":
-        critic = copy.deepcopy(reward.model.hf).requires_grad_(True)
-        with torch.no_grad():  # values in the units of the normalized score, (w.h - shift) / scale (Critic's offset)
-            critic.score.weight /= reward.scale
-        return critic
-    config = common.without_dropout(copy.deepcopy(policy.config))
-    config.num_labels = 1
-    critic = common.meta_model(lambda: AutoModelForSequenceClassification.from_config(config))
-    try:  # strict: every backbone weight of the policy, none left at its random initialisation
-        critic.base_model.load_state_dict(policy.base_model.state_dict(), assign=True)
-    except RuntimeError as e:
-        raise common.UserError(f"--critic_init policy: {args.sft_model_path}'s backbone does not load into a "
-                               f"sequence-classification model ({common.first_line(e)})") from None
-    setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))  # (a skeleton's: where to read it)
-    critic._init_weights(critic.score.to_empty(device=policy.device if policy.device.type != "meta" or dist.get_rank()
-                                               else "cpu"))  # (rank 0 makes the head: common.sliced_skeleton)
-    torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
-    return common.scalar_head_in_float32(critic)
 
 
 def memory_plan(args, world, vocab_size=None):
