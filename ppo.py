@@ -457,8 +457,8 @@ class Critic(torch.nn.Module):
 def critic_from(args, policy, reward):
     """The critic's start. --critic_init reward: rm.py's reward model, its head divided by rm.py's scale and the
     Critic's offset shift / scale (build_models), so that it starts out reading the normalized score,
-    (w.h - shift) / scale. --critic_init policy: the policy's backbone and a new head, its weights normal with std 1 / sqrt(hidden + 1) (on
-    the meta device if the policy is: a skeleton, filled when sharded)."""
+    (w.h - shift) / scale. --critic_init policy: the policy's backbone and a new head, its weights normal with std
+    1 / sqrt(hidden + 1) (on the meta device if the policy is: a skeleton, filled when sharded)."""
     from transformers import AutoModelForSequenceClassification
 
     if args.critic_init == "reward":
