@@ -341,6 +341,8 @@ def train_step(model, micro_batches, args, pad_id, device):
 def evaluate(model, pairs, args, pad_id, device, rank, world):
     """Rewards of every pair (sharded across ranks, then gathered) and the metrics computed from them. Returns the
     metrics and, per pair, (r_chosen, r_rejected, margin). Run after the steps --eval_steps or --num_evals choose."""
+    training = model.training
+    model.eval()
     # longest first, so that a batch holds pairs of similar length (little padding) and the peak memory comes first
     by_length = sorted(range(len(pairs)), key=lambda i: -len(pairs[i]["prompt"] + pairs[i]["chosen"]
                                                               + pairs[i]["rejected"]))
@@ -354,6 +356,7 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
             rewards.append(torch.stack(model(*inputs).chunk(2), 1))  # per pair (r_chosen, r_rejected)
     index, valid, rewards = (all_gather_cat(t) for t in (torch.tensor(mine, device=device), valid, torch.cat(rewards)))
     rewards = torch.empty(len(pairs), 2).index_copy_(0, index[valid].cpu(), rewards[valid].cpu())
+    model.train(training)
     margin = torch.tensor([p["margin"] for p in pairs])
     metrics = pair_metrics(rewards[:, 0], rewards[:, 1], margin, pairs, args, "eval/")
     datasets = dict.fromkeys(p.get("dataset") for p in pairs)
@@ -401,49 +404,10 @@ def fit_normalization(model, train, args, pad_id, device, rank, world):
         return {"reward_shift": 0.0, "reward_scale": 1.0, "reward_normalization_fitted_on": None}
     pairs = random.Random(common.seed_of(args.seed, "normalization")).sample(train, min(len(train),
                                                                                      NORMALIZATION_PAIRS))
-    model.eval()
     fitted = evaluate(model, pairs, args, pad_id, device, rank, world)[0]
     return {"reward_shift": fitted["eval/reward_mean"],
             "reward_scale": fitted["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0,
             "reward_normalization_fitted_on": f"{len(pairs)} training pairs"}
-
-
-def check_args(args):
-    """Every size and range, and every model and dataset found, before anything is loaded or written; a bad one is
-    named in one line."""
-    for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
-                 "per_device_eval_batch_size", "logging_steps", "num_evals"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
-    for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
-                 "max_grad_norm", "center_rewards_coefficient", "eval_steps", "save_steps", "head_init_std", "lora_r",
-                 "lora_alpha", "lora_dropout"):
-        value = getattr(args, name)
-        if value is not None and not (value >= 0 and math.isfinite(value)):
-            raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
-    if args.max_steps <= 0 and not args.num_train_epochs > 0 and not args.eval_only:
-        raise common.UserError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or set --max_steps)")
-    if not 0 < args.eval_holdout < 1:
-        raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
-    if not args.warmup_ratio <= 1:
-        raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
-    common.check_source(args.model_name_or_path, "--model_name_or_path")
-    for name, _ in common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
-        common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
-
-
-def start_up(args):
-    """The checks before any weight is read, every one failing in one line: the arguments, the models and datasets
-    found, and the output folder (one every rank sees, not another run's). Returns (args, rank, world, device)."""
-    if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
-        args = dataclasses.replace(args, output_dir="runs/rm-eval")
-    check_args(args)
-    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
-        return args, None, args.plan_world_size, None
-    rank, world, device = setup_distributed()
-    common.check_shared_output_dir(args.output_dir, rank)
-    common.check_output_dir(args, rank)
-    return args, rank, world, device
 
 
 def main(args):
@@ -520,10 +484,8 @@ def main(args):
             window, t_window, memory = [], time.time(), {}
         t_pause = time.time()
         if done in evals_at:
-            model.eval()
             ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
             ev = {"step": done, **ev, "perf/eval_pairs_per_s": len(evals) / (time.time() - t_pause)}
-            model.train()
             if rank == 0:
                 logger.log(ev)
                 bar.write(common.format_metrics(ev))
@@ -536,7 +498,6 @@ def main(args):
         t_window += time.time() - t_pause
     common.stop_on_signals(False)
     if ev is None:  # resumed at or past the total: no step ran, so its evaluation too
-        model.eval()
         ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
 
     # 5. Normalize (the training pairs' mean reward, in config.json: see fit_normalization) and save in HF format.
@@ -551,7 +512,45 @@ def main(args):
 # The systems. A first read can stop above: what follows makes the steps run on real data, at scale and fast,
 # each piece behind one named function whose docstring states what it guarantees.
 #
-# Model and data.
+# Start-up checks, model and data.
+
+
+def check_args(args):
+    """Every size and range, and every model and dataset found, before anything is loaded or written; a bad one is
+    named in one line."""
+    for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
+                 "per_device_eval_batch_size", "logging_steps", "num_evals"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
+    for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
+                 "max_grad_norm", "center_rewards_coefficient", "eval_steps", "save_steps", "head_init_std", "lora_r",
+                 "lora_alpha", "lora_dropout"):
+        value = getattr(args, name)
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
+    if args.max_steps <= 0 and not args.num_train_epochs > 0 and not args.eval_only:
+        raise common.UserError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or set --max_steps)")
+    if not 0 < args.eval_holdout < 1:
+        raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
+    if not args.warmup_ratio <= 1:
+        raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
+    common.check_source(args.model_name_or_path, "--model_name_or_path")
+    for name, _ in common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
+        common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
+
+
+def start_up(args):
+    """The checks before any weight is read, every one failing in one line: the arguments, the models and datasets
+    found, and the output folder (one every rank sees, not another run's). Returns (args, rank, world, device)."""
+    if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
+        args = dataclasses.replace(args, output_dir="runs/rm-eval")
+    check_args(args)
+    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
+        return args, None, args.plan_world_size, None
+    rank, world, device = setup_distributed()
+    common.check_shared_output_dir(args.output_dir, rank)
+    common.check_output_dir(args, rank)
+    return args, rank, world, device
 
 
 def load_tokenizer(name):
@@ -1047,7 +1046,6 @@ def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, 
 
 
 def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets):
-    model.eval()
     ev, rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
     if rank == 0:
         shift, scale = getattr(hf_model.config, "reward_shift", 0.0), getattr(hf_model.config, "reward_scale", 1.0)
