@@ -172,7 +172,8 @@ class Args:
 
 
 def preference_loss(r_chosen, r_rejected, margin, loss_type="sigmoid"):
-    """Per-pair Bradley-Terry negative log-likelihood, with the Llama 2 margin (Touvron et al. 2023, eq. 2)."""
+    """Per-pair Bradley-Terry negative log-likelihood, with the Llama 2 margin (Touvron et al. 2023, eq. 2). Another
+    pair loss goes here: training and evaluation both read it through reward_model_loss."""
     if loss_type == "sigmoid":
         return -F.logsigmoid(r_chosen - r_rejected - margin)
     return F.softplus(r_rejected - r_chosen + margin)  # log1p(exp(x)), which overflows to inf past x ~ 88
