@@ -265,8 +265,8 @@ def collate(pairs, pad_id, padding_side="right"):
 
 
 def model_inputs(pairs, pad_id, args, device="cpu"):
-    """The model's inputs for a micro-batch, on device: (ids, mask, position ids, read points, segments), chosen rewards
-    first. --no_padding_free: collate's padded batch. The default, the packed layout, is a swap for speed that computes
+    """The model's inputs for B pairs, on device: (ids, mask, position ids, read points, segments); from them the model
+    returns the B chosen rewards, then the B rejected ones. --no_padding_free: collate's padded batch. The default, the packed layout, is a swap for speed that computes
     the same rewards: the pairs end to end in one row without padding, each prompt once (--prefix_sharing), and an
     attention that lets each token see only the earlier tokens of its own sequence, at the positions it would have
     alone (pack_segments, segment_attention). A reward can be trusted without reading that code:
@@ -274,7 +274,8 @@ def model_inputs(pairs, pad_id, args, device="cpu"):
       gradients with the padded batch's (tests/test_families.py on each supported model family);
     - at start-up, choose_layout runs 4 random pairs both ways on the run's model, device and precision, and checks that
       every layer called that attention with its configured sliding window and that the rewards agree; if not (or for
-      an encoder, or a model without position ids), the run takes the padded batch and prints why ("batch layout")."""
+      an encoder, or a model without position ids), the run takes the padded batch and says why ("batch layout: ..."
+      in its first lines, batch_layout in eval_results.json under --eval_only)."""
     if not args.padding_free:
         inputs = collate(pairs, pad_id)[:2] + (None, None, None)
     else:
