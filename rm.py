@@ -266,10 +266,11 @@ def collate(pairs, pad_id, padding_side="right"):
 
 def model_inputs(pairs, pad_id, args, device="cpu"):
     """The model's inputs for B pairs, on device: (ids, mask, position ids, read points, segments); from them the model
-    returns the B chosen rewards, then the B rejected ones. --no_padding_free: collate's padded batch. The default, the packed layout, is a swap for speed that computes
-    the same rewards: the pairs end to end in one row without padding, each prompt once (--prefix_sharing), and an
-    attention that lets each token see only the earlier tokens of its own sequence, at the positions it would have
-    alone (pack_segments, segment_attention). A reward can be trusted without reading that code:
+    returns the B chosen rewards, then the B rejected ones. --no_padding_free: collate's padded batch. The default, the
+    packed layout, is a swap for speed that computes the same rewards: the pairs end to end in one row without padding,
+    each prompt once (--prefix_sharing), and an attention that lets each token see only the earlier tokens of its own
+    sequence, at the positions it would have alone (pack_segments, segment_attention). A reward can be trusted without
+    reading that code:
     - tests/test_rm.py::test_padded_packed_and_prefix_shared_rewards_and_gradients_agree compares its rewards and
       gradients with the padded batch's (tests/test_families.py on each supported model family);
     - at start-up, choose_layout runs 4 random pairs both ways on the run's model, device and precision, and checks that
