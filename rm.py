@@ -777,9 +777,9 @@ def build_optimizer(model, args, total_steps):
 # The packed layout behind model_inputs (see there what guarantees its rewards): pairs end to end in one row.
 
 
+# segment_attention makes one SDPA call per block of consecutive pairs of at most this many tokens (a longer pair is a
+# block alone): short pairs share a call, long ones pay only for their own length, never for the row's
 BLOCK_TOKENS = 256
-"""segment_attention makes one SDPA call per block of consecutive pairs of at most this many tokens (a longer pair is
-a block alone): short pairs share a call, long ones pay only for their own length, never for the row's."""
 
 
 def pack_segments(pairs, share_prompt=True):
