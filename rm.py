@@ -8,7 +8,7 @@
 
 A reward model is a language model with a scalar head read at the last real token of prompt + response. It is trained
 so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_c - r_r - margin) (Bradley & Terry
-1952; Ouyang et al. 2022, eq. 1).
+1952; Ouyang et al. 2022, eq. 1). The method is read from the top to the end of `main`; below it, the machinery.
 """
 
 import collections
@@ -30,8 +30,6 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import common
-
-
 
 
 @dataclass
@@ -174,7 +172,8 @@ class Args:
 
 
 def preference_loss(r_chosen, r_rejected, margin, loss_type="sigmoid"):
-    """Per-pair Bradley-Terry negative log-likelihood, with the Llama 2 margin (Touvron et al. 2023, eq. 2)."""
+    """Per-pair Bradley-Terry negative log-likelihood, with the Llama 2 margin (Touvron et al. 2023, eq. 2). Another
+    pair loss goes here: training and evaluation both read it through reward_model_loss."""
     if loss_type == "sigmoid":
         return -F.logsigmoid(r_chosen - r_rejected - margin)
     return F.softplus(r_rejected - r_chosen + margin)  # log1p(exp(x)), which overflows to inf past x ~ 88
@@ -212,41 +211,49 @@ def pearson(x, y):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The model, one training step, evaluation.
-
-
-def chosen_and_rejected(rewards):
-    """(r_chosen, r_rejected) of a micro-batch from its 2B rewards: every batch layout (collate's rows, pack_segments'
-    read points) puts each pair's chosen sequence in the first half and its rejected one at the same place in the
-    second."""
-    return rewards.chunk(2)
+# The model, the data, one training step, evaluation.
 
 
 class RewardModel(torch.nn.Module):
-    """A transformers sequence-classification model, read at the last real token of each sequence. A padded batch
-    (2D mask) is read by common.sequence_reward, the reading ppo.py applies to the rewards it trains on; a packed row
-    (see pack_segments) brings its position ids, read points and segments."""
+    """A transformers sequence classifier: its last hidden state at the last real token of each sequence, mapped to one
+    number by the head `score` (reward_head). In a padded batch that token is the mask's last 1, right or left padded
+    (common.sequence_reward, the reading ppo.py applies to the rewards it trains on): the EOS that ends every tokenized
+    response, or the last token kept of one cut at --max_length. An encoder (BERT) reads its pooled [CLS] instead. A
+    packed row (model_inputs) brings its read points: the same tokens."""
 
     def __init__(self, hf_model):
         super().__init__()
         self.hf = hf_model
-        self.reads_last_token = hasattr(hf_model, "score")
-        self.takes_position_ids = "position_ids" in inspect.signature(hf_model.base_model.forward).parameters
 
     def forward(self, input_ids, attention_mask, position_ids=None, read_at=None, segments=None):
-        if segments is not None:  # one padding-free row; segment_attention keeps attention inside each sequence
-            if self.hf.config._attn_implementation != "rm_segments":
-                raise ValueError("a packed row needs the model's attention set by choose_layout")
-            hidden = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                        rm_segments=segments).last_hidden_state
-            return self.hf.score(hidden[read_at[0], read_at[1]]).squeeze(-1).float()
-        return common.sequence_reward(self.hf, input_ids, attention_mask)
+        if segments is None:
+            return common.sequence_reward(self.hf, input_ids, attention_mask)
+        if self.hf.config._attn_implementation != "rm_segments":  # the model's own attention would cross pairs
+            raise ValueError("a packed row needs the model's attention set by choose_layout")
+        hidden = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                    rm_segments=segments).last_hidden_state
+        return self.hf.score(hidden[read_at[0], read_at[1]]).squeeze(-1).float()
+
+
+def reward_head(model, args, trained_head):
+    """The head `score`: a linear map from the hidden state to one number. A new one (the checkpoint brings none) is
+    drawn normal with std 1/sqrt(hidden + 1), or --head_init_std, so that the first rewards are of order 1 (as in
+    Ziegler et al. 2019's code). It is computed in float32 under any autocast (common.scalar_head_in_float32): a
+    bfloat16 reward moves in steps of 1/128 of its size, and close pairs would tie."""
+    if not trained_head and hasattr(model, "score"):  # encoders' pooled heads keep transformers' initialisation
+        hidden = model.score.in_features
+        std = args.head_init_std or 1 / math.sqrt(hidden + 1)
+        torch.nn.init.normal_(model.score.weight, std=std)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"{args.model_name_or_path}: a new reward head (score, {hidden} -> 1, initial std {std:.3g}) on "
+                  "its backbone")
+    return common.scalar_head_in_float32(model)
 
 
 def collate(pairs, pad_id, padding_side="right"):
-    """The plain layout: one batch of 2B sequences, chosen first then rejected, so both go through one forward pass.
-    It equals two passes (one of chosen, one of rejected) because rows never attend to each other and dropout is off;
-    each reward is read at its row's last real token (common.sequence_reward)."""
+    """The padded batch: 2B sequences, each pair's chosen in the first half and its rejected at the same place in the
+    second, so that one forward pass gives both rewards (rewards.chunk(2) splits them). It equals two passes, one of
+    chosen and one of rejected, because rows never attend to each other and dropout is off."""
     seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -257,13 +264,56 @@ def collate(pairs, pad_id, padding_side="right"):
     return ids, mask, torch.tensor([p["margin"] for p in pairs])
 
 
-def model_inputs(pairs, pad_id, args):
-    """(ids, mask, position ids, read points, segments) of a micro-batch: the padded batch of collate, or (the default,
-    --padding_free) the faster packed row of pack_segments, which computes the same rewards (tests/test_rm.py
-    compares the two) with no padding and, under --prefix_sharing, each prompt's tokens once."""
+def model_inputs(pairs, pad_id, args, device="cpu"):
+    """The model's inputs for B pairs, on device: (ids, mask, position ids, read points, segments); from them the model
+    returns the B chosen rewards, then the B rejected ones. --no_padding_free: collate's padded batch. The default, the
+    packed layout, is a swap for speed that computes the same rewards: the pairs end to end in one row without padding,
+    each prompt once (--prefix_sharing), and an attention that lets each token see only the earlier tokens of its own
+    sequence, at the positions it would have alone (pack_segments, segment_attention). A reward can be trusted without
+    reading that code:
+    - tests/test_rm.py::test_padded_packed_and_prefix_shared_rewards_and_gradients_agree compares its rewards and
+      gradients with the padded batch's (tests/test_families.py on each supported model family);
+    - at start-up, choose_layout runs 4 random pairs both ways on the run's model, device and precision, and checks that
+      every layer called that attention with its configured sliding window and that the rewards agree; if not (or for
+      an encoder, or a model without position ids), the run takes the padded batch and says why ("batch layout: ..."
+      in its first lines, batch_layout in eval_results.json under --eval_only)."""
     if not args.padding_free:
-        return collate(pairs, pad_id)[:2] + (None, None, None)
-    return pack_segments(pairs, share_prompt=args.prefix_sharing)
+        inputs = collate(pairs, pad_id)[:2] + (None, None, None)
+    else:
+        inputs = pack_segments(pairs, share_prompt=args.prefix_sharing)
+    return [x.to(device) if torch.is_tensor(x) else x for x in inputs]
+
+
+def truncate_pair(prompt_ids, chosen_ids, rejected_ids, max_length, max_prompt_length, bos_id=None):
+    """The truncation policy: a pair that fits max_length is kept whole; otherwise the prompt keeps its end (the turn
+    being answered) and its BOS (common.truncate_prompt, ppo.py's rule), as many tokens as the longer response leaves
+    but no fewer than max_prompt_length, then each response is cut to fit after it (one cut so loses its EOS, and its
+    reward is read at its last token kept). Returns the three id lists and whether anything was cut."""
+    longest = max(len(chosen_ids), len(rejected_ids))
+    p = common.truncate_prompt(prompt_ids, max(max_prompt_length, max_length - longest), bos_id)
+    c, r = chosen_ids[:max_length - len(p)], rejected_ids[:max_length - len(p)]
+    return p, c, r, (len(p), len(c), len(r)) != (len(prompt_ids), len(chosen_ids), len(rejected_ids))
+
+
+def hold_out_by_prompt(rows, fraction, seed, tokenizer, others=()):
+    """(train, eval): about `fraction` of the rows for evaluation, whole prompts at a time (drawn at random by seed),
+    so that a dataset with several pairs per prompt leaks none into the evaluation; train also holds the rows of
+    `others` (other datasets' training pairs) whose prompt is not held out. A dataset of one prompt is split by row."""
+    prompts = [common.split_pair(r, tokenizer, common.where(r))[0] for r in rows]
+    order = list(dict.fromkeys(prompts))
+    random.Random(seed).shuffle(order)
+    if len(order) == 1:
+        prompts, order = list(range(len(rows))), random.Random(seed).sample(range(len(rows)), len(rows))
+    n_eval, held, count, n_held = max(1, int(len(rows) * fraction)), set(), collections.Counter(prompts), 0
+    for p in order:
+        if n_held >= n_eval:
+            break
+        held.add(p)
+        n_held += count[p]
+    if others and len(order) > 1:
+        others = [r for r in others if common.split_pair(r, tokenizer, common.where(r))[0] not in held]
+    return [r for r, p in zip(rows, prompts) if p not in held] + list(others), \
+        [r for r, p in zip(rows, prompts) if p in held]
 
 
 def train_step(model, micro_batches, args, pad_id, device):
@@ -271,13 +321,12 @@ def train_step(model, micro_batches, args, pad_id, device):
     the pair loss. Returns the step's mean loss, accuracy, reward gap, token count and clipped gradient norm."""
     stats = dict.fromkeys(("loss", "accuracy", "reward_gap", "tokens"), 0.0)
     for m, pairs in enumerate(micro_batches):
-        inputs = [x.to(device) if torch.is_tensor(x) else x for x in model_inputs(pairs, pad_id, args)]
+        inputs = model_inputs(pairs, pad_id, args, device)
         margin = torch.tensor([p["margin"] for p in pairs], device=device)
-        # DDP all-reduces on the last micro-batch only; FSDP reduce-scatters every one's, so that no rank holds a
-        # whole model's unsharded gradients
-        set_grad_sync(model, m == len(micro_batches) - 1 or args.fsdp)
+        if hasattr(model, "require_backward_grad_sync"):  # DDP all-reduces the gradients on the last micro-batch only
+            model.require_backward_grad_sync = m == len(micro_batches) - 1  # (FSDP reduce-scatters every one's)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            r_chosen, r_rejected = chosen_and_rejected(model(*inputs))
+            r_chosen, r_rejected = model(*inputs).chunk(2)
         loss = reward_model_loss(r_chosen, r_rejected, margin, args.loss_type, args.center_rewards_coefficient)
         # / accumulation: the summed gradients are the mean over this rank's pairs, and DDP/FSDP average the ranks',
         # so the step's gradient is that of the mean loss over the global batch (equal micro-batches)
@@ -293,27 +342,24 @@ def train_step(model, micro_batches, args, pad_id, device):
 
 @torch.no_grad()
 def evaluate(model, pairs, args, pad_id, device, rank, world):
-    """Rewards of every eval pair (sharded across ranks, then gathered) and the metrics computed from them. Returns the
-    metrics and, per pair, (r_chosen, r_rejected, margin)."""
-    per_rank = math.ceil(len(pairs) / world)
+    """Rewards of every pair (sharded across ranks, then gathered) and the metrics computed from them. Returns the
+    metrics and, per pair, (r_chosen, r_rejected, margin). Run after the steps --eval_steps or --num_evals choose."""
+    training = model.training
+    model.eval()
     # longest first, so that a batch holds pairs of similar length (little padding) and the peak memory comes first
-    by_length = sorted(range(len(pairs)), key=lambda i: -sum(map(len, (pairs[i]["prompt"], pairs[i]["chosen"],
-                                                                       pairs[i]["rejected"]))))
-    mine = by_length[rank::world]
-    n_mine = len(mine)
+    by_length = sorted(range(len(pairs)), key=lambda i: -len(pairs[i]["prompt"] + pairs[i]["chosen"]
+                                                              + pairs[i]["rejected"]))
+    mine, per_rank = by_length[rank::world], math.ceil(len(pairs) / world)
+    valid = torch.arange(per_rank, device=device) < len(mine)
     mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts (FSDP's forward is collective)
-    rewards = []
-    size = args.per_device_eval_batch_size or args.per_device_train_batch_size
+    rewards, size = [], args.per_device_eval_batch_size or args.per_device_train_batch_size
     for i in range(0, per_rank, size):
-        inputs = model_inputs([pairs[j] for j in mine[i:i + size]], pad_id, args)
+        inputs = model_inputs([pairs[j] for j in mine[i:i + size]], pad_id, args, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            rewards.append(torch.stack(chosen_and_rejected(model(*(x.to(device) if torch.is_tensor(x) else x
-                                                                    for x in inputs))), 1))
-    valid = torch.arange(per_rank, device=device) < n_mine
+            rewards.append(torch.stack(model(*inputs).chunk(2), 1))  # per pair (r_chosen, r_rejected)
     index, valid, rewards = (all_gather_cat(t) for t in (torch.tensor(mine, device=device), valid, torch.cat(rewards)))
-    in_order = torch.empty(len(pairs), 2)
-    in_order[index[valid].cpu()] = rewards[valid].cpu()
-    rewards = in_order
+    rewards = torch.empty(len(pairs), 2).index_copy_(0, index[valid].cpu(), rewards[valid].cpu())
+    model.train(training)
     margin = torch.tensor([p["margin"] for p in pairs])
     metrics = pair_metrics(rewards[:, 0], rewards[:, 1], margin, pairs, args, "eval/")
     datasets = dict.fromkeys(p.get("dataset") for p in pairs)
@@ -349,45 +395,22 @@ def pair_metrics(rc, rr, margin, pairs, args, prefix):
     return {prefix + k: v for k, v in metrics.items()}
 
 
-def check_args(args):
-    """Every size and range, and every model and dataset found, before anything is loaded or written; a bad one is
-    named in one line."""
-    for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
-                 "per_device_eval_batch_size", "logging_steps", "num_evals"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
-    for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
-                 "max_grad_norm", "center_rewards_coefficient", "eval_steps", "save_steps", "head_init_std", "lora_r",
-                 "lora_alpha", "lora_dropout"):
-        value = getattr(args, name)
-        if value is not None and not (value >= 0 and math.isfinite(value)):
-            raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
-    if args.max_steps <= 0 and not args.num_train_epochs > 0 and not args.eval_only:
-        raise common.UserError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or set --max_steps)")
-    if not 0 < args.eval_holdout < 1:
-        raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
-    if not args.warmup_ratio <= 1:
-        raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
-    if None not in (args.max_length, args.max_prompt_length) and args.max_length <= args.max_prompt_length:
-        raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
-                               f"{args.max_length} to leave room for the responses")
-    common.check_source(args.model_name_or_path, "--model_name_or_path")
-    for name, _ in common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
-        common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
+NORMALIZATION_PAIRS = 2048  # the mean's standard error is then under 1/45 of the rewards' std
 
 
-def start_up(args):
-    """The checks before any weight is read, every one failing in one line: the arguments, the models and datasets
-    found, and the output folder (one every rank sees, not another run's). Returns (args, rank, world, device)."""
-    if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
-        args = dataclasses.replace(args, output_dir="runs/rm-eval")
-    check_args(args)
-    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
-        return args, None, args.plan_world_size, None
-    rank, world, device = setup_distributed()
-    common.check_shared_output_dir(args.output_dir, rank)
-    common.check_output_dir(args, rank)
-    return args, rank, world, device
+def fit_normalization(model, train, args, pad_id, device, rank, world):
+    """After training, --reward_normalization: reward_shift, the mean reward of NORMALIZATION_PAIRS training pairs drawn
+    by seed (all, if fewer; never eval pairs, so that no held-out pair shapes the saved model), and with shift_scale
+    reward_scale, their std. save_reward_model stores both in config.json; ppo.py's load_reward reads a reward as
+    (score - reward_shift) / reward_scale."""
+    if args.reward_normalization == "none":
+        return {"reward_shift": 0.0, "reward_scale": 1.0, "reward_normalization_fitted_on": None}
+    pairs = random.Random(common.seed_of(args.seed, "normalization")).sample(train, min(len(train),
+                                                                                     NORMALIZATION_PAIRS))
+    fitted = evaluate(model, pairs, args, pad_id, device, rank, world)[0]
+    return {"reward_shift": fitted["eval/reward_mean"],
+            "reward_scale": fitted["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0,
+            "reward_normalization_fitted_on": f"{len(pairs)} training pairs"}
 
 
 def main(args):
@@ -401,17 +424,18 @@ def main(args):
     tokenizer = load_tokenizer(args.model_name_or_path)
     common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
     sharded = args.fsdp and world > 1  # then each rank reads its slices, or rank 0 the whole (common.load_model)
-    # a new scalar head `score`, normal with std 1/sqrt(hidden + 1) (or --head_init_std), held in float32
+    # the backbone, float32 (dropout off) and a scalar head (reward_head: new, or the checkpoint's)
     hf_model, lora = load_reward_model(args, tokenizer, skeleton=sharded and (rank != 0 or not args.lora_r))
     args = resolve_lengths(args, hf_model, rank)
-    # eval: each dataset's --eval_split, else --eval_holdout of the prompts held out (whole prompts, none trained on);
-    # a pair past --max_length: the prompt cut from the left (to no less than --max_prompt_length), then each response
+    # pairs past --max_length are cut (truncate_pair); eval: each dataset's --eval_split, else --eval_holdout of its
+    # pairs, whole prompts held out of training (hold_out_by_prompt)
     train, evals, eval_sets = load_data(args, tokenizer, rank)
+    # steps: --max_steps, else --num_train_epochs x (training pairs // global batch); evaluations after evals_at
     steps_per_epoch, total_steps, evals_at = schedule(args, len(train), global_batch, rank)
     if not args.eval_only and common.run_complete(args, total_steps, rank):
         return None
 
-    # 2. Batch layout, optimizer, schedule.
+    # 2. Batch layout (model_inputs: packed, if the check on this model passes, else padded), optimizer, schedule.
     if not sharded:  # (sharded, every rank checks the layout on its shards: rank 0 may hold no weights)
         args, layout = choose_layout(RewardModel(hf_model.to(device)), args, len(tokenizer), rank)
     if args.gradient_checkpointing:
@@ -463,10 +487,8 @@ def main(args):
             window, t_window, memory = [], time.time(), {}
         t_pause = time.time()
         if done in evals_at:
-            model.eval()
             ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
             ev = {"step": done, **ev, "perf/eval_pairs_per_s": len(evals) / (time.time() - t_pause)}
-            model.train()
             if rank == 0:
                 logger.log(ev)
                 bar.write(common.format_metrics(ev))
@@ -479,11 +501,9 @@ def main(args):
         t_window += time.time() - t_pause
     common.stop_on_signals(False)
     if ev is None:  # resumed at or past the total: no step ran, so its evaluation too
-        model.eval()
         ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
 
-    # 5. Normalize: reward_shift = the mean reward of up to 2,048 seeded training pairs (never eval ones), reward_scale
-    # their std (with shift_scale); both go in config.json: reward = (score - shift) / scale. Save in HF format.
+    # 5. Normalize (the training pairs' mean reward, in config.json: see fit_normalization) and save in HF format.
     normalization = fit_normalization(model, train, args, tokenizer.pad_token_id, device, rank, world)
     common.agreed(lambda: save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank,
                                      dict(normalization, eval_sets=eval_sets)))  # a failing save ends every rank
@@ -495,7 +515,45 @@ def main(args):
 # The systems. A first read can stop above: what follows makes the steps run on real data, at scale and fast,
 # each piece behind one named function whose docstring states what it guarantees.
 #
-# Model and data.
+# Start-up checks, model and data.
+
+
+def check_args(args):
+    """Every size and range, and every model and dataset found, before anything is loaded or written; a bad one is
+    named in one line."""
+    for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
+                 "per_device_eval_batch_size", "logging_steps", "num_evals"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
+    for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
+                 "max_grad_norm", "center_rewards_coefficient", "eval_steps", "save_steps", "head_init_std", "lora_r",
+                 "lora_alpha", "lora_dropout"):
+        value = getattr(args, name)
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
+    if args.max_steps <= 0 and not args.num_train_epochs > 0 and not args.eval_only:
+        raise common.UserError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or set --max_steps)")
+    if not 0 < args.eval_holdout < 1:
+        raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
+    if not args.warmup_ratio <= 1:
+        raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
+    common.check_source(args.model_name_or_path, "--model_name_or_path")
+    for name, _ in common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
+        common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
+
+
+def start_up(args):
+    """The checks before any weight is read, every one failing in one line: the arguments, the models and datasets
+    found, and the output folder (one every rank sees, not another run's). Returns (args, rank, world, device)."""
+    if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
+        args = dataclasses.replace(args, output_dir="runs/rm-eval")
+    check_args(args)
+    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
+        return args, None, args.plan_world_size, None
+    rank, world, device = setup_distributed()
+    common.check_shared_output_dir(args.output_dir, rank)
+    common.check_output_dir(args, rank)
+    return args, rank, world, device
 
 
 def load_tokenizer(name):
@@ -538,13 +596,7 @@ def load_reward_model(args, tokenizer, skeleton=False):
         common.read_on_rank0(model.get_input_embeddings())  # (before rank 0 grows the table: common.sliced_skeleton)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.pad_token_id = tokenizer.pad_token_id
-    if not trained_head and hasattr(model, "score"):  # encoders' pooled heads keep transformers' initialisation
-        hidden = model.score.in_features
-        std = args.head_init_std or 1 / math.sqrt(hidden + 1)
-        torch.nn.init.normal_(model.score.weight, std=std)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"{name}: a new reward head (score, {hidden} -> 1, initial std {std:.3g}) on its backbone")
-    common.scalar_head_in_float32(model)
+    model = reward_head(model, args, trained_head)
     return model, common.add_lora(model, args, "SEQ_CLS") if args.lora_r and not args.eval_only else None
 
 
@@ -627,27 +679,6 @@ def load_data(args, tokenizer, rank):
     return train, evals, eval_sets
 
 
-def hold_out_by_prompt(rows, fraction, seed, tokenizer, others=()):
-    """(train, eval): about `fraction` of the rows for evaluation, whole prompts at a time (drawn at random by seed),
-    so that a dataset with several pairs per prompt leaks none into the evaluation; train also holds the rows of
-    `others` (other datasets' training pairs) whose prompt is not held out. Rows of one prompt are split by row."""
-    prompts = [common.split_pair(r, tokenizer, common.where(r))[0] for r in rows]
-    order = list(dict.fromkeys(prompts))
-    random.Random(seed).shuffle(order)
-    if len(order) == 1:
-        prompts, order = list(range(len(rows))), random.Random(seed).sample(range(len(rows)), len(rows))
-    n_eval, held, count, n_held = max(1, int(len(rows) * fraction)), set(), collections.Counter(prompts), 0
-    for p in order:
-        if n_held >= n_eval:
-            break
-        held.add(p)
-        n_held += count[p]
-    if others and len(order) > 1:
-        others = [r for r in others if common.split_pair(r, tokenizer, common.where(r))[0] not in held]
-    return [r for r, p in zip(rows, prompts) if p not in held] + list(others), \
-        [r for r, p in zip(rows, prompts) if p in held]
-
-
 def tokenize_pairs(rows, tokenizer, args):
     """Rows -> dicts of prompt/chosen/rejected token ids (+ margin), truncated by truncate_pair's policy.
     Pairs whose two sequences are identical after truncation carry no preference and are dropped."""
@@ -670,30 +701,16 @@ def tokenize_pairs(rows, tokenizer, args):
     return pairs, n_truncated, len(rows) - len(pairs)
 
 
-def truncate_pair(prompt_ids, chosen_ids, rejected_ids, max_length, max_prompt_length, bos_id=None):
-    """The truncation policy: a pair that fits max_length is kept whole; otherwise the prompt is cut by
-    common.truncate_prompt (ppo.py's rule for its prompts) to what the longer response leaves, but to no fewer than
-    max_prompt_length tokens, then each response cut so that prompt + response fits. (ppo.py's responses are always
-    allowed --response_length tokens, so there the same rule cuts at --max_prompt_length.) Returns the three id lists
-    and whether anything was cut."""
-    longest = max(len(chosen_ids), len(rejected_ids))
-    p = common.truncate_prompt(prompt_ids, max(max_prompt_length, max_length - longest), bos_id)
-    c, r = chosen_ids[:max_length - len(p)], rejected_ids[:max_length - len(p)]
-    return p, c, r, (len(p), len(c), len(r)) != (len(prompt_ids), len(chosen_ids), len(rejected_ids))
-
-
 def margin_of(row):
     """A row's margin: a number, or text that reads as one (CSV cells are text); absent or empty is 0."""
     margin = row.get("margin")
-    if margin is None or margin == "":
-        return 0.0
     try:
-        value = float(margin.strip()) if isinstance(margin, str) else margin
-    except ValueError:
-        value = None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        value = 0.0 if margin is None or margin == "" else float(margin)
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(margin, bool) or not math.isfinite(value):
         raise common.UserError(f"{common.where(row)}: field 'margin' is {margin!r}; expected a finite number")
-    return float(value)
+    return value
 
 
 def schedule(args, n_train, global_batch, rank):
@@ -757,13 +774,40 @@ def build_optimizer(model, args, total_steps):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The packed layout behind model_inputs: pairs end to end in one row (pack_segments, segment_attention), used where
-# choose_layout finds it right for the model.
+# The packed layout behind model_inputs (see there what guarantees its rewards): pairs end to end in one row.
 
 
+# segment_attention makes one SDPA call per block of consecutive pairs of at most this many tokens (a longer pair is a
+# block alone): short pairs share a call, long ones pay only for their own length, never for the row's
 BLOCK_TOKENS = 256
-"""segment_attention makes one SDPA call per block of consecutive pairs of at most this many tokens (a longer pair is
-a block alone): short pairs share a call, long ones pay only for their own length, never for the row's."""
+
+
+def pack_segments(pairs, share_prompt=True):
+    """A padding-free batch of one row: every pair's prompt + chosen + rejected (share_prompt: rejected's position ids
+    continue from the prompt's end; Wang et al. 2024, arXiv 2410.20305) or its two sequences, end to end. Returns ids,
+    None for the mask, position ids, the (row, column) read points (chosen ones, then rejected) and the Segments."""
+    ids, seq, branch, positions, reads, blocks = [], [], [], [], [[], []], []
+
+    def add(tokens, branches, pos):
+        if not blocks or len(ids) + len(tokens) - blocks[-1][0] > BLOCK_TOKENS:
+            blocks.append([len(ids), len(ids)])
+        ids.extend(tokens), branch.extend(branches), positions.extend(pos)
+        seq.extend([len(reads[0]) + len(reads[1])] * len(tokens))
+        blocks[-1][1] = len(ids)
+
+    for p in pairs:
+        P, C, R = len(p["prompt"]), len(p["chosen"]), len(p["rejected"])
+        if share_prompt:
+            reads[0].append(len(ids) + P + C - 1), reads[1].append(len(ids) + P + C + R - 1)
+            add(p["prompt"] + p["chosen"] + p["rejected"], [0] * P + [1] * C + [2] * R,
+                list(range(P + C)) + list(range(P, P + R)))
+        else:
+            for side, response in enumerate((p["chosen"], p["rejected"])):
+                reads[side].append(len(ids) + P + len(response) - 1)
+                add(p["prompt"] + response, [0] * (P + len(response)), list(range(P + len(response))))
+    cols = torch.tensor(reads[0] + reads[1])
+    segments = Segments(torch.tensor(seq), torch.tensor(branch), torch.tensor(positions), [tuple(b) for b in blocks])
+    return torch.tensor([ids]), None, torch.tensor([positions]), torch.stack([torch.zeros_like(cols), cols]), segments
 
 
 class Segments:
@@ -833,34 +877,6 @@ def use_segment_attention(hf_model):
     hf_model.config._attn_implementation = "rm_segments"
 
 
-def pack_segments(pairs, share_prompt=True):
-    """A padding-free batch of one row: every pair's prompt + chosen + rejected (share_prompt: rejected's position ids
-    continue from the prompt's end; Wang et al. 2024, arXiv 2410.20305) or its two sequences, end to end. Returns ids,
-    None for the mask, position ids, the (row, column) read points (chosen ones, then rejected) and the Segments."""
-    ids, seq, branch, positions, reads, blocks = [], [], [], [], [[], []], []
-
-    def add(tokens, branches, pos):
-        if not blocks or len(ids) + len(tokens) - blocks[-1][0] > BLOCK_TOKENS:
-            blocks.append([len(ids), len(ids)])
-        ids.extend(tokens), branch.extend(branches), positions.extend(pos)
-        seq.extend([len(reads[0]) + len(reads[1])] * len(tokens))
-        blocks[-1][1] = len(ids)
-
-    for p in pairs:
-        P, C, R = len(p["prompt"]), len(p["chosen"]), len(p["rejected"])
-        if share_prompt:
-            reads[0].append(len(ids) + P + C - 1), reads[1].append(len(ids) + P + C + R - 1)
-            add(p["prompt"] + p["chosen"] + p["rejected"], [0] * P + [1] * C + [2] * R,
-                list(range(P + C)) + list(range(P, P + R)))
-        else:
-            for side, response in enumerate((p["chosen"], p["rejected"])):
-                reads[side].append(len(ids) + P + len(response) - 1)
-                add(p["prompt"] + response, [0] * (P + len(response)), list(range(P + len(response))))
-    cols = torch.tensor(reads[0] + reads[1])
-    segments = Segments(torch.tensor(seq), torch.tensor(branch), torch.tensor(positions), [tuple(b) for b in blocks])
-    return torch.tensor([ids]), None, torch.tensor([positions]), torch.stack([torch.zeros_like(cols), cols]), segments
-
-
 def declared_windows(config):
     """The sliding window of each layer, as the config declares it (None: full attention)."""
     window = getattr(config, "sliding_window", None)
@@ -871,15 +887,14 @@ def declared_windows(config):
 
 @torch.no_grad()
 def choose_layout(model, args, vocab_size, rank=0):
-    """(args, layout): the packed layout where it is right, else the padded batch, and why. Encoders (a pooled read)
-    and models without position ids (ALiBi) are padded; otherwise rank 0 runs packed_layout_fault once, on the run's
-    device and precision, and every rank takes its verdict."""
+    """(args, layout): the packed layout if this model passes packed_layout_fault (run once, by rank 0, on the run's
+    device and precision; every rank takes its verdict), else the padded batch, and why."""
     padded = dataclasses.replace(args, padding_free=False)
     if not args.padding_free:
         return args, "padded (as asked)"
-    if not model.reads_last_token:
+    if not hasattr(model.hf, "score"):
         return padded, "padded: an encoder reads its pooled [CLS] over the whole sequence"
-    if not model.takes_position_ids:
+    if "position_ids" not in inspect.signature(model.hf.base_model.forward).parameters:
         return padded, "padded: the model takes no position ids (ALiBi or recurrent)"
     why_not = [common.agreed(lambda: packed_layout_fault(model, args, vocab_size) if rank == 0 else None)]
     if dist.is_initialized():
@@ -894,29 +909,26 @@ def choose_layout(model, args, vocab_size, rank=0):
 def packed_layout_fault(model, args, vocab_size):
     """What is wrong with the packed layout for this model (None: nothing): on 4 random pairs, every layer must call
     segment_attention with the window its config declares, and the rewards must equal the padded batch's."""
-    device = next(model.parameters()).device
-    g = torch.Generator().manual_seed(0)
+    device, g = next(model.parameters()).device, torch.Generator().manual_seed(0)
     ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
     pairs = [{"prompt": ids(3 + i), "chosen": ids(2 + i % 3), "rejected": ids(4 - i % 3), "margin": 0.0}
              for i in range(4)]
-    on_device = lambda xs: [x.to(device) if torch.is_tensor(x) else x for x in xs]  # noqa: E731
-    was_training, own = model.training, model.hf.config._attn_implementation
+    was_training, own, windows = model.training, model.hf.config._attn_implementation, declared_windows(model.hf.config)
     model.eval()
     low = args.bf16 or model.hf.dtype == torch.bfloat16  # a LoRA base held in bfloat16 runs under autocast too
+    tol, why_not = 5e-2 if low else 1e-3, None
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=low):
-        reference = model(*on_device(collate(pairs, 0)[:2]))
+        reference = model(*model_inputs(pairs, 0, dataclasses.replace(args, padding_free=False), device))
         use_segment_attention(model.hf)
-        inputs = model_inputs(pairs, 0, args)
+        inputs = model_inputs(pairs, 0, args, device)
         try:
-            rewards, why_not = model(*on_device(inputs)), None
+            rewards = model(*inputs)
         except NotImplementedError as e:
             why_not = f"its attention needs {e}"
-    if why_not is None and inputs[-1].calls != declared_windows(model.hf.config):
-        why_not = f"its layers called segment_attention with windows {inputs[-1].calls}, not the config's " \
-                  f"{declared_windows(model.hf.config)}"
-    tol = 5e-2 if low else 1e-3
-    if why_not is None and not torch.allclose(rewards, reference, rtol=tol, atol=tol * reference.abs().max().item()
-                                              + 1e-6):
+    if why_not is None and inputs[-1].calls != windows:
+        why_not = f"its layers called segment_attention with windows {inputs[-1].calls}, not the config's {windows}"
+    elif why_not is None and not torch.allclose(rewards, reference, rtol=tol,
+                                                atol=tol * reference.abs().max().item() + 1e-6):
         why_not = "its packed rewards differ from the padded batch's"
     model.train(was_training)
     model.hf.config._attn_implementation = own
@@ -967,22 +979,6 @@ def parallelize(model, args, device):
                                                      None, broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
-def set_grad_sync(model, enabled):
-    """Skip the gradient all-reduce on all but the last micro-step of an accumulation."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(enabled)
-    elif hasattr(model, "require_backward_grad_sync"):  # DDP
-        model.require_backward_grad_sync = enabled
-
-
-def all_reduce_mean(values, device):
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t.tolist()
-
-
 def all_gather_cat(t):
     if not dist.is_initialized():
         return t
@@ -998,9 +994,11 @@ def all_gather_cat(t):
 def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world, **memory):
     """The training statistics of the steps since the last log, averaged over them and over ranks, and the speed (and
     in the first log, memory/*)."""
-    loss, accuracy, reward_gap, grad_norm, tokens = all_reduce_mean(
-        [sum(s[k] for s in window) / len(window) for k in ("loss", "accuracy", "reward_gap", "grad_norm", "tokens")],
-        device)
+    keys = ("loss", "accuracy", "reward_gap", "grad_norm", "tokens")
+    means = torch.tensor([sum(s[k] for s in window) / len(window) for k in keys], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(means)
+    loss, accuracy, reward_gap, grad_norm, tokens = (means / world).tolist()
     tokens *= len(window) * world
     m = {"step": step, "epoch": step / steps_per_epoch, "train/loss": loss, "train/accuracy": accuracy,
          "train/reward_gap": reward_gap, "train/grad_norm": grad_norm, "lr": lr, "perf/tokens_per_s": tokens / elapsed,
@@ -1009,25 +1007,6 @@ def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elap
         logger.log(m)
         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / elapsed:.0f}")
         bar.write(common.format_metrics(m))
-
-
-NORMALIZATION_PAIRS = 2048
-"""Training pairs the normalization is fitted on: the mean's standard error is then under 1/45 of the rewards' std."""
-
-
-def fit_normalization(model, train, args, pad_id, device, rank, world):
-    """reward_shift and reward_scale (see --reward_normalization), fitted on NORMALIZATION_PAIRS training pairs drawn by
-    seed (all, if fewer), never on the eval pairs, so that no held-out pair shapes the saved model; and what they were
-    fitted on."""
-    if args.reward_normalization == "none":
-        return {"reward_shift": 0.0, "reward_scale": 1.0, "reward_normalization_fitted_on": None}
-    pairs = random.Random(common.seed_of(args.seed, "normalization")).sample(train, min(len(train),
-                                                                                     NORMALIZATION_PAIRS))
-    model.eval()
-    fitted = evaluate(model, pairs, args, pad_id, device, rank, world)[0]
-    return {"reward_shift": fitted["eval/reward_mean"],
-            "reward_scale": fitted["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0,
-            "reward_normalization_fitted_on": f"{len(pairs)} training pairs"}
 
 
 def save_final(model, hf_model, lora, tokenizer, ev, eval_rewards, logger, args, rank, record):
@@ -1070,7 +1049,6 @@ def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, 
 
 
 def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets):
-    model.eval()
     ev, rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
     if rank == 0:
         shift, scale = getattr(hf_model.config, "reward_shift", 0.0), getattr(hf_model.config, "reward_scale", 1.0)
@@ -1103,34 +1081,27 @@ def plot_eval(path, rewards, metrics):
 
     rc, rr = rewards[:, 0].numpy(), rewards[:, 1].numpy()
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    ax = axes[0, 0]
-    bins = 40
-    ax.hist(rc, bins=bins, alpha=0.55, color="tab:green", label=f"chosen (mean {rc.mean():.3f})")
-    ax.hist(rr, bins=bins, alpha=0.55, color="tab:red", label=f"rejected (mean {rr.mean():.3f})")
-    ax.set(title=f"Rewards on {len(rc)} eval pairs (accuracy {(rc > rr).mean():.3f})", xlabel="reward (logit)",
-           ylabel="pairs")
-    ax.legend()
+    for r, color, name in ((rc, "tab:green", "chosen"), (rr, "tab:red", "rejected")):
+        axes[0, 0].hist(r, bins=40, alpha=0.55, color=color, label=f"{name} (mean {r.mean():.3f})")
+    axes[0, 0].set(title=f"Rewards on {len(rc)} eval pairs (accuracy {(rc > rr).mean():.3f})", xlabel="reward (logit)",
+                   ylabel="pairs")
     p_chosen = torch.sigmoid(rewards[:, 0] - rewards[:, 1] - rewards[:, 2])
     count, confidence, frequency = reliability(p_chosen)
-    ax = axes[0, 1]
-    ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
-    ax.plot(confidence[count > 0], frequency[count > 0], "o-", color="tab:blue", label="reward model")
-    ax.set(title=f"Reliability (ECE {calibration_error(p_chosen):.3f})", xlabel="predicted P(this response wins)",
-           ylabel="observed frequency", xlim=(0, 1), ylim=(0, 1))
-    ax.legend()
-    for ax, key, name in ((axes[1, 0], "accuracy", "Accuracy"), (axes[1, 1], "loss", "Loss")):
-        train = [(m["step"], m[f"train/{key}"]) for m in metrics if f"train/{key}" in m]
-        evals = [(m["step"], m[f"eval/{key}"]) for m in metrics if f"eval/{key}" in m]
-        if not train and not evals:
-            ax.text(0.5, 0.5, "evaluation only: no training curve", ha="center", va="center", transform=ax.transAxes)
-            ax.set(title=name, xticks=[], yticks=[])
-            continue
-        if train:
-            ax.plot(*zip(*train), color="tab:blue", alpha=0.7, label="train (logged window)")
-        if evals:
-            ax.plot(*zip(*evals), "o-", color="tab:orange", label="eval")
-        ax.set(title=f"{name} over training", xlabel="optimizer step", ylabel=key)
-        ax.legend()
+    axes[0, 1].plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
+    axes[0, 1].plot(confidence[count > 0], frequency[count > 0], "o-", color="tab:blue", label="reward model")
+    axes[0, 1].set(title=f"Reliability (ECE {calibration_error(p_chosen):.3f})", xlim=(0, 1), ylim=(0, 1),
+                   xlabel="predicted P(this response wins)", ylabel="observed frequency")
+    for ax, key in ((axes[1, 0], "accuracy"), (axes[1, 1], "loss")):
+        for split, style, color, label in (("train", "-", "tab:blue", "train (logged window)"),
+                                           ("eval", "o-", "tab:orange", "eval")):
+            points = [(m["step"], m[f"{split}/{key}"]) for m in metrics if f"{split}/{key}" in m]
+            if points:
+                ax.plot(*zip(*points), style, color=color, alpha=0.8, label=label)
+        ax.set(title=f"{key} over training" if ax.lines else f"{key}: evaluation only, no training curve",
+               xlabel="optimizer step", ylabel=key)
+    for ax in axes.flat:
+        if ax.lines or ax.patches:
+            ax.legend()
     common.save_figure(fig, path)
 
 

@@ -42,6 +42,7 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
     "holdout": (["--eval_holdout", "1.5"], {}, "--eval_holdout 1.5: must be a fraction within (0, 1)"),
     "zero epochs": (["--num_train_epochs", "0"], {}, "--num_train_epochs 0.0: must be above 0"),
     "negative prompt length": (["--max_prompt_length", "-1"], {}, "--max_prompt_length -1: must be at least 1"),
+    "no room for responses": (["--max_prompt_length", "600"], {}, "--max_prompt_length 600 must be below --max_length"),
     "missing model": (["--model_name_or_path", "./no_such_model"], {}, "--model_name_or_path ./no_such_model: no such"),
     "lora target": (["--lora_r", "4", "--lora_target_modules", "no_such_layer"], {},
                     "--lora_target_modules no_such_layer: peft cannot put LoRA adapters on LlamaForSequenceClassification"),
