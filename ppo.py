@@ -1621,7 +1621,7 @@ def parallelize(model, args, device, num_layers, frozen=False):
             MixedPrecisionPolicy()
 
         def shard(model):
-            head = output_layer_unit(model)
+            head = output_layer_unit(model) or common.scalar_head(model)  # (a critic's, a reward model's)
             in_float32 = {id(p) for p in head.parameters()} if head is not None else set()
             if frozen and args.bf16:  # FSDP gathers it in bfloat16 to compute: held so, it computes the same, at
                 for p in model.parameters():  # half the memory (parameters only: RoPE's buffers stay float32)
@@ -1632,7 +1632,7 @@ def parallelize(model, args, device, num_layers, frozen=False):
             for block in blocks:
                 fully_shard(block, mp_policy=mp, **offload)
             common.shard_input_embeddings(model, fully_shard, mp_policy=mp, **offload)
-            if head is not None:  # gathered in float32, its inputs cast to it: output_logits computes in float32
+            if head is not None:  # gathered in float32, its inputs cast to it: the logits, values, rewards in float32
                 fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **offload)
             fully_shard(model, mp_policy=mp, **offload)
 

@@ -176,7 +176,7 @@ def preference_loss(r_chosen, r_rejected, margin, loss_type="sigmoid"):
     pair loss goes here: training and evaluation both read it through reward_model_loss."""
     if loss_type == "sigmoid":
         return -F.logsigmoid(r_chosen - r_rejected - margin)
-    return F.softplus(r_rejected - r_chosen + margin)  # log1p(exp(x)), which overflows to inf past x ~ 88
+    return F.softplus(r_rejected - r_chosen + margin)  # log(1 + exp(x)), computed so that it never overflows
 
 
 def reward_model_loss(r_chosen, r_rejected, margin, loss_type="sigmoid", center_coefficient=0.0):
@@ -302,7 +302,8 @@ def hold_out_by_prompt(rows, fraction, seed, tokenizer, others=()):
     prompts = [common.split_pair(r, tokenizer, common.where(r))[0] for r in rows]
     order = list(dict.fromkeys(prompts))
     random.Random(seed).shuffle(order)
-    if len(order) == 1:
+    by_row = len(order) == 1
+    if by_row:
         prompts, order = list(range(len(rows))), random.Random(seed).sample(range(len(rows)), len(rows))
     n_eval, held, count, n_held = max(1, int(len(rows) * fraction)), set(), collections.Counter(prompts), 0
     for p in order:
@@ -310,7 +311,7 @@ def hold_out_by_prompt(rows, fraction, seed, tokenizer, others=()):
             break
         held.add(p)
         n_held += count[p]
-    if others and len(order) > 1:
+    if others and not by_row:
         others = [r for r in others if common.split_pair(r, tokenizer, common.where(r))[0] not in held]
     return [r for r, p in zip(rows, prompts) if p not in held] + list(others), \
         [r for r, p in zip(rows, prompts) if p in held]
@@ -334,6 +335,7 @@ def train_step(model, micro_batches, args, pad_id, device):
         stats["loss"] += loss.item() / len(micro_batches)
         stats["accuracy"] += (r_chosen > r_rejected).float().mean().item() / len(micro_batches)
         stats["reward_gap"] += (r_chosen - r_rejected).mean().item() / len(micro_batches)
+        # the tokens of both sequences, the prompt counted twice, whatever the layout: tokens/s compares layouts
         stats["tokens"] += sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in pairs)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
     stats["grad_norm"] = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
@@ -375,7 +377,7 @@ def pair_metrics(rc, rr, margin, pairs, args, prefix):
     """The evaluation metrics of pairs from their rewards, each key prefixed."""
     lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
     metrics = {
-        "accuracy": (rc > rr).float().mean().item(),
+        "accuracy": (rc > rr).float().mean().item(),  # (a tie counts as an error)
         "loss": reward_model_loss(rc, rr, margin, args.loss_type, args.center_rewards_coefficient).item(),
         "reward_gap": (rc - rr).mean().item(),
         "chosen_reward": rc.mean().item(),
@@ -907,12 +909,16 @@ def choose_layout(model, args, vocab_size, rank=0):
 
 
 def packed_layout_fault(model, args, vocab_size):
-    """What is wrong with the packed layout for this model (None: nothing): on 4 random pairs, every layer must call
-    segment_attention with the window its config declares, and the rewards must equal the padded batch's."""
+    """What is wrong with the packed layout for this model (None: nothing): on random pairs, 4 short ones and 2 long
+    enough to fill more than one block and to pass the shortest sliding window (within --max_length), every layer must
+    call segment_attention with the window its config declares, and the rewards must equal the padded batch's."""
     device, g = next(model.parameters()).device, torch.Generator().manual_seed(0)
     ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
     pairs = [{"prompt": ids(3 + i), "chosen": ids(2 + i % 3), "rejected": ids(4 - i % 3), "margin": 0.0}
              for i in range(4)]
+    long = min(args.max_length, max([BLOCK_TOKENS] + [w + 8 for w in declared_windows(model.hf.config) if w])) - 8
+    pairs += [{"prompt": ids(long // 2), "chosen": ids(long // 2 - i), "rejected": ids(long // 4), "margin": 0.0}
+              for i in range(2 if long >= 16 else 0)]
     was_training, own, windows = model.training, model.hf.config._attn_implementation, declared_windows(model.hf.config)
     model.eval()
     low = args.bf16 or model.hf.dtype == torch.bfloat16  # a LoRA base held in bfloat16 runs under autocast too
@@ -970,6 +976,8 @@ def parallelize(model, args, device):
             for block in blocks:
                 fully_shard(block, mp_policy=mp)
             common.shard_input_embeddings(model, fully_shard, mp_policy=mp)
+            if (head := common.scalar_head(model)) is not None:
+                fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
             fully_shard(model, mp_policy=mp)
 
         return common.shard_from_rank0(model, shard, device)
