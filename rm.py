@@ -916,7 +916,8 @@ def packed_layout_fault(model, args, vocab_size):
     ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
     pairs = [{"prompt": ids(3 + i), "chosen": ids(2 + i % 3), "rejected": ids(4 - i % 3), "margin": 0.0}
              for i in range(4)]
-    long = min(args.max_length, max([BLOCK_TOKENS] + [w + 8 for w in declared_windows(model.hf.config) if w])) - 8
+    limit = args.max_length or common.position_table(model.hf) or 2 * BLOCK_TOKENS
+    long = min(limit, max([BLOCK_TOKENS] + [w + 8 for w in declared_windows(model.hf.config) if w])) - 8
     pairs += [{"prompt": ids(long // 2), "chosen": ids(long // 2 - i), "rejected": ids(long // 4), "margin": 0.0}
               for i in range(2 if long >= 16 else 0)]
     was_training, own, windows = model.training, model.hf.config._attn_implementation, declared_windows(model.hf.config)
