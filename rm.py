@@ -273,10 +273,11 @@ def model_inputs(pairs, pad_id, args, device="cpu"):
     reading that code:
     - tests/test_rm.py::test_padded_packed_and_prefix_shared_rewards_and_gradients_agree compares its rewards and
       gradients with the padded batch's (tests/test_families.py on each supported model family);
-    - at start-up, choose_layout runs 4 random pairs both ways on the run's model, device and precision, and checks that
-      every layer called that attention with its configured sliding window and that the rewards agree; if not (or for
-      an encoder, or a model without position ids), the run takes the padded batch and says why ("batch layout: ..."
-      in its first lines, batch_layout in eval_results.json under --eval_only)."""
+    - at start-up, choose_layout runs random pairs (two longer than a block and the shortest sliding window) both ways
+      on the run's model, device and precision, and checks that every layer called that attention with its configured
+      sliding window and that the rewards agree; if not (or for an encoder, or a model without position ids), the run
+      takes the padded batch and says why ("batch layout: ..." in its first lines, batch_layout in eval_results.json
+      under --eval_only)."""
     if not args.padding_free:
         inputs = collate(pairs, pad_id)[:2] + (None, None, None)
     else:
