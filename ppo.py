@@ -827,12 +827,13 @@ def main(args):
         trainable.train()
         update_stats, grad_norm = learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, rank, world,
                                         ptx, tokenizer.pad_token_id)
+        lr = scheduler.get_last_lr()[0]  # (the rate this update's steps used)
         scheduler.step()
         t_learn = time.time()
 
         # 6. Adapt the KL coefficient; log; save samples and checkpoints.
         m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef,
-             "lr": scheduler.get_last_lr()[0], "policy/grad_norm": grad_norm, **update_stats,
+             "lr": lr, "policy/grad_norm": grad_norm, **update_stats,
              **rollout_metrics(batch, kl, non_score_reward),
              **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, batch.attention_mask, args)}
         if update == start:  # the plan beside what this rank holds

@@ -476,6 +476,7 @@ def main(args):
                                    f"{stats['loss']:.4g}); training diverged: lower --learning_rate; --resume "
                                    f"continues from the last checkpoint in {args.output_dir}")
         optimizer.step()
+        lr = scheduler.get_last_lr()[0]  # (the rate this step used)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         window.append(stats)
@@ -485,7 +486,7 @@ def main(args):
         # 4. Log, evaluate, checkpoint (the speed logged is the training loop's: evaluations and saves are left out).
         done = step + 1
         if done % args.logging_steps == 0 or done == total_steps:
-            log_train(logger, bar, window, done, steps_per_epoch, scheduler.get_last_lr()[0], global_batch,
+            log_train(logger, bar, window, done, steps_per_epoch, lr, global_batch,
                       time.time() - t_window, device, world, **memory)
             window, t_window, memory = [], time.time(), {}
         t_pause = time.time()

@@ -370,8 +370,8 @@ def test_a_killed_rank_ends_the_job_and_its_sharded_checkpoint_resumes_on_one_pr
 
 def test_resume_on_another_number_of_ranks_continues_where_the_episodes_left_off(tmp_path, reward_model_path):
     """2 ranks (rollout batch 16) cut after 2 updates, resumed on 1 (batch 8); 1 rank cut after 2 updates, resumed on
-    2: each of the 64 episodes rolled out once, the linear schedule continued by episodes (lr = lr0 (1 - episodes
-    / 64)), ending at 64."""
+    2: each of the 64 episodes rolled out once, the linear schedule continued by episodes (an update's logged
+    lr, the rate its steps used, = lr0 (1 - episodes done before it / 64)), ending at 64."""
     base = ["tests/faults.py", "ppo.py", "--reward_model_path", reward_model_path, *TINY]
     for cut, resumed in (("two_cut", "one_resumed"), ("one_cut", "two_resumed")):
         trace = dict(TRACE=str(tmp_path / f"{cut}.trace"))
@@ -386,7 +386,8 @@ def test_resume_on_another_number_of_ranks_continues_where_the_episodes_left_off
         metrics = read_metrics(tmp_path / resumed)
         assert metrics[-1]["episodes"] == 64 and [m["episodes"] for m in metrics] == sorted({m["episodes"]
                                                                                              for m in metrics})
-        assert np.allclose([m["lr"] for m in metrics], [3e-4 * (1 - m["episodes"] / 64) for m in metrics])
+        before = [0] + [m["episodes"] for m in metrics[:-1]]  # the episodes done when each update began
+        assert np.allclose([m["lr"] for m in metrics], [3e-4 * (1 - e / 64) for e in before])
 
 
 def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, reward_model_path):

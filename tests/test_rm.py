@@ -487,6 +487,8 @@ def test_every_lr_schedule_runs(tmp_path, small_pairs_file, schedule):
                         lr_end=1e-4, output_dir=str(tmp_path), num_evals=1, logging_steps=1))
     lrs = [x["lr"] for x in read_metrics(tmp_path) if "lr" in x]
     assert len(lrs) == 4 and m["eval/accuracy"] > 0
+    if schedule == "linear":  # each step's logged rate is the one it used: warm-up from 0, then down to 0 at step 5
+        assert lrs == pytest.approx([0, 1e-3, 2e-3 / 3, 1e-3 / 3])
     if schedule.startswith("constant"):
         assert lrs[-1] == pytest.approx(1e-3)
     else:
