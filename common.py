@@ -885,18 +885,18 @@ def format_metrics(m):
 # finished run does nothing; SIGINT and SIGTERM end a run at a step boundary with a checkpoint it resumes from.
 
 
-def finished_steps(output_dir):
-    """The last step of the finished run in output_dir (its metrics.jsonl, named so when the run ends), or None."""
+def finished_progress(output_dir, key="step"):
+    """How far the finished run in output_dir went (its metrics.jsonl, named so when the run ends), in key, or None."""
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.exists(path) or os.path.exists(path + RUNNING):  # a later run's log is open: it did not finish
         return None
     with open(path) as f:
-        return max((json.loads(line).get("step", 0) for line in f), default=0)
+        return max((json.loads(line).get(key, 0) for line in f), default=0)
 
 
 def check_output_dir(args, rank):
     """A finished run or checkpoints in --output_dir are continued or replaced only when asked."""
-    held = "a finished run" if finished_steps(args.output_dir) is not None else \
+    held = "a finished run" if finished_progress(args.output_dir) is not None else \
         "checkpoints" if latest_checkpoint(args.output_dir) else None
     if args.resume and args.overwrite_output_dir:
         raise UserError("--resume continues the run in --output_dir and --overwrite_output_dir replaces it: pass one")
@@ -907,9 +907,12 @@ def check_output_dir(args, rank):
         print(f"--resume: no checkpoint in {args.output_dir}; starting from the first step")
 
 
-def run_complete(args, total, rank):
-    """Whether --resume finds the run finished at `total` steps or past them (nothing to do)."""
-    finished = finished_steps(args.output_dir) if args.resume else None
+def run_complete(args, total, key, per_step, rank):
+    """Whether --resume finds the run finished at this run's step `total` or past it (nothing to do). Progress is read
+    in key (episodes, epoch: per_step of them in each of this run's steps), the same whatever the global batch of the
+    runs that logged it."""
+    finished = finished_progress(args.output_dir, key) if args.resume else None
+    finished = None if finished is None else math.ceil(finished / per_step - 1e-6)  # (in this run's steps)
     if finished is not None and finished < total and latest_checkpoint(args.output_dir) is None:
         raise UserError(f"--resume: {args.output_dir} holds a run finished at step {finished} and no checkpoint to "
                         f"continue it to step {total}; pass --overwrite_output_dir to train afresh, or another "
@@ -1196,7 +1199,9 @@ def step_at(done, saved_batch, args, world, what, counts_steps=False):
 
 def resume_training(model, optimizer, scheduler, output_dir, step_of):
     """The latest checkpoint restored on any number of ranks; step_of(state) is this run's step at its progress.
-    Returns (that step, the checkpoint's state), or None."""
+    Returns (that step, the checkpoint's state), or None. The state's "logged_step" is the last step the saving run
+    logged: this run's logged steps continue from it (this run's own step + that - this step), so that they rise
+    even where the global batch changed (a logger drops a step lower than one it has seen)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -1205,6 +1210,7 @@ def resume_training(model, optimizer, scheduler, output_dir, step_of):
         return None
     ckpt = load_latest_checkpoint(output_dir)
     start = step_of(ckpt)
+    ckpt.setdefault("logged_step", ckpt["step"])
     tensors, _ = sharded_state(model, optimizer)
     with warnings.catch_warnings():  # (one process: "assuming the intent is to load in a single process")
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")

@@ -755,7 +755,8 @@ def start_up(args, rank, world):
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
                                f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
     common.check_output_dir(args, rank)
-    return None if common.run_complete(args, num_updates, rank) else Sizes(local_batch, batch_size, num_updates)
+    done = common.run_complete(args, num_updates, "episodes", batch_size, rank)
+    return None if done else Sizes(local_batch, batch_size, num_updates)
 
 
 def main(args):
@@ -786,7 +787,8 @@ def main(args):
     if args.resume and (resumed := common.resume_training(trainable, optimizer, scheduler, args.output_dir, lambda c:
                         common.step_at(c["step"] * c["global_batch"], c["global_batch"], args, world, "episodes"))):
         start, ckpt = resumed  # (progress is in episodes: the saving run may have had another number of ranks)
-        saved, kl_coef, history = ckpt["step"], ckpt["kl_coef"], ckpt["history"]
+        saved, kl_coef, history = ckpt["logged_step"], ckpt["kl_coef"], ckpt["history"]
+    logged = (saved or 0) - start  # logged step = update + 1 + this (resume_training)
     logs = open_logs(args, rank, saved)
     if rank == 0:
         print(describe_run(args, sizes, world, optimizer, critic, len(prompts), start))
@@ -832,7 +834,7 @@ def main(args):
         t_learn = time.time()
 
         # 6. Adapt the KL coefficient; log; save samples and checkpoints.
-        m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef,
+        m = {"step": update + 1 + logged, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef,
              "lr": lr, "policy/grad_norm": grad_norm, **update_stats,
              **rollout_metrics(batch, kl, non_score_reward),
              **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, batch.attention_mask, args)}
@@ -848,7 +850,7 @@ def main(args):
         save, stop = common.step_end(update + 1, args.save_steps, t_saved, device)
         if save and update + 1 < num_updates:
             common.save_training(trainable, optimizer, scheduler, update + 1, rank, args.output_dir, batch_size,
-                                 kl_coef=kl_coef, history=history)
+                                 logged_step=m["step"], kl_coef=kl_coef, history=history)
             t_saved = time.time()
         if stop and update + 1 < num_updates:
             common.exit_stopped(stop, update + 1, args, rank, bar)

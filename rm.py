@@ -435,7 +435,7 @@ def main(args):
     train, evals, eval_sets = load_data(args, tokenizer, rank)
     # steps: --max_steps, else --num_train_epochs x (training pairs // global batch); evaluations after evals_at
     steps_per_epoch, total_steps, evals_at = schedule(args, len(train), global_batch, rank)
-    if not args.eval_only and common.run_complete(args, total_steps, rank):
+    if not args.eval_only and common.run_complete(args, total_steps, "epoch", 1 / steps_per_epoch, rank):
         return None
 
     # 2. Batch layout (model_inputs: packed, if the check on this model passes, else padded), optimizer, schedule.
@@ -452,6 +452,7 @@ def main(args):
     # AdamW (lr 1e-5; 1e-3 for the embedded models) with --weight_decay; --lr_scheduler_type after linear warm-up
     optimizer, scheduler = build_optimizer(model, args, total_steps)
     start_step, saved = resume(model, optimizer, scheduler, args, len(train), steps_per_epoch, world)
+    logged = (saved or 0) - start_step  # logged step = step + this (resume_training)
     logger = common.Logger(args, args.wandb_project, saved) if rank == 0 else None
     if rank == 0:
         describe_run(args, hf_model, lora, train, layout, optimizer, world, device, steps_per_epoch, total_steps,
@@ -486,19 +487,20 @@ def main(args):
         # 4. Log, evaluate, checkpoint (the speed logged is the training loop's: evaluations and saves are left out).
         done = step + 1
         if done % args.logging_steps == 0 or done == total_steps:
-            log_train(logger, bar, window, done, steps_per_epoch, lr, global_batch,
+            log_train(logger, bar, window, done, logged, steps_per_epoch, lr, global_batch,
                       time.time() - t_window, device, world, **memory)
             window, t_window, memory = [], time.time(), {}
         t_pause = time.time()
         if done in evals_at:
             ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
-            ev = {"step": done, **ev, "perf/eval_pairs_per_s": len(evals) / (time.time() - t_pause)}
+            ev = {"step": done + logged, **ev, "perf/eval_pairs_per_s": len(evals) / (time.time() - t_pause)}
             if rank == 0:
                 logger.log(ev)
                 bar.write(common.format_metrics(ev))
         save, stop = common.step_end(done, args.save_steps, t_saved, device)
         if save and done < total_steps:
-            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir, global_batch=global_batch)
+            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir, global_batch=global_batch,
+                                 logged_step=done + logged)
             t_saved = time.time()
         if stop and done < total_steps:
             common.exit_stopped(stop, done, args, rank, bar)
@@ -732,8 +734,8 @@ def schedule(args, n_train, global_batch, rank):
 
 
 def resume(model, optimizer, scheduler, args, n_train, steps_per_epoch, world):
-    """With --resume and a checkpoint in output_dir: its state loaded; returns (the step to start at, the saved step,
-    in the saving run's steps), else (0, None). Progress is counted in pairs, whole epochs and then into one, so a run
+    """With --resume and a checkpoint in output_dir: its state loaded; returns (the step to start at, the last step
+    the saving run logged), else (0, None). Progress is counted in pairs, whole epochs and then into one, so a run
     whose global batch differs from the saving run's resumes at the same pair."""
     def step_of(ckpt):
         epoch, offset = divmod(ckpt["step"], n_train // ckpt["global_batch"])
@@ -741,7 +743,7 @@ def resume(model, optimizer, scheduler, args, n_train, steps_per_epoch, world):
                                                         world, "pairs of its epoch", counts_steps=args.max_steps > 0)
 
     if args.resume and (resumed := common.resume_training(model, optimizer, scheduler, args.output_dir, step_of)):
-        return resumed[0], resumed[1]["step"]
+        return resumed[0], resumed[1]["logged_step"]
     return 0, None
 
 
@@ -1002,7 +1004,7 @@ def all_gather_cat(t):
 # Logging, the final save, figures.
 
 
-def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world, **memory):
+def log_train(logger, bar, window, step, logged, steps_per_epoch, lr, global_batch, elapsed, device, world, **memory):
     """The training statistics of the steps since the last log, averaged over them and over ranks, and the speed (and
     in the first log, memory/*)."""
     keys = ("loss", "accuracy", "reward_gap", "grad_norm", "tokens")
@@ -1011,7 +1013,7 @@ def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elap
         dist.all_reduce(means)
     loss, accuracy, reward_gap, grad_norm, tokens = (means / world).tolist()
     tokens *= len(window) * world
-    m = {"step": step, "epoch": step / steps_per_epoch, "train/loss": loss, "train/accuracy": accuracy,
+    m = {"step": step + logged, "epoch": step / steps_per_epoch, "train/loss": loss, "train/accuracy": accuracy,
          "train/reward_gap": reward_gap, "train/grad_norm": grad_norm, "lr": lr, "perf/tokens_per_s": tokens / elapsed,
          "perf/pairs_per_s": len(window) * global_batch / elapsed, **memory}
     if logger is not None:

@@ -401,7 +401,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(capsys):
 def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tmp_path, small_pairs_file):
     """2 ranks (global batch 16) cut after 4 steps, resumed on 1 (batch 8); 1 rank cut after 4 steps, resumed on 2:
     every pair of the epoch trained once, in the uninterrupted run's order, and the schedule continued by progress
-    (the uninterrupted run's learning rate at each step). A cut the new batch does not divide stops before any step,
+    (the uninterrupted run's learning rate at each step), the logged steps rising by one across the cut. A cut the new batch does not divide stops before any step,
     naming the flags that keep the saved batch."""
     base = ["tests/faults.py", "rm.py", "--dataset_name", small_pairs_file, "--num_train_epochs", "1",
             "--logging_steps", "1", "--num_evals", "1", "--warmup_ratio", "0.2", "--per_device_train_batch_size", "8"]
@@ -421,11 +421,13 @@ def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tm
         steps += trained(resumed, ["--resume"])
         pairs = lambda steps: sorted(json.dumps(p) for step in steps for p in step)  # noqa: E731
         assert pairs(steps) == pairs(whole) and len(pairs(whole)) == len(whole) * batch  # each pair once, all of them
-        lrs = {k: {m["step"]: (m["lr"], m["epoch"]) for m in read_metrics(tmp_path / k) if "lr" in m}
-               for k in (f"whole{batch}", resumed)}
-        later = sorted(s for s in lrs[resumed] if s > 64 // batch)
-        assert later[0] == 64 // batch + 1 and later[-1] == len(whole)
-        assert [lrs[resumed][s] for s in later] == [lrs[f"whole{batch}"][s] for s in later]
+        whole_lr = {m["epoch"]: m["lr"] for m in read_metrics(tmp_path / f"whole{batch}") if "lr" in m}
+        logged = [m for m in read_metrics(tmp_path / resumed) if "lr" in m]
+        assert [m["step"] for m in logged] == list(range(1, len(logged) + 1))  # rising by one across the cut
+        later = logged[4:]  # the resumed run's (the cut run logged its 4 steps)
+        cut_pairs = 4 * (16 if "two" in cut else 8)
+        assert later[-1]["epoch"] == max(whole_lr) and len(later) == len(whole) - cut_pairs // batch
+        assert [m["lr"] for m in later] == [whole_lr[m["epoch"]] for m in later]
 
     trained("refused_cut", ["--save_steps", "3"], STOP_AFTER_SAVE="3")
     os.rename(tmp_path / "refused_cut", tmp_path / "refused_two")
