@@ -401,8 +401,8 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(capsys):
 def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tmp_path, small_pairs_file):
     """2 ranks (global batch 16) cut after 4 steps, resumed on 1 (batch 8); 1 rank cut after 4 steps, resumed on 2:
     every pair of the epoch trained once, in the uninterrupted run's order, and the schedule continued by progress
-    (the uninterrupted run's learning rate at each step), the logged steps rising by one across the cut. A cut the new batch does not divide stops before any step,
-    naming the flags that keep the saved batch."""
+    (the uninterrupted run's learning rate at each step), the logged steps rising by one across the cut. A cut the new
+    batch does not divide stops before any step, naming the flags that keep the saved batch."""
     base = ["tests/faults.py", "rm.py", "--dataset_name", small_pairs_file, "--num_train_epochs", "1",
             "--logging_steps", "1", "--num_evals", "1", "--warmup_ratio", "0.2", "--per_device_train_batch_size", "8"]
 
