@@ -10,7 +10,9 @@ section must show.
 """
 
 import argparse
+import concurrent.futures
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -101,14 +103,23 @@ def check_scripts(device, quick, scratch):
 
     def run(*argv):
         t = time.time()
-        proc = subprocess.run([sys.executable, *argv, "--overwrite_output_dir"], cwd=ROOT, capture_output=True, text=True, env=env)
+        try:
+            proc = subprocess.run([sys.executable, *argv, "--overwrite_output_dir"], cwd=ROOT, capture_output=True,
+                                  text=True, env=env, timeout=200)
+        except subprocess.TimeoutExpired:
+            return {"timeout_s": 200}
         if proc.returncode:
             return {"exit": proc.returncode, "stderr": proc.stderr[-1500:]}
         out = argv[argv.index("--output_dir") + 1]
         metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
         finite = all(v == v and abs(v) != float("inf") for m in metrics for v in m.values() if isinstance(v, float))
-        return {"exit": 0, "seconds": round(time.time() - t, 1), "all_finite": finite, "last": metrics[-1]}
+        result = {"exit": 0, "seconds": round(time.time() - t, 1), "all_finite": finite, "first": metrics[0],
+                  "last": metrics[-1]}
+        if os.path.exists(os.path.join(out, "samples.jsonl")):
+            result["last_samples"] = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))][-3:]
+        return result
 
+    os.makedirs(scratch, exist_ok=True)
     rm_dir = os.path.join(scratch, "rm")
     prompts = os.path.join(scratch, "prompts.jsonl")
     with open(prompts, "w") as f:
@@ -116,12 +127,15 @@ def check_scripts(device, quick, scratch):
             f.write(json.dumps({"prompt": "User: tell me about animals such as" + " cat" * (i % 60) + " Assistant:"})
                     + "\n")
     ppo_base = ["ppo.py", "--bf16", "--reward_model_path", rm_dir, "--total_episodes", episodes]
-    return {"rm": run("rm.py", "--bf16", "--max_steps", steps, "--output_dir", rm_dir),
-            "ppo": run(*ppo_base, "--output_dir", os.path.join(scratch, "ppo")),
-            "ppo_lora": run(*ppo_base, "--lora_r", "8", "--learning_rate", "1e-3",
-                            "--output_dir", os.path.join(scratch, "ppo_lora")),
-            "ppo_left_padded": run(*ppo_base, "--dataset_name", prompts, "--max_prompt_length", "128",
-                                   "--output_dir", os.path.join(scratch, "ppo_pad"))}
+    out = {"rm": run("rm.py", "--bf16", "--max_steps", steps, "--output_dir", rm_dir)}
+    runs = {"ppo": [*ppo_base, "--output_dir", os.path.join(scratch, "ppo")],
+            "ppo_lora": [*ppo_base, "--lora_r", "8", "--learning_rate", "1e-3", "--output_dir",
+                         os.path.join(scratch, "ppo_lora")],
+            "ppo_left_padded": [*ppo_base, "--dataset_name", prompts, "--max_prompt_length", "128", "--output_dir",
+                                os.path.join(scratch, "ppo_pad")]}
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:  # side by side: tiny models leave the GPU idle
+        futures = {name: pool.submit(run, *argv) for name, argv in runs.items()}
+    return out | {name: f.result() for name, f in futures.items()}
 
 
 def check_packed_vs_padded(device, quick):
@@ -132,7 +146,7 @@ def check_packed_vs_padded(device, quick):
     g = torch.Generator().manual_seed(0)
     pairs = []
     for _ in range(n):
-        p, c, r = (int(torch.randint(lo // 3, hi // 3, (1,), generator=g)) for _ in range(3))
+        p, c, r = (int(torch.randint(lo // 2, hi // 2, (1,), generator=g)) for _ in range(3))  # 300-600 a side
         pairs.append({k: torch.randint(3, 1000, (m,), generator=g).tolist() for k, m in
                       (("prompt", p), ("chosen", c), ("rejected", r))} | {"margin": 0.0})
     for precision in ("fp32", "bf16"):
@@ -175,7 +189,7 @@ def check_8b_shapes(device, quick):
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def timed(fn):
+    def timed(fn, model=None):
         out = {}
         try:
             for _ in range(2):
@@ -190,6 +204,11 @@ def check_8b_shapes(device, quick):
                 out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
         except torch.OutOfMemoryError:
             out = {"oom": True}
+        if model is not None:  # an OOM mid-backward leaves gradients behind: free them for the next shape
+            model.zero_grad(set_to_none=True)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
         return out
 
     result = {}
@@ -199,9 +218,9 @@ def check_8b_shapes(device, quick):
     for micro in ((2, 4) if quick else (4, 8, 16)):
         for checkpointing in (False, True):
             if checkpointing:
-                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
-                policy.gradient_checkpointing_disable()
+                policy.activation_checkpointing_disable()
             ids = torch.randint(3, shape["vocab_size"], (micro, length), device=device)
             mask = torch.ones_like(ids)
 
@@ -209,8 +228,8 @@ def check_8b_shapes(device, quick):
                 logprobs, _ = ppo.policy_forward(policy, ids, mask, length // 2, 1.0)
                 logprobs.sum().backward()
                 policy.zero_grad(set_to_none=True)
-            result[f"learn_micro{micro}_ckpt{int(checkpointing)}"] = timed(step)
-    policy.gradient_checkpointing_disable()
+            result[f"learn_micro{micro}_ckpt{int(checkpointing)}"] = timed(step, policy)
+    policy.activation_checkpointing_disable()
     n_prompts, new = (8, 16) if quick else (64, 256)
     args = ppo.Args(response_length=new)
     query = torch.randint(3, shape["vocab_size"], (n_prompts, 128), device=device)
@@ -224,7 +243,10 @@ def check_8b_shapes(device, quick):
         rollout["ms_per_token"] = round(rollout["seconds"] / new * 1000, 2)
         rollout["noise_share"] = round(noise.get("seconds", 0) / rollout["seconds"], 3)
     result["rollout"] = rollout
-    policy = None  # its memory back before the reward model is built
+    policy = step = None  # its memory back before the reward model is built
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     with torch.device(device):
         reward_model = rm.RewardModel(common.scalar_head_in_float32(
             AutoModelForSequenceClassification.from_config(config, dtype=torch.bfloat16)))
@@ -238,7 +260,7 @@ def check_8b_shapes(device, quick):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             reward_model(*inputs).sum().backward()
         reward_model.zero_grad(set_to_none=True)
-    result["rm_packed_8_pairs"] = timed(rm_step)
+    result["rm_packed_8_pairs"] = timed(rm_step, reward_model)
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):  # 32 query heads on 8 key/value heads
         forward = lambda: reward_model(*inputs)  # noqa: E731
         result["rm_packed_forward_gqa"] = timed(forward) | {"kernels": sdpa_kernels(forward)}
@@ -276,6 +298,7 @@ def check_logprobs(device, quick):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_report")
+    parser.add_argument("--scratch", default=None, help="where the scripts' runs go (default: OUT/runs)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, on any device")
     parser.add_argument("--sections", nargs="*", default=["attention", "scripts", "packed", "shapes", "logprobs"])
     a = parser.parse_args()
@@ -286,7 +309,7 @@ def main():
               "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
               "quick": a.quick, "date": time.strftime("%Y-%m-%d")}
     checks = {"attention": lambda: check_attention(device, a.quick),
-              "scripts": lambda: check_scripts(device, a.quick, os.path.join(a.out, "runs")),
+              "scripts": lambda: check_scripts(device, a.quick, a.scratch or os.path.join(a.out, "runs")),
               "packed": lambda: check_packed_vs_padded(device, a.quick),
               "shapes": lambda: check_8b_shapes(device, a.quick),
               "logprobs": lambda: check_logprobs(device, a.quick)}
@@ -298,12 +321,13 @@ def main():
             report[name] = {"error": traceback.format_exc()[-2000:]}
         report[name + "_seconds"] = round(time.time() - t, 1)
         print(name, json.dumps(report[name])[:400], flush=True)
-        common.write_json_atomic(os.path.join(a.out, "report.json"), report)
-    with open(os.path.join(a.out, "report.md"), "w") as f:
-        f.write(f"# GPU check: {report['device']} (torch {report['torch']}, CUDA {report['cuda']}, cuDNN "
-                f"{report['cudnn']}), {report['date']}\n\n")
-        for name in a.sections:
-            f.write(f"## {name} ({report[name + '_seconds']} s)\n\n```json\n{json.dumps(report[name], indent=1)}\n```\n\n")
+        common.write_json_atomic(os.path.join(a.out, "report.json"), report)  # after each: a cut-off run keeps some
+        with open(os.path.join(a.out, "report.md"), "w") as f:
+            f.write(f"# GPU check: {report['device']} (torch {report['torch']}, CUDA {report['cuda']}, cuDNN "
+                    f"{report['cudnn']}), {report['date']}\n\n")
+            for done in a.sections[:a.sections.index(name) + 1]:
+                f.write(f"## {done} ({report[done + '_seconds']} s)\n\n```json\n"
+                        f"{json.dumps(report[done], indent=1)}\n```\n\n")
 
 
 if __name__ == "__main__":
