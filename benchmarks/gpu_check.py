@@ -101,16 +101,20 @@ def check_scripts(device, quick, scratch):
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
     steps, episodes = ("20", "64") if quick else ("60", "1024")
 
-    def run(*argv):
+    def run(*argv, threads=None):
         t = time.time()
+        out = argv[argv.index("--output_dir") + 1]
         try:
             proc = subprocess.run([sys.executable, *argv, "--overwrite_output_dir"], cwd=ROOT, capture_output=True,
-                                  text=True, env=env, timeout=200)
-        except subprocess.TimeoutExpired:
-            return {"timeout_s": 200}
+                                  text=True, env=env | ({"OMP_NUM_THREADS": str(threads)} if threads else {}),
+                                  timeout=150)
+        except subprocess.TimeoutExpired as e:  # where it was: the log's tail and how many updates it logged
+            tail = lambda b: (b.decode(errors="replace") if isinstance(b, bytes) else b or "")[-1200:]  # noqa: E731
+            logged = os.path.join(out, "metrics.jsonl")
+            return {"timeout_s": 150, "stderr": tail(e.stderr), "stdout": tail(e.stdout),
+                    "metrics_lines": sum(1 for _ in open(logged)) if os.path.exists(logged) else 0}
         if proc.returncode:
             return {"exit": proc.returncode, "stderr": proc.stderr[-1500:]}
-        out = argv[argv.index("--output_dir") + 1]
         metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
         finite = all(v == v and abs(v) != float("inf") for m in metrics for v in m.values() if isinstance(v, float))
         result = {"exit": 0, "seconds": round(time.time() - t, 1), "all_finite": finite, "first": metrics[0],
@@ -134,7 +138,9 @@ def check_scripts(device, quick, scratch):
             "ppo_left_padded": [*ppo_base, "--dataset_name", prompts, "--max_prompt_length", "128", "--output_dir",
                                 os.path.join(scratch, "ppo_pad")]}
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:  # side by side: tiny models leave the GPU idle
-        futures = {name: pool.submit(run, *argv) for name, argv in runs.items()}
+        # (each process's CPU threads a share of the cores: three of all of them each oversubscribe them)
+        futures = {name: pool.submit(run, *argv, threads=max(1, os.cpu_count() // len(runs)))
+                   for name, argv in runs.items()}
     return out | {name: f.result() for name, f in futures.items()}
 
 
@@ -175,42 +181,10 @@ def check_packed_vs_padded(device, quick):
 def check_8b_shapes(device, quick):
     """4. Llama-3-8B shapes from a config, random bf16 weights: the learning forward + backward of ppo.py's
     policy_forward at micro-batches of 768 tokens (peak memory, time, OOM), with and without activation
-    checkpointing; the rollout of 64 prompts x 256 new tokens; rm.py's packed forward + backward of 8 pairs of
-    ~1,000 tokens, and its forward alone with the SDPA kernels it ran (grouped-query: never the math kernel). The
-    second of two timings."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
+    checkpointing; the rollout of 64 prompts x 256 new tokens. The second of two timings."""
+    from transformers import AutoModelForCausalLM
 
-    shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256)
-    if quick:
-        shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=1000)
-    config = LlamaConfig(**shape, max_position_embeddings=8192, num_labels=1, pad_token_id=0)
-    cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    def timed(fn, model=None):
-        out = {}
-        try:
-            for _ in range(2):
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                sync()
-                t = time.time()
-                fn()
-                sync()
-                out = {"seconds": round(time.time() - t, 3)}
-            if cuda:
-                out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
-        except torch.OutOfMemoryError:
-            out = {"oom": True}
-        if model is not None:  # an OOM mid-backward leaves gradients behind: free them for the next shape
-            model.zero_grad(set_to_none=True)
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        return out
-
+    config, shape = llama_8b_config(quick)
     result = {}
     with torch.device(device):
         policy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -228,7 +202,7 @@ def check_8b_shapes(device, quick):
                 logprobs, _ = ppo.policy_forward(policy, ids, mask, length // 2, 1.0)
                 logprobs.sum().backward()
                 policy.zero_grad(set_to_none=True)
-            result[f"learn_micro{micro}_ckpt{int(checkpointing)}"] = timed(step, policy)
+            result[f"learn_micro{micro}_ckpt{int(checkpointing)}"] = timed(step, device, policy)
     policy.activation_checkpointing_disable()
     n_prompts, new = (8, 16) if quick else (64, 256)
     args = ppo.Args(response_length=new)
@@ -236,17 +210,23 @@ def check_8b_shapes(device, quick):
     qmask = torch.ones_like(query, dtype=torch.bool)
     gens = [torch.Generator(device).manual_seed(i) for i in range(n_prompts)]
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        rollout = timed(lambda: ppo.generate(policy, query, qmask, gens, args, None, 0))
+        rollout = timed(lambda: ppo.generate(policy, query, qmask, gens, args, None, 0), device)
     noise = timed(lambda: [torch.stack([torch.rand(shape["vocab_size"], generator=g, device=device) for g in gens])
-                           for _ in range(new)])
+                           for _ in range(new)], device)
     if "seconds" in rollout:
         rollout["ms_per_token"] = round(rollout["seconds"] / new * 1000, 2)
         rollout["noise_share"] = round(noise.get("seconds", 0) / rollout["seconds"], 3)
     result["rollout"] = rollout
-    policy = step = None  # its memory back before the reward model is built
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    return result
+
+
+def check_8b_reward(device, quick):
+    """4 (rm.py). The reward model at Llama-3-8B shapes: the packed forward + backward of 8 pairs of ~1,000 tokens,
+    with and without activation checkpointing, and its forward alone with the SDPA kernels it ran (grouped-query:
+    never the math kernel)."""
+    from transformers import AutoModelForSequenceClassification
+
+    config, _ = llama_8b_config(quick)
     with torch.device(device):
         reward_model = rm.RewardModel(common.scalar_head_in_float32(
             AutoModelForSequenceClassification.from_config(config, dtype=torch.bfloat16)))
@@ -260,25 +240,103 @@ def check_8b_shapes(device, quick):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             reward_model(*inputs).sum().backward()
         reward_model.zero_grad(set_to_none=True)
-    result["rm_packed_8_pairs"] = timed(rm_step, reward_model)
+    result = {}
+    for checkpointing in (False, True):
+        if checkpointing:
+            reward_model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        result[f"rm_packed_8_pairs_ckpt{int(checkpointing)}"] = timed(rm_step, device, reward_model)
+    reward_model.hf.activation_checkpointing_disable()
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):  # 32 query heads on 8 key/value heads
         forward = lambda: reward_model(*inputs)  # noqa: E731
-        result["rm_packed_forward_gqa"] = timed(forward) | {"kernels": sdpa_kernels(forward)}
+        result["rm_packed_forward_gqa"] = timed(forward, device) | {"kernels": sdpa_kernels(forward)}
     return result
+
+
+def llama_8b_config(quick):
+    from transformers import LlamaConfig
+
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256)
+    if quick:
+        shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=1000)
+    return LlamaConfig(**shape, max_position_embeddings=8192, num_labels=1, pad_token_id=0), shape
+
+
+def timed(fn, device, model=None):
+    """The second of two timings (peak memory on a GPU), or oom."""
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out = {}
+    try:
+        for _ in range(2):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            t = time.time()
+            fn()
+            sync()
+            out = {"seconds": round(time.time() - t, 3)}
+        if cuda:
+            out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+    except torch.OutOfMemoryError:
+        out = {"oom": True}
+    if model is not None:  # an OOM mid-backward leaves gradients behind: free them for the next shape
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
 
 
 def check_logprobs(device, quick):
     """5. Sampling vs learning log-probs at initialisation, on a policy trained first (random weights hide the
     effect): |new - old| over the response tokens, the fraction of ratios outside 1 +- 0.2 and the KL per sequence
     at initialisation, for bf16 weights and for fp32 weights under bf16 autocast; then reference_logprobs' (the fix)."""
-    tok = common.embedded_tokenizer()
-    policy = ppo.embedded_sft_policy("embedded-llama", tok, seed=0, steps=50 if quick else 400).to(device)
-    args = ppo.Args(response_length=16, per_device_train_batch_size=32, num_mini_batches=2, bf16=True)
     import random
-    rng = random.Random(0)
-    prompts = common.tokenize_prompts(tok, [common.embedded_prompt(rng) + " cat" * rng.randint(0, 20)
-                                            for _ in range(64)])
+
+    from transformers import AutoModelForCausalLM
+
+    tok = common.embedded_tokenizer()
     out = {}
+    # the embedded policy (width 64) and a wider one (512, 4 layers) trained the same way on the device; prompts of
+    # up to ~250 tokens, so that attention spans several key blocks (a short one fits one block, where a one-token
+    # decode and a whole-sequence forward may round alike)
+    for width in (64, 128 if quick else 512):
+        config = common.embedded_model_config("embedded-llama", len(tok))
+        if width != 64:
+            config.update(dict(hidden_size=width, intermediate_size=4 * width, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=8))
+        config.max_position_embeddings = 512
+        torch.manual_seed(0)
+        policy = AutoModelForCausalLM.from_config(config).to(device)
+        opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+        rng = random.Random(0)
+        for _ in range(50 if quick else 300):  # as ppo.embedded_sft_policy, on the device
+            texts = [common.embedded_prompt(rng) for _ in range(64)]
+            prompts = common.tokenize_prompts(tok, texts)
+            responses = common.tokenize_responses(tok, texts, [common.embedded_response(rng) for _ in texts])
+            batch = tok.pad({"input_ids": [q + r for q, r in zip(prompts, responses)]}, padding_side="right",
+                            return_tensors="pt").to(device)
+            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+            for i, q in enumerate(prompts):
+                labels[i, :len(q)] = -100
+            policy(**batch, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        policy.eval()
+        out[f"width{width}"] = logprob_gaps(policy, tok, device)
+    return out
+
+
+def logprob_gaps(policy, tok, device):
+    import random
+
+    args = ppo.Args(response_length=16, per_device_train_batch_size=32, num_mini_batches=2, bf16=True)
+    rng = random.Random(0)
+    prompts = common.tokenize_prompts(tok, [common.embedded_prompt(rng).replace(" Assistant:", "")
+                                            + " cat" * rng.randint(0, 230) + " Assistant:" for _ in range(64)])
+    out = {"prompt_tokens_max": max(map(len, prompts))}
     for name, dtype in (("bf16_weights", torch.bfloat16), ("fp32_weights_autocast", torch.float32)):
         model = policy.to(dtype)
         batch = ppo.rollout(model, prompts, range(64), args, tok.eos_token_id, tok.pad_token_id, device, False)
@@ -300,7 +358,8 @@ def main():
     parser.add_argument("--out", default="gpu_report")
     parser.add_argument("--scratch", default=None, help="where the scripts' runs go (default: OUT/runs)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, on any device")
-    parser.add_argument("--sections", nargs="*", default=["attention", "scripts", "packed", "shapes", "logprobs"])
+    parser.add_argument("--sections", nargs="*", default=["attention", "packed", "logprobs", "scripts", "shapes",
+                                                                 "rm_shapes"])
     a = parser.parse_args()
     os.makedirs(a.out, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -312,6 +371,7 @@ def main():
               "scripts": lambda: check_scripts(device, a.quick, a.scratch or os.path.join(a.out, "runs")),
               "packed": lambda: check_packed_vs_padded(device, a.quick),
               "shapes": lambda: check_8b_shapes(device, a.quick),
+              "rm_shapes": lambda: check_8b_reward(device, a.quick),
               "logprobs": lambda: check_logprobs(device, a.quick)}
     for name in a.sections:
         t = time.time()
