@@ -220,6 +220,41 @@ def check_8b_shapes(device, quick):
     return result
 
 
+def check_decode_profile(device, quick):
+    """4 (the rollout's cost). One decode step of the Llama-3-8B-shaped policy, 64 rows, under the profiler: wall time
+    per token against the GPU's busy time per token and the kernels launched per token (a gap between the two is host
+    time: Python and launches, which CUDA graphs would remove), and the operators taking the most host time."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    config, shape = llama_8b_config(quick)
+    with torch.device(device):
+        policy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    new = 32
+    args = ppo.Args(response_length=new)
+    query = torch.randint(3, shape["vocab_size"], (64, 128), device=device)
+    qmask = torch.ones_like(query, dtype=torch.bool)
+
+    def decode():
+        gens = [torch.Generator(device).manual_seed(i) for i in range(64)]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            ppo.generate(policy, query, qmask, gens, args, None, 0)
+    wall = timed(decode, device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as p:
+        decode()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = p.key_averages()
+    kernels = [e for e in events if getattr(e, "self_device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 1000
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+    return {"wall_ms_per_token": round(wall.get("seconds", float("nan")) / new * 1000, 2),
+            "gpu_busy_ms_per_token": round(busy_ms / new, 2),
+            "kernels_per_token": round(sum(e.count for e in kernels) / new),
+            "host_top_ops_ms_per_token": {e.key: round(e.self_cpu_time_total / 1000 / new, 2) for e in top}}
+
+
 def check_8b_reward(device, quick):
     """4 (rm.py). The reward model at Llama-3-8B shapes: the packed forward + backward of 8 pairs of ~1,000 tokens,
     with and without activation checkpointing, and its forward alone with the SDPA kernels it ran (grouped-query:
@@ -359,7 +394,7 @@ def main():
     parser.add_argument("--scratch", default=None, help="where the scripts' runs go (default: OUT/runs)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, on any device")
     parser.add_argument("--sections", nargs="*", default=["attention", "packed", "logprobs", "scripts", "shapes",
-                                                                 "rm_shapes"])
+                                                                 "rm_shapes", "decode_profile"])
     a = parser.parse_args()
     os.makedirs(a.out, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -372,6 +407,7 @@ def main():
               "packed": lambda: check_packed_vs_padded(device, a.quick),
               "shapes": lambda: check_8b_shapes(device, a.quick),
               "rm_shapes": lambda: check_8b_reward(device, a.quick),
+              "decode_profile": lambda: check_decode_profile(device, a.quick),
               "logprobs": lambda: check_logprobs(device, a.quick)}
     for name in a.sections:
         t = time.time()
