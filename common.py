@@ -1526,10 +1526,11 @@ def block_shape(path, kind, vocab_size=None):
 
 def activation_bytes(path, kind, vocab_size, tokens, compute_bytes, residual_bytes, checkpointing):
     """The bytes a training forward over `tokens` tokens keeps for its backward (block_shape); with activation
-    checkpointing, each block's input, and one block's activations while it is recomputed."""
+    checkpointing, each block's input, and one block's activations and as much again for their gradients while it is
+    recomputed and goes backward (on an H100 at Llama-3-8B shapes: benchmarks/README.md, GPU check)."""
     blocks, h, compute, residual = block_shape(path, kind, vocab_size)
     block = compute * compute_bytes + residual * residual_bytes
-    return tokens * (blocks * h * residual_bytes + block if checkpointing else blocks * block)
+    return tokens * (blocks * h * residual_bytes + 2 * block if checkpointing else blocks * block)
 
 
 def kv_cache_bytes(path, sequences, length, dtype_bytes, vocab_size=None):

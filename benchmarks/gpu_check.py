@@ -1,7 +1,8 @@
 """What a GPU shows that a CPU cannot: attention kernels and NaN, both scripts end to end in bfloat16, packed vs padded
-rewards, memory and speed at Llama-3-8B shapes, sampling vs learning log-probs. Run it when a device is lent:
+rewards, memory and speed at Llama-3-8B shapes, the decode step profiled, sampling vs learning log-probs. Run it when a
+device is lent (results: benchmarks/README.md, GPU check):
 
-    python benchmarks/gpu_check.py --out gpu_report            # one CUDA device, about 25 minutes
+    python benchmarks/gpu_check.py --out gpu_report            # one CUDA device: 3 minutes on an H100 (2026-11-26)
     python benchmarks/gpu_check.py --quick --out /tmp/gpu       # tiny shapes, any device (a smoke run on a CPU)
 
 Writes report.json and report.md (device, torch / CUDA / cuDNN versions, every figure) to --out. Each section is
