@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import datetime
 import functools
+import hashlib
 import importlib
 import inspect
 import json
@@ -890,11 +891,25 @@ def stop_token_id(args, tokenizer):
 
 def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     """The embedded task's initial (SFT) policy: a tiny causal LM trained briefly to answer prompts with a few random
-    words and EOS, so it starts from well-formed responses of average gold reward, as a real SFT model would."""
+    words and EOS, so it starts from well-formed responses of average gold reward, as a real SFT model would. Trained
+    once per setting, then read from its cache file (in ~/.cache/rlhf, or $XDG_CACHE_HOME's), which holds the last
+    version of this code and torch's it was trained by. Training draws no random number (no dropout), so the run goes
+    on as it would have."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer)))
+    code = open(__file__).read() + open(common.__file__).read()  # this function and the task
+    key = hashlib.sha256(repr((len(tokenizer), torch.__version__, transformers.__version__, code)).encode()).hexdigest()
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlhf",
+                         f"{name}-seed{seed}-steps{steps}-batch{batch_size}.pt")
+    saved = {}
+    with contextlib.suppress(Exception):  # (none yet, or unreadable: trained again)
+        saved = torch.load(cache)
+    if saved.get("key") == key:
+        model.load_state_dict(saved["model"])
+        return model.eval()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     rng = random.Random(seed)
     for _ in range(steps):
@@ -909,6 +924,10 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
         model(**batch, labels=labels).loss.backward()
         opt.step()
         opt.zero_grad()
+    with contextlib.suppress(OSError):  # (a folder that cannot be written: trained again next time)
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        torch.save({"key": key, "model": model.state_dict()}, f"{cache}.{os.getpid()}.tmp")
+        os.replace(f"{cache}.{os.getpid()}.tmp", cache)  # whole or not at all, whichever rank writes it
     return model.eval()
 
 

@@ -67,8 +67,8 @@ _SFT_POLICIES = {}
 
 @pytest.fixture(autouse=True)
 def embedded_sft_policy_made_once(monkeypatch):
-    """ppo.py trains the embedded task's initial policy at start (about 10 s): in this process each one is trained
-    once, then copied, with the random state it leaves behind restored, so a run is the run it would have been."""
+    """ppo.py trains the embedded task's initial policy at start (about 5 s; then read from its cache file, which a
+    test sets apart): in this process each one is made once, then copied, with the random state it leaves behind restored, so a run is the run it would have been."""
     import ppo
 
     real = ppo.embedded_sft_policy
@@ -87,6 +87,7 @@ def embedded_sft_policy_made_once(monkeypatch):
         torch.set_rng_state(rng)
         return model.eval()
 
+    made_once.real = real
     monkeypatch.setattr(ppo, "embedded_sft_policy", made_once)
 
 

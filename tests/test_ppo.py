@@ -395,6 +395,34 @@ def test_resume_on_another_number_of_ranks_continues_where_the_episodes_left_off
         assert "the run is complete" in again.stdout, again.stdout[-2000:]
 
 
+def test_embedded_sft_policy_is_trained_once_then_read_from_its_cache_file(tmp_path, monkeypatch):
+    """The first call trains and writes the cache file, the next reads it (no training): the same weights and the same
+    random state left behind, so the run goes on as it would have. Another setting has its own file; a file written by
+    other code, or that cannot be read, is trained again and rewritten."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    make = ppo.embedded_sft_policy.real  # (the tests' own in-process copy set aside: conftest.py)
+
+    def made(steps=3):
+        model = make("embedded-llama", TOK, seed=0, steps=steps)
+        return model.state_dict(), torch.get_rng_state()
+
+    def same(a, b):
+        return a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and torch.equal(a[1],
+                                                                                                               b[1])
+    trained = made()
+    files = list((tmp_path / "rlhf").iterdir())
+    assert len(files) == 1 and files[0].name.startswith("embedded-llama-") and files[0].suffix == ".pt"
+    with monkeypatch.context() as m:
+        m.setattr(torch.optim, "AdamW", None)  # any training would fail
+        assert same(made(), trained)
+    assert not same(made(steps=4), trained) and len(list((tmp_path / "rlhf").iterdir())) == 2
+    saved = torch.load(files[0])
+    torch.save(dict(saved, key="an earlier version of ppo.py"), files[0])
+    assert same(made(), trained) and torch.load(files[0])["key"] == saved["key"]  # trained again
+    files[0].write_bytes(b"not a checkpoint")
+    assert same(made(), trained) and torch.load(files[0])["key"] == saved["key"]
+
+
 def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, reward_model_path):
     out = tmp_path / "ppo"
     history = ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(out), total_episodes=640,
