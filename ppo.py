@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import PreTrainedModel, StaticCache
+from transformers import StaticCache
 
 import common
 
@@ -1005,7 +1005,7 @@ class Models:
     critic: torch.nn.Module | None  # trained (a Critic, wrapped so); None without GAE
     reference: torch.nn.Module  # frozen: the initial policy (LoRA: the policy, read with its adapter off)
     reward: "Reward"
-    policy_hf: PreTrainedModel  # the policy's transformers model, for the final save
+    policy_hf: torch.nn.Module  # the policy's transformers model (a PreTrainedModel), for the final save
     lora: object = None  # with LoRA: the peft model holding the policy's adapter
 
 
@@ -1672,6 +1672,8 @@ def output_layer_unit(model):
     the forward and backward passes with the root. None (the layer stays with the root, read directly by
     output_logits) for a layer tied to the input embeddings, not a plain nn.Linear, or held in bfloat16 (LoRA's
     frozen base)."""
+    from transformers import PreTrainedModel
+
     if not isinstance(model, PreTrainedModel):
         return None
     head = model.get_output_embeddings()
