@@ -312,3 +312,19 @@ def test_a_mixture_is_evaluated_per_dataset_as_each_dataset_alone_and_overall():
         assert all(both[f"eval/{name}/{k[5:]}"] == pytest.approx(v, abs=1e-5) for k, v in alone.items())
     assert "eval/a/accuracy" not in evaluate([p for p in pairs if p["dataset"] == "a"])  # one dataset: overall only
 
+
+
+def test_gpu_check_runs_every_section_at_tiny_shapes(tmp_path):
+    """benchmarks/gpu_check.py, which a lent GPU runs in minutes of scarce device time, at --quick shapes on the CPU:
+    every section but the scripts' (seconds here) ends without error, packed rewards equal padded ones in float32, no
+    NaN, and the KL at initialisation is 0 after the recomputation."""
+    sections = ["attention", "packed", "logprobs", "shapes", "rm_shapes", "decode_profile"]
+    run_script(["benchmarks/gpu_check.py", "--quick", "--out", str(tmp_path), "--sections", *sections])
+    report = json.load(open(tmp_path / "report.json"))
+    assert [s for s in sections if "error" in report[s]] == [], [report[s] for s in sections if "error" in report[s]]
+    assert not report["attention"]["ppo_left_padded_nan"] and not report["packed"]["fp32_cudnn_off"]["nan"]
+    assert report["packed"]["fp32_cudnn_off"]["max_reward_diff"] < 1e-5
+    assert report["packed"]["fp32_cudnn_off"]["grad_rel_diff"] < 1e-5
+    for width in report["logprobs"].values():
+        assert width["bf16_weights"]["kl_per_sequence_after_fix"] == 0.0 < width["bf16_weights"]["max_abs_diff"]
+    assert report["shapes"]["rollout"]["ms_per_token"] > 0 and report["decode_profile"]["wall_ms_per_token"] > 0
