@@ -62,35 +62,6 @@ def assert_saved_models_equal(dirs, auto_class):
             assert torch.allclose(other[k], models[0][k], atol=1e-5), k
 
 
-_SFT_POLICIES = {}
-
-
-@pytest.fixture(autouse=True)
-def embedded_sft_policy_made_once(monkeypatch):
-    """ppo.py trains the embedded task's initial policy at start (about 5 s; then read from its cache file, which a
-    test sets apart): in this process each one is made once, then copied, with the random state it leaves behind restored, so a run is the run it would have been."""
-    import ppo
-
-    real = ppo.embedded_sft_policy
-
-    def made_once(name, tokenizer, seed, steps=150, batch_size=64):
-        key = (name, len(tokenizer), seed, steps, batch_size)
-        if key not in _SFT_POLICIES:
-            model = real(name, tokenizer, seed, steps, batch_size)
-            _SFT_POLICIES[key] = ({k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state())
-            return model
-        from transformers import AutoModelForCausalLM
-
-        state, rng = _SFT_POLICIES[key]
-        model = AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer)))
-        model.load_state_dict(state)
-        torch.set_rng_state(rng)
-        return model.eval()
-
-    made_once.real = real
-    monkeypatch.setattr(ppo, "embedded_sft_policy", made_once)
-
-
 @pytest.fixture(scope="session")
 def small_pairs_file(tmp_path_factory):
     """A small local copy of the embedded task (exercises the local-file path; far quicker than 40k pairs)."""

@@ -400,10 +400,8 @@ def test_embedded_sft_policy_is_trained_once_then_read_from_its_cache_file(tmp_p
     random state left behind, so the run goes on as it would have. Another setting has its own file; a file written by
     other code, or that cannot be read, is trained again and rewritten."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    make = ppo.embedded_sft_policy.real  # (the tests' own in-process copy set aside: conftest.py)
-
     def made(steps=3):
-        model = make("embedded-llama", TOK, seed=0, steps=steps)
+        model = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=steps)
         return model.state_dict(), torch.get_rng_state()
 
     def same(a, b):
