@@ -15,7 +15,6 @@
 import codecs
 import copy
 import dataclasses
-import functools
 import gzip
 import json
 import math
@@ -27,7 +26,6 @@ import signal
 import sys
 import time
 import traceback
-import types
 import warnings
 
 import torch
@@ -573,32 +571,9 @@ def tokenize_responses(tokenizer, prompts, responses):
     return out
 
 
-def truncate_prompt(ids, max_prompt_length, bos_id=None):
-    """Keep the END of a long prompt (the turn being answered), and its leading BOS/[CLS] token."""
-    if len(ids) <= max_prompt_length:
-        return ids
-    keep = 1 if bos_id is not None and ids and ids[0] == bos_id else 0
-    return ids[:keep] + ids[len(ids) - max_prompt_length + keep:]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# Models: a reward read at the last real token, by a scalar head computed in float32; attention that never gives NaN;
-# lengths checked against a learned position table; dropout off, so that training and evaluation are one network.
-
-
-def last_token_index(mask):
-    """The last real token of each row, right or left padded, read from the mask (a pad id may equal EOS)."""
-    return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
-
-
-def sequence_reward(model, ids, mask):
-    """Where both scripts read a reward: a decoder's head at the last real token (the EOS,
-    or the last token of a response cut at the length limit); an encoder's at [CLS]."""
-    if not hasattr(model, "score"):  # BERT, RoBERTa, DeBERTa: a pooled `classifier`
-        return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
-    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
-                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state  # ALiBi: ignored
-    return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
+# Models: scalar heads computed in float32; attention that never gives NaN; lengths checked against a learned position
+# table.
 
 
 class Float32Linear(torch.nn.Linear):
@@ -663,22 +638,6 @@ def length_default(given, default, limit, flag, rank):
             print(f"{flag}: {limit}, not the default {default}: the model reads at most {limit} tokens")
         return limit
     return default
-
-
-def without_dropout(config):
-    """Every dropout probability 0 in the config: some models (OPT) call F.dropout with it, past nn.Dropout."""
-    for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-            setattr(config, key, 0.0)
-    return config
-
-
-def disable_dropout(model):
-    without_dropout(model.config)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -763,21 +722,15 @@ def adapter_holds_head(name):
     return any(".score." in k or ".classifier." in k for k in keys)
 
 
-def load_model(loader, name, flag, skeleton=False, **kwargs):
+def load_model(loader, name, flag, on_meta=False, **kwargs):
     """loader.from_pretrained(name); for a peft adapter folder, its base model with the adapter merged in (and the
-    reward normalization rm.py saved beside the adapter). skeleton (FSDP on several ranks, the shards filled by
-    shard_from_rank0): on ranks but 0 the model on the meta device; on rank 0 too from a safetensors checkpoint, each
-    rank to read its own slices (sliced_skeleton), else the model whole."""
-    import torch.distributed as dist
-
-    if skeleton and not adapter_base(name):
+    reward normalization rm.py saved beside the adapter). on_meta (FSDP's ranks but 0): built from the config on the
+    meta device, no weight read; shard_from_rank0 fills it with rank 0's."""
+    if on_meta and not adapter_base(name):
         from transformers import AutoConfig
 
         config = kwargs.get("config") or load_pretrained(AutoConfig, name, flag)
-        if dist.get_rank() != 0:
-            return meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
-        if (model := sliced_skeleton(loader, name, config, kwargs.get("dtype"))) is not None:
-            return model
+        return meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
     if adapter_base(name) and "CausalLM" not in loader.__name__ and adapter_task(name) == "CAUSAL_LM":
         # an SFT adapter as a classifier's start: merged into its causal LM, whose backbone the classifier takes; the
         # new head gets transformers' initialisation (rm.py then its own)
@@ -808,27 +761,18 @@ def load_model(loader, name, flag, skeleton=False, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Logging: stdout (through tqdm), metrics.jsonl, and optionally Weights & Biases and TensorBoard. The log is
-# metrics.jsonl.running until the run finishes, so an earlier run's log stays whole until then.
-
-
-RUNNING = ".running"
+# Logging: stdout (through tqdm), metrics.jsonl, and optionally Weights & Biases and TensorBoard.
 
 
 def open_log(path, resume_step=None):
-    """path + RUNNING, opened to append; on resume, the lines after the resumed step dropped (they will be redone)."""
+    """path opened to append: emptied for a new run; on resume, the lines after the resumed step dropped (they will
+    be redone)."""
     kept = []
-    source = next((p for p in (path + RUNNING, path) if os.path.exists(p)), None)
-    if resume_step is not None and source is not None:
-        with open(source) as f:
+    if resume_step is not None and os.path.exists(path):
+        with open(path) as f:
             kept = [line for line in f if json.loads(line).get("step", 0) <= resume_step]
-    write_atomic(path + RUNNING, "".join(kept))
-    return open(path + RUNNING, "a")
-
-
-def close_log(file):
-    file.close()
-    os.replace(file.name, file.name.removesuffix(RUNNING))
+    write_atomic(path, "".join(kept))
+    return open(path, "a")
 
 
 class Logger:
@@ -869,7 +813,7 @@ class Logger:
             self.tensorboard.add_text(name, "\n\n".join(json.dumps(r) for r in rows), step)
 
     def close(self):
-        close_log(self.file)
+        self.file.close()
         if self.wandb:
             self.wandb.finish()
         if self.tensorboard:
@@ -885,18 +829,18 @@ def format_metrics(m):
 # finished run does nothing; SIGINT and SIGTERM end a run at a step boundary with a checkpoint it resumes from.
 
 
-def finished_progress(output_dir, key="step"):
-    """How far the finished run in output_dir went (its metrics.jsonl, named so when the run ends), in key, or None."""
+def finished_progress(output_dir):
+    """The last step logged in output_dir's metrics.jsonl, or None."""
     path = os.path.join(output_dir, "metrics.jsonl")
-    if not os.path.exists(path) or os.path.exists(path + RUNNING):  # a later run's log is open: it did not finish
+    if not os.path.exists(path):
         return None
     with open(path) as f:
-        return max((json.loads(line).get(key, 0) for line in f), default=0)
+        return max((json.loads(line).get("step", 0) for line in f), default=0)
 
 
 def check_output_dir(args, rank):
     """A finished run or checkpoints in --output_dir are continued or replaced only when asked."""
-    held = "a finished run" if finished_progress(args.output_dir) is not None else \
+    held = "a run's log" if finished_progress(args.output_dir) is not None else \
         "checkpoints" if latest_checkpoint(args.output_dir) else None
     if args.resume and args.overwrite_output_dir:
         raise UserError("--resume continues the run in --output_dir and --overwrite_output_dir replaces it: pass one")
@@ -907,20 +851,16 @@ def check_output_dir(args, rank):
         print(f"--resume: no checkpoint in {args.output_dir}; starting from the first step")
 
 
-def run_complete(args, total, key, per_step, rank):
-    """Whether --resume finds the run finished at this run's step `total` or past it (nothing to do). Progress is read
-    in key (episodes, epoch: per_step of them in each of this run's steps), the same whatever the global batch of the
-    runs that logged it."""
-    finished = finished_progress(args.output_dir, key) if args.resume else None
-    finished = None if finished is None else math.ceil(finished / per_step - 1e-6)  # (in this run's steps)
-    if finished is not None and finished < total and latest_checkpoint(args.output_dir) is None:
-        raise UserError(f"--resume: {args.output_dir} holds a run finished at step {finished} and no checkpoint to "
-                        f"continue it to step {total}; pass --overwrite_output_dir to train afresh, or another "
-                        "--output_dir")
-    if finished is None or finished < total:
+def run_complete(args, total, rank):
+    """Whether --resume finds the run in output_dir logged to step `total` (nothing to do)."""
+    logged = finished_progress(args.output_dir) if args.resume else None
+    if logged is not None and logged < total and latest_checkpoint(args.output_dir) is None:
+        raise UserError(f"--resume: {args.output_dir} holds a run logged to step {logged} and no checkpoint to continue "
+                        f"it to step {total}; pass --overwrite_output_dir to train afresh, or another --output_dir")
+    if logged is None or logged < total:
         return False
     if rank == 0:
-        print(f"{args.output_dir}: the run is complete (step {finished} of {total}); nothing to do")
+        print(f"{args.output_dir}: the run is complete (step {logged} of {total}); nothing to do")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return True
@@ -1149,8 +1089,8 @@ def sharded_state(model, optimizer):
 
 
 def save_training(model, optimizer, scheduler, step, rank, output_dir, global_batch, **extra):
-    """A checkpoint, on every rank: its shards, and on rank 0 the rest. step x global_batch is the progress a resume
-    continues from (step_at). A failure on any rank (a full disk) stops all, the partial checkpoint removed."""
+    """A checkpoint, on every rank: its shards, and on rank 0 the rest (a resume checks global_batch against its own).
+    A failure on any rank (a full disk) stops all, the partial checkpoint removed."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
     from torch.distributed.checkpoint.api import CheckpointException
@@ -1180,28 +1120,10 @@ def save_training(model, optimizer, scheduler, step, rank, output_dir, global_ba
         "global_batch": global_batch, "rng": rngs, **extra}))
 
 
-def step_at(done, saved_batch, args, world, what, counts_steps=False):
-    """This run's step after `done` episodes or pairs in its global batches, or a stop naming the flags that fit."""
-    micro, other = args.per_device_train_batch_size, getattr(args, "num_mini_batches", 1)
-    batch = micro * args.gradient_accumulation_steps * other * world
-    if done % batch == 0 and (batch == saved_batch or not counts_steps):
-        return done // batch
-    share = saved_batch // (world * other)  # micro x accumulation per rank that would keep it
-    accumulation = share // micro if share % micro == 0 else 1
-    keep = f"on {world} ranks pass --per_device_train_batch_size {share // accumulation} " \
-        f"--gradient_accumulation_steps {accumulation}" if saved_batch % (world * other) == 0 else \
-        f"resume on a number of ranks that divides {saved_batch // other}"
-    why = f"this run's global batch, {batch}, does not divide {done}" if done % batch else \
-        f"--max_steps counts steps, and this run's global batch is {batch}"
-    raise UserError(f"--resume: the checkpoint was saved after {done} {what} in global batches of {saved_batch}; "
-                    f"{why}: to keep {saved_batch}, {keep}")
-
-
-def resume_training(model, optimizer, scheduler, output_dir, step_of):
-    """The latest checkpoint restored on any number of ranks; step_of(state) is this run's step at its progress.
-    Returns (that step, the checkpoint's state), or None. The state's "logged_step" is the last step the saving run
-    logged: this run's logged steps continue from it (this run's own step + that - this step), so that they rise
-    even where the global batch changed (a logger drops a step lower than one it has seen)."""
+def resume_training(model, optimizer, scheduler, output_dir, args, world):
+    """The latest checkpoint in output_dir restored on any number of ranks: weights, optimizer, schedule and every
+    rank's random streams. Returns its state (its "step" is the step to continue from), or None. A checkpoint of
+    another global batch is refused: its step would count other batches."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -1209,8 +1131,14 @@ def resume_training(model, optimizer, scheduler, output_dir, step_of):
     if (path := latest_checkpoint(output_dir)) is None:
         return None
     ckpt = load_latest_checkpoint(output_dir)
-    start = step_of(ckpt)
-    ckpt.setdefault("logged_step", ckpt["step"])
+    other = getattr(args, "num_mini_batches", 1)  # (ppo.py: an update's mini-batches)
+    batch, saved = args.per_device_train_batch_size * args.gradient_accumulation_steps * other * world, \
+        ckpt["global_batch"]
+    if batch != saved:
+        keep = f"--per_device_train_batch_size x --gradient_accumulation_steps = {saved // (other * world)} on " \
+            f"{world} ranks" if saved % (other * world) == 0 else f"a number of ranks that divides {saved // other}"
+        raise UserError(f"--resume: the checkpoint was trained in global batches of {saved}, this run's is {batch}; "
+                        f"resume with {keep} (or --overwrite_output_dir to train afresh)")
     tensors, _ = sharded_state(model, optimizer)
     with warnings.catch_warnings():  # (one process: "assuming the intent is to load in a single process")
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
@@ -1218,171 +1146,37 @@ def resume_training(model, optimizer, scheduler, output_dir, step_of):
     set_state_dict(model, optimizer, model_state_dict=tensors["model"],
                    optim_state_dict={"state": tensors["optimizer"], "param_groups": ckpt.pop("optimizer_param_groups")})
     scheduler.load_state_dict(ckpt.pop("scheduler"))
-    scheduler.last_epoch = start - 1  # the saved step counts batches of the saving run's size, maybe not this one's
-    scheduler.step()
     rngs, rank = ckpt.pop("rng"), dist.get_rank() if dist.is_initialized() else 0
     if rank < len(rngs):
         random.setstate(rngs[rank]["python"])
         torch.set_rng_state(rngs[rank]["torch"])
         if rngs[rank]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rngs[rank]["cuda"])  # this rank's device
-    return start, ckpt
+    return ckpt
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The memory plan: what each model's states take per GPU, and what each phase holds beside them (a gathered policy,
-# the KV cache, a micro-batch's activations), from the models' shapes alone (built on the meta device: no weights, no
-# memory), printed before any weight is loaded, and a run that cannot fit stopped with the flags that would fit it.
-
-PLAN_FRACTION = 0.9
-"""The one threshold: a plan whose peak passes this share of the GPU's memory is stopped, and the flags it suggests
-peak within it. The rest is for what no row counts: the CUDA context, the allocator's fragmentation, FSDP's gathered
-blocks and the optimizer step's temporaries."""
+# Sharded loading (FSDP2 on several ranks), torchtitan's recipe: rank 0 loads the model whole on its host, the other
+# ranks build it on the meta device; every rank shards it, and rank 0's weights are broadcast into the shards.
 
 
-@dataclasses.dataclass
-class Planned:
-    """One model as a script holds it: its parameters, those trained (float32, each with a float32 gradient and
-    AdamW's two float32 moments), the bytes of each frozen parameter (4: float32, 2: bfloat16), and the number of
-    ranks its states are split over (FSDP: the world size; DDP: 1, a replica on every rank)."""
-    name: str
-    parameters: int
-    trained: int
-    frozen_bytes: int
-    shards: int
-    frozen_in_float32: int = 0
-    """Frozen parameters held in float32 whatever frozen_bytes says (ppo.py's sharded output layers)."""
-    on_host: bool = False
-    """Held in host memory, on the GPU only while it computes (--offload_inference_models): a replica whole, one such
-    model at a time; FSDP shards one unit at a time, as every sharded model's are gathered."""
-    source: str | None = None
-    """The model folder or hub name it is loaded from (load_model): sharded, read in slices where it is safetensors."""
-
-    def bytes(self):
-        frozen = self.parameters - self.trained - self.frozen_in_float32
-        return {"weights": (frozen * self.frozen_bytes + (self.frozen_in_float32 + self.trained) * 4) / self.shards,
-                "gradients": self.trained * 4 / self.shards, "AdamW": self.trained * 8 / self.shards}
-
-
-@dataclasses.dataclass
-class Transient:
-    """What one phase ("rollout" or "learning") holds on each rank's GPU beside the models' states."""
-    name: str
-    phase: str
-    size: float
-
-
-def safetensors_index(name):
-    """{key: file} of the safetensors weights of the model at name (a folder, or a hub name in the local cache; one file
-    or an index of shards, in from_pretrained's order), or None: .bin weights, an adapter folder, not found here."""
-    from huggingface_hub import snapshot_download
-
-    if name.startswith("embedded-") or adapter_base(name):
-        return None
-    try:
-        folder = name if os.path.isdir(name) else snapshot_download(name, local_files_only=True)
-    except Exception:  # not in the hub cache (or not a hub name)
-        return None
-    if os.path.exists(single := os.path.join(folder, "model.safetensors")):
-        return dict.fromkeys(safe_tensors(single).keys(), single)
-    if not os.path.exists(index := os.path.join(folder, "model.safetensors.index.json")):
-        return None
-    with open(index) as f:
-        files = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
-    return files if all(map(os.path.exists, set(files.values()))) else None
-
-
-def safe_tensors(file):
-    from safetensors import safe_open
-
-    return safe_open(file, "pt")  # (the header read; a tensor, or a slice of it, read when asked)
-
-
-def read_whole(t, source):
-    """The tensor t (a parameter, a buffer) read whole from source, (file, key), in t's dtype; on the CPU, empty, for
-    no source."""
-    value = safe_tensors(source[0]).get_tensor(source[1]).to(t.dtype) if source else torch.empty_like(t, device="cpu")
-    return torch.nn.Parameter(value, t.requires_grad) if isinstance(t, torch.nn.Parameter) else value
-
-
-def sliced_skeleton(loader, name, config, dtype):
-    """Rank 0's model at name on the meta device, each tensor its safetensors checkpoint holds (under from_pretrained's
-    key) tagged on its module (`_checkpoint`: name -> (file, key)), for shard_from_rank0 to read each rank's slices;
-    held for real, as from_pretrained makes them, what the scripts change or the checkpoint lacks: a classifier's head
-    (read whole), a new head, the non-persistent buffers. None (rank 0 loads the model whole) for no such checkpoint,
-    a shape that differs, or tensors from_pretrained merges or splits (its converters)."""
-    from transformers import GenerationConfig
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
-
-    if (files := safetensors_index(name)) is None:
-        return None
-    model = meta_model(lambda: loader.from_config(config, dtype=dtype))
-    expected, mapping, keys = model.state_dict(keep_vars=True), get_model_conversion_mapping(model), {}
-    renames, converters = ([m for m in mapping if isinstance(m, kind)] for kind in (WeightRenaming, WeightConverter))
-    for key in sorted(files, key=dot_natural_key):  # (from_pretrained's order: a renaming may depend on it)
-        renamed, converted = rename_source_key(key, renames, converters, model.base_model_prefix, expected)
-        renamed, converted = (key, None) if renamed not in expected and key in expected else (renamed, converted)
-        if renamed not in expected:
-            continue  # (unexpected: ignored, as from_pretrained does)
-        if converted or safe_tensors(files[key]).get_slice(key).get_shape() != list(expected[renamed].shape):
-            return None
-        keys.setdefault(id(expected[renamed]), (files[key], key))
-    output, made = model.get_output_embeddings(), {}
-    heads = {id(t) for k, t in expected.items() if not k.startswith(model.base_model_prefix + ".") and
-             (output is None or t is not output.weight)}
-    for module in model.modules():
-        module.__dict__.pop("_is_hf_initialized", None)  # (set by from_config; initialize_weights skips those)
-        module._checkpoint = {}
-        for slots in (module._parameters, module._buffers):
-            for n, t in [(n, t) for n, t in slots.items() if t is not None]:
-                if id(t) in keys and id(t) not in heads:
-                    t._is_hf_initialized = True
-                    if id(t) not in made:  # (tied: tagged once)
-                        module._checkpoint[n], made[id(t)] = keys[id(t)], t
-                else:
-                    slots[n] = made.setdefault(id(t), read_whole(t, keys.get(id(t))))
-                    slots[n]._is_hf_initialized = id(t) in keys
-    model.initialize_weights()  # the new tensors, as from_pretrained initialises those the checkpoint lacks
-    if model.can_generate() and os.path.exists(os.path.join(folder := os.path.dirname(next(iter(files.values()))),
-                                                            "generation_config.json")):
-        model.generation_config = GenerationConfig.from_pretrained(folder)
-    return model.eval()
-
-
-def read_on_rank0(module):
-    """On rank 0, module's tensors that sliced_skeleton left on the meta device read whole, before rank 0 changes them
-    (rm.py grows the embeddings: the new rows, and the random draws after them, as from a whole model)."""
-    import torch.distributed as dist
-
-    for n, source in module._checkpoint.items() if hasattr(module, "_checkpoint") and dist.get_rank() == 0 else ():
-        setattr(module, n, read_whole(getattr(module, n), source))  # (the tags stay: every rank lists the same)
+def meta_model(build):
+    """build() on the meta device: the model's shape (parameters, modules) without allocating a weight."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build()
 
 
 def shard_from_rank0(model, shard, device, host=False):
-    """FSDP on several ranks, loading once: what rank 0 holds is broadcast into every rank's shards (the others may
-    hold a meta-device skeleton: no weights, no memory); what it left on the meta device (sliced_skeleton), each rank
-    reads its own slices of. shard(model) applies fully_shard to a meta model; host: the shards in host memory (FSDP's
-    CPU offload), the buffers on the device."""
+    """model sharded on every rank, its weights rank 0's: rank 0 holds it whole (one model at a time on its host,
+    freed once broadcast), the others a meta-device skeleton. shard(model) applies fully_shard; the shards are
+    allocated on device (host: in host memory, FSDP's CPU offload) and filled by set_model_state_dict's broadcast; the
+    buffers the state dict lacks (RoPE's inverse frequencies) are broadcast after it."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    def at(name):  # the parameter or buffer of that name
-        owner, _, attribute = name.rpartition(".")
-        return getattr(model.get_submodule(owner), attribute)
 
     rank0 = dist.get_rank() == 0
-    read = [{f"{p}.{n}".lstrip("."): source for p, m in model.named_modules() for n, source in
-             getattr(m, "_checkpoint", {}).items() if getattr(m, n).is_meta} if rank0 else None]
-    meta = {id(v) for v in model.state_dict(keep_vars=True).values() if v.is_meta} if rank0 else set()
-    if meta - {id(at(name)) for name in read[0] or ()}:
-        read = ["rank 0 holds a tensor on the meta device with no checkpoint to read it from"]
-    dist.broadcast_object_list(read, src=0)  # rank 0's choice: what it holds, it broadcasts; the rest, each reads
-    if isinstance(read[0], str):
-        raise RuntimeError(read[0])
-    weights = {k: v for k, v in model.state_dict().items() if not v.is_meta} if rank0 else {}
-    buffers = dict(model.named_buffers()) if rank0 else {}
+    weights, buffers = (model.state_dict(), dict(model.named_buffers())) if rank0 else ({}, {})
     on_meta = {}  # one meta parameter for each parameter, so that tied ones stay tied (Module.to("meta") unties them)
     for module in model.modules():
         for name, p in module._parameters.items():
@@ -1397,23 +1191,11 @@ def shard_from_rank0(model, shard, device, host=False):
         for name, b in module._buffers.items():
             if b is not None:
                 module._buffers[name] = b.to(device)
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                                  strict=not read[0]))
-
-    def read_slices():  # each rank its own rows (FSDP shards dim 0), in the tensor's dtype (from_pretrained's cast)
-        for t, (file, key) in ((at(name), source) for name, source in read[0].items()):
-            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements) if hasattr(
-                t, "device_mesh") else (t.shape, [0] * t.dim())
-            with torch.no_grad():
-                (t.to_local() if hasattr(t, "to_local") else t).copy_(safe_tensors(file).get_slice(key)[tuple(
-                    slice(o, o + s) for o, s in zip(offset, shape))] if shape else safe_tensors(file).get_tensor(key))
-    agreed(read_slices)  # (a rank that cannot read the files, another node's folder: every rank stops)
-    sliced = {id(at(name)) for name in read[0]}
-    for name, buffer in model.named_buffers():  # those outside the state dict too (RoPE's inverse frequencies)
-        if id(buffer) not in sliced:
-            if rank0:
-                buffer.copy_(buffers[name])
-            dist.broadcast(buffer, 0)
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():
+        if rank0:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, 0)
     return model
 
 
@@ -1442,212 +1224,18 @@ def scalar_head(model):
     return head if isinstance(head, Float32Linear) else None  # (not peft's wrapper of a trained LoRA head)
 
 
-def meta_model(build):
-    """build() on the meta device: the model's shape (parameters, modules) without allocating a weight."""
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return build()
+def peak_memory(device):
+    """memory/peak_gb_rank<r>: the most memory each rank has held so far, GB: allocated on its GPU, else its process's
+    peak resident set (what a CPU run can show)."""
+    import resource
 
-
-@functools.cache
-def model_config(path, vocab_size=None):
-    """The transformers config of a model folder or hub name (of an adapter folder: its base's); of an embedded model,
-    the embedded config for a tokenizer of vocab_size tokens."""
-    from transformers import AutoConfig
-
-    if path.startswith("embedded-"):
-        return embedded_model_config(path, vocab_size or len(embedded_tokenizer()))
-    return load_pretrained(AutoConfig, adapter_base(path) or path, path)
-
-
-def meta_from_config(path, kind, vocab_size=None):
-    """The model at path, a causal LM (kind "causal") or a one-label sequence classifier ("reward"), built on the meta
-    device from its config alone, its embeddings grown to vocab_size rows where the tokenizer has more."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    config = copy.deepcopy(model_config(path, vocab_size))
-    config.num_labels = 1
-    config.vocab_size = max(config.vocab_size, vocab_size or 0)
-    loader = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
-    return meta_model(lambda: loader.from_config(config))
-
-
-@functools.cache
-def model_shape(path, kind, vocab_size=None, lora=None):
-    """(all, trained) parameter counts of the model at path, a causal LM (kind "causal") or a one-label sequence
-    classifier ("reward"), built on the meta device from its config alone (its embeddings grown to vocab_size rows
-    where the tokenizer has more); lora: (r, alpha, target modules), counting then the adapters (and head) that
-    add_lora trains."""
-    model = meta_from_config(path, kind, vocab_size)
-    total = sum(p.numel() for p in model.parameters())
-    if lora is None:
-        return total, total
-    lora_args = types.SimpleNamespace(lora_r=lora[0], lora_alpha=lora[1], lora_dropout=0.0,
-                                      lora_target_modules=list(lora[2]))
-    with torch.device("meta"):
-        add_lora(model, lora_args, "CAUSAL_LM" if kind == "causal" else "SEQ_CLS")
-    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-@functools.cache
-def output_layer_shape(path, vocab_size=None):
-    """Parameters of the output layer of the causal LM at path where it is an nn.Linear of its own (not tied to the
-    input embeddings), else 0, from the meta-device model."""
-    model = meta_from_config(path, "causal", vocab_size)
-    head = model.get_output_embeddings()
-    untied = type(head) is torch.nn.Linear and head.weight is not model.get_input_embeddings().weight
-    return sum(p.numel() for p in head.parameters()) if untied else 0
-
-
-def lora_shape(args):
-    """The LoRA settings model_shape reads (hashable), or None without LoRA."""
-    return (args.lora_r, args.lora_alpha, tuple(args.lora_target_modules)) if args.lora_r else None
-
-
-@functools.cache
-def block_shape(path, kind, vocab_size=None):
-    """(blocks, hidden size, values per token and block a training forward keeps for its backward at the compute
-    dtype, and at the residual stream's) of the model at path, from its meta-device modules: the attention's query,
-    keys and values (one head per query head), its output and the output projection's input (SDPA's fused kernels keep
-    no attention matrix); the MLP's up-projections, twice (their outputs and the activation's); each norm's output at
-    the compute dtype, its input (and an RMSNorm's normalised input) at the residual stream's."""
-    model = meta_from_config(path, kind, vocab_size)
-    config, h = model.config, model.config.hidden_size
-    heads = config.num_attention_heads
-    kv, d = getattr(config, "num_key_value_heads", None) or heads, getattr(config, "head_dim", None) or h // heads
-    blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) ==
-                  config.num_hidden_layers)
-    outputs = sum(getattr(m, "out_features", 0) or getattr(m, "nf", 0) for m in blocks[0].modules())
-    up = outputs - (heads + 2 * kv) * d - 2 * h  # all but q, k, v and the two projections back to the hidden size
-    norms = [type(m).__name__.lower() for m in blocks[0].modules() if "norm" in type(m).__name__.lower()
-             and getattr(m, "weight", None) is not None and m.weight.numel() == h]  # (not per-head q/k norms)
-    return len(blocks), h, 5 * heads * d + 2 * up + len(norms) * h, sum(2 if "rms" in n else 1 for n in norms) * h
-
-
-def activation_bytes(path, kind, vocab_size, tokens, compute_bytes, residual_bytes, checkpointing):
-    """The bytes a training forward over `tokens` tokens keeps for its backward (block_shape); with activation
-    checkpointing, each block's input, and one block's activations and as much again for their gradients while it is
-    recomputed and goes backward (on an H100 at Llama-3-8B shapes: benchmarks/README.md, GPU check)."""
-    blocks, h, compute, residual = block_shape(path, kind, vocab_size)
-    block = compute * compute_bytes + residual * residual_bytes
-    return tokens * (blocks * h * residual_bytes + 2 * block if checkpointing else blocks * block)
-
-
-def kv_cache_bytes(path, sequences, length, dtype_bytes, vocab_size=None):
-    """A KV cache of `sequences` x `length` tokens: keys and values of every layer's key/value heads."""
-    c = model_config(path, vocab_size)
-    kv, d = getattr(c, "num_key_value_heads", None) or c.num_attention_heads, getattr(c, "head_dim", None) or \
-        c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * kv * d * sequences * length * dtype_bytes
-
-
-def plan_bytes(rows):
-    """The bytes the models' states take on each rank's device: those held there, and the largest replica kept on the
-    host (it is copied in whole while it computes)."""
-    models = [m for m in rows if isinstance(m, Planned)]
-    on_device = sum(sum(m.bytes().values()) for m in models if not m.on_host)
-    return on_device + max((sum(m.bytes().values()) for m in models if m.on_host and m.shards == 1), default=0)
-
-
-def plan_peaks(rows):
-    """Each phase's peak per rank: the states, and what the phase holds beside them."""
-    phases = dict.fromkeys(r.phase for r in rows if isinstance(r, Transient)) or {"learning": 0}
-    return {p: plan_bytes(rows) + sum(r.size for r in rows if isinstance(r, Transient) and r.phase == p)
-            for p in phases}
-
-
-def plan_table(rows, world, capacity=None, lora=False):
-    """The plan as a small table: per model and in total, GB per rank of weights, gradients and AdamW state; each
-    phase's rows and peak; the host memory loading takes (sharded, each rank reads its slices of a safetensors
-    checkpoint; else, and with LoRA, rank 0 builds the model whole: load_model)."""
-    lines = [f"memory plan per rank ({world} rank{'s' if world > 1 else ''}; GB):",
-             f"  {'model':<18}{'params':>9}{'weights':>9}{'grads':>9}{'AdamW':>9}{'total':>9}"]
-    for m in (m for m in rows if isinstance(m, Planned)):
-        b = m.bytes()
-        lines.append(f"  {m.name:<18}{m.parameters / 1e6:>8.1f}M" + "".join(f"{v / 1e9:>9.2f}" for v in b.values())
-                     + f"{sum(b.values()) / 1e9:>9.2f}" + (" (host memory)" if m.on_host else ""))
-    row = lambda label, size: f"  {label:<54}{size / 1e9:>9.2f}"  # noqa: E731
-    lines.append(row("states on the device", plan_bytes(rows)))
-    for phase, peak in plan_peaks(rows).items():
-        lines += [row(f"{phase}: {r.name}", r.size) for r in rows if isinstance(r, Transient) and r.phase == phase]
-        lines.append(row(f"{phase} peak", peak))
-    models = [m for m in rows if isinstance(m, Planned)]
-    sliced = [not lora and m.shards > 1 and m.source and safetensors_index(m.source) is not None for m in models]
-    whole = sum(m.parameters * 4 for m, s in zip(models, sliced) if not s)
-    names = lambda read: ", ".join(dict.fromkeys(m.name for m, s in zip(models, sliced) if s == read))  # noqa: E731
-    if not any(m.shards > 1 for m in models):
-        lines.append(f"  host memory while loading: up to {whole / 1e9:.1f} GB on each rank (a replica each)")
-    else:  # sliced: one tensor at a time (rank 0 reads a head, or a table it grows, whole): the largest in float32
-        largest = max((max(c.vocab_size, getattr(c, "intermediate_size", 0) or 0) * c.hidden_size * 4 for m, s in
-                       zip(models, sliced) if s for c in [model_config(m.source)]), default=0)
-        lines.append("  host memory while loading: " + "; ".join(
-            ([f"each rank reads its own slices of the {names(True)}, up to {largest / 1e9:.1f} GB at a time"]
-             if any(sliced) else []) + ([f"rank 0 builds the {names(False)} whole in float32 ({whole / 1e9:.1f} GB), "
-                                          "then broadcasts into the shards"] if whole else [])))
-    if capacity:
-        peak = max(plan_peaks(rows).values())
-        lines.append(f"  {'fits' if peak <= PLAN_FRACTION * capacity else 'does not fit'}: {PLAN_FRACTION:.0%} of a "
-                     f"{capacity / 1e9:.1f} GB GPU is {PLAN_FRACTION * capacity / 1e9:.1f} GB")
-    return "\n".join(lines)
-
-
-def check_memory_plan(plan, args, world, device, rank):
-    """Print the plan (plan(args, world) -> Planned and Transient rows); where a phase's peak passes PLAN_FRACTION of
-    the GPU's memory, stop with the first of these whose peaks fit: --gradient_checkpointing, --fsdp, --bf16, LoRA,
-    more ranks. --plan_only: the plan for --plan_world_size GPUs of --plan_gpu_memory_gb, with no GPU needed."""
-    if args.plan_only:
-        world, capacity = args.plan_world_size, args.plan_gpu_memory_gb * 1e9
-    else:
-        capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    rows = plan(args, world)
-    if rank == 0:
-        print(plan_table(rows, world, capacity, args.lora_r))
-    phase, peak = max(plan_peaks(rows).items(), key=lambda kv: kv[1])
-    if capacity and peak > PLAN_FRACTION * capacity:
-        r, lora, ckpt = dataclasses.replace, args.lora_r or 16, "--gradient_checkpointing"
-        bases = [("", {}), ("--fsdp", dict(fsdp=True)), ("--fsdp --bf16", dict(fsdp=True, bf16=True)),
-                 (f"--lora_r {lora} --bf16", dict(lora_r=lora, bf16=True)),
-                 (f"--lora_r {lora} --fsdp --bf16", dict(lora_r=lora, fsdp=True, bf16=True))]
-        alternatives = [(f"{flags} {ckpt}".strip() if c else flags, r(args, **kw, gradient_checkpointing=c or
-                                                                      args.gradient_checkpointing), world)
-                        for flags, kw in bases for c in (False, True) if flags or c]
-        alternatives += [(f"--fsdp --bf16 {ckpt} on {n} ranks", r(args, fsdp=True, bf16=True,
-                                                                  gradient_checkpointing=True), n)
-                         for n in (8, 16, 32, 64) if n > world]
-        fits = [flags for flags, a, w in alternatives if max(plan_peaks(plan(a, w)).values()) <= PLAN_FRACTION *
-                capacity]
-        raise UserError(f"the {phase} phase needs {peak / 1e9:.1f} GB per GPU ({world} ranks; the plan above), more "
-                        f"than {PLAN_FRACTION:.0%} of the GPU's {capacity / 1e9:.1f} GB: "
-                        + (f"pass {fits[0]}" if fits else "use LoRA (--lora_r 16), --fsdp --bf16, "
-                           "--gradient_checkpointing, a smaller micro-batch and more ranks"))
-    return rows
-
-
-def memory_metrics(rows, models, optimizer, device):
-    """memory/* for the first step's log: the weights and AdamW state this rank holds (common.held_bytes; gradients are
-    freed after each step) and those the plan gives it, and on a GPU its peak allocated beside the plan's peak."""
-    held = [held_bytes(m, optimizer) for m in {id(m): m for m in models if m is not None}.values()]
-    planned = [m.bytes() for m in rows if isinstance(m, Planned)]
-    out = {f"memory/{name}_gb": sum(b["weights"] + b["AdamW"] for b in states) / 1e9
-           for name, states in (("held", held), ("planned", planned))}
     if device.type == "cuda":
-        out.update({"memory/max_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-                    "memory/planned_peak_gb": max(plan_peaks(rows).values()) / 1e9})
-    return out
-
-
-def held_bytes(model, optimizer=None):
-    """The bytes this rank really holds in the model's parameters (its shards under FSDP), their gradients and the
-    optimizer's state for them: what the plan predicts."""
-    def size(t):
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-
-    params = list({id(p): p for p in model.parameters()}.values())
-    out = {"weights": sum(size(p) for p in params), "gradients": sum(size(p.grad) for p in params if p.grad is not
-                                                                     None), "AdamW": 0}
-    if optimizer is not None:
-        ids = {id(p) for p in params}
-        out["AdamW"] = sum(size(v) for p, s in optimizer.state.items() if id(p) in ids for v in s.values()
-                           if torch.is_tensor(v) and v.dim() > 0)
-    return out
+        peak = torch.cuda.max_memory_allocated(device)
+    else:  # (ru_maxrss: kilobytes on Linux)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peaks = torch.tensor([peak / 1e9], dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized():
+        out = [torch.zeros_like(peaks) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(out, peaks)
+        peaks = torch.cat(out)
+    return {f"memory/peak_gb_rank{r}": v for r, v in enumerate(peaks.tolist())}

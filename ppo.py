@@ -212,8 +212,8 @@ class Args:
     run_name: str | None = None
     """Run name for Weights & Biases."""
     offload_inference_models: bool = False
-    """Hold the reference and reward models' weights in pinned host memory, on the GPU only while they score (under
-    --fsdp their shards, through FSDP's CPU offload): GPU memory for the learning phase. No effect on a CPU."""
+    """--fsdp on GPUs: hold the reference and reward models' shards in pinned host memory (FSDP's CPU offload), on the
+    GPU only while they compute: GPU memory for the learning phase."""
     fsdp: bool = False
     """Shard every model (policy, critic, reference, reward model) per transformer block with FSDP2 (default: DDP;
     the frozen models are then replicas)."""
@@ -224,14 +224,6 @@ class Args:
     """bfloat16 autocast (weights and optimizer state stay float32; with LoRA the frozen base weights are held in
     bfloat16). Output layer, log-softmax, entropy and scalar heads stay float32; the old log-probs are recomputed by
     the learning forward (reference_logprobs)."""
-    plan_only: bool = False
-    """Print the memory plan for --plan_world_size GPUs of --plan_gpu_memory_gb and exit, 0 if it fits and 2 if not
-    (naming flags that would fit), from the models' config.json alone: no weight, tokenizer or GPU needed."""
-    plan_world_size: int = 8
-    """--plan_only: the GPUs (ranks) to plan for."""
-    plan_gpu_memory_gb: float = 80.0
-    """--plan_only: each GPU's memory, in GB of 10^9 bytes as the plan prints them (torch reports an 80 GB H100 as
-    85.0)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -377,6 +369,51 @@ def language_modelling_loss(policy, seqs, pad_id, n_tokens, device):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The method's conventions, the same as rm.py's (tests/test_rm.py checks that they agree).
+
+
+def truncate_prompt(ids, max_prompt_length, bos_id=None):
+    """A prompt longer than max_prompt_length keeps its END (the turn being answered) and its leading BOS/[CLS]."""
+    if len(ids) <= max_prompt_length:
+        return ids
+    keep = 1 if bos_id is not None and ids and ids[0] == bos_id else 0
+    return ids[:keep] + ids[len(ids) - max_prompt_length + keep:]
+
+
+def last_token_index(mask):
+    """Where a response ends: its last real token (its stop token, or the last one of a response cut at
+    --response_length), read from the mask (a pad id may equal EOS), right or left padded."""
+    return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
+
+
+def sequence_reward(model, ids, mask):
+    """The reward model's output: a decoder's scalar head at the response's last real token, where rm.py trains it;
+    an encoder's pooled head ([CLS])."""
+    if not hasattr(model, "score"):  # BERT, RoBERTa, DeBERTa: a pooled `classifier`
+        return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
+                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state  # ALiBi: ignored
+    return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
+
+
+def without_dropout(config):
+    """Dropout off (every model: rollout, scoring and learning are one network, and the ratio starts at 1): every
+    dropout probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout)."""
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
+def disable_dropout(model):
+    without_dropout(model.config)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The phases of an update, in the order main() runs them, handing one Rollout batch along.
 
 
@@ -458,8 +495,8 @@ class Critic(torch.nn.Module):
 def critic_from(args, policy, reward):
     """The critic's start. --critic_init reward: rm.py's reward model, its head divided by rm.py's scale and the
     Critic's offset shift / scale (build_models), so that it starts out reading the normalized score,
-    (w.h - shift) / scale. --critic_init policy: the policy's backbone and a new head, its weights normal with std
-    1 / sqrt(hidden + 1) (on the meta device if the policy is: a skeleton, filled when sharded)."""
+    (w.h - shift) / scale. --critic_init policy: a copy of the policy's backbone and a new head, its weights normal
+    with std 1 / sqrt(hidden + 1), as rm.py's reward head (on the meta device where the policy is)."""
     from transformers import AutoModelForSequenceClassification
 
     if args.critic_init == "reward":
@@ -468,18 +505,14 @@ def critic_from(args, policy, reward):
             for p in critic.score.parameters():
                 p /= reward.scale
         return critic
-    config = common.without_dropout(copy.deepcopy(policy.config))
+    config = without_dropout(copy.deepcopy(policy.config))
     config.num_labels = 1
     critic = common.meta_model(lambda: AutoModelForSequenceClassification.from_config(config))
-    try:  # strict: every backbone weight of the policy, none left at its random initialisation
-        critic.base_model.load_state_dict(policy.base_model.state_dict(), assign=True)
-    except RuntimeError as e:
-        raise common.UserError(f"--critic_init policy: {args.sft_model_path}'s backbone does not load into a "
-                               f"sequence-classification model ({common.first_line(e)})") from None
-    setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))  # (a skeleton's: where to read it)
-    critic._init_weights(critic.score.to_empty(device=policy.device if policy.device.type != "meta" or dist.get_rank()
-                                               else "cpu"))  # (rank 0 makes the head: common.sliced_skeleton)
+    setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))
+    critic.score.to_empty(device=policy.device)
     torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
+    if critic.score.bias is not None:
+        torch.nn.init.zeros_(critic.score.bias)
     return common.scalar_head_in_float32(critic)
 
 
@@ -511,7 +544,7 @@ def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collect
                 values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
             if reward.in_critic is not None:  # LoRA: the reward model is the critic with its adapter off
                 with reward.in_critic():
-                    scores[rows] = critic(ids, ids_mask).gather(1, common.last_token_index(ids_mask)[:, None])[:, 0]
+                    scores[rows] = critic(ids, ids_mask).gather(1, last_token_index(ids_mask)[:, None])[:, 0]
             elif reward.model is not None:
                 own = (ids, ids_mask) if reward.tokenizer is None else \
                     (t[rows][:, rm_mask[rows].bool().any(0)] for t in (rm_ids, rm_mask))  # no all-padding column
@@ -558,7 +591,7 @@ def advantages(batch, kl_coef, args):
     kl = kl_per_token(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * mask
     non_score_reward = -kl_coef * kl if args.kl_penalty == "reward" else torch.zeros_like(kl)
     rewards = non_score_reward.clone()
-    rewards[torch.arange(len(rewards), device=rewards.device), common.last_token_index(mask)] += batch.scores
+    rewards[torch.arange(len(rewards), device=rewards.device), last_token_index(mask)] += batch.scores
     if args.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
     if args.advantage_estimator == "gae":
@@ -696,6 +729,9 @@ def check_args(args):
     if args.missing_eos_penalty is not None and args.stop_token == "none":
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops, so "
                                "every one would be penalised")
+    if args.offload_inference_models and not args.fsdp:
+        raise common.UserError("--offload_inference_models holds the frozen models' FSDP shards in host memory: pass "
+                               "--fsdp too")
     if args.ptx_coef > 0 and args.ptx_dataset_name is None:
         raise common.UserError(f"--ptx_coef {args.ptx_coef} needs --ptx_dataset_name (a dataset with a 'text' column)")
     check_estimator_args(args)
@@ -756,14 +792,12 @@ def start_up(args, rank, world):
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
                                f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
     common.check_output_dir(args, rank)
-    done = common.run_complete(args, num_updates, "episodes", batch_size, rank)
+    done = common.run_complete(args, num_updates, rank)
     return None if done else Sizes(local_batch, batch_size, num_updates)
 
 
 def main(args):
     check_args(args)
-    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
-        return common.check_memory_plan(memory_plan, args, args.plan_world_size, None, 0)
     rank, world, device = setup_distributed()
     if (sizes := start_up(args, rank, world)) is None:  # finished already: nothing to do
         return None
@@ -779,18 +813,15 @@ def main(args):
     models = build_models(args, tokenizer, device, rank, world)
     policy, critic, reward, lora = models.policy, models.critic, models.reward, models.lora
     bos_id, limit = common.leading_id(tokenizer), args.max_prompt_length + args.response_length  # (fitted to models)
-    prompts = [common.truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]  # rm.py's rule: the last
+    prompts = [truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]  # rm.py's rule: the last
     ptx = ptx and [ids[:limit] for ids in ptx]  # tokens kept, and the leading BOS
     # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type over the updates, no
     # warm-up, stepped once per update (one learning rate for an update's num_ppo_epochs x num_mini_batches steps)
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
-    start, kl_coef, history, saved = 0, args.kl_coef, [], None
-    if args.resume and (resumed := common.resume_training(trainable, optimizer, scheduler, args.output_dir, lambda c:
-                        common.step_at(c["step"] * c["global_batch"], c["global_batch"], args, world, "episodes"))):
-        start, ckpt = resumed  # (progress is in episodes: the saving run may have had another number of ranks)
-        saved, kl_coef, history = ckpt["logged_step"], ckpt["kl_coef"], ckpt["history"]
-    logged = (saved or 0) - start  # logged step = update + 1 + this (resume_training)
-    logs = open_logs(args, rank, saved)
+    start, kl_coef, history = 0, args.kl_coef, []
+    if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir, args, world)):
+        start, kl_coef, history = ckpt["step"], ckpt["kl_coef"], ckpt["history"]
+    logs = open_logs(args, rank, start if args.resume else None)
     if rank == 0:
         print(describe_run(args, sizes, world, optimizer, critic, len(prompts), start))
 
@@ -812,13 +843,13 @@ def main(args):
         # 2. Score: values and the reward at the response's last real token; then every rank takes the whole batch,
         # so that the learning phase is the same for any number of ranks.
         texts = [prompt_texts[i] for i in prompt_index]
-        with offloaded([reward.model], device, args.offload_inference_models):
+        with resharded([reward.model]):
             response_texts = score(critic, reward, batch, texts, tokenizer, stop_id, args, collective)
         batch.gold = gold_scores(args, texts, response_texts, batch.scores)
         batch = all_gather_rollout(batch)
 
         # 3. Log-probs under the reference; the old log-probs are the sampler's (recomputed under --bf16).
-        with offloaded([None if lora else models.reference], device, args.offload_inference_models):
+        with resharded([None if lora else models.reference]):
             reference_logprobs(policy, models.reference, critic, batch, args, update, rank, world,
                                reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
         t_score = time.time()
@@ -835,13 +866,12 @@ def main(args):
         t_learn = time.time()
 
         # 6. Adapt the KL coefficient; log; save samples and checkpoints.
-        m = {"step": update + 1 + logged, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef,
+        m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef,
              "lr": lr, "policy/grad_norm": grad_norm, **update_stats,
              **rollout_metrics(batch, kl, non_score_reward),
              **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, batch.attention_mask, args)}
-        if update == start:  # the plan beside what this rank holds
-            m.update(common.memory_metrics(memory_plan(args, world, len(tokenizer)), [
-                policy, critic, models.reference, reward.model], optimizer, device))
+        if update == start:  # what each rank held at most
+            m.update(common.peak_memory(device))
         if args.target_kl is not None:
             kl_coef = adaptive_kl_coef(kl_coef, m["objective/kl"], args.target_kl, args.kl_horizon, batch_size)
         history.append({k: m[k] for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean",
@@ -851,7 +881,7 @@ def main(args):
         save, stop = common.step_end(update + 1, args.save_steps, t_saved, device)
         if save and update + 1 < num_updates:
             common.save_training(trainable, optimizer, scheduler, update + 1, rank, args.output_dir, batch_size,
-                                 logged_step=m["step"], kl_coef=kl_coef, history=history)
+                                 kl_coef=kl_coef, history=history)
             t_saved = time.time()
         if stop and update + 1 < num_updates:
             common.exit_stopped(stop, update + 1, args, rank, bar)
@@ -931,72 +961,19 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     return model.eval()
 
 
-def load_policy(args, tokenizer, skeleton=False):
+def load_policy(args, tokenizer, on_meta=False):
     """The initial policy: a causal LM, or a peft adapter folder merged into its base (so that the reference policy,
-    the initial policy, is the SFT adapter's model, not the base's). skeleton: on the meta device, no weight read
-    (common.load_model)."""
+    the initial policy, is the SFT adapter's model, not the base's). on_meta: no weight read (common.load_model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.sft_model_path.startswith("embedded-"):
-        return common.disable_dropout(embedded_sft_policy(args.sft_model_path, tokenizer, args.seed))
-    config = common.without_dropout(common.load_pretrained(AutoConfig, args.sft_model_path, "--sft_model_path"))
+        return disable_dropout(embedded_sft_policy(args.sft_model_path, tokenizer, args.seed))
+    config = without_dropout(common.load_pretrained(AutoConfig, args.sft_model_path, "--sft_model_path"))
     # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights; a frozen
     # LoRA base is only read, so it may be held in bfloat16
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-    return common.disable_dropout(common.load_model(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path",
-                                                    skeleton, config=config, dtype=dtype))
-
-
-def memory_plan(args, world, vocab_size=None):
-    """The models this run holds, as common.Planned rows: policy and critic trained, reference and reward model
-    frozen (in host memory with --offload_inference_models); under --fsdp every one sharded over the ranks, and under
-    --fsdp --bf16 the frozen ones held in bfloat16 (computed in bfloat16 then anyway) but for the reference's output
-    layer; with LoRA the reference is the policy with its adapters off, the frozen bases held in bfloat16 under --bf16,
-    and a reward model the critic starts from is the critic with its adapter off. Then (common.Transient) what the
-    rollout and the learning phase hold beside the states."""
-    shards = world if args.fsdp and world > 1 else 1
-    frozen_bytes = 2 if args.bf16 and (args.lora_r or shards > 1) else 4
-    lora = common.lora_shape(args)
-    policy = common.model_shape(args.sft_model_path, "causal", vocab_size, lora)
-    models = [common.Planned("policy", *policy, frozen_bytes, shards, source=args.sft_model_path)]
-    if not lora:
-        # (its output layer in float32 under FSDP: ppo.output_layer_unit)
-        head = common.output_layer_shape(args.sft_model_path, vocab_size) if shards > 1 else 0
-        models.append(common.Planned("reference policy", policy[0], 0, frozen_bytes, shards, head,
-                                     args.offload_inference_models, source=args.sft_model_path))
-    reward_path = reward_model_source(args)
-    if args.advantage_estimator == "gae":
-        same_tokens = reward_path and common.model_config(reward_path).vocab_size == common.model_config(
-            args.sft_model_path, vocab_size).vocab_size  # (auto's choice, read from the configs)
-        from_reward = args.critic_init == "reward" or args.critic_init == "auto" and same_tokens
-        critic_source = (reward_path, "reward", None) if from_reward else (args.sft_model_path, "reward", vocab_size)
-        critic = common.model_shape(*critic_source, lora)
-        models.append(common.Planned("critic", *critic, frozen_bytes, shards, source=critic_source[0]))
-    if reward_path and not (lora and args.advantage_estimator == "gae" and from_reward):
-        models.append(common.Planned("reward model", common.model_shape(reward_path, "reward")[0], 0, frozen_bytes,
-                                     shards, on_host=args.offload_inference_models, source=reward_path))
-    # Beside the states: the rollout's policy in the compute dtype (FSDP: gathered, its output layer in float32;
-    # DDP: autocast's cached bfloat16 copy of its weights) and KV cache; the learning phase's activations of one
-    # micro-batch, of the policy or the critic (each goes backward on its own), and under DDP autocast's copies.
-    compute, residual = (2, 2 if lora else 4) if args.bf16 else (4, 4)  # (a LoRA base held in bfloat16 computes so)
-    micro, width = args.per_device_train_batch_size, (args.max_prompt_length or 256) + args.response_length
-    sequences = micro * args.gradient_accumulation_steps * args.num_mini_batches // args.num_collect_steps
-    if shards > 1 or args.bf16 and not lora:
-        head = common.output_layer_shape(args.sft_model_path, vocab_size) if shards > 1 and not lora else 0
-        models.append(common.Transient("policy gathered" if shards > 1 else "policy, autocast's copy", "rollout",
-                                       (policy[0] - head) * compute + head * 4))
-    models.append(common.Transient(f"KV cache ({sequences} x {width} tokens)", "rollout", common.kv_cache_bytes(
-        args.sft_model_path, sequences, width, compute, vocab_size)))
-    vocab = max(common.model_config(args.sft_model_path, vocab_size).vocab_size, vocab_size or 0)
-    logits = 4 * min(micro * args.response_length * vocab, LOGIT_BLOCK)  # the log-softmax policy_forward keeps
-    learners = [((args.sft_model_path, "causal", vocab_size), logits, policy[0])] + \
-        ([(critic_source, 0, critic[0])] if args.advantage_estimator == "gae" else [])
-    models.append(common.Transient(f"activations ({micro} x {width} tokens)", "learning", max(
-        common.activation_bytes(*source, micro * width, compute, residual, args.gradient_checkpointing) + extra
-        for source, extra, _ in learners)))
-    if shards == 1 and args.bf16 and not lora:
-        models.append(common.Transient("autocast's bfloat16 weights", "learning", 2 * max(n for *_, n in learners)))
-    return models
+    return disable_dropout(common.load_model(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path",
+                                                    on_meta, config=config, dtype=dtype))
 
 
 @dataclass
@@ -1011,13 +988,11 @@ class Models:
 
 def build_models(args, tokenizer, device, rank, world):
     """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
-    function). Returns the policy's transformers model too, and with LoRA the peft model holding its adapter. First,
-    the memory plan (memory_plan) printed, and checked against the GPU's memory before any weight is loaded. Under
-    FSDP on several ranks each rank reads only its slices of a safetensors checkpoint, else rank 0 reads the model
-    whole and the others build skeletons on the meta device (common.load_model), when sharded (parallelize)."""
-    common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
-    skeleton = args.fsdp and world > 1 and (rank != 0 or not args.lora_r)  # (LoRA: rank 0 makes the adapters)
-    reward = load_reward(args, tokenizer, skeleton)
+    function). Returns the policy's transformers model too, and with LoRA the peft model holding its adapter. Under
+    FSDP on several ranks, rank 0 loads each model whole and the others build it on the meta device, until sharded
+    (parallelize)."""
+    on_meta = args.fsdp and world > 1 and rank != 0
+    reward = load_reward(args, tokenizer, on_meta)
     critic_init = args.critic_init if args.advantage_estimator == "gae" else None  # the others have no critic
     if critic_init == "auto":
         critic_init = "reward" if reward.reads_policy_tokens else "policy"
@@ -1025,9 +1000,8 @@ def build_models(args, tokenizer, device, rank, world):
         raise common.UserError("--critic_init reward: the critic reads the policy's tokens at every position, so it "
                                "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
     torch.manual_seed(args.seed)
-    policy_hf = load_policy(args, tokenizer, skeleton)
-    common.agreed(lambda: policy_hf.device.type == "meta" or  # (sharded: checked once the shards are filled)
-                  check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
+    policy_hf = load_policy(args, tokenizer, on_meta)
+    common.agreed(lambda: on_meta or check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
     readers = [policy_hf] + ([reward.model.hf] if reward.model is not None and reward.tokenizer is None else [])
     limit = min((n for n in map(common.position_table, readers) if n), default=None)
     args.max_prompt_length = common.length_default(  # (args is read by the phases after this)
@@ -1055,9 +1029,6 @@ def build_models(args, tokenizer, device, rank, world):
             if model is not None:
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
-    if args.fsdp and world > 1:  # (rank 0 may have held no weights above) checked on the shards, which FSDP then drops
-        common.agreed(lambda: check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
-        policy.reshard()
     offset = reward.shift / reward.scale if critic_init == "reward" else 0.0
     critic = None if critic_hf is None else parallelize(Critic(critic_hf, offset), args, device,
                                                          critic_hf.config.num_hidden_layers)
@@ -1170,7 +1141,7 @@ def episode_prompts(episodes, n_prompts, seed, orders):
 
 
 class SequenceReward(torch.nn.Module):
-    """A transformers sequence classifier whose forward is common.sequence_reward (a decoder read at the last real
+    """A transformers sequence classifier whose forward is sequence_reward (a decoder read at the last real
     token, an encoder's pooled head): one module, so that FSDP wrapping it gathers every weight that call reads."""
 
     def __init__(self, hf_model):
@@ -1178,7 +1149,7 @@ class SequenceReward(torch.nn.Module):
         self.hf = hf_model
 
     def forward(self, input_ids, attention_mask):
-        return common.sequence_reward(self.hf, input_ids, attention_mask)
+        return sequence_reward(self.hf, input_ids, attention_mask)
 
 
 @dataclass
@@ -1213,13 +1184,13 @@ def reward_model_source(args):
     return path
 
 
-def load_reward(args, tokenizer, skeleton=False):
+def load_reward(args, tokenizer, on_meta=False):
     reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None, fn_name=args.reward_fn)
     if (path := reward_model_source(args)) is None:
         return reward
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    config = common.without_dropout(common.load_pretrained(AutoConfig, path, "--reward_model_path"))
+    config = without_dropout(common.load_pretrained(AutoConfig, path, "--reward_model_path"))
     adapter = common.adapter_base(path)
     if adapter:  # a reward adapter's base config is its causal LM's; the head it saved is a scalar
         config.num_labels = 1
@@ -1234,8 +1205,8 @@ def load_reward(args, tokenizer, skeleton=False):
                                "has one (a scalar)")
     # float32, as rm.py trained it; with LoRA and --bf16 held in bfloat16, as every frozen base weight is then
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-    model = common.disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
-                                                     skeleton, config=config, dtype=dtype)).eval().requires_grad_(False)
+    model = disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
+                                                     on_meta, config=config, dtype=dtype)).eval().requires_grad_(False)
     common.scalar_head_in_float32(model)
     own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
     if own.pad_token is None:
@@ -1299,7 +1270,7 @@ def reward_model_tokens(batch, stop_id, tokenizer, reward, args):
         prompts.append(p_text[len(lead):] if lead and p_text.startswith(lead) else p_text)
     rm_tokenizer, encoder = reward.tokenizer, not hasattr(reward.model.hf, "score")
     bos_id = common.leading_id(rm_tokenizer)
-    p_ids = [common.truncate_prompt(p, args.max_prompt_length, bos_id)
+    p_ids = [truncate_prompt(p, args.max_prompt_length, bos_id)
              for p in common.tokenize_prompts(rm_tokenizer, prompts)]
     r_ids = common.tokenize_responses(rm_tokenizer, prompts, texts)
     seqs = [p + (r if s or encoder else r[:-1]) for p, r, s in zip(p_ids, r_ids, stopped)]
@@ -1610,7 +1581,7 @@ def mean_over_steps(stats):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Distributed set-up (torchrun's environment variables; `python ppo.py` is world size 1) and offloading.
+# Distributed set-up (torchrun's environment variables; `python ppo.py` is world size 1).
 
 
 def setup_distributed():
@@ -1628,13 +1599,13 @@ def setup_distributed():
 
 def parallelize(model, args, device, num_layers, frozen=False):
     """DDP, or FSDP2 with one shard group per transformer block, one for the input embeddings and one for the output
-    layer (see output_layer_unit), filled with rank 0's weights or each rank's slices of the checkpoint (the ranks may
-    pass a meta-device skeleton: common.shard_from_rank0). A frozen model is sharded too under FSDP (so it computes as
-    the trained ones do), and under DDP stays a plain replica (it has no gradients to all-reduce). With
-    --offload_inference_models on a GPU, a frozen model's weights are never moved to it here (see offloaded)."""
+    layer (see output_layer_unit), filled with rank 0's weights (common.shard_from_rank0: the other ranks pass a
+    meta-device skeleton). A frozen model is sharded too under FSDP (so it computes as the trained ones do), its shards
+    in pinned host memory with --offload_inference_models on GPUs; under DDP it stays a plain replica (it has no
+    gradients to all-reduce)."""
     host = frozen and args.offload_inference_models and device.type == "cuda"
     if not dist.is_initialized() or (frozen and not args.fsdp):
-        return held_on_host(model, device) if host else model.to(device)
+        return model.to(device)
     if args.fsdp:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -1726,40 +1697,14 @@ def all_reduce(t, op=None):
     return t
 
 
-def held_on_host(model, device):
-    """--offload_inference_models, a frozen replica: its weights in pinned host memory (copied to the GPU only inside
-    offloaded), its buffers on the GPU."""
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None:
-                p.data = p.data.pin_memory()
-        for name, b in module._buffers.items():
-            if b is not None:
-                module._buffers[name] = b.to(device)
-    return model
-
-
 @contextlib.contextmanager
-def offloaded(models, device, enabled):
-    """The frozen models' memory released after they score. Sharded (FSDP): every unit resharded (the root keeps its
-    weights gathered after a forward, for a backward that a frozen model never runs); with --offload_inference_models
-    the shards live in pinned host memory (FSDP's CPU offload). Replicas, with --offload_inference_models: the weights
-    copied from pinned host memory to the GPU while they score, and the copies dropped after (nothing copied back)."""
-    models = [m for m in models if m is not None]
-    swapped, copies = [], {}  # (module, name, the host parameter); one device copy per parameter (tied ones stay so)
-    for module in (u for m in models if enabled and device.type != "cpu" and not hasattr(m, "reshard")
-                   for u in m.modules()):
-        for name, p in module._parameters.items():
-            if p is not None:
-                swapped.append((module, name, p))
-                module._parameters[name] = copies.setdefault(id(p), torch.nn.Parameter(
-                    p.detach().to(device, non_blocking=True), requires_grad=False))
+def resharded(models):
+    """The frozen sharded models' gathered weights released after they compute: every FSDP unit resharded (the root
+    keeps its weights gathered after a forward, for a backward that a frozen model never runs)."""
     try:
         yield
     finally:
-        for module, name, p in swapped:
-            module._parameters[name] = p
-        for unit in (u for m in models for u in m.modules() if hasattr(u, "reshard")):
+        for unit in (u for m in models if m is not None for u in m.modules() if hasattr(u, "reshard")):
             unit.reshard()
 
 
@@ -1856,7 +1801,7 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
     common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
                              {**summary, "args": dataclasses.asdict(args)})
     logs[0].close()
-    common.close_log(logs[1])
+    logs[1].close()
     print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
 
 

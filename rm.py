@@ -14,7 +14,6 @@ so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_
 import collections
 import dataclasses
 import datetime
-import functools
 import inspect
 import json
 import math
@@ -158,13 +157,6 @@ class Args:
     the frozen base weights are held in bfloat16, the adapters and head in float32)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
-    plan_only: bool = False
-    """Print the memory plan for --plan_world_size GPUs of --plan_gpu_memory_gb from config.json alone and exit, 0 if
-    it fits and 2 if not."""
-    plan_world_size: int = 8
-    """--plan_only: the GPUs (ranks) to plan for."""
-    plan_gpu_memory_gb: float = 80.0
-    """--plan_only: each GPU's memory, in GB of 10^9 bytes."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -211,13 +203,58 @@ def pearson(x, y):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The method's conventions, the same as ppo.py's (tests/test_rm.py checks that they agree).
+
+
+def truncate_prompt(ids, max_prompt_length, bos_id=None):
+    """A prompt longer than max_prompt_length keeps its END (the turn being answered) and its leading BOS/[CLS]."""
+    if len(ids) <= max_prompt_length:
+        return ids
+    keep = 1 if bos_id is not None and ids and ids[0] == bos_id else 0
+    return ids[:keep] + ids[len(ids) - max_prompt_length + keep:]
+
+
+def last_token_index(mask):
+    """Where a reward is read: the last real token of each row (the EOS that ends every tokenized response, or the last
+    token kept of one cut at --max_length), read from the mask (a pad id may equal EOS), right or left padded."""
+    return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
+
+
+def sequence_reward(model, ids, mask):
+    """A padded batch's rewards: a decoder's scalar head at each row's last real token; an encoder's pooled head
+    ([CLS])."""
+    if not hasattr(model, "score"):  # BERT, RoBERTa, DeBERTa: a pooled `classifier`
+        return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
+                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state  # ALiBi: ignored
+    return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
+
+
+def without_dropout(config):
+    """Dropout off: the chosen and rejected passes of a pair, training and evaluation, see one network. Every dropout
+    probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout)."""
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
+def disable_dropout(model):
+    without_dropout(model.config)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The model, the data, one training step, evaluation.
 
 
 class RewardModel(torch.nn.Module):
     """A transformers sequence classifier: its last hidden state at the last real token of each sequence, mapped to one
     number by the head `score` (reward_head). In a padded batch that token is the mask's last 1, right or left padded
-    (common.sequence_reward, the reading ppo.py applies to the rewards it trains on): the EOS that ends every tokenized
+    (sequence_reward, the reading ppo.py applies to the rewards it trains on): the EOS that ends every tokenized
     response, or the last token kept of one cut at --max_length. An encoder (BERT) reads its pooled [CLS] instead. A
     packed row (model_inputs) brings its read points: the same tokens."""
 
@@ -227,7 +264,7 @@ class RewardModel(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids=None, read_at=None, segments=None):
         if segments is None:
-            return common.sequence_reward(self.hf, input_ids, attention_mask)
+            return sequence_reward(self.hf, input_ids, attention_mask)
         if self.hf.config._attn_implementation != "rm_segments":  # the model's own attention would cross pairs
             raise ValueError("a packed row needs the model's attention set by choose_layout")
         hidden = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
@@ -287,11 +324,11 @@ def model_inputs(pairs, pad_id, args, device="cpu"):
 
 def truncate_pair(prompt_ids, chosen_ids, rejected_ids, max_length, max_prompt_length, bos_id=None):
     """The truncation policy: a pair that fits max_length is kept whole; otherwise the prompt keeps its end (the turn
-    being answered) and its BOS (common.truncate_prompt, ppo.py's rule), as many tokens as the longer response leaves
+    being answered) and its BOS (truncate_prompt, ppo.py's rule), as many tokens as the longer response leaves
     but no fewer than max_prompt_length, then each response is cut to fit after it (one cut so loses its EOS, and its
     reward is read at its last token kept). Returns the three id lists and whether anything was cut."""
     longest = max(len(chosen_ids), len(rejected_ids))
-    p = common.truncate_prompt(prompt_ids, max(max_prompt_length, max_length - longest), bos_id)
+    p = truncate_prompt(prompt_ids, max(max_prompt_length, max_length - longest), bos_id)
     c, r = chosen_ids[:max_length - len(p)], rejected_ids[:max_length - len(p)]
     return p, c, r, (len(p), len(c), len(r)) != (len(prompt_ids), len(chosen_ids), len(rejected_ids))
 
@@ -418,24 +455,21 @@ def fit_normalization(model, train, args, pad_id, device, rank, world):
 
 def main(args):
     args, rank, world, device = start_up(args)  # arguments, models, datasets and output folder checked
-    if args.plan_only:
-        return common.check_memory_plan(memory_plan, args, world, None, 0)
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
 
     # 1. Model and data: preference pairs -> token ids (the same on every rank; each takes its slice of every batch).
     tokenizer = load_tokenizer(args.model_name_or_path)
-    common.check_memory_plan(functools.partial(memory_plan, vocab_size=len(tokenizer)), args, world, device, rank)
-    sharded = args.fsdp and world > 1  # then each rank reads its slices, or rank 0 the whole (common.load_model)
+    sharded = args.fsdp and world > 1  # then rank 0 loads the model, the others build it on the meta device
     # the backbone, float32 (dropout off) and a scalar head (reward_head: new, or the checkpoint's)
-    hf_model, lora = load_reward_model(args, tokenizer, skeleton=sharded and (rank != 0 or not args.lora_r))
+    hf_model, lora = load_reward_model(args, tokenizer, on_meta=sharded and rank != 0)
     args = resolve_lengths(args, hf_model, rank)
     # pairs past --max_length are cut (truncate_pair); eval: each dataset's --eval_split, else --eval_holdout of its
     # pairs, whole prompts held out of training (hold_out_by_prompt)
     train, evals, eval_sets = load_data(args, tokenizer, rank)
     # steps: --max_steps, else --num_train_epochs x (training pairs // global batch); evaluations after evals_at
     steps_per_epoch, total_steps, evals_at = schedule(args, len(train), global_batch, rank)
-    if not args.eval_only and common.run_complete(args, total_steps, "epoch", 1 / steps_per_epoch, rank):
+    if not args.eval_only and common.run_complete(args, total_steps, rank):
         return None
 
     # 2. Batch layout (model_inputs: packed, if the check on this model passes, else padded), optimizer, schedule.
@@ -451,9 +485,9 @@ def main(args):
         return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets)
     # AdamW (lr 1e-5; 1e-3 for the embedded models) with --weight_decay; --lr_scheduler_type after linear warm-up
     optimizer, scheduler = build_optimizer(model, args, total_steps)
-    start_step, saved = resume(model, optimizer, scheduler, args, len(train), steps_per_epoch, world)
-    logged = (saved or 0) - start_step  # logged step = step + this (resume_training)
-    logger = common.Logger(args, args.wandb_project, saved) if rank == 0 else None
+    ckpt = common.resume_training(model, optimizer, scheduler, args.output_dir, args, world) if args.resume else None
+    start_step = ckpt["step"] if ckpt else 0
+    logger = common.Logger(args, args.wandb_project, start_step if args.resume else None) if rank == 0 else None
     if rank == 0:
         describe_run(args, hf_model, lora, train, layout, optimizer, world, device, steps_per_epoch, total_steps,
                      start_step)
@@ -481,26 +515,25 @@ def main(args):
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         window.append(stats)
-        if step == start_step:  # the plan beside what this rank holds, in the first log
-            memory = common.memory_metrics(memory_plan(args, world, len(tokenizer)), [model], optimizer, device)
+        if step == start_step:  # what each rank held at most, in the first log
+            memory = common.peak_memory(device)
 
         # 4. Log, evaluate, checkpoint (the speed logged is the training loop's: evaluations and saves are left out).
         done = step + 1
         if done % args.logging_steps == 0 or done == total_steps:
-            log_train(logger, bar, window, done, logged, steps_per_epoch, lr, global_batch,
+            log_train(logger, bar, window, done, steps_per_epoch, lr, global_batch,
                       time.time() - t_window, device, world, **memory)
             window, t_window, memory = [], time.time(), {}
         t_pause = time.time()
         if done in evals_at:
             ev, eval_rewards = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)
-            ev = {"step": done + logged, **ev, "perf/eval_pairs_per_s": len(evals) / (time.time() - t_pause)}
+            ev = {"step": done, **ev, "perf/eval_pairs_per_s": len(evals) / (time.time() - t_pause)}
             if rank == 0:
                 logger.log(ev)
                 bar.write(common.format_metrics(ev))
         save, stop = common.step_end(done, args.save_steps, t_saved, device)
         if save and done < total_steps:
-            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir, global_batch=global_batch,
-                                 logged_step=done + logged)
+            common.save_training(model, optimizer, scheduler, done, rank, args.output_dir, global_batch=global_batch)
             t_saved = time.time()
         if stop and done < total_steps:
             common.exit_stopped(stop, done, args, rank, bar)
@@ -554,8 +587,6 @@ def start_up(args):
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
     check_args(args)
-    if args.plan_only:  # from the configs alone: no process group, tokenizer or weight
-        return args, None, args.plan_world_size, None
     rank, world, device = setup_distributed()
     common.check_shared_output_dir(args.output_dir, rank)
     common.check_output_dir(args, rank)
@@ -574,9 +605,9 @@ def load_tokenizer(name):
     return tok
 
 
-def load_reward_model(args, tokenizer, skeleton=False):
+def load_reward_model(args, tokenizer, on_meta=False):
     """The reward model (a transformers sequence classifier) and, with --lora_r, the peft model holding its adapters.
-    skeleton: built on the meta device, its weights read when sharded (common.load_model)."""
+    on_meta: built on the meta device, rank 0's weights broadcast into it when sharded (common.shard_from_rank0)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     torch.manual_seed(args.seed)
@@ -593,36 +624,16 @@ def load_reward_model(args, tokenizer, skeleton=False):
             common.adapter_base(name) is not None and common.adapter_holds_head(name)
         config.num_labels = 1
         # dropout off, before the model is built: the two passes of a pair must see the same network
-        plain = trained_head or skeleton or common.adapter_base(name)  # (an adapter's model is built by load_model)
+        plain = trained_head or on_meta or common.adapter_base(name)  # (an adapter's model is built by load_model)
         loader = AutoModelForSequenceClassification if plain else common.with_new_head(config)
-        model = common.load_model(loader, name, "--model_name_or_path", skeleton, config=common.without_dropout(config),
+        model = common.load_model(loader, name, "--model_name_or_path", on_meta, config=without_dropout(config),
                                   dtype=dtype)
-    common.disable_dropout(model)
+    disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        common.read_on_rank0(model.get_input_embeddings())  # (before rank 0 grows the table: common.sliced_skeleton)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.pad_token_id = tokenizer.pad_token_id
     model = reward_head(model, args, trained_head)
     return model, common.add_lora(model, args, "SEQ_CLS") if args.lora_r and not args.eval_only else None
-
-
-def memory_plan(args, world, vocab_size=None):
-    """The reward model as this run holds it (a common.Planned row): trained in full, or its adapters and head
-    (LoRA; the frozen base in bfloat16 under --bf16), or only read (--eval_only); sharded over the ranks under
-    --fsdp, else a replica. Training holds beside it a micro-batch's activations (common.Transient), and under DDP
-    --bf16 autocast's bfloat16 copy of the weights."""
-    total, trained = common.model_shape(args.model_name_or_path, "reward", vocab_size, common.lora_shape(args))
-    shards, low = world if args.fsdp and world > 1 else 1, args.lora_r and args.bf16
-    rows = [common.Planned("reward model", total, 0 if args.eval_only else trained, 2 if low else 4, shards,
-                           source=args.model_name_or_path)]
-    if not args.eval_only:  # a micro-batch's pairs, both sequences at --max_length (packing holds at most as many)
-        tokens = 2 * args.per_device_train_batch_size * (args.max_length or 512)
-        rows.append(common.Transient(f"activations ({tokens} tokens)", "learning", common.activation_bytes(
-            args.model_name_or_path, "reward", vocab_size, tokens, 2 if args.bf16 else 4, 2 if low else 4,
-            args.gradient_checkpointing)))
-        if shards == 1 and args.bf16 and not args.lora_r:
-            rows.append(common.Transient("autocast's bfloat16 weights", "learning", 2 * total))
-    return rows
 
 
 def resolve_lengths(args, model, rank):
@@ -731,20 +742,6 @@ def schedule(args, n_train, global_batch, rank):
     if len(evals_at) < args.num_evals and not (args.eval_steps or args.eval_only) and rank == 0:
         print(f"--num_evals {args.num_evals}: {len(evals_at)}, one after each of the {total_steps} steps")
     return steps_per_epoch, total_steps, evals_at
-
-
-def resume(model, optimizer, scheduler, args, n_train, steps_per_epoch, world):
-    """With --resume and a checkpoint in output_dir: its state loaded; returns (the step to start at, the last step
-    the saving run logged), else (0, None). Progress is counted in pairs, whole epochs and then into one, so a run
-    whose global batch differs from the saving run's resumes at the same pair."""
-    def step_of(ckpt):
-        epoch, offset = divmod(ckpt["step"], n_train // ckpt["global_batch"])
-        return epoch * steps_per_epoch + common.step_at(offset * ckpt["global_batch"], ckpt["global_batch"], args,
-                                                        world, "pairs of its epoch", counts_steps=args.max_steps > 0)
-
-    if args.resume and (resumed := common.resume_training(model, optimizer, scheduler, args.output_dir, step_of)):
-        return resumed[0], resumed[1]["logged_step"]
-    return 0, None
 
 
 def describe_run(args, hf_model, lora, train, layout, optimizer, world, device, steps_per_epoch, total_steps,
@@ -965,7 +962,7 @@ def setup_distributed():
 
 def parallelize(model, args, device):
     """DDP, or FSDP2 with one shard group per transformer block and one for the input embeddings (unless an output
-    layer shares them), filled with rank 0's weights or each rank's checkpoint slices (common.shard_from_rank0)."""
+    layer shares them), filled with rank 0's weights (common.shard_from_rank0)."""
     if not dist.is_initialized():
         return model.to(device)
     if args.fsdp:
@@ -1004,7 +1001,7 @@ def all_gather_cat(t):
 # Logging, the final save, figures.
 
 
-def log_train(logger, bar, window, step, logged, steps_per_epoch, lr, global_batch, elapsed, device, world, **memory):
+def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world, **memory):
     """The training statistics of the steps since the last log, averaged over them and over ranks, and the speed (and
     in the first log, memory/*)."""
     keys = ("loss", "accuracy", "reward_gap", "grad_norm", "tokens")
@@ -1013,7 +1010,7 @@ def log_train(logger, bar, window, step, logged, steps_per_epoch, lr, global_bat
         dist.all_reduce(means)
     loss, accuracy, reward_gap, grad_norm, tokens = (means / world).tolist()
     tokens *= len(window) * world
-    m = {"step": step + logged, "epoch": step / steps_per_epoch, "train/loss": loss, "train/accuracy": accuracy,
+    m = {"step": step, "epoch": step / steps_per_epoch, "train/loss": loss, "train/accuracy": accuracy,
          "train/reward_gap": reward_gap, "train/grad_norm": grad_norm, "lr": lr, "perf/tokens_per_s": tokens / elapsed,
          "perf/pairs_per_s": len(window) * global_batch / elapsed, **memory}
     if logger is not None:
