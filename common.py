@@ -1,15 +1,16 @@
-"""What rm.py and ppo.py share. The algorithms are in those scripts; this file holds, by section:
+"""What rm.py and ppo.py share: plumbing, no method (each script states its own). By section:
 
-- Errors and start-up checks: a user's mistake is one line and exit code 2, found before any model loads.
+- Errors: a user's mistake is one line and exit code 2, on every rank, found before any model loads.
 - The embedded task: preference data and a gold reward with no download.
-- Preference data: hub, local file or folder, any pair format, to (prompt, chosen, rejected) text.
-- Tokens: one prompt/response convention for both scripts.
-- Models: where a reward is read, float32 scalar heads, attention without NaN, position tables, dropout off.
-- LoRA and adapter folders.
-- Logging.
-- A run's life in its --output_dir: nothing replaced unasked, signals stop at a step with a checkpoint.
-- Final artifacts and checkpoints: written atomically; checkpoints sharded, resumed on any number of ranks.
-- The memory plan and sharded loading: what each GPU holds, known before any weight is read.
+- Preference data: a hub name, a local file or folder, any pair format, to (prompt, chosen, rejected) text.
+- Tokens: prompts with the tokenizer's leading special tokens, responses tokenized after their prompt.
+- Models: float32 scalar heads, attention without NaN, lengths within a learned position table.
+- LoRA (peft) and adapter folders; loading a model, whole or on the meta device.
+- Logging: metrics.jsonl, W&B, TensorBoard.
+- A run's life in its --output_dir: nothing replaced unasked; SIGINT/SIGTERM stop at a step with a checkpoint.
+- Saving: final artifacts written atomically; checkpoints sharded (torch.distributed.checkpoint), resumed on any number
+  of ranks.
+- FSDP2: rank 0's weights broadcast into every rank's shards; the peak memory each rank held.
 """
 
 import codecs
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Errors and start-up checks: a mistake a user can fix is one line and exit code 2, no traceback, on every rank at once.
+# Errors: a mistake a user can fix is one line and exit code 2, no traceback, on every rank at once.
 
 
 class UserError(Exception):
@@ -40,33 +41,24 @@ class UserError(Exception):
 
 
 def cli(args_class):
-    """The command line, parsed by tyro, each option's docstring one paragraph; help and errors from rank 0 only."""
+    """The command line, parsed by tyro (a field's docstring is its help); help and errors printed by rank 0 only."""
     import contextlib
     import io
-    from typing import Annotated
 
-    import docstring_parser
     import tyro
 
-    docs = {p.arg_name: " ".join(p.description.split()) for p in docstring_parser.parse_from_object(args_class).params}
-    flat = dataclasses.make_dataclass(args_class.__name__, [
-        (f.name, Annotated[f.type, tyro.conf.arg(help=docs.get(f.name))],
-         dataclasses.field(default=f.default, default_factory=f.default_factory))
-        for f in dataclasses.fields(args_class)])
     quiet = int(os.environ.get("RANK", 0)) != 0
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \
             contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
-        return args_class(**vars(tyro.cli(flat, use_underscores=True)))
+        return tyro.cli(args_class, use_underscores=True)
 
 
 LEFT = []  # the process groups of runs that have ended, held until the process ends (see leave_together)
 
 
 def leave_together():
-    """The end of a run on several ranks: every rank waits for the others (a rank whose peer is still saving could
-    abort in gloo's teardown); then the process group is destroyed but held here, so that DDP's reducer releasing it
-    when main returns does not run its destructor, which joins gloo's threads and can wait an hour on a peer that has
-    already gone. The command line then leaves at once (exit_on_user_error)."""
+    """The end of a run on several ranks: every rank waits for the others, then the process group is destroyed but
+    held (DDP's reducer releasing it would join gloo's threads, which can wait an hour on a peer already gone)."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         LEFT.append(torch.distributed.group.WORLD)
@@ -80,8 +72,7 @@ def first_line(error):
 
 def exit_on_user_error(fn, *args):
     """The command line's main: a UserError printed in one line, exit code 2. Under torchrun the process then leaves
-    at once (os._exit, its output flushed), however main ended, not through the interpreter's teardown, which would
-    destroy the process groups held alive (see leave_together)."""
+    at once (os._exit), however main ended: the interpreter's teardown would destroy the groups leave_together held."""
     distributed, result = int(os.environ.get("WORLD_SIZE", "1")) > 1, None
     try:
         result, code = fn(*args), 0
@@ -125,11 +116,10 @@ def agreed(check):
 
 
 def load_pretrained(loader, name, flag, **kwargs):
-    """loader.from_pretrained(name), a missing folder or hub repository said in one line naming the flag."""
-    base = adapter_base(name)
+    """loader.from_pretrained(name) (of a peft adapter folder: its base's, but its own tokenizer if it has one), a
+    missing folder or hub repository said in one line naming the flag."""
     own_tokenizer = loader.__name__ == "AutoTokenizer" and os.path.exists(os.path.join(name, "tokenizer_config.json"))
-    if base and not own_tokenizer:
-        name = base  # a peft adapter folder: its base's config and weights, and its own tokenizer if it has one
+    name = name if own_tokenizer else adapter_base(name) or name
     try:
         return loader.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
@@ -138,37 +128,33 @@ def load_pretrained(loader, name, flag, **kwargs):
 
 
 def check_source(name, flag, repo_type="model"):
-    """A model or dataset found before any model loads (local, hub cache, reachable hub), or one line naming it."""
+    """A model or dataset found before any model loads (a path, huggingface_hub's cache or the hub, `datasets`' own
+    cache), or one line naming it."""
     if name.startswith("embedded") or os.path.exists(name):
         return
     import huggingface_hub
-    from huggingface_hub import constants, errors
+    from datasets import config
+    from datasets.naming import camelcase_to_snakecase
 
     missing = f"{flag} {name}: no such file or folder"
     if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) or name.startswith(".") or name.removesuffix(".gz").endswith(
             tuple(LOCAL_BUILDERS)):  # a path, not a hub name
         raise UserError(f"{missing}; check the path")
-    if os.path.isdir(os.path.join(constants.HF_HUB_CACHE, f"{repo_type}s--{name.replace('/', '--')}")):
+    *owner, last = name.split("/")  # (a dataset prepared once by `datasets`, as its loader names it: offline clusters)
+    if os.path.isdir(os.path.join(huggingface_hub.constants.HF_HUB_CACHE, f"{repo_type}s--{name.replace('/', '--')}")) \
+            or repo_type == "dataset" and os.path.isdir(os.path.join(config.HF_DATASETS_CACHE, "___".join(
+                [*owner, camelcase_to_snakecase(last)]))):
         return
-    if repo_type == "dataset":  # prepared once by `datasets` (offline clusters): its own cache, as its loader names it
-        from datasets import config
-        from datasets.naming import camelcase_to_snakecase
-
-        *owner, dataset = name.split("/")
-        if os.path.isdir(os.path.join(config.HF_DATASETS_CACHE, "___".join([*owner, camelcase_to_snakecase(dataset)]))):
-            return
     if huggingface_hub.is_offline_mode():
         raise UserError(f"{missing}, and not in the hub cache (HF_HUB_OFFLINE is set); pass a local path")
     try:
-        huggingface_hub.HfApi().repo_info(name, repo_type=repo_type, timeout=10)
-    except errors.GatedRepoError:
-        pass  # there, behind an access request: from_pretrained says what to do
-    except errors.RepositoryNotFoundError:
-        raise UserError(f"{missing}, nor a {repo_type} on the hub (or a private one your token cannot read); pass a "
-                        "local path or a hub name") from None
+        exists = huggingface_hub.repo_exists(name, repo_type=repo_type)
     except Exception as e:  # no network: transformers would retry for half a minute, then say the same
         raise UserError(f"{missing}, and the hub is unreachable ({first_line(e)}); pass a local path, or set "
                         "HF_HUB_OFFLINE=1 to read the hub cache") from None
+    if not exists:
+        raise UserError(f"{missing}, nor a {repo_type} on the hub (or a private one your token cannot read); pass a "
+                        "local path or a hub name")
 
 
 def seed_of(*keys):
@@ -383,30 +369,6 @@ def read_jsonl(path):
 def where(row):
     """'file: line N' (JSON lines, CSV) or 'dataset: row N', for error messages."""
     return f"{row['_source']}: " + (f"line {row['_line']}" if "_line" in row else f"row {row['_row']}")
-
-
-def mixture(mixer):
-    """open-instruct's dataset mixer, [name, weight, ...], as (name, weight) pairs."""
-    if len(mixer) % 2:
-        raise UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
-    pairs = []
-    for name, weight in zip(mixer[::2], mixer[1::2]):
-        try:
-            pairs.append((name, float(weight)))
-        except ValueError:
-            pairs.append((name, math.nan))
-        if not 0 < pairs[-1][1] < math.inf:
-            raise UserError(f"--dataset_mixer_list: weight {weight!r} of {name} must be a number above 0")
-    return pairs
-
-
-def take_share(rows, weight, seed):
-    """A weight's share of the rows, drawn by seed: a fraction (<= 1) or a count (> 1)."""
-    n = int(round(weight * len(rows))) if weight <= 1 else int(weight)
-    if n < len(rows):
-        rows = list(rows)
-        random.Random(seed).shuffle(rows)
-    return rows[:n]
 
 
 def shared_prefix_split(a, b):
@@ -693,22 +655,6 @@ def adapter_base(name):
     return base
 
 
-def with_new_head(config):
-    """A classifier class whose load report from a causal LM lists only the backbone's keys (the heads' expected)."""
-    from transformers import AutoModelForSequenceClassification
-
-    cls = AutoModelForSequenceClassification._model_mapping[type(config)]
-    outside = [rf"^(?!{cls.base_model_prefix}\.)"]  # every key but the backbone's
-    return type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_missing": outside,
-                                       "_keys_to_ignore_on_load_unexpected": outside})
-
-
-def adapter_task(name):
-    """The task_type of a peft adapter folder (CAUSAL_LM for an SFT adapter, SEQ_CLS for rm.py's)."""
-    with open(os.path.join(name, "adapter_config.json")) as f:
-        return json.load(f).get("task_type")
-
-
 def adapter_holds_head(name):
     """Whether a peft adapter folder holds the weights of a classification head (rm.py's do: peft's modules_to_save)."""
     path = os.path.join(name, "adapter_model.safetensors")
@@ -731,27 +677,18 @@ def load_model(loader, name, flag, on_meta=False, **kwargs):
 
         config = kwargs.get("config") or load_pretrained(AutoConfig, name, flag)
         return meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
-    if adapter_base(name) and "CausalLM" not in loader.__name__ and adapter_task(name) == "CAUSAL_LM":
-        # an SFT adapter as a classifier's start: merged into its causal LM, whose backbone the classifier takes; the
-        # new head gets transformers' initialisation (rm.py then its own)
-        from transformers import AutoModelForCausalLM
-
-        lm = load_model(AutoModelForCausalLM, name, flag, **kwargs)
-        model = meta_model(lambda: loader.from_config(lm.config, dtype=kwargs.get("dtype")))
-        setattr(model, model.base_model_prefix, lm.base_model)
-        for module in model.modules():
-            if any(p.is_meta for p in module.parameters(recurse=False)):
-                model._init_weights(module.to_empty(device=lm.device, recurse=False))
-        return model
     model = load_pretrained(loader, name, flag, **kwargs)
     if adapter_base(name):
-        from peft import PeftModel
+        from peft import PeftConfig, PeftModel
         from transformers import AutoTokenizer
 
         vocab = len(load_pretrained(AutoTokenizer, name, flag))  # a pad token added in training: its embedding row
         if vocab > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(vocab, mean_resizing=False)
-        model = PeftModel.from_pretrained(model, name).merge_and_unload()
+        config = PeftConfig.from_pretrained(name)
+        if config.task_type == "CAUSAL_LM" and not model.can_generate():  # an SFT adapter as a classifier's backbone:
+            config.task_type = None  # its layers' adapters merged, the head the classifier's own (new)
+        model = PeftModel.from_pretrained(model, name, config=config).merge_and_unload()
         if os.path.exists(norm := os.path.join(name, "reward_normalization.json")):
             with open(norm) as f:
                 model.config.update(json.load(f))
@@ -1136,7 +1073,8 @@ def resume_training(model, optimizer, scheduler, output_dir, args, world):
         ckpt["global_batch"]
     if batch != saved:
         keep = f"--per_device_train_batch_size x --gradient_accumulation_steps = {saved // (other * world)} on " \
-            f"{world} ranks" if saved % (other * world) == 0 else f"a number of ranks that divides {saved // other}"
+            f"{world} rank{'s' * (world > 1)}" if saved % (other * world) == 0 else \
+            f"a number of ranks that divides {saved // other}"
         raise UserError(f"--resume: the checkpoint was trained in global batches of {saved}, this run's is {batch}; "
                         f"resume with {keep} (or --overwrite_output_dir to train afresh)")
     tensors, _ = sharded_state(model, optimizer)

@@ -577,7 +577,7 @@ def check_args(args):
     if not args.warmup_ratio <= 1:
         raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
     common.check_source(args.model_name_or_path, "--model_name_or_path")
-    for name, _ in common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
+    for name, _ in mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
         common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
 
 
@@ -625,7 +625,7 @@ def load_reward_model(args, tokenizer, on_meta=False):
         config.num_labels = 1
         # dropout off, before the model is built: the two passes of a pair must see the same network
         plain = trained_head or on_meta or common.adapter_base(name)  # (an adapter's model is built by load_model)
-        loader = AutoModelForSequenceClassification if plain else common.with_new_head(config)
+        loader = AutoModelForSequenceClassification if plain else with_new_head(config)
         model = common.load_model(loader, name, "--model_name_or_path", on_meta, config=without_dropout(config),
                                   dtype=dtype)
     disable_dropout(model)
@@ -634,6 +634,16 @@ def load_reward_model(args, tokenizer, on_meta=False):
     model.config.pad_token_id = tokenizer.pad_token_id
     model = reward_head(model, args, trained_head)
     return model, common.add_lora(model, args, "SEQ_CLS") if args.lora_r and not args.eval_only else None
+
+
+def with_new_head(config):
+    """A classifier class whose load report from a causal LM lists only the backbone's keys (the heads' expected)."""
+    from transformers import AutoModelForSequenceClassification
+
+    cls = AutoModelForSequenceClassification._model_mapping[type(config)]
+    outside = [rf"^(?!{cls.base_model_prefix}\.)"]  # every key but the backbone's
+    return type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_missing": outside,
+                                       "_keys_to_ignore_on_load_unexpected": outside})
 
 
 def resolve_lengths(args, model, rank):
@@ -654,7 +664,7 @@ def load_data(args, tokenizer, rank):
     is evaluated on the whole of it, its weight taking its share of the training pairs. The weighted training shares of
     the others are pooled, and --eval_holdout of the pool held out by prompt; a held-out prompt is then trained on in
     no dataset of the mixture (datasets may share pairs)."""
-    mixer = common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
+    mixer = mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
     train_rows, eval_rows, pool, eval_sets = [], [], [], {}
     for name, weight in mixer:
         tried = [args.eval_split] if args.eval_split else ["validation", "test"]
@@ -668,10 +678,10 @@ def load_data(args, tokenizer, rank):
             split, evals, train = args.train_split, train, []
         ours = lambda rows: [dict(r, _dataset=name) for r in rows]  # noqa: E731
         if evals is None:
-            pool += ours(common.take_share(train, weight, args.seed))
+            pool += ours(take_share(train, weight, args.seed))
             eval_sets[name] = f"{args.eval_holdout:g} of its training pairs, held out by prompt"
         else:
-            train_rows += ours(common.take_share(train, weight, args.seed))
+            train_rows += ours(take_share(train, weight, args.seed))
             eval_rows += ours(evals)
             eval_sets[name] = f"split {split!r}"
     if pool:
@@ -694,6 +704,30 @@ def load_data(args, tokenizer, rank):
         print(f"pairs: {len(train)} train, {len(evals)} eval; truncated {cut + cut_e}, dropped {dropped + dropped_e} "
               f"(identical after truncation); max_length {args.max_length}, max_prompt_length {args.max_prompt_length}")
     return train, evals, eval_sets
+
+
+def mixture(mixer):
+    """open-instruct's dataset mixer, [name, weight, ...], as (name, weight) pairs."""
+    if len(mixer) % 2:
+        raise common.UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
+    pairs = []
+    for name, weight in zip(mixer[::2], mixer[1::2]):
+        try:
+            pairs.append((name, float(weight)))
+        except ValueError:
+            pairs.append((name, math.nan))
+        if not 0 < pairs[-1][1] < math.inf:
+            raise common.UserError(f"--dataset_mixer_list: weight {weight!r} of {name} must be a number above 0")
+    return pairs
+
+
+def take_share(rows, weight, seed):
+    """A weight's share of the rows, drawn by seed: a fraction (<= 1) or a count (> 1)."""
+    n = int(round(weight * len(rows))) if weight <= 1 else int(weight)
+    if n < len(rows):
+        rows = list(rows)
+        random.Random(seed).shuffle(rows)
+    return rows[:n]
 
 
 def tokenize_pairs(rows, tokenizer, args):

@@ -121,11 +121,12 @@ def make_assets(root, workloads):
 def prompt_ids(root, workload, tokenizer):
     """The prompts as ppo.py tokenizes and truncates them; TRL is handed the same ids."""
     import common
+    import ppo
 
     with open(os.path.join(root, f"{WORKLOADS[workload]['prompts']}.jsonl")) as f:
         texts = [json.loads(line)["prompt"] for line in f]
     bos = common.leading_id(tokenizer)
-    return [common.truncate_prompt(p, WORKLOADS[workload]["prompt_length"], bos)
+    return [ppo.truncate_prompt(p, WORKLOADS[workload]["prompt_length"], bos)
             for p in common.tokenize_prompts(tokenizer, texts)]
 
 

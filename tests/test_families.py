@@ -144,7 +144,7 @@ def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(fa
         args = ppo.Args(sft_model_path=path, dataset_name=write_jsonl(tmp_path / "p.jsonl", rows),
                         max_prompt_length=max_prompt_length)
         tokenizer = ppo.load_tokenizer(args)
-        prompt_ids = [common.truncate_prompt(p, max_prompt_length, common.leading_id(tokenizer))  # as ppo.main cuts
+        prompt_ids = [ppo.truncate_prompt(p, max_prompt_length, common.leading_id(tokenizer))  # as ppo.main cuts
                       for p in ppo.load_prompts(args, tokenizer)[0]]
         assert [p["prompt"] for p in pairs] == prompt_ids
     stop = tokenizer.eos_token_id

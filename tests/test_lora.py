@@ -273,7 +273,7 @@ def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_re
     assert torch.allclose(out[0], out[1], atol=1e-4), out
     with torch.no_grad():  # with its adapter on, the critic reads otherwise: the switch is what makes them equal
         ids, ids_mask = batch.query_response, batch.attention_mask
-        adapted = critic(ids, ids_mask).gather(1, common.last_token_index(ids_mask)[:, None])[:, 0]
+        adapted = critic(ids, ids_mask).gather(1, ppo.last_token_index(ids_mask)[:, None])[:, 0]
     assert not torch.allclose(adapted, out[1], atol=1e-2)
 
 

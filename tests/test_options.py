@@ -40,9 +40,11 @@ RM_OPTIONS = OrderedDict(
 
 def ppo_refused(values):
     """The combinations ppo.py refuses by design: a critic initialised from a reward model that is not there; a
-    critic's flag without a critic (critic-free estimators); whitened per-token rewards for a per-episode return."""
+    critic's flag without a critic (critic-free estimators); whitened per-token rewards for a per-episode return;
+    frozen models held on the host without FSDP's shards to hold."""
     estimator = values.get("advantage_estimator", "gae")
     return (values.get("critic_init") == "reward" and values.get("reward") == "function") or \
+        (values.get("offload_inference_models") and not values.get("fsdp", True)) or \
         (estimator != "gae" and values.get("critic_init", "auto") != "auto") or \
         (estimator in ("rloo", "grpo", "dr_grpo") and values.get("whiten_rewards", False))
 

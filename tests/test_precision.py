@@ -133,7 +133,7 @@ def test_scalar_heads_logits_and_entropy_are_float32_under_bf16_autocast():
     ids = torch.randint(20, len(TOK), (6, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        rewards = common.sequence_reward(reward_model, ids, mask)
+        rewards = ppo.sequence_reward(reward_model, ids, mask)
         hidden = reward_model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -1]
         values = ppo.Critic(reward_model)(ids, mask)[:, -1]
     expected = hidden.double() @ reward_model.score.weight.double().T
@@ -164,7 +164,7 @@ def test_critic_initialised_from_the_reward_model_starts_at_the_normalized_rewar
     ids, mask = ppo.pad_left(seqs, max(map(len, seqs)), TOK.pad_token_id)
     with torch.no_grad():
         values = critic(ids, mask.long())[:, -1]
-        scores = (common.sequence_reward(reward.model.hf, ids, mask.long()) - 0.7) / 2.5
+        scores = (ppo.sequence_reward(reward.model.hf, ids, mask.long()) - 0.7) / 2.5
     assert torch.allclose(values, scores, atol=1e-5), (values, scores)
 
 
