@@ -1,19 +1,10 @@
-"""What rm.py and ppo.py share: plumbing, no method (each script states its own). By section:
-
-- Errors: a user's mistake is one line and exit code 2, on every rank, found before any model loads.
-- The embedded task: preference data and a gold reward with no download.
-- Preference data: a hub name, a local file or folder, any pair format, to (prompt, chosen, rejected) text.
-- Tokens: prompts with the tokenizer's leading special tokens, responses tokenized after their prompt.
-- Models: float32 scalar heads, attention without NaN, lengths within a learned position table.
-- LoRA (peft) and adapter folders; loading a model, whole or on the meta device.
-- Logging: metrics.jsonl, W&B, TensorBoard.
-- A run's life in its --output_dir: nothing replaced unasked; SIGINT/SIGTERM stop at a step with a checkpoint.
-- Saving: final artifacts written atomically; checkpoints sharded (torch.distributed.checkpoint), resumed on any number
-  of ranks.
-- FSDP2: rank 0's weights broadcast into every rank's shards; the peak memory each rank held.
-"""
+"""What rm.py and ppo.py share: plumbing, no method (each script states its own). Sections: errors (one line, exit
+code 2, every rank); the embedded task; preference data (hub, file, folder, any pair format); tokens; models (float32
+heads, attention without NaN, position tables); LoRA and loading; logging; a run's life in its --output_dir; saving
+(atomic files, sharded checkpoints); FSDP2 (rank 0's weights broadcast into the shards; peak memory)."""
 
 import codecs
+import contextlib
 import copy
 import dataclasses
 import gzip
@@ -192,16 +183,13 @@ def embedded_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(SPECIAL + TEMPLATE + list(TOPICS) + WORDS)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIAL + TEMPLATE + list(TOPICS) + WORDS)},
+                                         unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
-    )
-    tok.chat_template = (
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
-        "{% if add_generation_prompt %}assistant:{% endif %}"
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
+                                  eos_token="<eos>")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
     return tok
 
 
@@ -212,14 +200,11 @@ def embedded_model_config(name, vocab_size, num_labels=None):
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=2, eos_token_id=3,
                   tie_word_embeddings=False)
-    if name == "embedded-llama":
-        cfg = LlamaConfig(num_key_value_heads=4, **common)
-    elif name == "embedded-neox":
-        cfg = GPTNeoXConfig(use_parallel_residual=True, rotary_pct=0.25, **common)
-    else:
+    if name not in ("embedded-llama", "embedded-neox"):
         raise UserError(f"--model_name_or_path {name}: unknown embedded model; use embedded-llama or embedded-neox")
-    if num_labels is not None:
-        cfg.num_labels = num_labels
+    cfg = LlamaConfig(num_key_value_heads=4, **common) if name == "embedded-llama" else \
+        GPTNeoXConfig(use_parallel_residual=True, rotary_pct=0.25, **common)
+    cfg.num_labels = num_labels or cfg.num_labels
     return cfg
 
 
@@ -274,14 +259,13 @@ LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".cs
 def load_rows(name, config=None, split="train"):
     """One split's rows, each knowing its `_source` and `_row`/`_line`, or None if there is no such split."""
     if name == "embedded":  # three splits, each its own draw
-        if split not in EMBEDDED_SPLITS:
-            return None
-        rows = embedded_pairs(40000 if split == "train" else 4000, seed=EMBEDDED_SPLITS[split])
-        return [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
+        rows = embedded_pairs(40000 if split == "train" else 4000, EMBEDDED_SPLITS[split]) \
+            if split in EMBEDDED_SPLITS else None
+        return rows and [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
+    ext = os.path.splitext(name.removesuffix(".gz"))[1]
     try:
         if os.path.isdir(name):
             return load_folder(name, config, split)
-        ext = os.path.splitext(name.removesuffix(".gz"))[1]
         if ext in LOCAL_BUILDERS:
             if not os.path.exists(name):
                 raise UserError(f"{name}: file not found; pass an existing .jsonl/.json/.parquet/.csv(.gz) path")
@@ -294,8 +278,8 @@ def load_rows(name, config=None, split="train"):
                     for i, r in enumerate(rows)]
         if split not in hf_datasets().get_dataset_split_names(name, config):
             return None
-        rows = hf_datasets().load_dataset(name, config, split=split)
-        return [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
+        return [dict(r, _source=name, _row=i) for i, r in enumerate(hf_datasets().load_dataset(name, config,
+                                                                                              split=split))]
     except UserError:
         raise
     except Exception as e:
@@ -316,31 +300,16 @@ def load_folder(path, config, split):
     datasets = hf_datasets()
     if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
         ds = datasets.load_from_disk(path)
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[split] if split in ds else None
-        elif split != "train":
-            ds = None
+        ds = (ds.get(split) if isinstance(ds, datasets.DatasetDict) else ds if split == "train" else None)
         return None if ds is None else [dict(r, _source=path, _row=i) for i, r in enumerate(ds)]
-
-    def is_split_file(f, s):
-        base = f.removesuffix(".gz")
-        return os.path.isfile(os.path.join(path, f)) and base.split(".")[0] == s and os.path.splitext(base)[1] in \
-            LOCAL_BUILDERS
-
-    top = sorted(os.listdir(path))
-    if any(is_split_file(f, s) for f in top for s in ("train", "test", "validation", split)):
+    top = [f for f in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, f))
+           and os.path.splitext(f.removesuffix(".gz"))[1] in LOCAL_BUILDERS]
+    if any(f.split(".")[0] in ("train", "test", "validation", split) for f in top):
         # split files at the top (train.jsonl, test.parquet): only those, never files in subfolders (a run's outputs)
-        return next((load_rows(os.path.join(path, f)) for f in top if is_split_file(f, split)), None)
-    try:  # a README.md with `configs:` names the files; otherwise the usual patterns (data/train-*, test.csv, ...)
-        files = datasets.load_dataset_builder(path, config).config.data_files or {}
-    except ValueError:  # splits in different formats (train.jsonl beside test.parquet): resolve the patterns only
-        from datasets.data_files import DataFilesDict, get_data_patterns
-
-        files = DataFilesDict.from_patterns(get_data_patterns(path), base_path=path)
-    files = {str(k): v for k, v in files.items()}
-    if split not in files:
-        return None
-    return [row for f in files[split] for row in load_rows(str(f), split="train")]
+        return next((load_rows(os.path.join(path, f)) for f in top if f.split(".")[0] == split), None)
+    # a README.md with `configs:` names the files; otherwise the usual patterns (data/train-*, test.csv, ...)
+    files = {str(k): v for k, v in (datasets.load_dataset_builder(path, config).config.data_files or {}).items()}
+    return [row for f in files[split] for row in load_rows(str(f))] if split in files else None
 
 
 def read_jsonl(path):
@@ -386,6 +355,18 @@ ROLE_ALIASES = {"human": "user", "gpt": "assistant"}  # ShareGPT's names for the
 _RENDERED_ROLES = {}  # (tokenizer, role): whether its chat template renders the role
 
 
+def renders_role(tokenizer, role):
+    """Whether the chat template writes a message of this role (alone, or after a user turn), rather than drop it."""
+    if (id(tokenizer), role) not in _RENDERED_ROLES:
+        mark, shown = "\u2042probe\u2042", False
+        for context in ([], [{"role": "user", "content": "hi"}]):
+            with contextlib.suppress(Exception):
+                shown |= mark in tokenizer.apply_chat_template(context + [{"role": role, "content": mark}],
+                                                               tokenize=False)
+        _RENDERED_ROLES[(id(tokenizer), role)] = shown
+    return _RENDERED_ROLES[(id(tokenizer), role)]
+
+
 def checked_messages(messages, tokenizer, where, field):
     """A row's messages checked, ShareGPT's roles renamed; a role the chat template would silently drop refused."""
     if not isinstance(messages, list):
@@ -399,18 +380,7 @@ def checked_messages(messages, tokenizer, where, field):
         if m["role"] not in ROLES:
             raise UserError(f"{where}: field '{field}', message {k}: role {m['role']!r} is not one of "
                             f"{', '.join(sorted(ROLES))} (or ShareGPT's human, gpt); rename it")
-        key = (id(tokenizer), m["role"])
-        if key not in _RENDERED_ROLES:  # rendered once with a marker, alone and after a user turn
-            mark, shown = "\u2042probe\u2042", False
-            for context in ([], [{"role": "user", "content": "hi"}]):
-                try:
-                    probe = context + [{"role": m["role"], "content": mark}]
-                    text = tokenizer.apply_chat_template(probe, tokenize=False)
-                    shown = shown or mark in text
-                except Exception:
-                    pass
-            _RENDERED_ROLES[key] = shown
-        if not _RENDERED_ROLES[key]:
+        if not renders_role(tokenizer, m["role"]):
             raise UserError(f"{where}: field '{field}', message {k}: role {m['role']!r} is not one the chat template "
                             "renders (the message would be dropped); use the roles the template knows, e.g. "
                             "'system', 'user', 'assistant'")
@@ -429,7 +399,7 @@ def split_pair(row, tokenizer, where):
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected an object with 'chosen' and 'rejected', got {type(row).__name__}")
     for field in ("chosen", "rejected"):
-        if field not in row or row[field] is None:
+        if row.get(field) is None:
             raise UserError(f"{where}: field '{field}' is missing; every row needs 'chosen' and 'rejected'")
     chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
     if isinstance(chosen, list) or isinstance(rejected, list):  # conversational: lists of {role, content}
@@ -452,16 +422,12 @@ def split_pair(row, tokenizer, where):
     for field, value in (("chosen", chosen), ("rejected", rejected), ("prompt", prompt)):
         if value is not None and not isinstance(value, str):
             raise UserError(f"{where}: field '{field}' is {type(value).__name__}; expected text or a list of messages")
-    if prompt is not None:
-        return prompt, chosen, rejected
-    return shared_prefix_split(chosen, rejected)
+    return (prompt, chosen, rejected) if prompt is not None else shared_prefix_split(chosen, rejected)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Tokens, one convention for both scripts. A prompt is the special tokens the tokenizer puts BEFORE a text (BOS, [CLS])
-# and the text's tokens, never those it puts after (EOS, [SEP]): the policy continues the prompt. A response is
-# tokenized after its prompt, as the policy produces it, and ends at its first EOS (appended if missing): the reward
-# model reads there, where ppo.py's policy stops.
+# Tokens. A prompt is the special tokens the tokenizer puts BEFORE a text (BOS, [CLS]) and the text's tokens, never
+# those it puts after (EOS, [SEP]); a response is tokenized after its prompt, as the policy writes it.
 
 
 def special_affixes(tokenizer):
@@ -471,24 +437,20 @@ def special_affixes(tokenizer):
         raise UserError(f"tokenizer {tokenizer.name_or_path!r} ({type(tokenizer).__name__}) gives no tokens for the "
                         "text 'a b': it is loaded as the wrong class; name its class in tokenizer_config.json")
     full = tokenizer("a b", add_special_tokens=True)["input_ids"]
-    for k in range(len(full) - len(plain) + 1):
-        if full[k:k + len(plain)] == plain:
-            return full[:k], full[k + len(plain):]
-    return [], []
+    k = next((k for k in range(len(full) - len(plain) + 1) if full[k:k + len(plain)] == plain), None)
+    return ([], []) if k is None else (full[:k], full[k + len(plain):])
 
 
 def leading_id(tokenizer):
     """The special token a prompt starts with (BOS or [CLS]), which truncation keeps; None if there is none."""
-    prefix = special_affixes(tokenizer)[0]
-    return prefix[0] if prefix else None
+    return next(iter(special_affixes(tokenizer)[0]), None)
 
 
 def end_id(tokenizer):
-    """The token a response ends with: EOS, or for an encoder without one, the separator its tokenizer appends."""
+    """The token that ends a text: EOS, or for an encoder without one, the separator its tokenizer appends."""
     if tokenizer.eos_token_id is not None:
         return tokenizer.eos_token_id
-    suffix = special_affixes(tokenizer)[1]
-    if not suffix:
+    if not (suffix := special_affixes(tokenizer)[1]):
         raise UserError(f"tokenizer {tokenizer.name_or_path!r} has no EOS token to end a response with; set eos_token")
     return suffix[-1]
 
@@ -499,6 +461,18 @@ def tokenize_prompts(tokenizer, texts):
     ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
     # Chat templates often write the BOS token as text already; adding it again would double it.
     return [x if lead and t.startswith(lead) else prefix + x for t, x in zip(texts, ids)]
+
+
+def tokenize_responses(tokenizer, prompts, responses):
+    """Response ids, tokenized after their prompt as the policy writes them, cut after the first end token (end_id:
+    what follows is never generated) or ended with one."""
+    if not responses:
+        return []
+    end = end_id(tokenizer)
+    joint, alone_p, alone_r = (tokenizer(texts, add_special_tokens=False)["input_ids"] for texts in (
+        [p + r for p, r in zip(prompts, responses)], list(prompts), list(responses)))
+    out = [j[len(p):] if j[:len(p)] == p and len(j) > len(p) else r for j, p, r in zip(joint, alone_p, alone_r)]
+    return [x[:x.index(end) + 1] if end in x else x + [end] for x in out]
 
 
 UNKNOWN_SHARE = 0.5  # measured (README): English is 95-96% unknown to the embedded tokenizer; covered data <= 28%
@@ -517,25 +491,8 @@ def check_vocabulary(tokenizer, ids, data, model, flag):
                         "on such text)")
 
 
-def tokenize_responses(tokenizer, prompts, responses):
-    """Response ids, tokenized after their prompt as the policy writes them, cut after the first end token or ended
-    with one."""
-    if not responses:
-        return []
-    end = end_id(tokenizer)
-    joint = tokenizer([p + r for p, r in zip(prompts, responses)], add_special_tokens=False)["input_ids"]
-    alone_p = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    alone_r = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
-    out = []
-    for j, p, r in zip(joint, alone_p, alone_r):
-        x = j[len(p):] if j[:len(p)] == p and len(j) > len(p) else r
-        out.append(x[:x.index(end) + 1] if end in x else x + [end])  # text after the end token is never generated
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# Models: scalar heads computed in float32; attention that never gives NaN; lengths checked against a learned position
-# table.
+# Models: scalar heads computed in float32; attention that never gives NaN; lengths within a learned position table.
 
 
 class Float32Linear(torch.nn.Linear):
@@ -585,26 +542,23 @@ def position_table(model):
 
 def check_position_table(model, length, flag):
     """A length past the learned position table, refused now rather than as an index error later."""
-    limit = position_table(model)
-    if limit and length > limit:
+    if (limit := position_table(model)) and length > limit:
         raise UserError(f"{flag}: {length} tokens, but {model.config.name_or_path or 'the model'} has a learned "
                         f"position table of {limit}; pass at most {limit}")
 
 
 def length_default(given, default, limit, flag, rank):
     """As given, else the default clamped to the model's limit: a value not chosen never fails a run."""
-    if given is not None:
-        return given
-    if limit is not None and default > limit:
+    if given is None and limit is not None and default > limit:
         if rank == 0:
             print(f"{flag}: {limit}, not the default {default}: the model reads at most {limit} tokens")
         return limit
-    return default
+    return default if given is None else given
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # LoRA (Hu et al. 2021) through peft: adapters on the backbone's linear layers, merged into the weights when saved; an
-# adapter folder loads as its base model with the adapter merged in.
+# adapter folder loads as its base model with the adapter merged in. Loading a model, whole or on the meta device.
 
 
 def add_lora(model, args, task_type):
@@ -633,8 +587,7 @@ def save_lora(model, peft_model, state_dict, tokenizer, output_dir):
     """The adapter saved in output_dir/adapter; returned, the model with it merged in, which loads without peft."""
     from peft import get_peft_model
 
-    with torch.device("meta"):  # no weights allocated: the state dict's tensors are assigned in
-        plain = type(model)(model.config)
+    plain = meta_model(lambda: type(model)(model.config))  # no weights allocated: the state dict's are assigned in
     template = get_peft_model(plain, copy.deepcopy(peft_model.peft_config["default"]))
     plain.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}, assign=True)
     plain.tie_weights()  # assigned tensors are separate: tie the output layer to the embedding again where tied
@@ -657,31 +610,23 @@ def adapter_base(name):
 
 def adapter_holds_head(name):
     """Whether a peft adapter folder holds the weights of a classification head (rm.py's do: peft's modules_to_save)."""
-    path = os.path.join(name, "adapter_model.safetensors")
-    if os.path.exists(path):
-        from safetensors import safe_open
+    from peft.utils import load_peft_weights
 
-        with safe_open(path, "pt") as f:
-            keys = list(f.keys())
-    else:
-        keys = torch.load(os.path.join(name, "adapter_model.bin"), map_location="meta", weights_only=True)
-    return any(".score." in k or ".classifier." in k for k in keys)
+    return any(".score." in k or ".classifier." in k for k in load_peft_weights(name, device="meta"))
 
 
 def load_model(loader, name, flag, on_meta=False, **kwargs):
     """loader.from_pretrained(name); for a peft adapter folder, its base model with the adapter merged in (and the
     reward normalization rm.py saved beside the adapter). on_meta (FSDP's ranks but 0): built from the config on the
     meta device, no weight read; shard_from_rank0 fills it with rank 0's."""
-    if on_meta and not adapter_base(name):
-        from transformers import AutoConfig
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoConfig, AutoTokenizer
 
+    if on_meta and not adapter_base(name):
         config = kwargs.get("config") or load_pretrained(AutoConfig, name, flag)
         return meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
     model = load_pretrained(loader, name, flag, **kwargs)
     if adapter_base(name):
-        from peft import PeftConfig, PeftModel
-        from transformers import AutoTokenizer
-
         vocab = len(load_pretrained(AutoTokenizer, name, flag))  # a pad token added in training: its embedding row
         if vocab > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(vocab, mean_resizing=False)
@@ -693,8 +638,6 @@ def load_model(loader, name, flag, on_meta=False, **kwargs):
             with open(norm) as f:
                 model.config.update(json.load(f))
     return model
-
-
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -741,20 +684,9 @@ class Logger:
         for k, v in scalars.items() if self.tensorboard else ():
             self.tensorboard.add_scalar(k, v, metrics["step"])
 
-    def log_table(self, name, rows, step):
-        if self.wandb:
-            import wandb
-
-            self.wandb.log({name: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
-        if self.tensorboard:
-            self.tensorboard.add_text(name, "\n\n".join(json.dumps(r) for r in rows), step)
-
     def close(self):
-        self.file.close()
-        if self.wandb:
-            self.wandb.finish()
-        if self.tensorboard:
-            self.tensorboard.close()
+        for closer in (self.file, self.wandb and self.wandb.finish, self.tensorboard):
+            closer and (closer() if callable(closer) else closer.close())
 
 
 def format_metrics(m):
@@ -789,12 +721,13 @@ def check_output_dir(args, rank):
 
 
 def run_complete(args, total, rank):
-    """Whether --resume finds the run in output_dir logged to step `total` (nothing to do)."""
+    """Whether --resume finds the run in output_dir finished (logged to step `total`, its model saved): nothing to do."""
     logged = finished_progress(args.output_dir) if args.resume else None
-    if logged is not None and logged < total and latest_checkpoint(args.output_dir) is None:
-        raise UserError(f"--resume: {args.output_dir} holds a run logged to step {logged} and no checkpoint to continue "
-                        f"it to step {total}; pass --overwrite_output_dir to train afresh, or another --output_dir")
-    if logged is None or logged < total:
+    if logged is None or logged < total or not os.path.exists(os.path.join(args.output_dir, "config.json")):
+        if logged is not None and latest_checkpoint(args.output_dir) is None:
+            raise UserError(f"--resume: {args.output_dir} holds a run logged to step {logged} and no checkpoint to "
+                            f"continue it to step {total}; pass --overwrite_output_dir to train afresh, or another "
+                            "--output_dir")
         return False
     if rank == 0:
         print(f"{args.output_dir}: the run is complete (step {logged} of {total}); nothing to do")
@@ -836,8 +769,7 @@ def step_end(step, save_steps, last_save, device):
     flags = torch.tensor([float(due), float(STOP.get("signal", 0))], device=device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-    stop = int(flags[1].item())
-    return bool(flags[0].item()) or stop > 0, stop
+    return bool(flags[0].item()) or flags[1].item() > 0, int(flags[1].item())
 
 
 def exit_stopped(signum, step, args, rank, bar):
@@ -852,8 +784,40 @@ def exit_stopped(signum, step, args, rank, bar):
     sys.exit(128 + signum)
 
 
+def check_shared_output_dir(output_dir, rank):
+    """Every rank reads back the token rank 0 writes into output_dir: nodes must share the folder of the shards."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    path, token = os.path.join(output_dir, ".rank0"), [os.urandom(8).hex()]
+    if rank == 0:
+        agreed(lambda: os.makedirs(output_dir, exist_ok=True) or write_atomic(path, token[0]))
+    else:
+        agreed(lambda: None)
+    dist.broadcast_object_list(token, src=0)
+
+    def read():
+        with contextlib.suppress(OSError):
+            with open(path) as f:
+                if f.read() == token[0]:
+                    return
+        raise UserError(f"--output_dir {output_dir}: rank {rank} does not see the file rank 0 has just written there; "
+                        "every rank writes its shards of each checkpoint into this folder, so it must be one folder on "
+                        "a file system every node mounts (pass it as an absolute path)")
+    try:
+        agreed(read)
+    finally:
+        if rank == 0:
+            os.remove(path)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# Final artifacts: written under a temporary name and renamed, so a crash while saving leaves the previous ones whole.
+# Saving: final artifacts written under a temporary name and renamed, so a crash while saving leaves the previous ones
+# whole; a full disk is one line. Checkpoints: a crash at any moment leaves `latest` naming a complete one; a folder per
+# step, written as NAME.tmp and renamed, then `latest` replaced. Each rank writes its shards of the tensors
+# (torch.distributed.checkpoint, safetensors); rank 0 the rest (schedule, progress, every rank's random streams) in
+# state.pt, read with weights_only: neither runs code on load.
 
 
 def write_atomic(path, text):
@@ -898,7 +862,7 @@ def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
     for name in os.listdir(output_dir):
         if name.startswith(WEIGHT_FILES) and name not in new:
             os.remove(os.path.join(output_dir, name))
-    for name in os.listdir(tmp):
+    for name in new:
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
     os.rmdir(tmp)
 
@@ -906,9 +870,8 @@ def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
 def state_bytes(obj):
     if torch.is_tensor(obj):
         return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(state_bytes(v) for v in obj.values())
-    return sum(state_bytes(v) for v in obj) if isinstance(obj, (list, tuple)) else 0
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(state_bytes(v) for v in values)
 
 
 def raise_if_disk_full(folder, needed, error):
@@ -919,64 +882,14 @@ def raise_if_disk_full(folder, needed, error):
                         "--output_dir") from None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Checkpoints: a crash at any moment leaves `latest` naming a complete one, and a resume continues on any number of
-# ranks. A folder per step, written as NAME.tmp and renamed, then `latest` replaced. Each rank writes its shards of the
-# tensors (torch.distributed.checkpoint, safetensors); rank 0 the rest (schedule, progress, every rank's random
-# streams) in state.pt, so every rank must see one folder. Neither format runs code on load.
-
-
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def check_shared_output_dir(output_dir, rank):
-    """Every rank reads back the token rank 0 writes into output_dir: nodes must share the folder of the shards."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return
-    path, token = os.path.join(output_dir, ".rank0"), [os.urandom(8).hex()]
-
-    def write():
-        os.makedirs(output_dir, exist_ok=True)
-        with open(path, "w") as f:
-            f.write(token[0])
-
-    def read():
-        try:
-            with open(path) as f:
-                seen = f.read()
-        except OSError:
-            seen = None
-        if seen != token[0]:
-            raise UserError(f"--output_dir {output_dir}: rank {rank} does not see the file rank 0 has just written "
-                            "there; every rank writes its shards of each checkpoint into this folder, so it must be "
-                            "one folder on a file system every node mounts (pass it as an absolute path)")
-
-    agreed(lambda: rank == 0 and write())
-    dist.broadcast_object_list(token, src=0)
-    try:
-        agreed(read)
-    finally:
-        if rank == 0:
-            os.remove(path)
-
-
 def new_checkpoint_dir(output_dir, step):
     """A new, empty root/NAME.tmp for a checkpoint of this step (never an existing checkpoint's name); (root, NAME)."""
     root = os.path.join(output_dir, "checkpoints")
-    os.makedirs(root, exist_ok=True)
     name, n = f"step_{step:08d}", 1
     while os.path.exists(os.path.join(root, name)):  # a directory from an earlier run into the same output_dir
         name, n = f"step_{step:08d}_{n}", n + 1
-    tmp = os.path.join(root, name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    shutil.rmtree(os.path.join(root, name + ".tmp"), ignore_errors=True)
+    os.makedirs(os.path.join(root, name + ".tmp"))
     return root, name
 
 
@@ -992,11 +905,16 @@ def commit_checkpoint(root, name, state, keep=2):
         shutil.rmtree(tmp, ignore_errors=True)
         raise_if_disk_full(root, state_bytes(state), e)
         raise
-    fsync_dir(tmp)
+    def durable(folder):  # its entries (a renamed folder, a new file) on disk before the next step
+        fd = os.open(folder, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    durable(tmp)
     os.replace(tmp, os.path.join(root, name))
-    fsync_dir(root)
+    durable(root)
     write_atomic(os.path.join(root, "latest"), name)
-    fsync_dir(root)
+    durable(root)
     done = sorted((d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp") and d != name),
                   key=lambda d: os.path.getmtime(os.path.join(root, d)))
     for old in done[:max(len(done) - (keep - 1), 0)]:
@@ -1004,10 +922,9 @@ def commit_checkpoint(root, name, state, keep=2):
 
 
 def latest_checkpoint(output_dir):
-    root = os.path.join(output_dir, "checkpoints")
     try:
-        with open(os.path.join(root, "latest")) as f:
-            return os.path.join(root, f.read().strip())
+        with open(os.path.join(output_dir, "checkpoints", "latest")) as f:
+            return os.path.join(output_dir, "checkpoints", f.read().strip())
     except FileNotFoundError:
         return None
 
@@ -1034,13 +951,13 @@ def save_training(model, optimizer, scheduler, step, rank, output_dir, global_ba
 
     tensors, param_groups = sharded_state(model, optimizer)
     where = [new_checkpoint_dir(output_dir, step) if rank == 0 else None]
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}  # (this rank's device's)
-    rngs = [rng]
+    rngs = [{"python": random.getstate(), "torch": torch.get_rng_state(),  # (cuda: this rank's device's)
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}]
     if dist.is_initialized():
         dist.broadcast_object_list(where, src=0)
-        rngs = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object(rng, rngs, dst=0)
+        gathered = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(rngs[0], gathered, dst=0)
+        rngs = gathered
     root, name = where[0]
     try:
         with warnings.catch_warnings():  # (one process: "assuming the intent is to save in a single process")

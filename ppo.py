@@ -1753,8 +1753,6 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
                   + (f"  gold {row['gold']:.3f}" if "gold" in row else ""))
         samples_file.write(json.dumps(row) + "\n")
     samples_file.flush()
-    if table:
-        logger.log_table("samples", table, m["step"])
 
 
 def rollout_metrics(batch, kl, non_score_reward):
