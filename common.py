@@ -709,8 +709,9 @@ def finished_progress(output_dir):
 
 def check_output_dir(args, rank):
     """A finished run or checkpoints in --output_dir are continued or replaced only when asked."""
-    held = "a run's log" if finished_progress(args.output_dir) is not None else \
-        "checkpoints" if latest_checkpoint(args.output_dir) else None
+    logged = finished_progress(args.output_dir) is not None
+    held = "a finished run" if logged and os.path.exists(os.path.join(args.output_dir, "config.json")) else \
+        "checkpoints" if latest_checkpoint(args.output_dir) else "a run's log" if logged else None
     if args.resume and args.overwrite_output_dir:
         raise UserError("--resume continues the run in --output_dir and --overwrite_output_dir replaces it: pass one")
     if held and not (args.resume or args.overwrite_output_dir):

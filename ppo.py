@@ -1019,11 +1019,12 @@ def build_models(args, tokenizer, device, rank, world):
             critic_lora = common.add_lora(critic_hf.to(dtype), args, "SEQ_CLS")
         if critic_init == "reward":  # the reward model is the critic with its adapter off: no second copy
             reward = dataclasses.replace(reward, model=None, in_critic=critic_lora.disable_adapter)
-    else:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
+    if reward.model is not None:  # sharded like the policy under FSDP (1/world of it per rank), else a replica; first,
+        # so that rank 0 holds at most three models whole (reward, policy, critic; then policy, critic, reference)
+        reward.model = parallelize(reward.model, args, device, reward.model.hf.config.num_hidden_layers, frozen=True)
+    if not lora:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
         ref_policy = parallelize(copy.deepcopy(policy_hf).eval().requires_grad_(False), args, device,
                                  policy_hf.config.num_hidden_layers, frozen=True)
-    if reward.model is not None:  # sharded like the policy under FSDP (1/world of it per rank), else a replica
-        reward.model = parallelize(reward.model, args, device, reward.model.hf.config.num_hidden_layers, frozen=True)
     if args.gradient_checkpointing:  # (in training mode only: sampling keeps its KV cache)
         for model in (policy_hf, critic_hf):
             if model is not None:

@@ -2,7 +2,8 @@
 --fsdp (torchrun, gloo on the CPU), for rm.py and ppo.py, loading included.
 
     python benchmarks/bench_memory.py          # CPU; writes benchmarks/results/memory_cpu.json
-    python benchmarks/bench_memory.py --plan   # only the memory plan of Pythia 6.9B PPO on 8 ranks (no weights)
+    python benchmarks/bench_memory.py --plan   # only the memory plan of Pythia 6.9B PPO on 8 ranks (no weights;
+                                               # benchmarks/memory_plan.py)
 
 Two models, initialised at random and stored in bfloat16 as released checkpoints are, big enough that their states
 (float32 weights, gradients, AdamW's two moments: 16 bytes a trained parameter) dominate a process: Pythia-160M's
@@ -52,10 +53,11 @@ PYTHIA_6_9B = dict(model_type="gpt_neox", hidden_size=4096, num_hidden_layers=32
 
 
 def plan_7b():
-    """ppo.py's memory plan for Pythia 6.9B PPO, full fine-tuning, on one node of 8 GPUs, from config files alone."""
+    """ppo.py's memory plan (memory_plan.py) for Pythia 6.9B PPO, full fine-tuning, on one node of 8 GPUs, from config
+    files alone."""
     from transformers import AutoConfig
 
-    import common
+    import memory_plan
     import ppo
 
     work = tempfile.mkdtemp(prefix="plan_7b_")
@@ -68,10 +70,10 @@ def plan_7b():
     for flags in (["--fsdp", "--bf16"], ["--fsdp"], ["--bf16"]):
         args = ppo.Args(sft_model_path=os.path.join(work, "policy"), reward_model_path=os.path.join(work, "reward"),
                         fsdp="--fsdp" in flags, bf16="--bf16" in flags)
-        models = ppo.memory_plan(args, 8)
+        models = memory_plan.plan("ppo", args, 8)
         tables[" ".join(flags)] = {m.name: {k: v / 1e9 for k, v in m.bytes().items()} for m in models
-                                   if isinstance(m, common.Planned)}
-        print(" ".join(flags) + ": " + common.plan_table(models, 8))
+                                   if isinstance(m, memory_plan.Planned)}
+        print(" ".join(flags) + ": " + memory_plan.table(models, 8))
     return tables
 
 
@@ -131,17 +133,17 @@ def imported(script):
 
 
 def states_mb(work):
-    """The bytes (MB) of every model's states in one process of each script, from its memory plan (the plan is what
-    the scripts hold: tests/test_memory.py). Were they alone to halve on 2 ranks and the rest of the peak stay, the
-    ratio would be (peak - states / 2) / peak: the "at best" column, the best 2 ranks can do."""
-    import common
+    """The bytes (MB) of every model's states in one process of each script, from its memory plan (memory_plan.py; the
+    plan is what the scripts hold: tests/test_memory.py). Were they alone to halve on 2 ranks and the rest of the peak
+    stay, the ratio would be (peak - states / 2) / peak: the "at best" column, the best 2 ranks can do."""
+    import memory_plan
     import ppo
     import rm
 
     model = os.path.join(work, "model")
-    return {"rm.py": common.plan_bytes(rm.memory_plan(rm.Args(model_name_or_path=model), 1)) / 2**20,
-            "ppo.py": common.plan_bytes(ppo.memory_plan(ppo.Args(sft_model_path=model, reward_model_path=os.path.join(
-                work, "rm-0-1")), 1)) / 2**20}
+    return {"rm.py": memory_plan.states_bytes(memory_plan.plan("rm", rm.Args(model_name_or_path=model), 1)) / 2**20,
+            "ppo.py": memory_plan.states_bytes(memory_plan.plan("ppo", ppo.Args(
+                sft_model_path=model, reward_model_path=os.path.join(work, "rm-0-1")), 1)) / 2**20}
 
 
 def measure(work, repeats):

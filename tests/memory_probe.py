@@ -1,6 +1,6 @@
 """Run under torchrun by test_memory.py: for each (script, flags) given as JSON, build the models as that script does,
-take one optimizer step, and write what this rank really holds (common.held_bytes, after the step, gradients still
-in place) beside the script's memory plan, to OUT.rank<N>.json."""
+take one optimizer step, and write what this rank really holds (memory_plan.held_bytes, after the step, gradients
+still in place) beside the script's memory plan (benchmarks/memory_plan.py), to OUT.rank<N>.json."""
 
 import json
 import os
@@ -9,8 +9,10 @@ import sys
 import torch
 import tyro
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import memory_plan  # noqa: E402
 import ppo  # noqa: E402
 import rm  # noqa: E402
 
@@ -31,8 +33,8 @@ def ppo_held(flags, rank, world, device):
     optimizer.step()
     held = {"policy": policy, "critic": critic, "reference policy": None if models.lora else models.reference,
               "reward model": models.reward.model}
-    plan = ppo.memory_plan(args, world, len(tokenizer))
-    return plan, {name: common.held_bytes(m, optimizer) for name, m in held.items() if m is not None}
+    plan = memory_plan.plan("ppo", args, world, len(tokenizer))
+    return plan, {name: memory_plan.held_bytes(m, optimizer) for name, m in held.items() if m is not None}
 
 
 def rm_held(flags, rank, world, device):
@@ -44,7 +46,8 @@ def rm_held(flags, rank, world, device):
     ids = torch.randint(3, len(tokenizer), (2, 12))
     model(ids, torch.ones_like(ids)).float().mean().backward()
     optimizer.step()
-    return rm.memory_plan(args, world, len(tokenizer)), {"reward model": common.held_bytes(model, optimizer)}
+    held = {"reward model": memory_plan.held_bytes(model, optimizer)}
+    return memory_plan.plan("rm", args, world, len(tokenizer)), held
 
 
 if __name__ == "__main__":
@@ -52,7 +55,7 @@ if __name__ == "__main__":
     results, (rank, world, device) = [], ppo.setup_distributed()
     for script, flags in runs:
         plan, held = (ppo_held if script == "ppo" else rm_held)(flags, rank, world, device)
-        plan = {m.name: m.bytes() for m in plan if isinstance(m, common.Planned)}
+        plan = {m.name: m.bytes() for m in plan if isinstance(m, memory_plan.Planned)}
         results.append({"flags": [script] + flags, "plan": plan, "held": held})
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(results, f)

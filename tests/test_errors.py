@@ -322,28 +322,14 @@ def test_every_model_and_dataset_is_found_before_any_model_loads(script, flags, 
     assert named in stderr and stderr.count(named.split()[-1]) == 1 and "no such file or folder" in stderr, stderr
 
 
-def wrapped_raggedly(help_text):
-    """The lines of a help box that end short although the next line's first word would have fit on them (a line
-    break of the source kept); the first line, the width the box gives its text."""
-    lines = [line[1:-1] for line in help_text.splitlines() if line.startswith("│") and line.endswith("│")]
-    ragged = []
-    for a, b in zip(lines, lines[1:]):
-        start = len(b) - len(b.lstrip())  # a continuation line: its text starts where its description's does
-        continued = b.strip() and not b.lstrip().startswith("-") and start > 2
-        if continued and a[start:].strip() and a[start - 2:start] == "  ":
-            if len(a.rstrip()) + 1 + len(b.split()[0]) <= len(a) - 1:  # (one space of padding on the right)
-                ragged.append(a)
-    return ragged
-
-
-def test_help_is_printed_once_under_torchrun_the_methods_options_first_each_one_paragraph():
+def test_help_is_printed_once_under_torchrun_the_methods_options_first():
+    """tyro's own help, from each field's docstring: once under torchrun, the method's options first."""
     proc = run_script(["rm.py", "--help"], nproc=2, env={"COLUMNS": "80"})
     assert proc.stdout.count("usage: rm.py") == 1, proc.stdout[-2000:]
     assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--loss_type", "--center_rewards_coefficient"]
-    assert wrapped_raggedly(proc.stdout) == []
+    assert "Weight of mean((r_c + r_r)^2)" in proc.stdout
     proc = run_script(["ppo.py", "--help"], env={"COLUMNS": "80"})
     assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--advantage_estimator", "--num_samples_per_prompt"]
-    assert wrapped_raggedly(proc.stdout) == []
 
 
 def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_reported(family_dir, tmp_path):

@@ -1,15 +1,21 @@
-"""The memory plan (common.Planned rows from meta-device models): what 7B-scale runs need per GPU, and that the plan
-is what the scripts really hold."""
+"""The memory plan (benchmarks/memory_plan.py, from meta-device models): what 7B-scale runs need per GPU, its command
+line, and that the plan is what the scripts really hold."""
 
+import dataclasses
 import json
+import os
+import re
+import sys
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import ROOT, run_script
 
-import common
 import ppo
 import rm
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import memory_plan as mp  # noqa: E402
 
 GB = 1e9
 # The anchor (Huang et al. 2024): Pythia 6.9B, and a Llama 3 8B shape; parameter counts as their model cards give them.
@@ -21,11 +27,12 @@ SHAPES = {
                         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
                         max_position_embeddings=8192, tie_word_embeddings=False), 8.030e9),
 }
+PREFIX = {"pythia-6.9b": "GPTNeoX", "llama-3-8b": "Llama"}
 
 
 def states(rows):
-    """GB per rank of each model's states, from a plan's rows."""
-    return {m.name: sum(m.bytes().values()) for m in rows if isinstance(m, common.Planned)}
+    """Bytes per rank of each model's states, from a plan's rows."""
+    return {m.name: sum(m.bytes().values()) for m in rows if isinstance(m, mp.Planned)}
 
 
 def saved_config(folder, shape, architecture):
@@ -38,14 +45,18 @@ def saved_config(folder, shape, architecture):
     return str(folder)
 
 
+def saved_pair(tmp_path, shape):
+    """(policy, reward model) folders of that shape, config.json only."""
+    return (saved_config(tmp_path / "policy", shape, f"{PREFIX[shape]}ForCausalLM"),
+            saved_config(tmp_path / "reward", shape, f"{PREFIX[shape]}ForSequenceClassification"))
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-def test_7b_plans_fit_one_8_gpu_node_with_fsdp_and_bf16(tmp_path, shape, monkeypatch):
-    prefix = {"pythia-6.9b": "GPTNeoX", "llama-3-8b": "Llama"}[shape]
-    policy = saved_config(tmp_path / "policy", shape, f"{prefix}ForCausalLM")
-    reward = saved_config(tmp_path / "reward", shape, f"{prefix}ForSequenceClassification")
+def test_7b_plans_fit_one_8_gpu_node_with_fsdp_and_bf16(tmp_path, shape):
+    policy, reward = saved_pair(tmp_path, shape)
     n = SHAPES[shape][1]
     args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True)
-    plan = states(ppo.memory_plan(args, 8))
+    plan = states(mp.plan("ppo", args, 8))
     # trained: 16 bytes a parameter (float32 weights, gradients, two AdamW moments); frozen: 2 (bfloat16); over 8
     assert plan["policy"] == pytest.approx(16 * n / 8, rel=0.01)
     head = SHAPES[shape][0]["vocab_size"] * 4096
@@ -55,49 +66,65 @@ def test_7b_plans_fit_one_8_gpu_node_with_fsdp_and_bf16(tmp_path, shape, monkeyp
     assert plan["reference policy"] == pytest.approx((2 * headless + 4 * head) / 8, rel=0.001)
     assert plan["reward model"] == pytest.approx(2 * headless / 8, rel=0.01)
     assert sum(plan.values()) < 40 * GB  # of 80: the rest for activations
-    assert sum(states(rm.memory_plan(rm.Args(model_name_or_path=policy, fsdp=True, bf16=True), 8)).values()) < 20 * GB
+    assert sum(states(mp.plan("rm", rm.Args(model_name_or_path=policy, fsdp=True, bf16=True), 8)).values()) < 20 * GB
 
-    # Without --fsdp every rank holds every model whole: the run is stopped before loading, naming a fix.
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 80 * GB}))
+    # Without --fsdp every rank holds every model whole: refused, naming a fix.
     replicated = ppo.Args(sft_model_path=policy, reward_model_path=reward, bf16=True)
-    with pytest.raises(common.UserError, match=r"the learning phase needs [23]\d\d\.\d GB per GPU \(8 ranks.*GPU's "
-                                               r"80.0 GB: pass --fsdp$"):
-        common.check_memory_plan(ppo.memory_plan, replicated, 8, torch.device("cuda", 0), rank=1)
+    assert re.fullmatch(r"the learning phase needs [23]\d\d\.\d GB per GPU \(8 ranks; the plan above\), more than "
+                        r"90% of the GPU's 80.0 GB: pass --fsdp", mp.refusal("ppo", replicated, 8, 80 * GB))
     # on 4 GPUs, sharded with frozen models in bfloat16: Pythia 6.9B's states would fit (61 GB), not its rollout
     # beside them (the gathered policy and the KV cache: 80 GB); Llama 8B's states (70 GB) do not fit; LoRA does
-    with pytest.raises(common.UserError, match=r"pass --lora_r 16 --bf16$"):
-        common.check_memory_plan(ppo.memory_plan, replicated, 4, torch.device("cuda", 0), rank=1)
-    assert common.check_memory_plan(ppo.memory_plan, args, 8, torch.device("cuda", 0), rank=1)
+    assert mp.refusal("ppo", replicated, 4, 80 * GB).endswith(": pass --lora_r 16 --bf16")
+    assert mp.refusal("ppo", args, 8, 80 * GB) is None
 
 
-def test_frozen_models_offloaded_to_the_host_count_on_the_gpu_only_while_they_compute(tmp_path, monkeypatch):
-    """--offload_inference_models: sharded frozen models take no GPU memory between uses; a replica is copied in
-    whole while it scores, one at a time, so the largest one counts. A GPU the states fit only with it: not stopped."""
-    import dataclasses
-
-    policy = saved_config(tmp_path / "policy", "pythia-6.9b", "GPTNeoXForCausalLM")
-    reward = saved_config(tmp_path / "reward", "pythia-6.9b", "GPTNeoXForSequenceClassification")
-    for fsdp in (True, False):
-        args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=fsdp, bf16=True)
-        plan = states(ppo.memory_plan(args, 8))
-        trained = plan["policy"] + plan["critic"]
-        offloaded = ppo.memory_plan(dataclasses.replace(args, offload_inference_models=True), 8)
-        offloaded = [m for m in offloaded if isinstance(m, common.Planned)]
-        assert [m.on_host for m in offloaded] == [m.name in ("reference policy", "reward model") for m in offloaded]
-        frozen = 0 if fsdp else max(plan["reference policy"], plan["reward model"])
-        assert common.plan_bytes(offloaded) == pytest.approx(trained + frozen)
-        assert common.plan_bytes(offloaded) < sum(plan.values())
-
-    # a GPU between FSDP's two peaks
+def test_offloaded_shards_are_off_the_gpu_and_a_replica_is_never_offloaded(tmp_path):
+    """--offload_inference_models: under FSDP on several ranks the frozen models' shards live in host memory and take
+    no GPU memory between uses (a GPU the plan fits only so is not refused); under DDP, or on one rank, the flag holds
+    nothing on the host (a replica stays on the GPU)."""
+    policy, reward = saved_pair(tmp_path, "pythia-6.9b")
     args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True)
-    on_gpu, host = (max(common.plan_peaks(ppo.memory_plan(a, 8)).values()) for a in
-                    (args, dataclasses.replace(args, offload_inference_models=True)))
-    capacity = (on_gpu + host) / 2 / common.PLAN_FRACTION
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": capacity}))
-    with pytest.raises(common.UserError, match="the learning phase needs"):
-        common.check_memory_plan(ppo.memory_plan, args, 8, torch.device("cuda", 0), rank=1)
-    common.check_memory_plan(ppo.memory_plan, dataclasses.replace(args, offload_inference_models=True), 8,
-                             torch.device("cuda", 0), rank=1)
+    offload = dataclasses.replace(args, offload_inference_models=True)
+    plan, offloaded = mp.plan("ppo", args, 8), [m for m in mp.plan("ppo", offload, 8) if isinstance(m, mp.Planned)]
+    assert [m.on_host for m in offloaded] == [m.name in ("reference policy", "reward model") for m in offloaded]
+    assert [m.bytes() for m in offloaded] == [m.bytes() for m in plan if isinstance(m, mp.Planned)]
+    assert mp.states_bytes(offloaded) == pytest.approx(states(plan)["policy"] + states(plan)["critic"])
+    assert "(host memory)" in mp.table(mp.plan("ppo", offload, 8), 8)
+
+    # a GPU between the two peaks
+    on_gpu, host = (max(mp.peaks(mp.plan("ppo", a, 8)).values()) for a in (args, offload))
+    assert host < on_gpu
+    capacity = (on_gpu + host) / 2 / mp.FRACTION
+    assert mp.refusal("ppo", args, 8, capacity).startswith("the learning phase needs")
+    assert mp.refusal("ppo", offload, 8, capacity) is None
+
+    for a, world in ((dataclasses.replace(args, fsdp=False), 8), (args, 1)):
+        on, off = mp.plan("ppo", a, world), mp.plan("ppo", dataclasses.replace(a, offload_inference_models=True), world)
+        assert off == on and not any(m.on_host for m in off if isinstance(m, mp.Planned))
+
+
+def test_the_plan_states_the_host_memory_loading_takes(tmp_path):
+    """Under FSDP on several ranks rank 0 builds each model whole in float32, three at most at once (ppo.py: reward
+    model, policy and critic; then the reference copied from the policy): Pythia 6.9B, 81.5 GB; under DDP or in one
+    process every rank builds its replicas (all of them count)."""
+    policy, reward = saved_pair(tmp_path, "pythia-6.9b")
+    args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True)
+    three = (2 * mp.shape(policy, "causal")[0] + mp.shape(reward, "reward")[0]) * 4
+    assert three == pytest.approx(81.5e9, rel=1e-3)
+    assert mp.table(mp.plan("ppo", args, 8), 8).splitlines()[-1] == (
+        f"  host memory while loading: {three / 1e9:.1f} GB on rank 0, at most three models whole at once (each freed "
+        "after its broadcast into the shards; the other ranks build on the meta device)")
+    largest = mp.shape(policy, "causal")[0] * 4
+    for a, world in ((dataclasses.replace(args, fsdp=False), 8), (args, 1)):
+        rows = mp.plan("ppo", a, world)
+        every = sum(m.parameters for m in rows if isinstance(m, mp.Planned)) * 4
+        assert every > 3 * largest
+        assert mp.table(rows, world).splitlines()[-1] == (
+            f"  host memory while loading: up to {every / 1e9:.1f} GB on each rank, its replicas built in float32")
+    lora = dataclasses.replace(args, lora_r=8)  # bfloat16 bases: the reward model, the policy, the critic copied
+    adapted = [mp.shape(path, kind, None, mp.lora_of(lora))[0] for path, kind in ((policy, "causal"), (reward, "reward"))]
+    assert f": {(mp.shape(reward, 'reward')[0] + sum(adapted)) * 2 / 1e9:.1f} GB on rank 0" in mp.table(
+        mp.plan("ppo", lora, 8), 8)
 
 
 def test_plan_is_what_the_scripts_hold_on_2_ranks(tmp_path, reward_model_path):
@@ -170,42 +197,54 @@ def test_planned_activations_are_what_autograd_saves(tmp_path, family):
             args = ppo.Args(sft_model_path=str(tmp_path), reward_fn="common:gold_rewards", advantage_estimator="grpo",
                             per_device_train_batch_size=batch, max_prompt_length=prompt, response_length=response,
                             bf16=bf16, gradient_checkpointing=checkpointing)
-            planned = {r.name.split(" (")[0]: r.size for r in ppo.memory_plan(args, 1) if
-                       isinstance(r, common.Transient) and r.phase == "learning"}["activations"]
+            planned = {r.name.split(" (")[0]: r.size for r in mp.plan("ppo", args, 1) if
+                       isinstance(r, mp.Transient) and r.phase == "learning"}["activations"]
             if checkpointing:  # + one block recomputed in the backward pass, and as much for its gradients
                 measured[True] += 2 * (measured[False] - measured[True]) / config.num_hidden_layers
             assert planned == pytest.approx(measured[checkpointing], rel=0.25), (bf16, checkpointing)
         model.activation_checkpointing_disable()
 
 
-def test_pythia_7b_rollout_and_learning_peaks_and_plan_only_from_config_files(tmp_path):
+def test_pythia_7b_rollout_and_learning_peaks(tmp_path):
     """Pythia 6.9B PPO on 8 ranks, --fsdp --bf16, 16 prompts x (256 + 512) tokens per GPU: the rollout holds the
     policy gathered in bfloat16 (its output layer in float32) and a KV cache beside the states; learning without
-    checkpointing holds the policy's activations and does not fit 80 GB. --plan_only says so from config.json files
-    (no weight, tokenizer or GPU), exit 2 naming the flag that fits; with it, exit 0; rm.py's too."""
-    policy = saved_config(tmp_path / "policy", "pythia-6.9b", "GPTNeoXForCausalLM")
-    reward = saved_config(tmp_path / "reward", "pythia-6.9b", "GPTNeoXForSequenceClassification")
-    flags = dict(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True, num_mini_batches=1,
-                 per_device_train_batch_size=16, max_prompt_length=256, response_length=512)
-    rows = ppo.memory_plan(ppo.Args(**flags), 8)
-    size = {r.name.split(" (")[0]: r.size for r in rows if isinstance(r, common.Transient)}
+    checkpointing holds the policy's activations and does not fit 80 GB."""
+    policy, reward = saved_pair(tmp_path, "pythia-6.9b")
+    rows = mp.plan("ppo", ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True,
+                                   num_mini_batches=1, per_device_train_batch_size=16, max_prompt_length=256,
+                                   response_length=512), 8)
+    size = {r.name.split(" (")[0]: r.size for r in rows if isinstance(r, mp.Transient)}
     n, head, tokens = SHAPES["pythia-6.9b"][1], 50432 * 4096, 16 * 768
     assert size["policy gathered"] == pytest.approx(2 * (n - head) + 4 * head, rel=0.01)  # 14 GB
     assert size["KV cache"] == 2 * 32 * 4096 * 2 * tokens  # keys and values, every layer, bfloat16: 6.4 GB
     assert 50 * GB < size["activations"] < 70 * GB  # ~34 bytes x hidden per token and layer (Korthikanti et al.)
-    peaks = common.plan_peaks(rows)
+    peaks = mp.peaks(rows)
     assert peaks["rollout"] == pytest.approx(51 * GB, rel=0.02) and 85 * GB < peaks["learning"] < 100 * GB
 
-    def plan_only(script, *argv):
-        proc = run_script([script, "--plan_only", "--plan_world_size", "8", "--plan_gpu_memory_gb", "80", *argv],
-                          check=False)
+
+def test_the_command_line_plans_from_config_files_and_exits_2_naming_the_flags_that_fit(tmp_path):
+    """`python benchmarks/memory_plan.py ppo|rm --world_size 8 --gpu_memory_gb 80 ...` from config.json files (no
+    weight, tokenizer or GPU): Pythia 6.9B PPO at 16 x (256 + 512) tokens per GPU under --fsdp --bf16 exits 2 naming
+    --gradient_checkpointing, and 0 with it; rm.py's replicas in bfloat16 exit 2 naming --fsdp. Bad input: one line on
+    stderr, exit 2."""
+    policy, reward = saved_pair(tmp_path, "pythia-6.9b")
+
+    def plan(*argv):
+        proc = run_script(["benchmarks/memory_plan.py", *argv], check=False)
         return proc.returncode, proc.stdout, proc.stderr.strip().splitlines()
 
-    ppo_flags = [f"--{k}" if v is True else f"--{k} {v}" for k, v in flags.items()]
-    code, out, err = plan_only("ppo.py", *" ".join(ppo_flags).split())
-    assert code == 2 and "learning peak" in out and "does not fit" in out and len(err) == 1
+    gpus = ["--world_size", "8", "--gpu_memory_gb", "80"]
+    ppo_flags = ["--sft_model_path", policy, "--reward_model_path", reward, "--fsdp", "--bf16", "--num_mini_batches",
+                 "1", "--per_device_train_batch_size", "16", "--max_prompt_length", "256", "--response_length", "512"]
+    code, out, err = plan("ppo", *gpus, *ppo_flags)
+    assert code == 2 and "learning peak" in out and "does not fit" in out and len(err) == 1, err
     assert err[0].startswith("error: the learning phase needs 9") and err[0].endswith("pass --gradient_checkpointing")
-    code, out, _ = plan_only("ppo.py", *" ".join(ppo_flags).split(), "--gradient_checkpointing")
-    assert code == 0 and "fits: 90% of a 80.0 GB GPU" in out
-    code, _, err = plan_only("rm.py", "--model_name_or_path", policy, "--per_device_train_batch_size", "8", "--bf16")
+    code, out, err = plan("ppo.py", *ppo_flags, "--gradient_checkpointing", *gpus)
+    assert code == 0 and "fits: 90% of a 80.0 GB GPU" in out and err == []
+    code, _, err = plan("rm", *gpus, "--model_name_or_path", policy, "--per_device_train_batch_size", "8", "--bf16")
     assert code == 2 and err[0].endswith("pass --fsdp")
+
+    for argv in (["ppo", "--sft_model_path", str(tmp_path / "missing"), "--reward_fn", "common:gold_rewards"],
+                 ["sft", "--model_name_or_path", policy]):
+        code, out, err = plan(*argv)
+        assert code == 2 and out == "" and len(err) == 1 and err[0].startswith("error: "), err

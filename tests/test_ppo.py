@@ -369,29 +369,31 @@ def test_a_killed_rank_ends_the_job_and_its_sharded_checkpoint_resumes_on_one_pr
 
 
 def test_resume_on_another_number_of_ranks_continues_where_the_episodes_left_off(tmp_path, reward_model_path):
-    """2 ranks (rollout batch 16) cut after 2 updates, resumed on 1 (batch 8); 1 rank cut after 2 updates, resumed on
-    2: each of the 64 episodes rolled out once, the linear schedule continued by episodes (an update's logged
-    lr, the rate its steps used, = lr0 (1 - episodes done before it / 64)), ending at 64; the logged steps rise by
-    one whatever the batch; --resume again, on the other number of ranks, finds the run complete."""
+    """Rollout batch 16: 2 ranks cut after 2 updates, resumed on 1 (accumulating 2 micro-batches); 1 rank cut, resumed
+    on 2: each of the 64 episodes rolled out once, the linear schedule continued (an update's logged lr, the rate its
+    steps used, = lr0 (1 - episodes done before it / 64)), the logged steps rising by one; --resume again, on the other
+    number of ranks, finds the run complete."""
     base = ["tests/faults.py", "ppo.py", "--reward_model_path", reward_model_path, *TINY]
+    one = ["--gradient_accumulation_steps", "2"]
     for cut, resumed in (("two_cut", "one_resumed"), ("one_cut", "two_resumed")):
         trace = dict(TRACE=str(tmp_path / f"{cut}.trace"))
-        proc = run_script(base + ["--save_steps", "2", "--output_dir", str(tmp_path / resumed)], check=False,
-                          nproc=2 if "two" in cut else 1, env=dict(STOP_AFTER_SAVE="2", **trace))
+        proc = run_script(base + (one if "one" in cut else []) + ["--save_steps", "2", "--output_dir",
+                                                                  str(tmp_path / resumed)],
+                          check=False, nproc=2 if "two" in cut else 1, env=dict(STOP_AFTER_SAVE="2", **trace))
         assert proc.returncode == (1 if "two" in cut else 3), proc.stderr[-2000:]
-        run_script(base + ["--resume", "--output_dir", str(tmp_path / resumed)], nproc=2 if "two" in resumed else 1,
-                   env=trace)
+        run_script(base + (one if "one" in resumed else []) + ["--resume", "--output_dir", str(tmp_path / resumed)],
+                   nproc=2 if "two" in resumed else 1, env=trace)
         episodes = [e for r in (0, 1) if os.path.exists(f"{trace['TRACE']}.rank{r}")
                     for line in open(f"{trace['TRACE']}.rank{r}") for e in json.loads(line)]
         assert sorted(episodes) == list(range(64)), (cut, sorted(episodes))
         metrics = read_metrics(tmp_path / resumed)
-        assert metrics[-1]["episodes"] == 64 and [m["episodes"] for m in metrics] == sorted({m["episodes"]
-                                                                                             for m in metrics})
-        assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))  # rising on: no logger drops one
+        assert [m["episodes"] for m in metrics] == [16, 32, 48, 64]
+        assert [m["step"] for m in metrics] == [1, 2, 3, 4]
         before = [0] + [m["episodes"] for m in metrics[:-1]]  # the episodes done when each update began
         assert np.allclose([m["lr"] for m in metrics], [3e-4 * (1 - e / 64) for e in before])
-        again = run_script(base + ["--resume", "--output_dir", str(tmp_path / resumed)], nproc=1 if "two" in resumed
-                           else 2)  # on the other number of ranks: the same 64 episodes, finished
+        again = run_script(base + (one if "two" in resumed else []) + ["--resume", "--output_dir",
+                                                                       str(tmp_path / resumed)],
+                           nproc=1 if "two" in resumed else 2)  # on the other number of ranks: finished
         assert "the run is complete" in again.stdout, again.stdout[-2000:]
 
 

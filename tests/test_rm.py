@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -50,6 +51,42 @@ def test_last_token_index_right_left_and_pad_equals_eos():
     assert rm.last_token_index(mask).tolist() == [2, 4, 3, 4]
     naive_first_pad = (ids == eos).int().argmax(1) - 1  # what pad-id search would return for row 0
     assert naive_first_pad[0].item() == 1  # ... which is the wrong token, hence the mask
+
+
+def test_rm_and_ppo_state_the_same_conventions():
+    """Each script states its own method; where they share one, they agree: a long prompt's truncation, where a
+    sequence's reward is read and what it reads there, dropout off."""
+    import copy
+
+    import ppo
+    from transformers import AutoModelForSequenceClassification, GPT2Config
+
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(1, 50) for _ in range(rng.randrange(0, 30))]
+        bos, limit = rng.choice([None, 7, ids[0] if ids else None]), rng.randrange(1, 20)
+        kept = rm.truncate_prompt(ids, limit, bos)
+        assert kept == ppo.truncate_prompt(ids, limit, bos)
+        lead = ids[:1] if bos is not None and ids[:1] == [bos] and len(ids) > limit else []
+        assert kept == (ids if len(ids) <= limit else lead + ids[len(ids) - limit + len(lead):])  # its end, and BOS
+    mask = (torch.rand(16, 12, generator=torch.Generator().manual_seed(0)) > 0.3).long()
+    assert torch.equal(rm.last_token_index(mask), ppo.last_token_index(mask))
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=40, num_labels=1, pad_token_id=0,
+                        resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3, summary_first_dropout=0.3)
+    models = [AutoModelForSequenceClassification.from_config(copy.deepcopy(config)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    for model, script in zip(models, (rm, ppo)):
+        script.disable_dropout(model).train()  # (training mode: only dropout's probability can differ)
+        assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+        assert all(v == 0 for k, v in vars(model.config).items() if "pdrop" in k or "dropout" in k)
+    ids, right = torch.randint(1, 40, (4, 9)), torch.tensor([[1] * 9, [1] * 5 + [0] * 4, [0] * 3 + [1] * 6, [1] * 2 +
+                                                             [0] * 7])
+    rewards = [script.sequence_reward(model, ids, right) for model, script in zip(models, (rm, ppo))]
+    assert torch.equal(rewards[0], rewards[1])
+    hidden = models[0].base_model(input_ids=ids, attention_mask=right,
+                                  position_ids=(right.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+    last = [max(i for i in range(9) if right[r, i]) for r in range(4)]  # the last real token, written out
+    assert torch.allclose(rewards[0], models[0].score(hidden[torch.arange(4), last]).squeeze(-1), atol=1e-6)
 
 
 def test_preference_losses_match_formulas():
@@ -339,7 +376,7 @@ def test_a_finished_run_is_replaced_only_when_asked(tmp_path, small_pairs_file, 
         run()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert all(word in err for word in ("holds a run's log", "--resume", "--overwrite_output_dir", "another "
+    assert all(word in err for word in ("holds a finished run", "--resume", "--overwrite_output_dir", "another "
                                                                                                      "--output_dir"))
     monkeypatch.setattr(rm, "load_tokenizer", real_load)
     assert "the run is complete (step 3 of 3); nothing to do" in run("--resume").out
@@ -448,7 +485,8 @@ def _save_and_resume_random_streams(rank, folder):
     common.save_training(model, optimizer, scheduler, 1, rank, folder, global_batch=2)
     torch.manual_seed(99)
     random.seed(99)
-    common.resume_training(model, optimizer, scheduler, folder, lambda ckpt: ckpt["step"])
+    batch = types.SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=1)  # x 2 ranks
+    common.resume_training(model, optimizer, scheduler, folder, batch, world=2)
     assert torch.equal(torch.get_rng_state(), saved[0]) and random.getstate() == saved[1]
     dist.destroy_process_group()
 
@@ -463,7 +501,8 @@ def test_each_rank_resumes_its_own_random_streams(tmp_path):
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     common.resume_training(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
-                           str(tmp_path), lambda ckpt: ckpt["step"])
+                           str(tmp_path), types.SimpleNamespace(per_device_train_batch_size=2,
+                                                                gradient_accumulation_steps=1), world=1)
     assert torch.equal(torch.get_rng_state(), rank0)
 
 
