@@ -567,7 +567,8 @@ def add_lora(model, args, task_type):
     from peft import LoraConfig, get_peft_model
 
     targets = args.lora_target_modules
-    config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+    # no dropout on the adapters, as nowhere: rollout and learning, a pair's two passes, read one network
+    config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                         target_modules="all-linear" if targets == ["all-linear"] else targets)
     try:
         with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
@@ -612,7 +613,7 @@ def adapter_holds_head(name):
     """Whether a peft adapter folder holds the weights of a classification head (rm.py's do: peft's modules_to_save)."""
     from peft.utils import load_peft_weights
 
-    return any(".score." in k or ".classifier." in k for k in load_peft_weights(name, device="meta"))
+    return any(".score." in k or ".classifier." in k for k in load_peft_weights(name, device="cpu"))  # (small)
 
 
 def load_model(loader, name, flag, on_meta=False, **kwargs):

@@ -184,8 +184,6 @@ class Args:
     0 trains every weight. The final save is the merged policy, with the adapter in output_dir/adapter."""
     lora_alpha: float = 16.0
     """LoRA scale numerator: an adapter adds (lora_alpha / lora_r) * B A to its layer's weight."""
-    lora_dropout: float = 0.0
-    """Dropout on the adapters' input (0: rollout and learning see one network, as everywhere else)."""
     lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
     """Names (or name suffixes) of the layers that get adapters; all-linear: every linear layer but the output layer."""
     # --- logging, checkpoints, systems
@@ -715,7 +713,7 @@ def check_args(args):
             raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
     for name in ("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
                  "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples",
-                 "missing_eos_penalty", "lora_r", "lora_alpha", "lora_dropout"):
+                 "missing_eos_penalty", "lora_r", "lora_alpha"):
         value = getattr(args, name)
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
@@ -835,7 +833,7 @@ def main(args):
         episodes = range(update * batch_size + rank * local_batch, update * batch_size + (rank + 1) * local_batch)
         prompt_index = episode_prompts([e // args.num_samples_per_prompt for e in episodes], len(prompts), args.seed,
                                        orders)  # the K episodes of a prompt are consecutive
-        policy.eval()
+        trainable.eval()  # (sampling and scoring: the policy and the critic in evaluation mode)
         batch = rollout(policy if args.fsdp else unwrap(policy), [prompts[i] for i in prompt_index], episodes, args,
                         stop_id, tokenizer.pad_token_id, device, collective)
         t_rollout = time.time()

@@ -35,8 +35,8 @@ import common
 class Args:
     # --- reward model
     loss_type: Literal["sigmoid", "logexp"] = "sigmoid"
-    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)) (ColossalChat's LogExpLoss),
-    the same function, computed as softplus so that it stays finite at any reward gap."""
+    """sigmoid: -log sigmoid(r_c - r_r - margin). logexp: log(1 + exp(r_r - r_c + margin)) (ColossalChat's LogExpLoss):
+    the same function written another way (softplus), both computed without overflow at any reward gap."""
     center_rewards_coefficient: float = 0.0
     """Weight of mean((r_c + r_r)^2), which keeps rewards centred at 0 (Eisenstein et al. 2023)."""
     head_init_std: float | None = None
@@ -77,8 +77,10 @@ class Args:
     """AdamW learning rate (default: 1e-3 for the embedded models trained from scratch, 1e-5 for pretrained ones)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    num_train_epochs: float = 3.0
-    """Passes over the training pairs (ignored if --max_steps > 0)."""
+    num_train_epochs: float | None = None
+    """Passes over the training pairs (ignored if --max_steps > 0). Default: 1 for pretrained models, as InstructGPT
+    (Ouyang et al. 2022) and Llama 2 (Touvron et al. 2023) train reward models, which overfit after one; 3 for the
+    embedded models, trained from scratch (README's numbers)."""
     max_steps: int = -1
     """Total optimizer steps; overrides --num_train_epochs when > 0."""
     per_device_train_batch_size: int = 32
@@ -108,8 +110,6 @@ class Args:
     beside them; 0 trains every weight. The final save is the merged model, with the adapter in output_dir/adapter."""
     lora_alpha: float = 16.0
     """LoRA scale numerator: an adapter adds (lora_alpha / lora_r) * B A to its layer's weight."""
-    lora_dropout: float = 0.0
-    """Dropout on the adapters' input (0: the two passes of a pair see one network, as everywhere else)."""
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Names (or name suffixes) of the layers that get adapters; all-linear: every linear layer of the backbone."""
     # --- evaluation, logging, checkpoints
@@ -168,7 +168,9 @@ def preference_loss(r_chosen, r_rejected, margin, loss_type="sigmoid"):
     pair loss goes here: training and evaluation both read it through reward_model_loss."""
     if loss_type == "sigmoid":
         return -F.logsigmoid(r_chosen - r_rejected - margin)
-    return F.softplus(r_rejected - r_chosen + margin)  # log(1 + exp(x)), computed so that it never overflows
+    if loss_type == "logexp":
+        return F.softplus(r_rejected - r_chosen + margin)  # log(1 + exp(x)): the same number
+    raise ValueError(f"unknown loss_type {loss_type!r}: sigmoid or logexp")
 
 
 def reward_model_loss(r_chosen, r_rejected, margin, loss_type="sigmoid", center_coefficient=0.0):
@@ -178,10 +180,15 @@ def reward_model_loss(r_chosen, r_rejected, margin, loss_type="sigmoid", center_
         center_coefficient * ((r_chosen + r_rejected) ** 2).mean()
 
 
+def chosen_wins(r_chosen, r_rejected, margin, loss_type="sigmoid"):
+    """P(chosen wins) as the pair loss models it, exp(-loss): the loss is that probability's negative log-likelihood
+    (for both loss types, sigmoid(r_c - r_r - margin): the Bradley-Terry model's logistic link)."""
+    return torch.exp(-preference_loss(r_chosen, r_rejected, margin, loss_type))
+
+
 def reliability(p_chosen, n_bins=10):
-    """Per bin of predicted P(chosen wins) = sigmoid(r_c - r_r - margin), the probability the loss models: how many
-    predictions, their mean, and how often they came true. Each pair counts in both orders, (p, won) and (1 - p,
-    lost)."""
+    """Per bin of predicted P(chosen wins) (chosen_wins): how many predictions, their mean, and how often they came
+    true. Each pair counts in both orders, (p, won) and (1 - p, lost)."""
     p = torch.cat([p_chosen, 1 - p_chosen]).double()
     won = torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)]).double()
     bins = (p * n_bins).long().clamp(max=n_bins - 1)
@@ -279,7 +286,7 @@ def reward_head(model, args, trained_head):
     bfloat16 reward moves in steps of 1/128 of its size, and close pairs would tie."""
     if not trained_head and hasattr(model, "score"):  # encoders' pooled heads keep transformers' initialisation
         hidden = model.score.in_features
-        std = args.head_init_std or 1 / math.sqrt(hidden + 1)
+        std = args.head_init_std if args.head_init_std is not None else 1 / math.sqrt(hidden + 1)
         torch.nn.init.normal_(model.score.weight, std=std)
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"{args.model_name_or_path}: a new reward head (score, {hidden} -> 1, initial std {std:.3g}) on "
@@ -357,7 +364,8 @@ def hold_out_by_prompt(rows, fraction, seed, tokenizer, others=()):
 
 def train_step(model, micro_batches, args, pad_id, device):
     """The forward and backward passes of one optimizer step: per micro-batch, chosen and rejected in one forward and
-    the pair loss. Returns the step's mean loss, accuracy, reward gap, token count and clipped gradient norm."""
+    the pair loss; the gradients clipped to --max_grad_norm. Returns the step's mean loss, accuracy, reward gap, token
+    count and the gradient norm before clipping."""
     stats = dict.fromkeys(("loss", "accuracy", "reward_gap", "tokens"), 0.0)
     for m, pairs in enumerate(micro_batches):
         inputs = model_inputs(pairs, pad_id, args, device)
@@ -417,12 +425,13 @@ def pair_metrics(rc, rr, margin, pairs, args, prefix):
     metrics = {
         "accuracy": (rc > rr).float().mean().item(),  # (a tie counts as an error)
         "loss": reward_model_loss(rc, rr, margin, args.loss_type, args.center_rewards_coefficient).item(),
+        "preference_loss": preference_loss(rc, rr, margin, args.loss_type).mean().item(),  # (without the centering)
         "reward_gap": (rc - rr).mean().item(),
         "chosen_reward": rc.mean().item(),
         "rejected_reward": rr.mean().item(),
         "reward_mean": torch.cat([rc, rr]).mean().item(),
         "reward_std": torch.cat([rc, rr]).std().item(),
-        "calibration_error": calibration_error(torch.sigmoid(rc - rr - margin)),
+        "calibration_error": calibration_error(chosen_wins(rc, rr, margin, args.loss_type)),
         "length_correlation": pearson(torch.cat([rc, rr]), lengths),
     }
     known = torch.tensor([p["gold"] is not None for p in pairs])
@@ -566,11 +575,12 @@ def check_args(args):
             raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
     for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
                  "max_grad_norm", "center_rewards_coefficient", "eval_steps", "save_steps", "head_init_std", "lora_r",
-                 "lora_alpha", "lora_dropout"):
+                 "lora_alpha"):
         value = getattr(args, name)
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
-    if args.max_steps <= 0 and not args.num_train_epochs > 0 and not args.eval_only:
+    if args.max_steps <= 0 and args.num_train_epochs is not None and not args.num_train_epochs > 0 and \
+            not args.eval_only:
         raise common.UserError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or set --max_steps)")
     if not 0 < args.eval_holdout < 1:
         raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
@@ -770,7 +780,8 @@ def schedule(args, n_train, global_batch, rank):
     steps_per_epoch = n_train // global_batch
     if steps_per_epoch == 0 and not args.eval_only:
         raise common.UserError(f"{n_train} training pairs are fewer than one global batch of {global_batch}")
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
+    epochs = args.num_train_epochs or (3 if args.model_name_or_path.startswith("embedded-") else 1)
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(epochs * max(steps_per_epoch, 1))
     evals_at = {*range(args.eval_steps, total_steps, args.eval_steps), total_steps} if args.eval_steps else \
         {math.ceil(k * total_steps / args.num_evals) for k in range(1, args.num_evals + 1)}
     if len(evals_at) < args.num_evals and not (args.eval_steps or args.eval_only) and rank == 0:
@@ -1111,13 +1122,13 @@ def write_results(ev, rewards, metrics, args, **extra):
     """eval_results.json (the evaluation's metrics, extra and the arguments) and eval.png."""
     common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), {
         **{k.removeprefix("eval/"): v for k, v in ev.items()}, **extra, "args": dataclasses.asdict(args)})
-    plot_eval(os.path.join(args.output_dir, "eval.png"), rewards, metrics)
+    plot_eval(os.path.join(args.output_dir, "eval.png"), rewards, metrics, args.loss_type)
 
 
-def plot_eval(path, rewards, metrics):
-    """The reward model at a glance: chosen vs rejected reward histograms; a reliability diagram of P(chosen wins) =
-    sigmoid(r_c - r_r - margin) (each pair in both orders, as calibration_error counts it); accuracy and loss over
-    steps. rewards: per pair (r_chosen, r_rejected, margin), as evaluate returns them."""
+def plot_eval(path, rewards, metrics, loss_type="sigmoid"):
+    """The reward model at a glance: chosen vs rejected reward histograms; a reliability diagram of P(chosen wins)
+    (chosen_wins; each pair in both orders, as calibration_error counts it); accuracy and loss over steps. rewards: per
+    pair (r_chosen, r_rejected, margin), as evaluate returns them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1129,7 +1140,7 @@ def plot_eval(path, rewards, metrics):
         axes[0, 0].hist(r, bins=40, alpha=0.55, color=color, label=f"{name} (mean {r.mean():.3f})")
     axes[0, 0].set(title=f"Rewards on {len(rc)} eval pairs (accuracy {(rc > rr).mean():.3f})", xlabel="reward (logit)",
                    ylabel="pairs")
-    p_chosen = torch.sigmoid(rewards[:, 0] - rewards[:, 1] - rewards[:, 2])
+    p_chosen = chosen_wins(rewards[:, 0], rewards[:, 1], rewards[:, 2], loss_type)
     count, confidence, frequency = reliability(p_chosen)
     axes[0, 1].plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
     axes[0, 1].plot(confidence[count > 0], frequency[count > 0], "o-", color="tab:blue", label="reward model")

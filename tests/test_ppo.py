@@ -703,6 +703,25 @@ def test_gold_reward_function_and_separate_critic_learning_rate(tmp_path):
     assert len(history) == 2 and os.path.getsize(tmp_path / "curves.png") > 10_000
 
 
+def test_the_critic_scores_in_evaluation_mode_and_learns_in_training_mode(tmp_path, monkeypatch):
+    """score() reads the values with the critic in evaluation mode after every update, as the policy samples in it;
+    learn() trains both in training mode."""
+    modes, real_score, real_learn = [], ppo.score, ppo.learn
+
+    def score(critic, *args, **kwargs):
+        modes.append(("score", critic.training))
+        return real_score(critic, *args, **kwargs)
+
+    def learn(policy, critic, *args, **kwargs):
+        modes.append(("learn", policy.training and critic.training))
+        return real_learn(policy, critic, *args, **kwargs)
+
+    monkeypatch.setattr(ppo, "score", score)
+    monkeypatch.setattr(ppo, "learn", learn)
+    ppo.main(ppo.Args(reward_fn="common:gold_rewards", total_episodes=96, output_dir=str(tmp_path)))
+    assert modes == [("score", False), ("learn", True)] * 3
+
+
 def test_seed_streams_are_independent_across_seeds():
     """Seed s + 1 must not replay seed s's next epoch (prompt order) or its episodes (sampling): a seed sweep is a
     sweep of independent runs."""

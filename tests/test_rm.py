@@ -97,6 +97,31 @@ def test_preference_losses_match_formulas():
         assert torch.allclose(got, torch.tensor(expected), atol=1e-6), loss_type
 
 
+def test_the_probability_the_loss_models_the_pair_loss_alone_and_a_head_of_std_0():
+    """chosen_wins (ECE's and the reliability plot's probability) is exp(-loss) = sigmoid(r_c - r_r - margin) for both
+    loss types; an unknown one is refused, not read as another; the evaluation reports the pair loss beside the loss
+    with its centering term; --head_init_std 0 is a head of zeros, not the default std; epochs default by the model."""
+    rc, rr, m = torch.tensor([1.0, -2.0, 0.3, 5.0]), torch.tensor([0.5, 1.0, 0.3, -5.0]), torch.tensor([0.0, 0.5, 1, 2])
+    logistic = [1 / (1 + math.exp(-(c - r - mm))) for c, r, mm in zip(rc.tolist(), rr.tolist(), m.tolist())]
+    for loss_type in ("sigmoid", "logexp"):
+        assert torch.allclose(rm.chosen_wins(rc, rr, m, loss_type), torch.tensor(logistic), atol=1e-6)
+    with pytest.raises(ValueError, match="unknown loss_type 'hinge'"):
+        rm.preference_loss(rc, rr, m, "hinge")
+    pairs = [{"chosen": [1], "rejected": [2], "gold": None}] * 4
+    metrics = rm.pair_metrics(rc, rr, m, pairs, rm.Args(center_rewards_coefficient=0.5), "eval/")
+    pair = -sum(math.log(p) for p in logistic) / 4
+    assert metrics["eval/preference_loss"] == pytest.approx(pair, rel=1e-6)
+    assert metrics["eval/loss"] == pytest.approx(pair + 0.5 * ((rc + rr) ** 2).mean().item(), rel=1e-6)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_config(common.embedded_model_config("embedded-llama", 40, 1))
+    assert rm.reward_head(model, rm.Args(head_init_std=0.0), trained_head=False).score.weight.abs().sum() == 0
+    assert 0.05 < rm.reward_head(model, rm.Args(), trained_head=False).score.weight.std() < 0.2  # 1 / sqrt(65)
+    for name, epochs in (("embedded-llama", 3), ("someone/pretrained", 1)):
+        assert rm.schedule(rm.Args(model_name_or_path=name), 64, 8, rank=0)[1] == 8 * epochs
+    assert rm.schedule(rm.Args(model_name_or_path="someone/pretrained", num_train_epochs=2.0), 64, 8, rank=0)[1] == 16
+
+
 def test_logexp_and_sigmoid_losses_agree_in_value_and_gradient_at_any_reward_gap():
     gap = torch.cat([torch.linspace(-150, 150, 301), torch.tensor([-1e4, 88.5, 1e4])])
     values, grads = [], []
