@@ -418,9 +418,8 @@ def disable_dropout(model):
 @dataclass
 class Rollout:
     """The rollout batch the phases hand each other, one row per episode (the K episodes of a prompt in consecutive
-    rows). The rollout fills the first five fields,
-    each later phase its own; then every rank takes the whole batch (all_gather), so that learning is the same for any
-    number of ranks."""
+    rows). The rollout fills the first five fields, each later phase its own; then every rank takes the whole batch
+    (all_gather), so that learning is the same for any number of ranks."""
     query_response: torch.Tensor
     """(B, context_length + response_length) token ids: the left-padded prompt, then the right-padded response."""
     attention_mask: torch.Tensor
@@ -810,9 +809,10 @@ def main(args):
     # new head: critic_from); the reward: a frozen reward model and/or a function.
     models = build_models(args, tokenizer, device, rank, world)
     policy, critic, reward, lora = models.policy, models.critic, models.reward, models.lora
-    bos_id, limit = common.leading_id(tokenizer), args.max_prompt_length + args.response_length  # (fitted to models)
-    prompts = [truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]  # rm.py's rule: the last
-    ptx = ptx and [ids[:limit] for ids in ptx]  # tokens kept, and the leading BOS
+    bos_id, limit = common.leading_id(tokenizer), args.max_prompt_length + args.response_length
+    # (max_prompt_length: as given, or fitted to the models' position tables by build_models)
+    prompts = [truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]  # rm.py's rule: end and BOS kept
+    ptx = ptx and [ids[:limit] for ids in ptx]  # pretraining text: its first prompt + response length of tokens
     # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type over the updates, no
     # warm-up, stepped once per update (one learning rate for an update's num_ppo_epochs x num_mini_batches steps)
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
@@ -971,7 +971,7 @@ def load_policy(args, tokenizer, on_meta=False):
     # LoRA base is only read, so it may be held in bfloat16
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     return disable_dropout(common.load_model(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path",
-                                                    on_meta, config=config, dtype=dtype))
+                                             on_meta, config=config, dtype=dtype))
 
 
 @dataclass
@@ -1205,7 +1205,7 @@ def load_reward(args, tokenizer, on_meta=False):
     # float32, as rm.py trained it; with LoRA and --bf16 held in bfloat16, as every frozen base weight is then
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     model = disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
-                                                     on_meta, config=config, dtype=dtype)).eval().requires_grad_(False)
+                                              on_meta, config=config, dtype=dtype)).eval().requires_grad_(False)
     common.scalar_head_in_float32(model)
     own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
     if own.pad_token is None:

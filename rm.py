@@ -84,7 +84,7 @@ class Args:
     max_steps: int = -1
     """Total optimizer steps; overrides --num_train_epochs when > 0."""
     per_device_train_batch_size: int = 32
-    """Pairs per device per micro-step (each pair is two sequences in the same forward pass)."""
+    """Pairs per device per micro-step (chosen and rejected of each in the same forward pass)."""
     gradient_accumulation_steps: int = 1
     """Micro-steps per optimizer step. Global batch = per-device batch x accumulation x world size."""
     per_device_eval_batch_size: int | None = None
@@ -476,7 +476,8 @@ def main(args):
     # pairs past --max_length are cut (truncate_pair); eval: each dataset's --eval_split, else --eval_holdout of its
     # pairs, whole prompts held out of training (hold_out_by_prompt)
     train, evals, eval_sets = load_data(args, tokenizer, rank)
-    # steps: --max_steps, else --num_train_epochs x (training pairs // global batch); evaluations after evals_at
+    # steps: --max_steps, else ceil(--num_train_epochs x (training pairs // global batch)), each epoch's leftover pairs
+    # (fewer than a global batch) left out of it; evaluations after evals_at
     steps_per_epoch, total_steps, evals_at = schedule(args, len(train), global_batch, rank)
     if not args.eval_only and common.run_complete(args, total_steps, rank):
         return None
@@ -935,8 +936,9 @@ def declared_windows(config):
 
 @torch.no_grad()
 def choose_layout(model, args, vocab_size, rank=0):
-    """(args, layout): the packed layout if this model passes packed_layout_fault (run once, by rank 0, on the run's
-    device and precision; every rank takes its verdict), else the padded batch, and why."""
+    """(args, layout): the packed layout if this model passes packed_layout_fault (run by rank 0, or under FSDP by
+    every rank on its shards, on the run's device and precision; every rank takes rank 0's verdict), else the padded
+    batch, and why."""
     padded = dataclasses.replace(args, padding_free=False)
     if not args.padding_free:
         return args, "padded (as asked)"
