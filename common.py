@@ -124,18 +124,20 @@ def check_source(name, flag, repo_type="model"):
     if name.startswith("embedded") or os.path.exists(name):
         return
     import huggingface_hub
-    from datasets import config
-    from datasets.naming import camelcase_to_snakecase
 
     missing = f"{flag} {name}: no such file or folder"
     if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) or name.startswith(".") or name.removesuffix(".gz").endswith(
             tuple(LOCAL_BUILDERS)):  # a path, not a hub name
         raise UserError(f"{missing}; check the path")
-    *owner, last = name.split("/")  # (a dataset prepared once by `datasets`, as its loader names it: offline clusters)
-    if os.path.isdir(os.path.join(huggingface_hub.constants.HF_HUB_CACHE, f"{repo_type}s--{name.replace('/', '--')}")) \
-            or repo_type == "dataset" and os.path.isdir(os.path.join(config.HF_DATASETS_CACHE, "___".join(
-                [*owner, camelcase_to_snakecase(last)]))):
+    if os.path.isdir(os.path.join(huggingface_hub.constants.HF_HUB_CACHE, f"{repo_type}s--{name.replace('/', '--')}")):
         return
+    if repo_type == "dataset":  # prepared once by `datasets` (offline clusters): its own cache, as its loader names it
+        from datasets.naming import camelcase_to_snakecase
+
+        *owner, last = name.split("/")
+        if os.path.isdir(os.path.join(hf_datasets().config.HF_DATASETS_CACHE, "___".join(
+                [*owner, camelcase_to_snakecase(last)]))):
+            return
     if huggingface_hub.is_offline_mode():
         raise UserError(f"{missing}, and not in the hub cache (HF_HUB_OFFLINE is set); pass a local path")
     try:
