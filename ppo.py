@@ -5,25 +5,23 @@
     torchrun --nproc_per_node 8 ppo.py --sft_model_path EleutherAI/pythia-1b-deduped \
         --reward_model_path runs/rm --dataset_name trl-lib/tldr --response_length 53 --bf16
     python ppo.py --reward_fn common:gold_rewards  # a rule (here the embedded task's true reward) instead of a model
-    python ppo.py --help                           # every option, documented
+    python ppo.py --help                           # every option
 
-The policy (trained), a frozen reference policy (its initial state), a critic (trained; by default initialised from
-the reward model) and the reward: a frozen reward model and/or a function. (With LoRA the reference is the policy with
-its adapter switched off, and a reward model the critic initialises from is the critic with its adapter off.) Each
-update hands one Rollout batch through the phases:
-  1. rollout: sample a response to every prompt of the batch (K per prompt; KV-cached, seeded per episode);
-  2. score: values, and the reward at the response's stop token;
-  3. log-probs of the responses under the reference (the old log-probs are the sampler's; under --bf16, recomputed);
-  4. advantages: rewards = -kl_coef * KL per token + score at the last token; GAE, whitened;
-  5. learn: num_ppo_epochs passes of clipped-surrogate policy loss and clipped value loss over shuffled mini-batches;
+Models: the policy (trained), a frozen reference (the initial policy; with LoRA, the policy with its adapter off), a
+critic (trained; by default the reward model's network) and the reward (a frozen reward model and/or a function).
+Each update hands one Rollout batch through the phases of main():
+  1. rollout: sample a response to each prompt (K per prompt), token by token, KV-cached, one random stream per episode;
+  2. log-probs and values: the policy's (the ratio's "old"), the reference's and the critic's, each token's;
+  3. score: the reward at the response's last real token;
+  4. advantages: rewards = -kl_coef * KL per token, plus the score at the last token; GAE, whitened;
+  5. learn: num_ppo_epochs passes of the clipped policy loss and clipped value loss over shuffled mini-batches;
   6. adapt kl_coef, log, checkpoint.
-Sampling and every log-prob use the logits divided by --temperature (no top-k / top-p). Weights and optimizer state
-are float32; --bf16 autocasts the transformer blocks, while the output layer, log-softmax, entropy, values and rewards
-stay float32 (with --bf16 and LoRA or --fsdp, frozen weights are held in bfloat16: computed so under autocast anyway).
-Schulman et al. 2017 (PPO); Ziegler et al. 2019 and Stiennon et al. 2020 (PPO for language); Huang et al. 2024
-("The N implementation details of RLHF with PPO"). The same loop without a critic (--advantage_estimator rloo, grpo,
-reinforce_pp: advantages from the K responses to a prompt, or from the batch), with the KL in the loss instead of
-the reward (--kl_penalty loss), and with the loss averaged per response or by a constant (--loss_aggregation).
+Sampling and every log-prob use logits / --temperature (no top-k / top-p). Weights and optimizer state are float32;
+--bf16 autocasts the transformer blocks, while the output layer, log-softmax, entropy, values and rewards stay float32.
+Schulman et al. 2017 (PPO); Ziegler et al. 2019, Stiennon et al. 2020 (PPO for language); Huang et al. 2024 ("The N
+implementation details of RLHF with PPO"). Also: critic-free advantages (--advantage_estimator rloo, grpo,
+reinforce_pp), the KL in the loss (--kl_penalty loss), other loss means (--loss_aggregation), PPO-ptx, LoRA, FSDP2.
+Left out (README.md): value-model warm-up, top-k/top-p sampling, several reward models, multi-turn rollouts.
 """
 
 import contextlib
@@ -54,103 +52,85 @@ from transformers import StaticCache
 import common
 
 
-
-
 @dataclass
 class Args:
-    # --- the advantage estimator, where the KL goes, how the loss is averaged
+    # --- the method
     advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = "gae"
-    """gae: a learned critic and GAE (Schulman et al. 2016), PPO's own. The others need no critic (none is built,
-    trained or saved; the critic's flags are refused): rloo: the episode's return minus the mean return of the other
-    K - 1 episodes of its prompt (Ahmadian et al. 2024, "Back to basics"); grpo: the return minus its prompt's mean
-    return, divided by their std (Shao et al. 2024, DeepSeekMath); reinforce_pp: REINFORCE++ (Hu 2025), each token's
-    return (the sum of the rewards from it on), whitened over the whole batch. rloo and grpo use an episode's return,
-    the score minus kl_coef x the response's KL (under --kl_penalty reward), at every token of the response."""
+    """gae: a critic and GAE (Schulman et al. 2016); no critic: rloo (Ahmadian et al. 2024), grpo (Shao et al. 2024),
+    reinforce_pp (Hu 2025)."""
     num_samples_per_prompt: int | None = None
-    """K: responses sampled to each prompt in one rollout batch (a multiple of K). Default: 4 for rloo and grpo (their
-    baseline is the other responses to the same prompt), 1 otherwise."""
+    """K: responses to each prompt in a rollout batch (default: 4 for rloo and grpo, their baseline; else 1)."""
     scale_rewards: bool = True
-    """grpo: divide by the std of the prompt's returns. --no_scale_rewards is Dr. GRPO (Liu et al. 2025, "Understanding
-    R1-Zero-like training"), usually with --loss_aggregation constant."""
+    """grpo: divide by the std of the prompt's returns (--no_scale_rewards: Dr. GRPO, Liu et al. 2025)."""
     kl_penalty: Literal["reward", "loss"] = "reward"
-    """Where the KL to the reference goes. reward: -kl_coef x KL at every token, in the rewards (Ziegler et al. 2019,
-    eq. 2); loss: kl_coef x the current policy's KL at every token, added to the policy loss and averaged as it is
-    (GRPO, Shao et al. 2024, eq. 3). --target_kl adapts kl_coef in both."""
+    """Where the KL to the reference goes: in the per-token reward (Ziegler et al. 2019), or in the loss (GRPO)."""
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
-    """How a mini-batch's per-token losses are averaged. token_mean: the sum over all its tokens / their number (a long
-    response weighs more); sequence_mean: each response's token mean, averaged over responses (GRPO's 1/|o|, Shao et
-    al. 2024); constant: the sum over tokens / (responses x --response_length) (Dr. GRPO, Liu et al. 2025: no bias
-    for or against length)."""
-    ptx_coef: float = 0.0
-    """Weight of a language-modelling loss on --ptx_dataset_name (InstructGPT's PPO-ptx, Ouyang et al. 2022)."""
-    ptx_dataset_name: str | None = None
-    """Text for the ptx loss: a dataset with a `text` column, or `embedded`."""
-    # --- PPO
+    """A mini-batch's loss: the mean over its tokens, the mean of each response's token mean (GRPO), or the sum /
+    (responses x --response_length) (Dr. GRPO)."""
     kl_coef: float = 0.1
-    """Initial coefficient of the per-token KL penalty to the reference policy."""
+    """Initial coefficient of the per-token KL penalty."""
     kl_estimator: Literal["k1", "k3"] | None = None
-    """Per-token KL estimate: k1 = log p - log q, k3 = (q/p - 1) - log(q/p) (Schulman 2020, non-negative). Default: k1
-    with --kl_penalty reward, k3 with --kl_penalty loss (GRPO's: as a loss, k1's gradient is zero in expectation on
-    the policy's own samples)."""
+    """Per-token KL estimate (Schulman 2020): k1 = log p - log q; k3 = (q/p - 1) - log(q/p) (default: k1 in the reward,
+    k3 in the loss)."""
+    # (k3 in the loss: k1's gradient is zero in expectation on the policy's own samples)
     target_kl: float | None = None
-    """Adaptive KL controller target (sum over the response); None keeps kl_coef fixed (Ziegler et al. 2019)."""
+    """Target KL per response of the adaptive controller (Ziegler et al. 2019); None keeps kl_coef fixed."""
     kl_horizon: int = 10000
     """Horizon in episodes of the adaptive KL controller."""
-    gamma: float = 1.0
-    """Discount factor."""
-    lam: float = 0.95
-    """GAE lambda."""
+    gamma: float | None = None
+    """Discount factor (default 1.0; gae and reinforce_pp only)."""
+    lam: float | None = None
+    """GAE lambda (default 0.95; gae only)."""
     cliprange: float = 0.2
     """Clip range of the policy ratio."""
-    cliprange_value: float = 0.2
-    """Clip range of the value prediction around its rollout value."""
-    vf_coef: float = 0.1
-    """Weight of the value loss."""
+    cliprange_value: float | None = None
+    """Clip range of the value around its rollout value (default 0.2; gae only)."""
+    vf_coef: float | None = None
+    """Weight of the value loss (default 0.1; gae only)."""
     ent_coef: float = 0.0
     """Weight of the entropy bonus."""
     whiten_rewards: bool = False
-    """Whiten the per-token rewards before GAE, keeping their mean: (r - mean) / std + mean over the batch's real
-    tokens (masked_whiten with shift_mean=False)."""
+    """Whiten the per-token rewards before the advantages, keeping their mean (gae and reinforce_pp)."""
+    missing_eos_penalty: float | None = None
+    """Subtracted from the score of a response that never emits the stop token."""
+    ptx_coef: float = 0.0
+    """Weight of a language-modelling loss on --ptx_dataset_name (PPO-ptx, Ouyang et al. 2022)."""
+    ptx_dataset_name: str | None = None
+    """Text for the ptx loss: a dataset with a `text` column, or `embedded`."""
     # --- models and data
     sft_model_path: str = "embedded-llama"
-    """The initial policy: a Hugging Face causal LM name or path, or embedded-llama / embedded-neox (a tiny model built
-    and briefly fine-tuned on the embedded task locally)."""
+    """The initial policy: a causal LM (name or path, or a peft adapter folder), or embedded-llama / embedded-neox."""
     reward_model_path: str | None = None
-    """A reward model saved by rm.py (its normalization is applied), or any AutoModelForSequenceClassification, decoder
-    or encoder (BERT, RoBERTa, DeBERTa), with the policy's tokenizer or its own (then it reads the decoded text).
-    Default: runs/rm, or none when --reward_fn is given (pass both to add them)."""
+    """A reward model (rm.py's, normalization applied; or any sequence classifier, decoder or encoder). Default:
+    runs/rm, none with --reward_fn."""
     reward_fn: str | None = None
-    """A rule-based reward `module:function` (module importable from the working directory, or a .py path), called
-    as fn(prompts: list[str], responses: list[str]) -> list[float] with the prompt texts (whole: a rule judges the
-    answer to the whole question, though the policy and reward model read the prompt cut to --max_prompt_length) and
-    the responses' text (without the stop token); added to the reward model's score if there is one."""
+    """A rule `module:function`, fn(prompts, responses) -> list of floats on the texts; added to the reward model's
+    score."""
     critic_init: Literal["auto", "reward", "policy"] = "auto"
-    """Initialise the critic from the reward model (value head = reward head) or from the policy (new head). auto:
-    the reward model when it is a decoder with the policy's tokenizer, else the policy."""
+    """The critic's start: the reward model (its head the value head), or the policy with a new head. auto: the reward
+    model where it reads the policy's tokens."""
     dataset_name: str = "embedded"
-    """Prompts: hub name, local .jsonl/.json/.parquet/.csv(.gz) with a `prompt` (text or messages), `messages` or
-    preference columns, or `embedded`."""
+    """Prompts: a hub name, a .jsonl/.json/.parquet/.csv(.gz) file with `prompt` (text or messages), `messages` or
+    pairs, or `embedded`."""
     dataset_config: str | None = None
-    """Hub dataset configuration name."""
+    """Hub dataset configuration."""
     dataset_train_split: str = "train"
     """Split to take prompts from."""
     max_prompt_length: int | None = None
-    """Longer prompts keep their last tokens and their leading BOS (the rule rm.py applies). Default: 256, rm.py's too,
-    or what a learned position table leaves beside --response_length if less."""
+    """A longer prompt keeps its last tokens and its BOS, as in rm.py (default 256, less where positions end)."""
     output_dir: str = "runs/ppo"
-    """Where the final policy, metrics.jsonl, samples.jsonl, curves.png and checkpoints are written."""
-    # --- sizes
+    """Where the policy, metrics.jsonl, samples.jsonl, curves.png and checkpoints go."""
+    # --- sizes: rollout batch = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x ranks
     total_episodes: int = 12288
-    """Episodes (prompt, response) to train on in all."""
+    """Episodes (prompt, response) in all."""
     per_device_train_batch_size: int = 16
-    """Episodes per device per micro-batch of the learning phase (run as one forward/backward pass, or as a few
-    length groups: the same numbers, less padding)."""
+    """Episodes per rank per forward and backward of the learning phase."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
     num_mini_batches: int = 2
-    """Optimizer steps per PPO epoch. Rollout batch = micro-batch x accumulation x mini-batches x world size."""
+    """Optimizer steps per PPO epoch."""
     num_collect_steps: int = 1
-    """Each rank generates its share of the rollout batch in this many chunks, collected into one buffer."""
+    """Each rank samples its share of the rollout batch in this many chunks (less KV-cache memory)."""
     num_ppo_epochs: int = 4
     """Passes over each rollout batch."""
     # --- optimisation
@@ -159,79 +139,66 @@ class Args:
     critic_learning_rate: float | None = None
     """AdamW learning rate of the critic (default: the policy's)."""
     weight_decay: float = 0.0
-    """AdamW weight decay of policy and critic."""
+    """AdamW weight decay."""
     lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
-    """Learning-rate schedule over the updates."""
+    """Learning-rate schedule over the updates (no warm-up)."""
     max_grad_norm: float = 1.0
-    """Gradient clipping norm over policy and critic together (0 disables), logged as policy/grad_norm (one clip, not
-    one per model: the same gold score at equal KL on the embedded task; benchmarks/README.md, Gradient clipping)."""
+    """Clip the gradient norm of policy and critic together (0: no clipping)."""
+    # (one clip, not one per model: the same gold score at equal KL; benchmarks/README.md, Gradient clipping)
     seed: int = 1
-    """Seed of data order and sampling (each episode's sampling is seeded by its global index)."""
+    """Seed of the data order and of sampling (each episode's stream seeded by its index)."""
     # --- sampling
     response_length: int = 16
     """Maximum new tokens per response."""
     temperature: float = 1.0
-    """Sampling temperature; log-probs in training use the same temperature. (No top-k / top-p: PPO's ratio and KL
-    need the log-probs of the distribution a token was sampled from, and filtered sampling draws from another one.)"""
+    """Sampling temperature, used by every log-prob too."""
+    # (no top-k / top-p: the ratio and KL need the distribution a token was drawn from)
     stop_token: str = "eos"
-    """Token that ends a response: `eos`, a token string, or `none`. Tokens after it are padding."""
-    missing_eos_penalty: float | None = None
-    """Subtracted from the score of responses that never emit the stop token."""
-    # --- LoRA (through peft)
+    """Token that ends a response: `eos`, a token as the tokenizer spells it, or `none`."""
+    # --- LoRA (peft)
     lora_r: int = 0
-    """Rank of the LoRA adapters (Hu et al. 2021) on the linear layers of the policy's and the critic's backbones (the
-    value head trained in full); the reference policy is the policy with its adapter switched off, no second copy.
-    0 trains every weight. The final save is the merged policy, with the adapter in output_dir/adapter."""
+    """Rank of LoRA adapters (Hu et al. 2021) on the policy's and critic's linear layers; the reference is the policy
+    with its adapter off. 0: full fine-tuning."""
     lora_alpha: float = 16.0
-    """LoRA scale numerator: an adapter adds (lora_alpha / lora_r) * B A to its layer's weight."""
+    """LoRA scale: an adapter adds (lora_alpha / lora_r) B A to its layer."""
     lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
-    """Names (or name suffixes) of the layers that get adapters; all-linear: every linear layer but the output layer."""
+    """Layers (names or suffixes) that get adapters; all-linear: every linear layer but the output layer."""
     # --- logging, checkpoints, systems
     sample_every: int = 10
-    """Print and save a table of sample completions every this many updates."""
+    """Print and save sample completions every this many updates."""
     num_samples: int = 4
     """Rows in each sample table."""
     save_steps: int | None = None
-    """Write a resumable checkpoint every this many updates (default: one every 30 minutes of training; 0: none).
-    Ctrl-C (SIGINT) or SIGTERM ends a run after its current update with a checkpoint, whatever this is (exit 130 /
-    143)."""
+    """A resumable checkpoint every this many updates (default: every 30 minutes; 0: none). Ctrl-C / SIGTERM checkpoint
+    too."""
     resume: bool = False
-    """Continue from the latest checkpoint in --output_dir at the episodes it had trained, on any number of ranks (a
-    global batch that does not divide them is refused, naming the flags that keep the saved one)."""
+    """Continue from the latest checkpoint in --output_dir, on any number of ranks (the same global batch)."""
     overwrite_output_dir: bool = False
-    """Train afresh in an --output_dir that holds a finished run or checkpoints (refused without this or --resume):
-    its checkpoints are deleted when training starts, its other files replaced as this run writes them."""
+    """Train afresh in an --output_dir that holds a finished run or checkpoints (deleted when training starts)."""
     track: bool = False
-    """Log to Weights & Biases (works with WANDB_MODE=offline)."""
+    """Log to Weights & Biases."""
     tensorboard: bool = False
-    """Also write every logged metric as TensorBoard events to --output_dir/tensorboard."""
+    """Also write TensorBoard events to --output_dir/tensorboard."""
     wandb_project: str = "rlhf-ppo"
     """Weights & Biases project."""
     run_name: str | None = None
-    """Run name for Weights & Biases."""
-    offload_inference_models: bool = False
-    """--fsdp on GPUs: hold the reference and reward models' shards in pinned host memory (FSDP's CPU offload), on the
-    GPU only while they compute: GPU memory for the learning phase."""
+    """Weights & Biases run name."""
     fsdp: bool = False
-    """Shard every model (policy, critic, reference, reward model) per transformer block with FSDP2 (default: DDP;
-    the frozen models are then replicas)."""
+    """Shard every model per transformer block with FSDP2 (default DDP, the frozen models replicas)."""
+    offload_inference_models: bool = False
+    """With --fsdp on GPUs: the frozen models' shards in pinned host memory, on the GPU only while they compute."""
     gradient_checkpointing: bool = False
-    """Recompute the policy's and critic's activations in the backward pass (activation checkpointing: less memory
-    for one more forward of each block in learning)."""
+    """Recompute the policy's and critic's activations in the backward pass (less memory)."""
     bf16: bool = False
-    """bfloat16 autocast (weights and optimizer state stay float32; with LoRA the frozen base weights are held in
-    bfloat16). Output layer, log-softmax, entropy and scalar heads stay float32; the old log-probs are recomputed by
-    the learning forward (reference_logprobs)."""
+    """bfloat16 autocast (weights and optimizer state float32; a frozen LoRA base held in bfloat16)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The math.
 
 
-def masked_mean(x, mask, n_tokens=None):
-    """Mean over the real tokens. With n_tokens (the real tokens of a whole mini-batch), the sum divided by it: the
-    contributions of a mini-batch's micro-batches, on every rank, then add up to its mean however it is split."""
-    return (x * mask).sum() / (mask.sum().clamp(min=1) if n_tokens is None else n_tokens)
+def masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def masked_whiten(x, mask, shift_mean=True):
@@ -243,21 +210,19 @@ def masked_whiten(x, mask, shift_mean=True):
 
 
 def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
-    """Estimates of KL(policy || reference) from samples of the policy (Schulman 2020, "Approximating KL
-    divergence")."""
+    """KL(policy || reference) estimated from the policy's samples (Schulman 2020, "Approximating KL divergence")."""
     if estimator == "k1":
         return logprobs - ref_logprobs
-    if estimator != "k3":  # (Args fills its default before: a copied function must not fall back silently)
+    if estimator != "k3":
         raise ValueError(f"unknown KL estimator {estimator!r}: k1 or k3")
     log_ratio = ref_logprobs - logprobs
     return torch.expm1(log_ratio) - log_ratio  # exp(x) - 1 - x, without float32's cancellation near 0 (never < 0)
 
 
 def gae(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation (Schulman et al. 2016, eq. 16) over the real tokens of each response: the
-    value after the last real token is 0, also for a response cut at --response_length (treated as ended, as TRL
-    does; --missing_eos_penalty penalises it). Returns advantages and returns (= advantages + values, the value
-    targets)."""
+    """Generalized advantage estimation (Schulman et al. 2016, eq. 16). The value after the last real token is 0, also
+    for a response cut at --response_length (treated as ended, as TRL does). Returns advantages and returns (the value
+    targets, advantages + values)."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[:, 0])
@@ -270,62 +235,54 @@ def gae(rewards, values, mask, gamma, lam):
 
 
 def rloo_advantages(returns, k):
-    """RLOO (Ahmadian et al. 2024, after Kool et al. 2019): each episode's return minus the mean return of the
-    other k - 1 episodes of its prompt. returns: (B,), the k episodes of a prompt in consecutive rows."""
+    """RLOO (Ahmadian et al. 2024): each return minus the mean of the other k - 1 of its prompt (consecutive rows)."""
     group = returns.view(-1, k)
     return (group - (group.sum(1, keepdim=True) - group) / (k - 1)).flatten()
 
 
 def grpo_advantages(returns, k, scale=True, eps=1e-4):
-    """GRPO's outcome advantage (Shao et al. 2024, section 4.1.2): (return - mean) / (std + eps) over the k episodes
-    of a prompt (unbiased std, as TRL); scale=False keeps return - mean (Dr. GRPO, Liu et al. 2025)."""
+    """GRPO (Shao et al. 2024, 4.1.2): (return - mean) / (std + eps) over a prompt's k returns (unbiased std, as TRL);
+    scale=False keeps return - mean (Dr. GRPO, Liu et al. 2025)."""
     group = returns.view(-1, k)
     centered = group - group.mean(1, keepdim=True)
     return (centered / (group.std(1, keepdim=True) + eps) if scale else centered).flatten()
 
 
 def reinforce_pp_advantages(rewards, mask, gamma):
-    """REINFORCE++ (Hu 2025): each token's return sum_{s >= t} gamma^(s-t) r_s, whitened over every real
-    token of the batch (no critic, no group). That return is GAE's advantage with the values 0 and lambda 1."""
+    """REINFORCE++ (Hu 2025): each token's discounted return (GAE with values 0, lambda 1), whitened over the batch."""
     returns, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)
     return masked_whiten(returns, mask)
 
 
-def aggregation_weights(mask, aggregation):
-    """--loss_aggregation as each token's weight relative to token_mean's, for one mini-batch's (responses,
-    response_length) real-token mask: masked_mean(x * weights, mask, mask.sum()) is then
-      token_mean     sum of x / tokens                                  (weights None: 1)
-      sequence_mean  mean over responses of each one's token mean     (weight tokens / (responses x its length))
-      constant       sum of x / (responses x response_length)          (weight tokens / (responses x width))"""
+def token_weights(mask, aggregation):
+    """THE mean a mini-batch's losses take: each token's weight, for the mini-batch's (responses, response_length)
+    real-token mask. token_mean: 1 / its tokens; sequence_mean: 1 / (responses x the response's length) (GRPO's
+    1/|o|); constant: 1 / (responses x response_length) (Dr. GRPO: no bias for or against length)."""
+    mask = mask.float()
     if aggregation == "token_mean":
-        return None
-    n_tokens, rows = mask.sum(), len(mask)
+        return mask / mask.sum().clamp(min=1)
     if aggregation == "sequence_mean":
-        return (n_tokens / (rows * mask.sum(1, keepdim=True).clamp(min=1))).expand_as(mask)
-    return (n_tokens / (rows * mask.shape[1])).expand_as(mask)
+        return mask / (len(mask) * mask.sum(1, keepdim=True).clamp(min=1))
+    return mask / mask.numel()
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, n_tokens=None, weights=None):
-    """Clipped surrogate objective (Schulman et al. 2017, eq. 7), as a loss, averaged over real tokens (each weighted
-    by aggregation_weights where given). The statistics are token means."""
+def policy_loss(logprobs, old_logprobs, advantages, weights, cliprange):
+    """The clipped surrogate objective (Schulman et al. 2017, eq. 7) as a loss, weighted by token_weights; its
+    statistics weighted alike."""
     ratio = (logprobs - old_logprobs).exp()
     unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
-    terms = torch.maximum(unclipped, clipped)
-    loss = masked_mean(terms if weights is None else terms * weights, mask, n_tokens)
-    stats = {"clipfrac": masked_mean((clipped > unclipped).float(), mask, n_tokens),
-             "approxkl": 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask, n_tokens),
-             "ratio": masked_mean(ratio, mask, n_tokens), "ratio_sq": masked_mean(ratio ** 2, mask, n_tokens)}
-    return loss, stats
+    stats = {"clipfrac": (clipped > unclipped).float(), "approxkl": 0.5 * (logprobs - old_logprobs) ** 2,
+             "ratio": ratio, "ratio_sq": ratio ** 2}
+    return (torch.maximum(unclipped, clipped) * weights).sum(), {k: (v * weights).sum() for k, v in stats.items()}
 
 
-def value_loss(values, old_values, returns, mask, cliprange_value, n_tokens=None, weights=None):
-    """0.5 * max((v - R)^2, (v_clipped - R)^2), v_clipped within cliprange_value of the rollout value; averaged as
-    policy_loss is. Also returns the token mean of the clipped fraction."""
+def value_loss(values, old_values, returns, weights, cliprange_value):
+    """0.5 * max((v - R)^2, (v_clipped - R)^2), v_clipped within cliprange_value of the rollout value (Huang et al.
+    2024), weighted by token_weights. Also returns the clipped fraction."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_sq, clipped_sq = (values - returns) ** 2, (clipped - returns) ** 2
-    terms = torch.maximum(unclipped_sq, clipped_sq)
-    return 0.5 * masked_mean(terms if weights is None else terms * weights, mask, n_tokens), \
-        masked_mean((clipped_sq > unclipped_sq).float(), mask, n_tokens)
+    return 0.5 * (torch.maximum(unclipped_sq, clipped_sq) * weights).sum(), \
+        ((clipped_sq > unclipped_sq).float() * weights).sum()
 
 
 def adaptive_kl_coef(kl_coef, kl, target, horizon, n_episodes):
@@ -345,10 +302,8 @@ def truncate_after_stop(responses, stop_id, pad_id):
 
 
 def response_logprobs(model, query_response, attention_mask, context_length, temperature):
-    """The log-prob of each response token under the model at the sampling temperature, written plainly: the logits
-    at position t predict token t + 1, so the response (columns context_length ..) is read at positions
-    context_length - 1 .. T - 2; float32 log-softmax. The phases call policy_forward, which computes the same (and
-    the entropies) in memory bounded by the micro-batch; tests/test_ppo.py checks that the two agree."""
+    """Each response token's log-prob at the sampling temperature, written plainly: position t predicts token t + 1.
+    policy_forward computes the same in bounded memory (tests/test_ppo.py checks that they agree)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: a position counts real tokens only
     logits = model(input_ids=query_response, attention_mask=attention_mask, position_ids=position_ids).logits
     logprobs = torch.log_softmax(logits[:, context_length - 1:-1].float() / temperature, -1)
@@ -356,14 +311,13 @@ def response_logprobs(model, query_response, attention_mask, context_length, tem
 
 
 def language_modelling_loss(policy, seqs, pad_id, n_tokens, device):
-    """The ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy on pretraining text, summed over the
-    sequences' real transitions and divided by n_tokens (those of the whole mini-batch). The log-probs of every token
-    after the first are made as the policy's are (policy_forward: float32, logits in blocks)."""
+    """The ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy on pretraining text, summed over real
+    transitions and divided by n_tokens (those of the whole mini-batch)."""
     ids, ids_mask = pad_left(seqs, max(map(len, seqs)), pad_id)
     ids, ids_mask = ids.to(device), ids_mask.long().to(device)
     logprobs, _ = policy_forward(policy, ids, ids_mask, 1, 1.0, entropy=False)
-    # a target counts only after a real token: no pad -> first-token transition on left-padded rows
-    return masked_mean(-logprobs, (ids_mask[:, 1:] * ids_mask[:, :-1]).float(), n_tokens)
+    real = (ids_mask[:, 1:] * ids_mask[:, :-1]).float()  # a target counts only after a real token (left padding)
+    return (-logprobs * real).sum() / n_tokens
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -379,14 +333,14 @@ def truncate_prompt(ids, max_prompt_length, bos_id=None):
 
 
 def last_token_index(mask):
-    """Where a response ends: its last real token (its stop token, or the last one of a response cut at
+    """Where a response ends: its last real token (its stop token, or the last of a response cut at
     --response_length), read from the mask (a pad id may equal EOS), right or left padded."""
     return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
 
 
 def sequence_reward(model, ids, mask):
-    """The reward model's output: a decoder's scalar head at the response's last real token, where rm.py trains it;
-    an encoder's pooled head ([CLS])."""
+    """A reward model's output: a decoder's scalar head at the last real token, where rm.py trains it; an encoder's
+    pooled head ([CLS])."""
     if not hasattr(model, "score"):  # BERT, RoBERTa, DeBERTa: a pooled `classifier`
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
     hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
@@ -417,34 +371,21 @@ def disable_dropout(model):
 
 @dataclass
 class Rollout:
-    """The rollout batch the phases hand each other, one row per episode (the K episodes of a prompt in consecutive
-    rows). The rollout fills the first five fields, each later phase its own; then every rank takes the whole batch
-    (all_gather), so that learning is the same for any number of ranks."""
-    query_response: torch.Tensor
-    """(B, context_length + response_length) token ids: the left-padded prompt, then the right-padded response."""
-    attention_mask: torch.Tensor
-    """Same shape: 1 on real tokens."""
-    context_length: int
-    """Prompt columns; the response starts there."""
-    mask: torch.Tensor
-    """(B, response_length) bool: the response's real tokens, through its stop token."""
-    logprobs: torch.Tensor
-    """(B, response_length) the sampled tokens' log-probs under the policy that sampled them: the ratio's "old" (under
-    --bf16, recomputed by reference_logprobs)."""
-    scores: torch.Tensor | None = None
-    """(B,) the episode's score (reward model and/or function, missing-EOS penalty)."""
-    values: torch.Tensor | None = None
-    """(B, response_length) the critic's value of each state (0 after the response; None without a critic)."""
-    has_stop: torch.Tensor | None = None
-    """(B,) whether the response emitted the stop token (None with --stop_token none)."""
-    gold: torch.Tensor | None = None
-    """(B,) the embedded task's true reward (NaN elsewhere)."""
-    ref_logprobs: torch.Tensor | None = None
-    """(B, response_length) the reference policy's log-probs of the sampled tokens."""
-    advantages: torch.Tensor | None = None
-    """(B, response_length) each token's advantage (0 after the response)."""
-    returns: torch.Tensor | None = None
-    """(B, response_length) the critic's targets (GAE only)."""
+    """One row per episode (the K episodes of a prompt in consecutive rows), every rank's rows (all_gather_rollout),
+    so that learning is the same for any number of ranks. Each phase fills its fields; (B, T) is (rows,
+    response_length), 0 after the response."""
+    query_response: torch.Tensor  # (B, context_length + response_length): the left-padded prompt, the response
+    attention_mask: torch.Tensor  # the same shape: 1 on real tokens
+    context_length: int  # prompt columns: the response starts there
+    mask: torch.Tensor  # (B, T) bool: the response's real tokens, through its stop token
+    logprobs: torch.Tensor | None = None  # (B, T) 2. the policy's log-probs of the sampled tokens: the ratio's "old"
+    ref_logprobs: torch.Tensor | None = None  # (B, T) 2. the reference policy's
+    values: torch.Tensor | None = None  # (B, T) 2. the critic's value of each state (None without a critic)
+    scores: torch.Tensor | None = None  # (B,) 3. reward model and/or function, missing-EOS penalty
+    has_stop: torch.Tensor | None = None  # (B,) 3. whether the response emitted the stop token (None: no stop token)
+    gold: torch.Tensor | None = None  # (B,) 3. the embedded task's true reward (NaN elsewhere)
+    advantages: torch.Tensor | None = None  # (B, T) 4.
+    returns: torch.Tensor | None = None  # (B, T) 4. the critic's targets (GAE only)
 
     @property
     def responses(self):
@@ -452,31 +393,24 @@ class Rollout:
 
 
 def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collective):
-    """1. Sample a response to each of this rank's episodes, in --num_collect_steps chunks, each episode with its own
-    random stream: token by token from softmax(logits / --temperature) (no top-k, top-p), recording each sampled
-    token's log-prob under that same tempered distribution (generate). Returns the Rollout's first fields: prompts
-    left-padded, responses with padding after the stop token, their real-token mask and the sampling log-probs."""
+    """1. A response to each of this rank's episodes, sampled from softmax(logits / --temperature) with the episode's
+    own random stream (generate), in --num_collect_steps chunks; tokens after the stop token become padding."""
     width = all_reduce(torch.tensor(max(map(len, prompt_ids)), device=device), dist.ReduceOp.MAX)  # same on all ranks
     query, query_mask = (t.to(device) for t in pad_left(prompt_ids, int(width), pad_id))
-    chunk = len(episodes) // args.num_collect_steps
-    responses, logprobs = [], []
+    chunk, responses = len(episodes) // args.num_collect_steps, []
     with gathered_once(policy, collective):  # FSDP: the weights gathered once, not once per token
         for c in range(0, len(episodes), chunk):
             generators = [torch.Generator(device).manual_seed(common.seed_of(args.seed, "sampling", e))
                           for e in episodes[c:c + chunk]]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                r, lp = generate(policy, query[c:c + chunk], query_mask[c:c + chunk], generators, args, stop_id,
-                                 pad_id, collective)
-            responses.append(r)
-            logprobs.append(lp)
+                responses.append(generate(policy, query[c:c + chunk], query_mask[c:c + chunk], generators, args,
+                                          stop_id, pad_id, collective))
     responses, mask = truncate_after_stop(torch.cat(responses), stop_id, pad_id)
-    return Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask,
-                   torch.cat(logprobs).masked_fill(~mask, 0.0))
+    return Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask)
 
 
 class Critic(torch.nn.Module):
-    """The value of each state: a sequence-classification model's scalar head (float32) at every position, minus a
-    constant offset (built by critic_from)."""
+    """The value of each state: a sequence classifier's scalar head (float32) at every position, minus an offset."""
 
     def __init__(self, hf_model, offset=0.0):
         super().__init__()
@@ -490,16 +424,15 @@ class Critic(torch.nn.Module):
 
 
 def critic_from(args, policy, reward):
-    """The critic's start. --critic_init reward: rm.py's reward model, its head divided by rm.py's scale and the
-    Critic's offset shift / scale (build_models), so that it starts out reading the normalized score,
-    (w.h - shift) / scale. --critic_init policy: a copy of the policy's backbone and a new head, its weights normal
-    with std 1 / sqrt(hidden + 1), as rm.py's reward head (on the meta device where the policy is)."""
+    """The critic's network. --critic_init reward: the reward model, its head divided by rm.py's scale (the Critic's
+    offset is shift / scale: it starts out reading the normalized score). --critic_init policy: the policy's backbone
+    and a new head, normal with std 1 / sqrt(hidden + 1), as rm.py's."""
     from transformers import AutoModelForSequenceClassification
 
     if args.critic_init == "reward":
         critic = copy.deepcopy(reward.model.hf).requires_grad_(True)
-        with torch.no_grad():  # (a bias too, where a head has one)
-            for p in critic.score.parameters():
+        with torch.no_grad():
+            for p in critic.score.parameters():  # (a bias too, where a head has one)
                 p /= reward.scale
         return critic
     config = without_dropout(copy.deepcopy(policy.config))
@@ -514,76 +447,61 @@ def critic_from(args, policy, reward):
 
 
 @torch.no_grad()
-def score(critic, reward, batch, prompt_texts, tokenizer, stop_id, args, collective=False):
-    """2. Each episode's values (with a critic) and score: the frozen reward model's output at the response's last
-    real token (its stop token, or the last one of a response cut at --response_length; rm.py trains it to read
-    there), normalized as rm.py saved it, (output - shift) / scale; read in the policy's tokens, or where it has its
-    own tokenizer, on the decoded text in its tokens (reward_model_tokens). Plus the reward function of the prompt
-    and response texts, minus the missing-EOS penalty. Forwards run on groups of similar length (one group under
-    FSDP, where every rank must make the same calls). Fills scores, values and has_stop; returns the response texts."""
-    responses, mask, context_length = batch.responses, batch.mask, batch.context_length
-    has_stop = (responses == stop_id).any(1) if stop_id is not None else None
-    response_texts = [tokenizer.decode(r[m & (r != stop_id)] if stop_id is not None else r[m], skip_special_tokens=True)
-                      for r, m in zip(responses.cpu(), mask.cpu())]
-    scores = torch.zeros(len(responses), device=responses.device)
-    values = torch.zeros_like(responses, dtype=torch.float)
-    groups = [torch.arange(len(responses))] if collective else length_groups(
-        batch.attention_mask[:, :context_length].sum(1), mask.sum(1))
-    micro = args.per_device_train_batch_size  # peak memory of one micro-batch's forwards, as in learning
-    if reward.tokenizer is not None:  # another vocabulary, an encoder: it reads the text, in its own tokens
-        rm_ids, rm_mask = (t.to(responses.device) for t in reward_model_tokens(batch, stop_id, tokenizer, reward, args))
-    with torch.autocast(responses.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        for rows in (g.to(responses.device)[i:i + micro] for g in groups for i in range(0, len(g), micro)):
-            f = trimmed(batch, rows)
-            ids, ids_mask, context, kept = f.ids, f.attention_mask, f.context, f.kept
-            if critic is not None:  # (under --bf16 reference_logprobs recomputes them; kept first here all the same:
-                # FSDP fixes a model's gradient dtypes at its first forward, which must run with the LoRA adapter on)
-                values[rows, :kept] = critic(ids, ids_mask)[:, context - 1:-1]
-            if reward.in_critic is not None:  # LoRA: the reward model is the critic with its adapter off
-                with reward.in_critic():
-                    scores[rows] = critic(ids, ids_mask).gather(1, last_token_index(ids_mask)[:, None])[:, 0]
-            elif reward.model is not None:
-                own = (ids, ids_mask) if reward.tokenizer is None else \
-                    (t[rows][:, rm_mask[rows].bool().any(0)] for t in (rm_ids, rm_mask))  # no all-padding column
-                scores[rows] = (reward.model(*own) - reward.shift) / reward.scale
-    if reward.fn is not None:
-        scores += common.agreed(lambda: call_reward_fn(reward, prompt_texts, response_texts)).to(scores.device)
-    if args.missing_eos_penalty is not None:
-        scores = scores - args.missing_eos_penalty * (~has_stop).float()
-    batch.scores, batch.values, batch.has_stop = scores, values * mask if critic is not None else None, has_stop
-    return response_texts
+def logprobs_and_values(policy, ref_policy, critic, batch, args, update, rank, world, reference_mode):
+    """2. Each sampled token's log-prob under the policy (the ratio's "old") and under the reference, and the critic's
+    values: computed as learn() computes its first steps (learning_forward), so that in any precision the first ratio
+    is exactly 1, the KL at initialisation 0, and the first value clip centred on the learning forward's values."""
+    def forwards(ids, mask, context):
+        out = [policy_forward(policy, ids, mask, context, args.temperature, entropy=False)[0]]
+        with reference_mode():  # the frozen copy of the initial policy (LoRA: the policy with its adapter off)
+            out.append(policy_forward(ref_policy, ids, mask, context, args.temperature, entropy=False)[0])
+        return out + ([critic(ids, mask)[:, context - 1:-1]] if critic is not None else [])
+
+    batch.logprobs, batch.ref_logprobs, *values = learning_forward(batch, args, update, rank, world, forwards)
+    batch.values = values[0] if values else None
 
 
 @torch.no_grad()
-def reference_logprobs(policy, ref_policy, critic, batch, args, update, rank, world, reference_mode):
-    """3. The sampled tokens' log-probs under the reference policy, and where the old log-probs come from. Each is
-    computed as learn() computes its first steps (learning_forward): under --bf16 the KL at initialisation is then
-    exactly 0, in float32 within rounding. Fills ref_logprobs (under --bf16, logprobs and values too)."""
-    def forwards(ids, mask, context):
-        with reference_mode():  # the frozen copy of the initial policy (LoRA: the policy with its adapter off)
-            out = [policy_forward(ref_policy, ids, mask, context, args.temperature, entropy=False)[0]]
-        if args.bf16:  # the old log-probs and the values, recomputed (below)
-            out.append(policy_forward(policy, ids, mask, context, args.temperature, entropy=False)[0])
-            out += [critic(ids, mask)[:, context - 1:-1]] if critic is not None else []
-        return out
-
-    batch.ref_logprobs, *recomputed = learning_forward(batch, args, update, rank, world, forwards)
-    # The old log-probs (the ratio's denominator) are the sampler's, recorded in step 1 at the sampling temperature:
-    # in float32 they equal the learning forward's (tests check it on every family). In bfloat16 a one-token KV-cached
-    # decode and a whole-sequence forward round differently, so --bf16 recomputes them here, and the values: the first
-    # ratio is then exactly 1 and the first value clip centred on what learning computes.
-    if args.bf16:
-        batch.logprobs = recomputed[0]
-        if critic is not None:
-            batch.values = recomputed[1]
+def score(critic, reward, batch, rows, prompt_texts, tokenizer, stop_id, args, collective=False):
+    """3. The score of this rank's rows of the batch (every rank gets all of them): the reward model's output at the
+    response's last real token (rm.py trains it to read there), normalized as rm.py saved it, (output - shift) /
+    scale; in the policy's tokens, or on the decoded text in its own (reward_model_tokens). Plus --reward_fn on the
+    texts, minus --missing_eos_penalty. Returns the rows' response texts."""
+    responses, mask = batch.responses[rows], batch.mask[rows]
+    texts = [tokenizer.decode(r[m & (r != stop_id)] if stop_id is not None else r[m], skip_special_tokens=True)
+             for r, m in zip(responses.cpu(), mask.cpu())]
+    scores = torch.zeros(len(rows), device=mask.device)
+    groups = [torch.arange(len(rows))] if collective else length_groups(  # (FSDP: every rank the same calls)
+        batch.attention_mask[rows, :batch.context_length].sum(1), mask.sum(1))
+    if reward.tokenizer is not None:  # another vocabulary, an encoder: it reads the text, in its own tokens
+        rm_ids, rm_mask = (t.to(mask.device) for t in reward_model_tokens(batch, rows, stop_id, tokenizer, reward,
+                                                                           args))
+    micro = args.per_device_train_batch_size  # one micro-batch's forwards at a time, as in learning
+    with torch.autocast(mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        for local in (g.to(mask.device)[i:i + micro] for g in groups for i in range(0, len(g), micro)):
+            f = trimmed(batch, rows[local])
+            if reward.in_critic is not None:  # LoRA: the reward model is the critic with its adapter off
+                with reward.in_critic():
+                    values = critic(f.ids, f.attention_mask)
+                scores[local] = values.gather(1, last_token_index(f.attention_mask)[:, None])[:, 0]
+            elif reward.model is not None:
+                own = (f.ids, f.attention_mask) if reward.tokenizer is None else \
+                    (t[local][:, rm_mask[local].bool().any(0)] for t in (rm_ids, rm_mask))  # no all-padding column
+                scores[local] = (reward.model(*own) - reward.shift) / reward.scale
+    if reward.fn is not None:
+        scores += common.agreed(lambda: call_reward_fn(reward, prompt_texts, texts)).to(scores.device)
+    batch.has_stop = (batch.responses == stop_id).any(1) if stop_id is not None else None
+    if args.missing_eos_penalty is not None:
+        scores -= args.missing_eos_penalty * (~batch.has_stop[rows]).float()
+    batch.scores = all_gather_cat(scores)
+    return texts
 
 
 def advantages(batch, kl_coef, args):
-    """4. Per-token rewards: -kl_coef * KL to the reference (under --kl_penalty reward), plus the score at the last
-    real token (Ziegler et al. 2019, eq. 2); then the advantages by --advantage_estimator: GAE, whitened (and the
-    critic's targets); RLOO or GRPO from each episode's return (the sum of its rewards) and its prompt's other K - 1;
-    REINFORCE++ from each token's return. Fills advantages (and returns); returns the per-token KL and the KL part of
-    the rewards, for the logs."""
+    """4. Per-token rewards: -kl_coef * KL to the reference (--kl_penalty reward), plus the score at the last real
+    token (Ziegler et al. 2019, eq. 2); then --advantage_estimator: GAE, whitened (and the critic's targets); RLOO or
+    GRPO from each episode's return and its prompt's other K - 1; REINFORCE++ from each token's return. Returns the
+    per-token KL and the KL part of the rewards, for the logs."""
     mask = batch.mask.float()
     kl = kl_per_token(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * mask
     non_score_reward = -kl_coef * kl if args.kl_penalty == "reward" else torch.zeros_like(kl)
@@ -607,25 +525,17 @@ def advantages(batch, kl_coef, args):
 @dataclass
 class OptimizerStep:
     """One mini-batch of a PPO epoch, as this rank runs it."""
-    rows: torch.Tensor
-    """The whole mini-batch's rows (every rank's)."""
-    n_tokens: torch.Tensor
-    """Its real tokens: every loss of the mini-batch is a sum divided by this, so that its forwards, on every rank,
-    add up to the mini-batch's mean however it is split."""
-    weights: torch.Tensor | None
-    """(B, response_length) each token's --loss_aggregation weight (aggregation_weights, over the whole mini-batch;
-    indexed by batch row, as the forwards are); None for token_mean."""
-    forwards: list
-    """This rank's forward calls, in order: its rows of each accumulation step, in groups of similar length."""
+    rows: torch.Tensor  # the mini-batch's rows (every rank's)
+    weights: torch.Tensor  # (B, T) each token's weight in the mini-batch's losses (token_weights; 0 elsewhere)
+    forwards: list  # this rank's forward calls: its rows of each accumulation step, in groups of similar length
 
 
 def epoch_plan(batch, args, update, epoch, rank, world):
-    """One PPO epoch's optimizer steps: the rollout batch shuffled (seeded by update and epoch) and cut into
-    --num_mini_batches mini-batches; of each, this rank takes per_device_train_batch_size x gradient_accumulation_steps
-    rows and runs each accumulation step's rows as groups of similar length (length_groups; one group under FSDP,
-    where every rank must make the same calls)."""
+    """One PPO epoch's optimizer steps: the batch shuffled (seeded by update and epoch), cut into --num_mini_batches;
+    of each, this rank's per_device_train_batch_size x gradient_accumulation_steps rows, each accumulation step's as
+    length groups (one group under FSDP, where every rank must make the same calls)."""
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    size, device, mask = micro * accumulation * world, batch.mask.device, batch.mask.float()
+    size, device = micro * accumulation * world, batch.mask.device
     order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(
         common.seed_of(args.seed, "mini-batches", update, epoch))).to(device)
     prompt_lengths, response_lengths = batch.attention_mask[:, :batch.context_length].sum(1), batch.mask.sum(1)
@@ -636,23 +546,20 @@ def epoch_plan(batch, args, update, epoch, rank, world):
             rows = mini[(rank * accumulation + m) * micro:][:micro]
             forwards += [rows] if args.fsdp and world > 1 else [
                 rows[g.to(device)] for g in length_groups(prompt_lengths[rows], response_lengths[rows])]
-        weights = aggregation_weights(mask[mini], args.loss_aggregation)
-        weights = None if weights is None else torch.zeros_like(mask).index_copy(0, mini, weights)
-        steps.append(OptimizerStep(mini, mask[mini].sum(), weights, forwards))
+        weights = torch.zeros_like(batch.mask, dtype=torch.float)
+        steps.append(OptimizerStep(mini, weights.index_copy(0, mini, token_weights(batch.mask[mini],
+                                                                                   args.loss_aggregation)), forwards))
     return steps
 
 
 def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, rank, world, ptx, pad_id):
-    """5. num_ppo_epochs passes over the rollout batch, num_mini_batches optimizer steps each, the losses averaged
-    over the WHOLE mini-batch (all its forwards, on all ranks: OptimizerStep.n_tokens), so that micro-batching,
-    accumulation, world size and length groups change nothing. Without a critic, the policy's losses only. Returns
-    each statistic's mean over the optimizer steps, and the last gradient norm."""
+    """5. num_ppo_epochs passes over the batch, num_mini_batches optimizer steps each; every loss is its mini-batch's
+    mean (token_weights), whatever the micro-batches, accumulation, ranks and length groups. Returns each statistic's
+    mean over the optimizer steps, and the last step's gradient norm."""
     autocast = functools.partial(torch.autocast, batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16)
     models = [policy] if critic is None else [policy, critic]
 
-    def backward(loss):
-        """DDP and FSDP average gradients over ranks, and the mini-batch's gradient is their sum: hence * world, the
-        one place a loss is scaled."""
+    def backward(loss):  # DDP and FSDP average gradients over ranks; the mini-batch's gradient is their sum
         (loss * world).backward()
 
     stats = []  # per optimizer step: name -> this rank's share of the mini-batch's mean
@@ -665,36 +572,29 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
             for i, rows in enumerate(step.forwards):
                 sync_gradients(models, last=i == len(step.forwards) - 1, fsdp=args.fsdp)
                 f = trimmed(batch, rows)
-                real, w = f.take(batch.mask).float(), None if step.weights is None else f.take(step.weights)
-
-                def average(x):  # this forward's share of the mini-batch's average, as --loss_aggregation says
-                    return masked_mean(x if w is None else x * w, real, step.n_tokens)
-
-                # Policy and critic share no weights: each loss goes backward on its own graph, so only one model's
-                # activations are alive at a time (the sum's gradients, at half the peak memory).
-                with autocast():  # (policy_forward: response_logprobs and the entropies, in bounded memory)
+                w = f.take(step.weights)
+                # Policy and critic share no weights: each loss goes backward on its own graph, so that only one
+                # model's activations are alive at a time.
+                with autocast():
                     new_logprobs, entropy = policy_forward(policy, f.ids, f.attention_mask, f.context,
                                                            args.temperature, with_entropy_grad=args.ent_coef > 0)
-                pg_loss, pg = policy_loss(new_logprobs, f.take(batch.logprobs), f.take(batch.advantages), real,
-                                          args.cliprange, step.n_tokens, w)
-                loss = pg_loss - args.ent_coef * average(entropy)
-                named = {"loss/policy": pg_loss, "policy/entropy": masked_mean(entropy, real, step.n_tokens),
+                pg_loss, pg = policy_loss(new_logprobs, f.take(batch.logprobs), f.take(batch.advantages), w,
+                                          args.cliprange)
+                named = {"loss/policy": pg_loss, "policy/entropy": (entropy * w).sum(),
                          **{f"policy/{k}": v for k, v in pg.items()}}
+                loss = pg_loss - args.ent_coef * named["policy/entropy"]
                 if args.kl_penalty == "loss":  # GRPO (Shao et al. 2024, eq. 3): the current policy's KL, in the loss
-                    # (padding's log-probs set to 0, as the reference's are: k3 = exp(ref - new) - ... of a pad token
-                    # at a low temperature would overflow to inf, and inf x a zero mask is NaN)
-                    kl_loss = average(kl_per_token(new_logprobs.masked_fill(real == 0, 0.0),
-                                                   f.take(batch.ref_logprobs), args.kl_estimator))
-                    loss = loss + kl_coef * kl_loss
-                    named["loss/kl"] = kl_loss
+                    # (padding's log-probs 0, as the reference's: k3 of a pad token could overflow, and inf x 0 is NaN)
+                    named["loss/kl"] = (kl_per_token(new_logprobs.masked_fill(w == 0, 0.0), f.take(batch.ref_logprobs),
+                                                     args.kl_estimator) * w).sum()
+                    loss = loss + kl_coef * named["loss/kl"]
                 backward(loss)
                 if critic is not None:
                     with autocast():
                         new_values = critic(f.ids, f.attention_mask)[:, f.context - 1:-1]
-                    vf_loss, vf_clipfrac = value_loss(new_values, f.take(batch.values), f.take(batch.returns), real,
-                                                      args.cliprange_value, step.n_tokens, w)
-                    backward(args.vf_coef * vf_loss)
-                    named.update({"loss/value": vf_loss, "val/clipfrac": vf_clipfrac})
+                    named["loss/value"], named["val/clipfrac"] = value_loss(
+                        new_values, f.take(batch.values), f.take(batch.returns), w, args.cliprange_value)
+                    backward(args.vf_coef * named["loss/value"])
                 for name, value in named.items():
                     sums[name] = sums.get(name, 0) + value.detach()
             grad_norm = clip_and_step(trainable, optimizer, args.max_grad_norm, update, pg_loss)
@@ -703,8 +603,8 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
 
 
 def check_args(args):
-    """Every size and range, and every model and dataset found, before anything is loaded or written; a bad one is
-    named in one line."""
+    """Every size and range, and every model and dataset found, before anything is loaded or written."""
+    check_estimator_args(args)
     for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                  "num_collect_steps", "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every",
                  "kl_horizon", "num_samples_per_prompt"):
@@ -724,14 +624,12 @@ def check_args(args):
     if args.target_kl is not None and not args.target_kl > 0:
         raise common.UserError(f"--target_kl {args.target_kl}: must be above 0")
     if args.missing_eos_penalty is not None and args.stop_token == "none":
-        raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops, so "
-                               "every one would be penalised")
+        raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
     if args.offload_inference_models and not args.fsdp:
-        raise common.UserError("--offload_inference_models holds the frozen models' FSDP shards in host memory: pass "
+        raise common.UserError("--offload_inference_models holds the frozen models' FSDP shards on the host: pass "
                                "--fsdp too")
     if args.ptx_coef > 0 and args.ptx_dataset_name is None:
         raise common.UserError(f"--ptx_coef {args.ptx_coef} needs --ptx_dataset_name (a dataset with a 'text' column)")
-    check_estimator_args(args)
     for name, flag, kind in ((args.sft_model_path, "--sft_model_path", "model"),
                              (reward_model_source(args), "--reward_model_path", "model"),
                              (args.dataset_name, "--dataset_name", "dataset"),
@@ -740,13 +638,17 @@ def check_args(args):
             common.check_source(name, flag, kind)
 
 
+CRITIC_DEFAULTS = {"lam": 0.95, "vf_coef": 0.1, "cliprange_value": 0.2, "gamma": 1.0}
+
+
 def check_estimator_args(args):
-    """The estimator's flags: none that it would ignore (the critic's without GAE), K at least 2 for a group baseline.
-    Fills the defaults of --num_samples_per_prompt and --kl_estimator."""
+    """No flag the estimator would ignore (the critic's without GAE; per-token returns' with rloo and grpo), K at least
+    2 for a group baseline; the defaults that depend on the estimator filled in."""
     estimator, group = args.advantage_estimator, args.advantage_estimator in ("rloo", "grpo")
-    defaults = {f.name: f.default for f in dataclasses.fields(Args)}
-    given = [name for name in ("critic_init", "critic_learning_rate", "vf_coef", "cliprange_value", "lam")
-             + (("gamma", "whiten_rewards") if group else ()) if getattr(args, name) != defaults[name]]
+    ignored = ("critic_learning_rate", "vf_coef", "cliprange_value", "lam") + (("gamma", "whiten_rewards") if group
+                                                                                else ())
+    given = [n for n in ignored if getattr(args, n) is not None and getattr(args, n) is not False] + \
+        (["critic_init"] if args.critic_init != "auto" else [])
     if estimator != "gae" and given:
         what = "per-token returns" if given[0] in ("gamma", "whiten_rewards") else "the critic"
         raise common.UserError(f"--{given[0]} is for {what}, which --advantage_estimator {estimator} does not have; "
@@ -754,13 +656,13 @@ def check_estimator_args(args):
     if not args.scale_rewards and estimator != "grpo":
         raise common.UserError(f"--no_scale_rewards is grpo's (Dr. GRPO); --advantage_estimator {estimator} does not "
                                "divide by a group's std")
-    if args.num_samples_per_prompt is None:
-        args.num_samples_per_prompt = 4 if group else 1
+    for name, default in CRITIC_DEFAULTS.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    args.num_samples_per_prompt = args.num_samples_per_prompt or (4 if group else 1)
     if group and args.num_samples_per_prompt < 2:
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: --advantage_estimator "
                                f"{estimator} compares each response with the others to its prompt; it needs at least 2")
-    if args.kl_estimator is None:
-        args.kl_estimator = "k1" if args.kl_penalty == "reward" else "k3"
+    args.kl_estimator = args.kl_estimator or ("k1" if args.kl_penalty == "reward" else "k3")
 
 
 @dataclass
@@ -771,8 +673,8 @@ class Sizes:
 
 
 def start_up(args, rank, world):
-    """The run's sizes, checked (a bad one named in one line), and its output folder: the same folder for every rank,
-    and one it may write to. None when the folder holds this run already finished."""
+    """The run's sizes, checked, and its output folder (the same for every rank, and one it may write to). None when
+    the folder holds this run already finished."""
     common.check_shared_output_dir(args.output_dir, rank)
     local_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size, num_updates = local_batch * world, args.total_episodes // (local_batch * world)
@@ -789,8 +691,7 @@ def start_up(args, rank, world):
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
                                f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
     common.check_output_dir(args, rank)
-    done = common.run_complete(args, num_updates, rank)
-    return None if done else Sizes(local_batch, batch_size, num_updates)
+    return None if common.run_complete(args, num_updates, rank) else Sizes(local_batch, batch_size, num_updates)
 
 
 def main(args):
@@ -804,17 +705,14 @@ def main(args):
     stop_id = stop_token_id(args, tokenizer)
     prompts, prompt_texts = load_prompts(args, tokenizer)  # before the models: a data mistake is found in seconds
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
-    # The policy (trained, from --sft_model_path); the reference, a frozen copy of it (LoRA: the policy with its
-    # adapter off); the critic (GAE's: a Critic, trained, from the reward model or from the policy's backbone with a
-    # new head: critic_from); the reward: a frozen reward model and/or a function.
+    # The policy; the reference, a frozen copy of it (LoRA: the policy with its adapter off); GAE's critic
+    # (critic_from); the reward: a frozen reward model and/or a function. Fills in --max_prompt_length.
     models = build_models(args, tokenizer, device, rank, world)
     policy, critic, reward, lora = models.policy, models.critic, models.reward, models.lora
-    bos_id, limit = common.leading_id(tokenizer), args.max_prompt_length + args.response_length
-    # (max_prompt_length: as given, or fitted to the models' position tables by build_models)
-    prompts = [truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]  # rm.py's rule: end and BOS kept
-    ptx = ptx and [ids[:limit] for ids in ptx]  # pretraining text: its first prompt + response length of tokens
-    # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type over the updates, no
-    # warm-up, stepped once per update (one learning rate for an update's num_ppo_epochs x num_mini_batches steps)
+    prompts = [truncate_prompt(p, args.max_prompt_length, common.leading_id(tokenizer)) for p in prompts]
+    ptx = ptx and [ids[:args.max_prompt_length + args.response_length] for ids in ptx]
+    # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type over the updates, stepped
+    # once per update
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
     start, kl_coef, history = 0, args.kl_coef, []
     if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir, args, world)):
@@ -824,32 +722,31 @@ def main(args):
         print(describe_run(args, sizes, world, optimizer, critic, len(prompts), start))
 
     orders, collective = {}, args.fsdp and world > 1  # under FSDP every rank must make the same forward calls
+    mine = torch.arange(rank * local_batch, (rank + 1) * local_batch, device=device)  # this rank's rows of a batch
     bar = tqdm(range(start, num_updates), disable=rank != 0, initial=start, total=num_updates, desc="ppo")
     t_saved = time.time()
     common.stop_on_signals()
     for update in bar:
         t0 = time.time()
-        # 1. Rollout: this rank's contiguous share of the update's episodes, each with its own sampling stream.
+        # 1. Rollout: this rank's share of the update's episodes; then every rank takes the whole batch.
         episodes = range(update * batch_size + rank * local_batch, update * batch_size + (rank + 1) * local_batch)
         prompt_index = episode_prompts([e // args.num_samples_per_prompt for e in episodes], len(prompts), args.seed,
                                        orders)  # the K episodes of a prompt are consecutive
-        trainable.eval()  # (sampling and scoring: the policy and the critic in evaluation mode)
-        batch = rollout(policy if args.fsdp else unwrap(policy), [prompts[i] for i in prompt_index], episodes, args,
-                        stop_id, tokenizer.pad_token_id, device, collective)
+        trainable.eval()  # (sampling and scoring in evaluation mode)
+        batch = all_gather_rollout(rollout(policy if args.fsdp else unwrap(policy), [prompts[i] for i in prompt_index],
+                                           episodes, args, stop_id, tokenizer.pad_token_id, device, collective))
         t_rollout = time.time()
 
-        # 2. Score: values and the reward at the response's last real token; then every rank takes the whole batch,
-        # so that the learning phase is the same for any number of ranks.
+        # 2. Log-probs under the policy (old) and the reference, and the values.
+        with resharded([None if lora else models.reference]):
+            logprobs_and_values(policy, models.reference, critic, batch, args, update, rank, world,
+                                reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
+
+        # 3. Score: the reward at the response's last real token.
         texts = [prompt_texts[i] for i in prompt_index]
         with resharded([reward.model]):
-            response_texts = score(critic, reward, batch, texts, tokenizer, stop_id, args, collective)
-        batch.gold = gold_scores(args, texts, response_texts, batch.scores)
-        batch = all_gather_rollout(batch)
-
-        # 3. Log-probs under the reference; the old log-probs are the sampler's (recomputed under --bf16).
-        with resharded([None if lora else models.reference]):
-            reference_logprobs(policy, models.reference, critic, batch, args, update, rank, world,
-                               reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
+            response_texts = score(critic, reward, batch, mine, texts, tokenizer, stop_id, args, collective)
+        batch.gold = all_gather_cat(gold_scores(args, texts, response_texts, device))
         t_score = time.time()
 
         # 4. Advantages: KL-penalised per-token rewards; GAE, whitened, or a critic-free estimator.
@@ -891,10 +788,8 @@ def main(args):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The systems. A first read can stop above: what follows makes the phases run at scale and on real models, each
-# piece behind one named function whose docstring states what it guarantees.
-#
-# Models and data.
+# The systems. A first read can stop above; each piece below is one named function whose docstring says what it
+# guarantees. Models and data:
 
 
 def load_tokenizer(args):
@@ -918,11 +813,9 @@ def stop_token_id(args, tokenizer):
 
 
 def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
-    """The embedded task's initial (SFT) policy: a tiny causal LM trained briefly to answer prompts with a few random
-    words and EOS, so it starts from well-formed responses of average gold reward, as a real SFT model would. Trained
-    once per setting, then read from its cache file (in ~/.cache/rlhf, or $XDG_CACHE_HOME's), which holds the last
-    version of this code and torch's it was trained by. Training draws no random number (no dropout), so the run goes
-    on as it would have."""
+    """The embedded task's SFT policy: a tiny causal LM trained briefly to answer prompts with a few words and EOS (so
+    it starts from well-formed responses of average gold reward). Cached in ~/.cache/rlhf (or $XDG_CACHE_HOME's),
+    keyed by this code and torch's version; training draws no random number, so a run goes on as it would have."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -938,8 +831,7 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     if saved.get("key") == key:
         model.load_state_dict(saved["model"])
         return model.eval()
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    rng = random.Random(seed)
+    opt, rng = torch.optim.AdamW(model.parameters(), lr=2e-3), random.Random(seed)
     for _ in range(steps):
         texts = [common.embedded_prompt(rng) for _ in range(batch_size)]
         prompts = common.tokenize_prompts(tokenizer, texts)
@@ -960,8 +852,8 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
 
 
 def load_policy(args, tokenizer, on_meta=False):
-    """The initial policy: a causal LM, or a peft adapter folder merged into its base (so that the reference policy,
-    the initial policy, is the SFT adapter's model, not the base's). on_meta: no weight read (common.load_model)."""
+    """The initial policy: a causal LM, or a peft adapter folder merged into its base (the reference is then the SFT
+    adapter's model). on_meta: no weight read (common.load_model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.sft_model_path.startswith("embedded-"):
@@ -980,15 +872,14 @@ class Models:
     critic: torch.nn.Module | None  # trained (a Critic, wrapped so); None without GAE
     reference: torch.nn.Module  # frozen: the initial policy (LoRA: the policy, read with its adapter off)
     reward: "Reward"
-    policy_hf: torch.nn.Module  # the policy's transformers model (a PreTrainedModel), for the final save
+    policy_hf: torch.nn.Module  # the policy's transformers model, for the final save
     lora: object = None  # with LoRA: the peft model holding the policy's adapter
 
 
 def build_models(args, tokenizer, device, rank, world):
-    """The policy and critic (trained; DDP or FSDP), the frozen reference policy, and the reward (a model and/or a
-    function). Returns the policy's transformers model too, and with LoRA the peft model holding its adapter. Under
-    FSDP on several ranks, rank 0 loads each model whole and the others build it on the meta device, until sharded
-    (parallelize)."""
+    """The policy and critic (trained; DDP or FSDP), the frozen reference and the reward. Under FSDP on several ranks
+    rank 0 loads each model whole, the others build it on the meta device, until sharded (parallelize). Fills in
+    --max_prompt_length where it was not given (256, or what the position tables leave)."""
     on_meta = args.fsdp and world > 1 and rank != 0
     reward = load_reward(args, tokenizer, on_meta)
     critic_init = args.critic_init if args.advantage_estimator == "gae" else None  # the others have no critic
@@ -1002,7 +893,7 @@ def build_models(args, tokenizer, device, rank, world):
     common.agreed(lambda: on_meta or check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
     readers = [policy_hf] + ([reward.model.hf] if reward.model is not None and reward.tokenizer is None else [])
     limit = min((n for n in map(common.position_table, readers) if n), default=None)
-    args.max_prompt_length = common.length_default(  # (args is read by the phases after this)
+    args.max_prompt_length = common.length_default(
         args.max_prompt_length, 256, limit and limit - args.response_length, "--max_prompt_length", rank)
     length = args.max_prompt_length + args.response_length
     for model in readers:
@@ -1017,8 +908,7 @@ def build_models(args, tokenizer, device, rank, world):
             critic_lora = common.add_lora(critic_hf.to(dtype), args, "SEQ_CLS")
         if critic_init == "reward":  # the reward model is the critic with its adapter off: no second copy
             reward = dataclasses.replace(reward, model=None, in_critic=critic_lora.disable_adapter)
-    if reward.model is not None:  # sharded like the policy under FSDP (1/world of it per rank), else a replica; first,
-        # so that rank 0 holds at most three models whole (reward, policy, critic; then policy, critic, reference)
+    if reward.model is not None:  # sharded first, so that rank 0 holds at most three models whole
         reward.model = parallelize(reward.model, args, device, reward.model.hf.config.num_hidden_layers, frozen=True)
     if not lora:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
         ref_policy = parallelize(copy.deepcopy(policy_hf).eval().requires_grad_(False), args, device,
@@ -1033,30 +923,20 @@ def build_models(args, tokenizer, device, rank, world):
                                                          critic_hf.config.num_hidden_layers)
     if rank == 0:
         n_trained = sum(p.numel() for m in (policy, critic) if m is not None for p in m.parameters() if p.requires_grad)
-        sources = []
-        if reward.model is not None or reward.in_critic is not None:
-            sources.append(f"model {args.reward_model_path or 'runs/rm'}"
-                           + ("" if reward.reads_policy_tokens else " (reads decoded text)"))
-        if reward.fn is not None:
-            sources.append(f"function {args.reward_fn}")
-        print(f"policy {args.sft_model_path} ({sum(p.numel() for p in policy_hf.parameters()) / 1e6:.2f}M; "
-              f"{n_trained / 1e6:.2f}M trained{f', LoRA rank {args.lora_r}' if lora else ''}); "
-              f"reward {' + '.join(sources)}; "
-              + (f"critic from the {critic_init}" if critic is not None else f"no critic ({args.advantage_estimator})")
-              + f"; world size {world} ({device.type}, "
-              f"{'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})")
+        sources = [f"model {args.reward_model_path or 'runs/rm'}" + ("" if reward.reads_policy_tokens else
+                                                                     " (reads the text)")] * reward.has_model
+        print(f"policy {args.sft_model_path} ({n_trained / 1e6:.2f}M trained{f', LoRA rank {args.lora_r}' * bool(lora)}"
+              f"); reward {' + '.join(sources + [f'function {args.reward_fn}'] * bool(reward.fn))}; "
+              + (f"critic from the {critic_init}" if critic else "no critic") + f"; {world} x {device.type}")
     return Models(policy, critic, policy if lora else ref_policy, reward, policy_hf, lora)
 
 
 def build_optimizer(policy, critic, args, num_updates):
-    """AdamW over the trainable parameters of policy and critic (if any), each at its own learning rate, and the
-    schedule."""
+    """AdamW over the trainable parameters of policy and critic, each at its own learning rate, and the schedule."""
     from transformers import get_scheduler
 
-    embedded = args.sft_model_path.startswith("embedded-")
-    lr = args.learning_rate if args.learning_rate is not None else 3e-4 if embedded else 3e-6
-    critic_lr = args.critic_learning_rate if args.critic_learning_rate is not None else lr
-    models = {"policy": (policy, lr), "critic": (critic, critic_lr)}
+    lr = args.learning_rate or (3e-4 if args.sft_model_path.startswith("embedded-") else 3e-6)
+    models = {"policy": (policy, lr), "critic": (critic, args.critic_learning_rate or lr)}
     models = {name: (model, rate) for name, (model, rate) in models.items() if model is not None}
     optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rate}
                                    for model, rate in models.values()],
@@ -1066,7 +946,7 @@ def build_optimizer(policy, critic, args, num_updates):
 
 
 def load_prompts(args, tokenizer):
-    """Prompt token ids (rm.py's convention; main truncates them) and the prompt texts."""
+    """Prompt token ids (main truncates them) and the prompt texts."""
     if args.dataset_name == "embedded":
         rng = random.Random(args.seed)
         rows = [{"prompt": common.embedded_prompt(rng), "_source": "embedded", "_row": i} for i in range(4096)]
@@ -1085,9 +965,8 @@ def load_prompts(args, tokenizer):
 
 
 def prompt_text(row, tokenizer, where):
-    """A row's prompt as the policy continues it. A preference row's prompt is the one rm.py trained the reward model
-    on (common.split_pair: a text prompt before message responses is the user's turn); a `prompt` or `messages` list
-    is rendered by the chat template up to the assistant's turn; a text prompt alone is the text."""
+    """A row's prompt as the policy continues it: a preference row's, as rm.py trained on it (common.split_pair); a
+    `prompt` or `messages` list rendered by the chat template up to the assistant's turn; else the text."""
     if not isinstance(row, dict):
         raise common.UserError(f"{where}: expected an object with a 'prompt', got {type(row).__name__}")
     if "chosen" in row:
@@ -1125,8 +1004,8 @@ def pad_left(seqs, width, pad_id):
 
 
 def episode_prompts(episodes, n_prompts, seed, orders):
-    """The prompt of each episode: epoch e = episode // n_prompts visits the prompts in a permutation seeded by
-    (seed, e), so an episode's prompt depends only on its index (resumable anywhere, the same on any rank count)."""
+    """Each episode's prompt: pass e = episode // n_prompts over the prompts follows a permutation seeded by (seed, e),
+    so an episode's prompt depends only on its index (the same on any rank count, after any resume)."""
     for e in episodes:
         if e // n_prompts not in orders:
             orders[e // n_prompts] = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(
@@ -1135,13 +1014,11 @@ def episode_prompts(episodes, n_prompts, seed, orders):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Reward plumbing: a reward model (rm.py's normalization applied; the policy's tokens or its own), a function, or
-# both.
+# Reward plumbing: a reward model (rm.py's normalization applied; the policy's tokens or its own), a function, or both.
 
 
 class SequenceReward(torch.nn.Module):
-    """A transformers sequence classifier whose forward is sequence_reward (a decoder read at the last real
-    token, an encoder's pooled head): one module, so that FSDP wrapping it gathers every weight that call reads."""
+    """A sequence classifier whose forward is sequence_reward: one module, so that FSDP gathers every weight it reads."""
 
     def __init__(self, hf_model):
         super().__init__()
@@ -1153,24 +1030,23 @@ class SequenceReward(torch.nn.Module):
 
 @dataclass
 class Reward:
-    """Where an episode's score comes from: a reward model (rm.py's normalization applied), a function, or both."""
-    model: object = None
-    """A SequenceReward (its transformers sequence classifier in .hf): sharded like the policy under FSDP."""
-    tokenizer: object = None
-    """None: the model reads the policy's tokens. Else its own tokenizer (another vocabulary, an encoder), through
-    which it reads the decoded text."""
-    shift: float = 0.0
-    """rm.py's normalization: score = (model output - shift) / scale."""
+    """Where an episode's score comes from: a reward model, a function, or both."""
+    model: object = None  # a SequenceReward (sharded like the policy under FSDP)
+    tokenizer: object = None  # None: the model reads the policy's tokens; else its own, reading the decoded text
+    shift: float = 0.0  # rm.py's normalization: score = (model output - shift) / scale
     scale: float = 1.0
     fn: object = None
     fn_name: str | None = None
-    in_critic: object = None
-    """With LoRA and the critic initialised from the reward model: the critic's adapter switched off (a context), which
-    is the reward model with its head divided by scale. The model is then not held a second time (model is None)."""
+    in_critic: object = None  # LoRA, critic from the reward model: the critic's adapter switched off (a context) is
+    # the reward model (its head divided by scale; model is then None: not held twice)
+
+    @property
+    def has_model(self):
+        return self.model is not None or self.in_critic is not None
 
     @property
     def reads_policy_tokens(self):
-        return (self.model is not None or self.in_critic is not None) and self.tokenizer is None
+        return self.has_model and self.tokenizer is None
 
 
 def reward_model_source(args):
@@ -1251,15 +1127,15 @@ def call_reward_fn(reward, prompts, responses):
     return torch.tensor(out, dtype=torch.float)
 
 
-def reward_model_tokens(batch, stop_id, tokenizer, reward, args):
-    """Episodes in the reward model's own tokens, when it does not share the policy's vocabulary or is an encoder,
-    made as rm.py makes a pair: the prompt as the policy saw it (truncated; its BOS replaced by the reward model's),
-    the response decoded in context (so that word boundaries survive), ended with the reward model's end token where
-    the policy stopped (always, for an encoder)."""
+def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
+    """The rows' episodes in the reward model's own tokens (another vocabulary, an encoder), made as rm.py makes a
+    pair: the prompt as the policy saw it (its BOS the reward model's), the response decoded in context (word
+    boundaries kept), ended with the reward model's end token where the policy stopped (always, for an encoder)."""
     lead = tokenizer.decode(common.special_affixes(tokenizer)[0])
     prompts, texts, stopped = [], [], []
-    query, query_mask = batch.query_response[:, :batch.context_length], batch.attention_mask[:, :batch.context_length]
-    for q, qm, r, m in zip(query.cpu(), query_mask.bool().cpu(), batch.responses.cpu(), batch.mask.cpu()):
+    context = batch.context_length
+    query, query_mask = batch.query_response[rows, :context], batch.attention_mask[rows, :context]
+    for q, qm, r, m in zip(query.cpu(), query_mask.bool().cpu(), batch.responses[rows].cpu(), batch.mask[rows].cpu()):
         p_ids, r_ids = q[qm].tolist(), r[m].tolist()
         stopped.append(stop_id is not None and bool(r_ids) and r_ids[-1] == stop_id)
         r_ids = r_ids[:-1] if stopped[-1] else r_ids
@@ -1277,11 +1153,11 @@ def reward_model_tokens(batch, stop_id, tokenizer, reward, args):
     return batch["input_ids"], batch["attention_mask"]
 
 
-def gold_scores(args, prompts, responses, like):
+def gold_scores(args, prompts, responses, device):
     """The embedded task's true reward of each episode (NaN elsewhere): what the proxy reward is meant to measure."""
     if args.sft_model_path.startswith("embedded-") and args.dataset_name == "embedded":
-        return torch.tensor(common.gold_rewards(prompts, responses), device=like.device)
-    return torch.full_like(like, float("nan"))
+        return torch.tensor(common.gold_rewards(prompts, responses), device=device)
+    return torch.full((len(responses),), float("nan"), device=device)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1292,10 +1168,9 @@ def gold_scores(args, prompts, responses, like):
 @torch.no_grad()
 def generate(model, query, query_mask, generators, args, stop_id, pad_id, collective=False):
     """KV-cached sampling (Gumbel-max with per-row noise) from the logits the learning forward computes
-    (output_logits, in float32). Returns responses (B, response_length) and the log-probs of the sampled tokens at
-    the sampling temperature. The cache is allocated once for prompt + response (a growing cache copies itself at
-    every token); the attention mask covers that whole width from the start, causality hiding the tokens not yet
-    sampled."""
+    (output_logits, float32). Returns responses (B, response_length). The cache is allocated once for prompt +
+    response (a growing one copies itself every token); the mask covers that width from the start, causality hiding
+    the tokens not yet sampled."""
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
     mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
         -1, args.response_length)], 1)
@@ -1303,14 +1178,13 @@ def generate(model, query, query_mask, generators, args, stop_id, pad_id, collec
     last_only = {"logits_to_keep": 1} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     inputs = dict(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position,
                   **last_only)  # the prompt's last position only, not B x prompt x V
-    tokens, logprobs = [], []
+    tokens = []
     done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
     for t in range(args.response_length):
         logits = output_logits(unwrap(model), head_inputs(model, **inputs)[:, -1], args.temperature)
         noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generators])
         gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
         token = (logits + gumbel).argmax(-1)
-        logprobs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1))
         tokens.append(token)
         done |= token == stop_id
         all_done = done.all()
@@ -1321,9 +1195,8 @@ def generate(model, query, query_mask, generators, args, stop_id, pad_id, collec
             break
         inputs = dict(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
                       position_ids=position[:, -1:] + t + 1)
-    responses, logprobs = torch.stack(tokens, 1), torch.stack(logprobs, 1)
-    width = args.response_length - responses.shape[1]
-    return F.pad(responses, (0, width), value=pad_id), F.pad(logprobs, (0, width))
+    responses = torch.stack(tokens, 1)
+    return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
 
 
 class ComputeDtypeCache(StaticCache):
@@ -1342,20 +1215,14 @@ class ComputeDtypeCache(StaticCache):
 # The learning forward's log-probs, in memory bounded by the micro-batch whatever the vocabulary.
 
 
-LOGIT_BLOCK = 2 ** 25
-"""Elements (128 MB in float32) of one block of logits: the learning forward computes the response logits in blocks of
-positions of at most this size, each recomputed in the backward pass (activation recomputation, Chen et al. 2016),
-so a micro-batch's logits, 16 x 128 x 152k floats = 1.2 GB, are never held whole. A micro-batch that fits in one
-block is computed directly, with no recomputation."""
+LOGIT_BLOCK = 2 ** 25  # elements (128 MB in float32) of one block of response logits (policy_forward)
 
 
 def output_logits(model, hidden, temperature=1.0):
-    """A causal LM's logits from the hidden states its output layer reads, divided by the temperature, in float32
-    whatever the autocast and the dtype the weights are held in: that layer, then the transforms transformers'
-    families apply after it (Gemma 2/3's final softcapping, Cohere's logit scale, Granite's logits scaling).
-    check_output_logits confirms at start-up that this reproduces the model's own logits. Where the layer and the
-    transforms are linear (no bias, no softcapping), the hidden states are divided instead of the logits:
-    (h / T) W = (h W) / T, one pass over hidden x positions instead of vocabulary x positions."""
+    """A causal LM's logits / temperature in float32 from the hidden states its output layer reads, whatever the
+    autocast and the weights' dtype: the layer, then the transforms families apply after it (Gemma's softcapping,
+    Cohere's logit scale, Granite's scaling; check_output_logits confirms the model's own logits at start-up). Where
+    all is linear, the hidden states are divided instead: (h / T) W = (h W) / T, hidden- rather than vocabulary-wide."""
     head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
     linear = cap is None and getattr(head, "bias", None) is None
     with torch.autocast(hidden.device.type, enabled=False):
@@ -1374,8 +1241,8 @@ def output_logits(model, hidden, temperature=1.0):
 
 
 def head_inputs(model, **inputs):
-    """The hidden states the model's output layer reads, from its own forward (through DDP or FSDP), with the output
-    layer handed an empty slice instead, so that the model's own logits are never computed."""
+    """The hidden states the model's output layer reads, from its own forward (through DDP or FSDP), the layer handed
+    an empty slice instead: the model's own logits are never computed."""
     captured = []
 
     def capture(module, args):
@@ -1391,15 +1258,10 @@ def head_inputs(model, **inputs):
 
 
 def policy_forward(policy, query_response, mask, context_length, temperature, with_entropy_grad=True, entropy=True):
-    """Log-probs and (unless entropy=False) entropies of the response tokens under the policy, at the sampling
-    temperature, in float32. Three things keep its memory bounded by the micro-batch whatever the vocabulary:
-    - the model's own forward runs with its output layer handed an empty slice (head_inputs), so the model never
-      computes logits; we take the hidden states that layer would have read;
-    - of those, only the positions that predict a response token: position t predicts token t + 1, so the response
-      tokens context_length .. T-1 are predicted at positions context_length - 1 .. T-2 (the last position predicts
-      nothing), with the prompt's positions never sent through the output layer;
-    - their logits are made in blocks of at most LOGIT_BLOCK elements, each recomputed in the backward pass
-      (activation recomputation), so that a micro-batch's B x response x vocabulary logits are never held whole."""
+    """response_logprobs and the entropies, float32, in memory bounded by the micro-batch whatever the vocabulary: only
+    the positions that predict a response token go through the output layer (head_inputs, logits_to_keep), and their
+    logits are made in blocks of LOGIT_BLOCK elements, each recomputed in the backward pass (Chen et al. 2016), so a
+    micro-batch's logits (16 x 128 x 152k floats: 1.2 GB) are never held whole."""
     from torch.utils.checkpoint import checkpoint
 
     position = (mask.cumsum(1) - 1).clamp(min=0)
@@ -1416,12 +1278,11 @@ def policy_forward(policy, query_response, mask, context_length, temperature, wi
             return logprobs, torch.zeros_like(logprobs)
         with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad), \
                 torch.autocast(h.device.type, enabled=False):  # (vecdot is on autocast's bfloat16 list)
-            # -sum p log p as one fused product per row (no vocabulary-wide temporary for p * log p)
-            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all)
+            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all)  # -sum p log p, no V-wide temporary
 
     n = hidden.shape[1]
     step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
-    recompute = torch.is_grad_enabled() and step < n
+    recompute = torch.is_grad_enabled() and step < n  # (one block: computed directly)
     parts = [checkpoint(block, hidden[:, s:s + step], targets[:, s:s + step], use_reentrant=False) if recompute
              else block(hidden[:, s:s + step], targets[:, s:s + step]) for s in range(0, n, step)]
     logprobs, entropies = (torch.cat(t, 1) for t in zip(*parts))
@@ -1431,13 +1292,12 @@ def policy_forward(policy, query_response, mask, context_length, temperature, wi
 @torch.no_grad()
 def check_output_logits(model, flag, name):
     """output_logits must give the model's own logits: a family with an output transform it does not know is named
-    here, before training, instead of training on wrong log-probs."""
+    here, before training on wrong log-probs."""
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % vocab
     own = model(input_ids=ids).logits.float()
     ours = output_logits(model, head_inputs(model, input_ids=ids)).float()
-    # a model held in bfloat16 (LoRA's frozen base under --bf16) rounds its own logits to bfloat16 (2^-8 relative);
-    # ours stay float32. An unknown transform (a scale, a cap) moves them by more.
+    # a model held in bfloat16 rounds its own logits to bfloat16 (2^-8 relative); an unknown transform moves them more
     tol = 1e-4 if model.get_output_embeddings().weight.dtype == torch.float32 else 1e-2
     if not torch.allclose(own, ours, atol=tol, rtol=tol):
         raise common.UserError(f"{flag} {name}: ppo.py's output_logits does not reproduce this model's logits (an "
@@ -1446,8 +1306,7 @@ def check_output_logits(model, flag, name):
 
 @functools.cache
 def takes_argument(model_class, name):
-    """Whether the model's forward takes this argument: every causal LM of transformers takes logits_to_keep, a remote
-    code model may not. (Position ids every model takes: ALiBi models such as BLOOM ignore them.)"""
+    """Every causal LM of transformers takes logits_to_keep; a remote-code model may not."""
     return name in inspect.signature(model_class.forward).parameters
 
 
@@ -1457,9 +1316,8 @@ def takes_argument(model_class, name):
 
 @dataclass
 class Trimmed:
-    """One forward's rows of the rollout batch, less the columns that are padding in all of them: left of the longest
-    prompt, right of the longest response. The real tokens' outputs are unchanged (position ids come from the mask),
-    for less work."""
+    """One forward's rows, less the columns that are padding in all of them (position ids come from the mask, so the
+    real tokens' outputs are unchanged)."""
     ids: torch.Tensor
     attention_mask: torch.Tensor
     context: int  # prompt columns left: the response starts there
@@ -1481,32 +1339,28 @@ def trimmed(batch, rows):
 
 
 def learning_forward(batch, args, update, rank, world, fn):
-    """fn(ids, attention_mask, context) -> a list of values per response token, computed exactly as learn() computes
-    at its first optimizer steps: on epoch 0's rows and length groups (epoch_plan), trimmed so, under the same
-    autocast. Each rank computes its rows; a sum over ranks assembles each (B, response_length) output, 0 after each
-    response."""
+    """fn(ids, attention_mask, context) -> a list of (rows, response) outputs, computed exactly as learn() computes its
+    first steps (epoch 0's rows and length groups, trimmed so, the same autocast): each rank its rows, summed over
+    ranks into (B, response_length) outputs, 0 after each response."""
     outs = None
     with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for step in epoch_plan(batch, args, update, 0, rank, world):
             for rows in step.forwards:
                 f = trimmed(batch, rows)
                 values = fn(f.ids, f.attention_mask, f.context)
-                outs = outs or [torch.zeros_like(batch.logprobs) for _ in values]
+                outs = outs or [torch.zeros_like(batch.mask, dtype=torch.float) for _ in values]
                 for out, v in zip(outs, values):
                     out[rows, :f.kept] = v
     return list(all_reduce(torch.stack(outs)).masked_fill(~batch.mask, 0.0))  # (one collective for all)
 
 
-GROUP_OVERHEAD_TOKENS = 64
-"""What one more forward and backward call costs, in tokens of work (about 30 measured on 2 CPU cores with a 4-layer
-model of width 256; more on a GPU): a batch is cut into length groups only where that saves more padding than this."""
+GROUP_OVERHEAD_TOKENS = 64  # the cost of one more forward and backward, in tokens (~30 on 2 CPU cores; more on GPUs)
 
 
 def length_groups(prompt_lengths, response_lengths, overhead=None):
-    """The rows of a batch in groups of similar length, each to run as its own trimmed forward (the real tokens'
-    outputs do not depend on the batch they are in): rows sorted by length, each joining the group before it unless
-    the padding that adds costs more than one more call. A group's width is its longest prompt plus its longest
-    response: prompts are left-padded, responses right-padded."""
+    """A batch's rows in groups of similar length, each to run as its own trimmed forward: rows sorted by length, each
+    joining the group before it unless the padding that adds costs more than one more call. A group's width is its
+    longest prompt plus its longest response (prompts left-padded, responses right-padded)."""
     overhead = GROUP_OVERHEAD_TOKENS if overhead is None else overhead
     p, r = prompt_lengths.tolist(), response_lengths.tolist()
     groups, longest = [], (0, 0)
@@ -1526,10 +1380,9 @@ def length_groups(prompt_lengths, response_lengths, overhead=None):
 
 
 def ptx_backward(policy, ptx, step, index, args, rank, world, pad_id, backward):
-    """PPO-ptx's gradient for one optimizer step: as many pretraining sequences as the mini-batch has episodes, taken
-    in order through the ptx text by the step's global index (update, epoch, mini-batch: the same on any number of
-    ranks, and after a resume), this rank's share in micro-batches, the loss divided by all of their tokens (the
-    mini-batch's mean, as the PPO losses are). Returns this rank's share of that mean."""
+    """PPO-ptx's gradient for one optimizer step: as many pretraining sequences as the mini-batch has episodes, in
+    order through the text by the step's global index (the same on any rank count, after a resume), this rank's
+    share, the loss divided by all of their tokens. Returns this rank's share of that mean."""
     update, epoch, mb = index
     first = ((update * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb) * len(step.rows)
     seqs = [ptx[i % len(ptx)] for i in range(first, first + len(step.rows))]
@@ -1545,9 +1398,8 @@ def ptx_backward(policy, ptx, step, index, args, rank, world, pad_id, backward):
 
 
 def sync_gradients(models, last, fsdp):
-    """Whether this backward averages gradients over ranks: DDP all-reduces in a step's last backward only (it decides
-    at the forward); FSDP reduce-scatters every backward's, so that no rank holds a whole model's unsharded
-    gradients."""
+    """DDP all-reduces gradients in a step's last backward only; FSDP reduce-scatters every backward's (no rank holds a
+    whole model's gradients)."""
     for model in models:
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
             model.set_requires_gradient_sync(last or fsdp)
@@ -1556,9 +1408,8 @@ def sync_gradients(models, last, fsdp):
 
 
 def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
-    """The optimizer step: the gradients of policy and critic clipped together to max_grad_norm (0: not clipped), the
-    step, the gradients cleared. Returns the norm before clipping. A norm that is not finite stops the run before the
-    step, so that the last checkpoint stays the last good state."""
+    """Policy's and critic's gradients clipped together (0: not clipped), the step, the gradients cleared. Returns the
+    norm before clipping. A norm that is not finite stops the run before the step (the last checkpoint stays good)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable.parameters(), max_grad_norm or float("inf"))
     norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     if not math.isfinite(norm):
@@ -1570,8 +1421,8 @@ def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
 
 
 def mean_over_steps(stats):
-    """Each statistic's mean over an update's optimizer steps, a step's value being the sum of every rank's share
-    (one all-reduce for all); the ratio's variance from its mean and mean square."""
+    """Each statistic's mean over the update's optimizer steps (a step's: the sum of every rank's share); the ratio's
+    variance from its mean and mean square."""
     names = list(stats[0])
     per_step = dict(zip(names, all_reduce(torch.stack([torch.stack([s[k] for s in stats]) for k in names]))))
     means = {k: v.mean().item() for k, v in per_step.items() if k != "policy/ratio_sq"}
@@ -1591,17 +1442,14 @@ def setup_distributed():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         # an hour, not the default 10 minutes: the ranks wait in a collective while rank 0 writes the final model
-        # (tens of GB at 7B); a rank that dies ends the job at once all the same (torchrun stops the others)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
     return rank, world, device
 
 
 def parallelize(model, args, device, num_layers, frozen=False):
-    """DDP, or FSDP2 with one shard group per transformer block, one for the input embeddings and one for the output
-    layer (see output_layer_unit), filled with rank 0's weights (common.shard_from_rank0: the other ranks pass a
-    meta-device skeleton). A frozen model is sharded too under FSDP (so it computes as the trained ones do), its shards
-    in pinned host memory with --offload_inference_models on GPUs; under DDP it stays a plain replica (it has no
-    gradients to all-reduce)."""
+    """DDP, or FSDP2 with one unit per transformer block, the input embeddings, the output layer (output_layer_unit)
+    and the scalar head, filled with rank 0's weights (common.shard_from_rank0). A frozen model: sharded too under FSDP
+    (so it computes as the trained ones do; on the host with --offload_inference_models), a replica under DDP."""
     host = frozen and args.offload_inference_models and device.type == "cuda"
     if not dist.is_initialized() or (frozen and not args.fsdp):
         return model.to(device)
@@ -1615,8 +1463,8 @@ def parallelize(model, args, device, num_layers, frozen=False):
         def shard(model):
             head = output_layer_unit(model) or common.scalar_head(model)  # (a critic's, a reward model's)
             in_float32 = {id(p) for p in head.parameters()} if head is not None else set()
-            if frozen and args.bf16:  # FSDP gathers it in bfloat16 to compute: held so, it computes the same, at
-                for p in model.parameters():  # half the memory (parameters only: RoPE's buffers stay float32)
+            if frozen and args.bf16:  # gathered in bfloat16 to compute: held so, the same numbers at half the memory
+                for p in model.parameters():  # (parameters only: RoPE's buffers stay float32)
                     if id(p) not in in_float32:
                         p.data = p.data.to(torch.bfloat16)
             offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
@@ -1636,12 +1484,9 @@ def parallelize(model, args, device, num_layers, frozen=False):
 
 
 def output_layer_unit(model):
-    """A causal LM's output layer, to be sharded as its own FSDP unit and held in float32 (frozen too, so that the
-    reference's logits are the policy's at initialisation): gathered only while it computes the logits, its gradient
-    reduce-scattered as soon as it is made, instead of a vocabulary x hidden weight and its gradient held whole through
-    the forward and backward passes with the root. None (the layer stays with the root, read directly by
-    output_logits) for a layer tied to the input embeddings, not a plain nn.Linear, or held in bfloat16 (LoRA's
-    frozen base)."""
+    """A causal LM's output layer as its own FSDP unit, held in float32: gathered only while it computes the logits, its
+    gradient reduce-scattered at once (not a vocabulary x hidden weight held whole with the root). None for a layer
+    tied to the input embeddings, not a plain nn.Linear, or held in bfloat16 (LoRA's frozen base)."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -1655,9 +1500,8 @@ def output_layer_unit(model):
 
 @contextlib.contextmanager
 def gathered_once(model, enabled):
-    """Under FSDP: the model's sharded weights gathered at its first forward inside and kept gathered for every
-    forward after (a rollout's hundreds of one-token decodes: one all-gather per block, not one per token), then
-    sharded again as parallelize left them (blocks after each forward, the root not)."""
+    """Under FSDP: the weights gathered at the first forward inside and kept for every forward after (a rollout's
+    one-token decodes: one all-gather per block, not one per token), then sharded again as parallelize left them."""
     if not enabled:
         yield
         return
@@ -1685,7 +1529,7 @@ def all_gather_cat(t):
 
 
 def all_gather_rollout(batch):
-    """Every rank's rows of the rollout batch, in rank order, field by field."""
+    """Every rank's rows of the rollout batch, in rank order."""
     return dataclasses.replace(batch, **{f.name: all_gather_cat(getattr(batch, f.name)) for f in
                                          dataclasses.fields(batch) if torch.is_tensor(getattr(batch, f.name))})
 
@@ -1698,8 +1542,8 @@ def all_reduce(t, op=None):
 
 @contextlib.contextmanager
 def resharded(models):
-    """The frozen sharded models' gathered weights released after they compute: every FSDP unit resharded (the root
-    keeps its weights gathered after a forward, for a backward that a frozen model never runs)."""
+    """The frozen sharded models' gathered weights released after they compute (the root keeps its weights after a
+    forward, for a backward a frozen model never runs)."""
     try:
         yield
     finally:
@@ -1720,16 +1564,13 @@ def open_logs(args, rank, saved):
 
 
 def describe_run(args, sizes, world, optimizer, critic, n_prompts, start):
-    """One line: how the rollout batch is made, the updates, the method's choices, the learning rates."""
-    k = args.num_samples_per_prompt
+    k, lrs = args.num_samples_per_prompt, [g["initial_lr"] for g in optimizer.param_groups]
     return (f"rollout batch {sizes.batch_size} episodes = {args.per_device_train_batch_size} x "
             f"{args.gradient_accumulation_steps} accumulation x {args.num_mini_batches} mini-batches x {world} ranks "
-            f"({sizes.batch_size // k} prompts x {k} responses); {sizes.num_updates} updates x {args.num_ppo_epochs} "
-            f"epochs; advantages {args.advantage_estimator}, KL ({args.kl_estimator}) in the {args.kl_penalty}, "
-            f"loss {args.loss_aggregation}; lr {optimizer.param_groups[0]['initial_lr']:g}"
-            + (f" (critic {optimizer.param_groups[1]['initial_lr']:g})" if critic is not None else "")
-            + f"; {n_prompts} prompts" + (f"; resumed at update {start} ({start * sizes.batch_size} episodes)"
-                                          if start else ""))
+            f"({sizes.batch_size // k} prompts x {k}); {sizes.num_updates} updates x {args.num_ppo_epochs} epochs; "
+            f"{args.advantage_estimator}, KL {args.kl_estimator} in the {args.kl_penalty}, {args.loss_aggregation}; "
+            f"lr {' / '.join(f'{lr:g}' for lr in lrs)}; {n_prompts} prompts"
+            + (f"; resumed at update {start}" if start else ""))
 
 
 def log_update(logs, bar, m, last, args, tokenizer, batch):
@@ -1741,13 +1582,12 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
     if (m["step"] - 1) % args.sample_every and not last:
         return
     bar.write(common.format_metrics(m))
-    context = batch.context_length
-    table = [{"step": m["step"], "prompt": tokenizer.decode(batch.query_response[i, :context][
-              batch.attention_mask[i, :context].bool()]), "response": tokenizer.decode(batch.responses[i][
-              batch.mask[i]]), "score": batch.scores[i].item(), **({"gold": batch.gold[i].item()} if "gold/mean" in m
-                                                                   else {})}
-             for i in range(min(args.num_samples, len(batch.scores)))]
-    for row in table:
+    c = batch.context_length
+    for i in range(min(args.num_samples, len(batch.scores))):
+        row = {"step": m["step"], "prompt": tokenizer.decode(batch.query_response[i, :c][batch.attention_mask[i, :c]
+                                                                                          .bool()]),
+               "response": tokenizer.decode(batch.responses[i][batch.mask[i]]), "score": batch.scores[i].item(),
+               **({"gold": batch.gold[i].item()} if "gold/mean" in m else {})}
         bar.write(f"  {row['prompt'][-60:]!r} -> {row['response'][:80]!r}  score {row['score']:.3f}"
                   + (f"  gold {row['gold']:.3f}" if "gold" in row else ""))
         samples_file.write(json.dumps(row) + "\n")
@@ -1772,7 +1612,7 @@ def rollout_metrics(batch, kl, non_score_reward):
 
 
 def timing_metrics(times, batch_size, qr_mask, args):
-    """Episodes and tokens per second, and the time of each phase (rollout, score, advantages + learn)."""
+    """Episodes and tokens per second, and each phase's time (rollout; log-probs and score; advantages and learning)."""
     elapsed = times[-1] - times[0]
     return {"perf/episodes_per_s": batch_size / elapsed, "perf/time_rollout": times[1] - times[0],
             "perf/time_score": times[2] - times[1], "perf/time_learn": times[3] - times[2],
@@ -1780,11 +1620,10 @@ def timing_metrics(times, batch_size, qr_mask, args):
 
 
 def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank):
-    """The final policy in transformers' format (with LoRA: merged, and the adapter in output_dir/adapter), its
-    tokenizer, the curves and a summary; the logs closed."""
+    """The final policy in transformers' format (LoRA: merged, the adapter in output_dir/adapter), its tokenizer, the
+    curves and a summary; the logs closed."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    # the policy's whole state on rank 0's host (not the critic's, which is not saved)
     policy_sd = get_model_state_dict(trainable["policy"], options=StateDictOptions(full_state_dict=True,
                                                                                    cpu_offload=True))
     if rank != 0:
@@ -1803,37 +1642,26 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
 
 
 def plot_curves(history, path):
-    """Proxy score, gold score and KL against episodes, and the scores against sqrt(KL): the axis on which Gao et al.
-    2022 (reward model overoptimization) show gold score rising, then falling, as the policy moves away."""
+    """Proxy and gold score and KL against episodes, and the scores against sqrt(KL): the axis on which Gao et al. 2022
+    show the gold score rising, then falling (reward model overoptimization)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    episodes = [h["episodes"] for h in history]
-    proxy, kl = [h["objective/scores"] for h in history], [h["objective/kl"] for h in history]
-    gold = [h.get("gold/mean", float("nan")) for h in history]
-    has_gold = any(g == g for g in gold)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    axes[0, 0].plot(episodes, proxy, color="tab:blue", label="proxy (reward model)")
-    if has_gold:
-        axes[0, 0].plot(episodes, gold, color="tab:red", label="gold (true reward)")
-    axes[0, 0].set(title="Score during training", xlabel="episodes", ylabel="mean score per episode")
-    axes[0, 0].legend()
-    axes[0, 1].plot(episodes, kl, color="tab:green")
-    axes[0, 1].set(title="KL to the reference policy", xlabel="episodes", ylabel="KL (nats, summed over the response)")
-    sqrt_kl = [max(k, 0.0) ** 0.5 for k in kl]
-    axes[1, 0].plot(sqrt_kl, proxy, ".", color="tab:blue", alpha=0.5, label="proxy")
-    if has_gold:
-        axes[1, 0].plot(sqrt_kl, gold, ".", color="tab:red", alpha=0.5, label="gold")
-    axes[1, 0].set(title="Score against distance from the reference (one dot per update)", xlabel="sqrt(KL)",
-                   ylabel="mean score")
-    axes[1, 0].legend()
-    if has_gold:
-        axes[1, 1].plot(episodes, [p - g for p, g in zip(proxy, gold)], color="tab:purple")
-        axes[1, 1].set(title="Proxy minus gold (overoptimization gap)", xlabel="episodes", ylabel="proxy - gold")
-    else:
-        axes[1, 1].axis("off")
+    episodes, kl = [h["episodes"] for h in history], [h["objective/kl"] for h in history]
+    scores = {"proxy": [h["objective/scores"] for h in history]}
+    if any("gold/mean" in h for h in history):
+        scores["gold"] = [h.get("gold/mean", float("nan")) for h in history]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, ys in scores.items():
+        axes[0].plot(episodes, ys, label=name)
+        axes[2].plot([max(k, 0.0) ** 0.5 for k in kl], ys, ".", alpha=0.5, label=name)
+    axes[1].plot(episodes, kl)
+    axes[0].set(title="Score (mean per episode)", xlabel="episodes")
+    axes[1].set(title="KL to the reference (summed over the response)", xlabel="episodes")
+    axes[2].set(title="Score against sqrt(KL), one dot per update", xlabel="sqrt(KL)")
+    axes[0].legend()
     common.save_figure(fig, path)
 
 
@@ -1842,10 +1670,9 @@ def summarize(history, window=5):
     out = {}
     for key, name in (("objective/scores", "proxy"), ("objective/kl", "kl"), ("gold/mean", "gold"),
                       ("gold/std", "gold_std")):
-        xs = [h[key] for h in history if key in h]
-        if xs:
-            out[f"{name}_first"] = sum(xs[:window]) / len(xs[:window])
-            out[f"{name}_last"] = sum(xs[-window:]) / len(xs[-window:])
+        if xs := [h[key] for h in history if key in h]:
+            out[f"{name}_first"], out[f"{name}_last"] = sum(xs[:window]) / len(xs[:window]), sum(xs[-window:]) / len(
+                xs[-window:])
     return out
 
 

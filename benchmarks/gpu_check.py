@@ -326,9 +326,10 @@ def timed(fn, device, model=None):
 
 
 def check_logprobs(device, quick):
-    """5. Sampling vs learning log-probs at initialisation, on a policy trained first (random weights hide the
-    effect): |new - old| over the response tokens, the fraction of ratios outside 1 +- 0.2 and the KL per sequence
-    at initialisation, for bf16 weights and for fp32 weights under bf16 autocast; then reference_logprobs' (the fix)."""
+    """5. Old vs learning log-probs at initialisation, on a policy trained first (random weights hide rounding
+    effects): |new - old| over the response tokens (old: ppo.logprobs_and_values; new: learn()'s first forwards), the
+    fraction of ratios outside 1 +- 0.2 and the KL per sequence at initialisation, for bf16 weights and for fp32
+    weights under bf16 autocast."""
     import random
 
     from transformers import AutoModelForCausalLM
@@ -376,16 +377,17 @@ def logprob_gaps(policy, tok, device):
     for name, dtype in (("bf16_weights", torch.bfloat16), ("fp32_weights_autocast", torch.float32)):
         model = policy.to(dtype)
         batch = ppo.rollout(model, prompts, range(64), args, tok.eos_token_id, tok.pad_token_id, device, False)
-        sampled = batch.logprobs.clone()
-        ppo.reference_logprobs(model, model, None, batch, args, 0, 0, 1, contextlib.nullcontext)
+        ppo.logprobs_and_values(model, model, None, batch, args, 0, 0, 1, contextlib.nullcontext)
+        with torch.no_grad():  # learn()'s first forwards: epoch 0's rows and groups, under the same autocast
+            new = ppo.learning_forward(batch, args, 0, 0, 1, lambda ids, m, c: [
+                ppo.policy_forward(model, ids, m, c, args.temperature, entropy=False)[0]])[0]
         real = batch.mask
-        diff = (batch.logprobs - sampled)[real]
+        diff = (new - batch.logprobs)[real]
         ratio = diff.exp()
         out[name] = {"mean_abs_diff": diff.abs().mean().item(), "max_abs_diff": diff.abs().max().item(),
                      "ratio_outside_0.2": ((ratio - 1).abs() > 0.2).float().mean().item(),
-                     "kl_per_sequence_sampling_vs_reference": ((sampled - batch.ref_logprobs) * real).sum(1)
-                     .mean().item(),
-                     "kl_per_sequence_after_fix": ((batch.logprobs - batch.ref_logprobs) * real).sum(1).mean().item()}
+                     "kl_per_sequence_at_initialisation": ((batch.logprobs - batch.ref_logprobs) * real).sum(1)
+                     .mean().item()}
     return out
 
 

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import assert_saved_models_equal, read_metrics, run_script
+from conftest import assert_saved_models_equal, read_metrics, replayed_samples, run_script
 from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, WINDOW, WINDOWED, save_family  # noqa: F401
 
 import common
@@ -113,21 +113,20 @@ def test_no_dropout_anywhere_training_forward_equals_evaluation_forward(family, 
 
 
 @pytest.mark.parametrize("family", DECODERS)
-def test_sampling_logprobs_equal_learning_logprobs(family, family_dir):
+def test_sampler_draws_from_the_learning_forwards_distribution(family, family_dir):
+    """The KV-cached decode samples from the distribution the learning forward computes: each drawn token is the
+    argmax of the whole-sequence forward's logits plus the episode's Gumbel noise."""
     args = ppo.Args(sft_model_path=family_dir(family), response_length=6, temperature=0.8)
     tokenizer = ppo.load_tokenizer(args)
-    policy = ppo.load_policy(args, tokenizer)
+    policy = ppo.load_policy(args, tokenizer).eval()
     rng = random.Random(0)
     prompts = common.tokenize_prompts(tokenizer, [common.embedded_prompt(rng) + " cat" * i for i in range(4)])
     query, query_mask = ppo.pad_left(prompts, max(map(len, prompts)), tokenizer.pad_token_id)
     generators = [torch.Generator().manual_seed(i) for i in range(4)]
-    responses, logprobs = ppo.generate(policy.eval(), query, query_mask, generators, args, tokenizer.eos_token_id,
-                                       tokenizer.pad_token_id)
-    responses, mask = ppo.truncate_after_stop(responses, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    qr, qr_mask = torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long()
-    with torch.no_grad():
-        learning, _ = ppo.policy_forward(policy.train(), qr, qr_mask, query.shape[1], args.temperature)
-    assert torch.allclose(learning[mask], logprobs[mask], atol=1e-5)
+    responses = ppo.generate(policy, query, query_mask, generators, args, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    drawn, steps = replayed_samples(policy, query, query_mask, responses, range(4), args.temperature,
+                                    tokenizer.eos_token_id)
+    assert torch.equal(drawn, responses[:, :steps])
 
 
 @pytest.mark.parametrize("family", DECODERS)
@@ -245,8 +244,8 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
     padded = tokenizer.pad({"input_ids": responses}, padding_side="right", return_tensors="pt")
     responses, mask = padded["input_ids"], padded["attention_mask"]
     batch = ppo.Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask.bool()], 1).long(),
-                        query.shape[1], mask.bool(), torch.zeros(responses.shape))
-    ids, ids_mask = ppo.reward_model_tokens(batch, tokenizer.eos_token_id, tokenizer, reward, args)
+                        query.shape[1], mask.bool())
+    ids, ids_mask = ppo.reward_model_tokens(batch, torch.arange(2), tokenizer.eos_token_id, tokenizer, reward, args)
     rm_tokenizer = AutoTokenizer.from_pretrained(rm_path)
     rows = [{"prompt": prompt, "chosen": answers[0], "rejected": answers[1], "_source": "m", "_row": 0}]
     pair = rm.tokenize_pairs(rows, rm_tokenizer, rm.Args(max_length=64, max_prompt_length=32))[0][0]
@@ -259,10 +258,10 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
         expected = (rm.RewardModel(hf)(c_ids, c_mask) - hf.config.reward_shift) / hf.config.reward_scale
     policy = ppo.load_policy(args, tokenizer)
     critic = ppo.Critic(ppo.critic_from(ppo.Args(critic_init="policy"), policy, reward))
-    ppo.score(critic, reward, batch, [prompt] * 2, tokenizer, tokenizer.eos_token_id, args)
+    ppo.score(critic, reward, batch, torch.arange(2), [prompt] * 2, tokenizer, tokenizer.eos_token_id, args)
     scores = batch.scores
     assert torch.allclose(scores, expected, atol=1e-5)
-    ppo.score(critic, reward, batch, [prompt] * 2, tokenizer, tokenizer.eos_token_id,
+    ppo.score(critic, reward, batch, torch.arange(2), [prompt] * 2, tokenizer, tokenizer.eos_token_id,
               ppo.Args(**{**vars(args), "per_device_train_batch_size": 1}))
     assert torch.allclose(batch.scores, scores, atol=1e-6)  # scoring in micro-batches of 1 row changes nothing
     history = ppo.main(ppo.Args(sft_model_path=policy_path, reward_model_path=rm_path, total_episodes=8,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import tyro
-from conftest import ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, run_script
+from conftest import ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, replayed_samples, run_script
 
 import common
 import ppo
@@ -57,7 +57,7 @@ def test_policy_and_value_losses_match_formulas():
     g = torch.Generator().manual_seed(1)
     new, old, adv = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]]).float()
-    loss, stats = ppo.policy_loss(new, old, adv, mask, 0.2)
+    loss, stats = ppo.policy_loss(new, old, adv, ppo.token_weights(mask, "token_mean"), 0.2)
     terms, clipped = [], []
     for i in range(3):
         for j in range(4):
@@ -71,7 +71,7 @@ def test_policy_and_value_losses_match_formulas():
     assert stats["clipfrac"].item() == pytest.approx(sum(clipped) / len(clipped), abs=1e-6)
 
     v, old_v, ret = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
-    vloss, vclip = ppo.value_loss(v, old_v, ret, mask, 0.2)
+    vloss, vclip = ppo.value_loss(v, old_v, ret, ppo.token_weights(mask, "token_mean"), 0.2)
     terms = []
     for i in range(3):
         for j in range(4):
@@ -90,15 +90,19 @@ def test_loss_aggregations_match_their_formulas_and_weight_the_losses():
                 "sequence_mean": sum(sum(r) / n for r, n in zip(real, lengths)) / 3,
                 "constant": sum(map(sum, real)) / (3 * 4)}
     for mode, value in expected.items():
-        w = ppo.aggregation_weights(mask, mode)
-        got = ppo.masked_mean(x if w is None else x * w, mask, mask.sum())
-        assert got.item() == pytest.approx(value, abs=1e-6), mode
-        # the policy loss's per-token terms are averaged the same way; its statistics stay token means
+        w = ppo.token_weights(mask, mode)
+        assert (x * w).sum().item() == pytest.approx(value, abs=1e-6), mode
+        assert w.sum().item() == pytest.approx(7 / 12 if mode == "constant" else 1.0) and (w[mask == 0] == 0).all()
+        # the policy loss's per-token terms, and its statistics, are averaged the same way
         new, old, adv = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
-        loss, stats = ppo.policy_loss(new, old, adv, mask, 1e9, mask.sum(), w)  # (no clipping)
-        terms = -adv * (new - old).exp()
-        assert loss.item() == pytest.approx(ppo.masked_mean(terms if w is None else terms * w, mask).item(), abs=1e-6)
-        assert stats["ratio"].item() == pytest.approx(ppo.masked_mean((new - old).exp(), mask).item(), abs=1e-6)
+        loss, stats = ppo.policy_loss(new, old, adv, w, 1e9)  # (no clipping)
+        ratio = [(new[i, :n] - old[i, :n]).exp() for i, n in enumerate(lengths)]
+        terms = [(-adv[i, :n] * r).tolist() for i, (n, r) in enumerate(zip(lengths, ratio))]
+        formula = {"token_mean": lambda v: sum(map(sum, v)) / 7,
+                   "sequence_mean": lambda v: sum(sum(r) / n for r, n in zip(v, lengths)) / 3,
+                   "constant": lambda v: sum(map(sum, v)) / 12}[mode]
+        assert loss.item() == pytest.approx(formula(terms), abs=1e-6), mode
+        assert stats["ratio"].item() == pytest.approx(formula([r.tolist() for r in ratio]), abs=1e-6), mode
 
 
 def test_critic_free_estimators_match_their_formulas():
@@ -143,7 +147,7 @@ def test_advantages_phase_puts_the_kl_where_asked(estimator, kl_penalty):
     B, T, coef = 8, 5, 0.3
     mask = torch.arange(T)[None] < torch.tensor([5, 2, 3, 1, 4, 5, 2, 3])[:, None]
     batch = ppo.Rollout(torch.zeros(B, T + 2, dtype=torch.long), torch.ones(B, T + 2, dtype=torch.long), 2, mask,
-                        torch.randn(B, T, generator=g) * mask, scores=torch.randn(B, generator=g),
+                        logprobs=torch.randn(B, T, generator=g) * mask, scores=torch.randn(B, generator=g),
                         values=torch.randn(B, T, generator=g) * mask, ref_logprobs=torch.randn(B, T, generator=g) * mask)
     args = ppo.Args(advantage_estimator=estimator, kl_penalty=kl_penalty)
     ppo.check_estimator_args(args)
@@ -270,24 +274,22 @@ def sample_prompts(n, seed=0):
 
 
 @pytest.mark.parametrize("arch", ["embedded-llama", "embedded-neox"])
-def test_sampling_logprobs_equal_training_forward_and_do_not_depend_on_batch(arch):
+def test_sampler_draws_from_the_learning_distribution_and_does_not_depend_on_batch(arch):
     policy = ppo.embedded_sft_policy(arch, TOK, seed=0, steps=20)
     args = ppo.Args(temperature=0.7, response_length=8)
     prompts = sample_prompts(5)
     width = max(map(len, prompts))
     query, qmask = ppo.pad_left(prompts, width, TOK.pad_token_id)
     gens = lambda: [torch.Generator().manual_seed(100 + i) for i in range(5)]  # noqa: E731
-    responses, logprobs = ppo.generate(policy, query, qmask, gens(), args, TOK.eos_token_id, TOK.pad_token_id)
-    responses, mask = ppo.truncate_after_stop(responses, TOK.eos_token_id, TOK.pad_token_id)
-    qr, qr_mask = torch.cat([query, responses], 1), torch.cat([qmask, mask], 1).long()
-    with torch.no_grad():
-        forward_logprobs, _ = ppo.policy_forward(policy, qr, qr_mask, width, args.temperature)
-    assert torch.allclose(forward_logprobs[mask], logprobs[mask], atol=1e-5)
+    raw = ppo.generate(policy, query, qmask, gens(), args, TOK.eos_token_id, TOK.pad_token_id)
+    drawn, steps = replayed_samples(policy, query, qmask, raw, range(100, 105), args.temperature, TOK.eos_token_id)
+    assert torch.equal(drawn, raw[:, :steps])  # each token: argmax of the learning forward's logits + its noise
+    responses, mask = ppo.truncate_after_stop(raw, TOK.eos_token_id, TOK.pad_token_id)
     # each prompt alone (no padding, other batch) samples the same response: streams are per episode
     for i in range(5):
         q = torch.tensor([prompts[i]])
-        alone, _ = ppo.generate(policy, q, torch.ones_like(q, dtype=torch.bool), [gens()[i]], args,
-                                TOK.eos_token_id, TOK.pad_token_id)
+        alone = ppo.generate(policy, q, torch.ones_like(q, dtype=torch.bool), [gens()[i]], args, TOK.eos_token_id,
+                             TOK.pad_token_id)
         alone, alone_mask = ppo.truncate_after_stop(alone, TOK.eos_token_id, TOK.pad_token_id)
         assert alone[0][alone_mask[0]].tolist() == responses[i][mask[i]].tolist()
 
@@ -442,7 +444,7 @@ def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, rew
     golds = {}
     for name, model in (("trained", trained), ("initial", initial)):
         gens = [torch.Generator().manual_seed(i) for i in range(48)]
-        r, _ = ppo.generate(model, query, qmask, gens, ppo.Args(), TOK.eos_token_id, TOK.pad_token_id)
+        r = ppo.generate(model, query, qmask, gens, ppo.Args(), TOK.eos_token_id, TOK.pad_token_id)
         r, m = ppo.truncate_after_stop(r, TOK.eos_token_id, TOK.pad_token_id)
         golds[name] = np.mean([common.gold_reward(TOK.decode(q[qm]), TOK.decode(x[k & (x != TOK.eos_token_id)]))
                                for q, qm, x, k in zip(query, qmask, r, m)])

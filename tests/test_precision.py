@@ -317,7 +317,7 @@ def test_a_mixture_is_evaluated_per_dataset_as_each_dataset_alone_and_overall():
 def test_gpu_check_runs_every_section_at_tiny_shapes(tmp_path):
     """benchmarks/gpu_check.py, which a lent GPU runs in minutes of scarce device time, at --quick shapes on the CPU:
     every section but the scripts' (seconds here) ends without error, packed rewards equal padded ones in float32, no
-    NaN, and the KL at initialisation is 0 after the recomputation."""
+    NaN, and the first ratio is 1 and the KL at initialisation 0."""
     sections = ["attention", "packed", "logprobs", "shapes", "rm_shapes", "decode_profile"]
     run_script(["benchmarks/gpu_check.py", "--quick", "--out", str(tmp_path), "--sections", *sections])
     report = json.load(open(tmp_path / "report.json"))
@@ -326,5 +326,6 @@ def test_gpu_check_runs_every_section_at_tiny_shapes(tmp_path):
     assert report["packed"]["fp32_cudnn_off"]["max_reward_diff"] < 1e-5
     assert report["packed"]["fp32_cudnn_off"]["grad_rel_diff"] < 1e-5
     for width in report["logprobs"].values():
-        assert width["bf16_weights"]["kl_per_sequence_after_fix"] == 0.0 < width["bf16_weights"]["max_abs_diff"]
+        for weights in ("bf16_weights", "fp32_weights_autocast"):  # the first ratio exactly 1, the KL exactly 0
+            assert width[weights]["max_abs_diff"] == 0.0 == width[weights]["kl_per_sequence_at_initialisation"]
     assert report["shapes"]["rollout"]["ms_per_token"] > 0 and report["decode_profile"]["wall_ms_per_token"] > 0
