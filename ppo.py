@@ -129,8 +129,6 @@ class Args:
     """Micro-batches per optimizer step."""
     num_mini_batches: int = 2
     """Optimizer steps per PPO epoch."""
-    num_collect_steps: int = 1
-    """Each rank samples its share of the rollout batch in this many chunks (less KV-cache memory)."""
     num_ppo_epochs: int = 4
     """Passes over each rollout batch."""
     # --- optimisation
@@ -394,18 +392,14 @@ class Rollout:
 
 def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collective):
     """1. A response to each of this rank's episodes, sampled from softmax(logits / --temperature) with the episode's
-    own random stream (generate), in --num_collect_steps chunks; tokens after the stop token become padding."""
+    own random stream (generate); tokens after the stop token become padding."""
     width = all_reduce(torch.tensor(max(map(len, prompt_ids)), device=device), dist.ReduceOp.MAX)  # same on all ranks
     query, query_mask = (t.to(device) for t in pad_left(prompt_ids, int(width), pad_id))
-    chunk, responses = len(episodes) // args.num_collect_steps, []
-    with gathered_once(policy, collective):  # FSDP: the weights gathered once, not once per token
-        for c in range(0, len(episodes), chunk):
-            generators = [torch.Generator(device).manual_seed(common.seed_of(args.seed, "sampling", e))
-                          for e in episodes[c:c + chunk]]
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                responses.append(generate(policy, query[c:c + chunk], query_mask[c:c + chunk], generators, args,
-                                          stop_id, pad_id, collective))
-    responses, mask = truncate_after_stop(torch.cat(responses), stop_id, pad_id)
+    generators = [torch.Generator(device).manual_seed(common.seed_of(args.seed, "sampling", e)) for e in episodes]
+    with gathered_once(policy, collective), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        responses = generate(policy, query, query_mask, generators, args, stop_id, pad_id, collective)  # (FSDP: the
+        # weights gathered once, not once per token)
+    responses, mask = truncate_after_stop(responses, stop_id, pad_id)
     return Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask)
 
 
@@ -565,7 +559,7 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
     stats = []  # per optimizer step: name -> this rank's share of the mini-batch's mean
     for epoch in range(args.num_ppo_epochs):
         for mb, step in enumerate(epoch_plan(batch, args, update, epoch, rank, world)):
-            sums = {}
+            sums, mass = {}, step.weights.sum()
             if ptx is not None:  # PPO-ptx (Ouyang et al. 2022, eq. 2): language modelling on pretraining text
                 sums["loss/ptx"] = ptx_backward(policy, ptx, step, (update, epoch, mb), args, rank, world, pad_id,
                                                 backward)
@@ -595,8 +589,8 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
                     named["loss/value"], named["val/clipfrac"] = value_loss(
                         new_values, f.take(batch.values), f.take(batch.returns), w, args.cliprange_value)
                     backward(args.vf_coef * named["loss/value"])
-                for name, value in named.items():
-                    sums[name] = sums.get(name, 0) + value.detach()
+                for name, value in named.items():  # (statistics as weighted means: constant's weights sum below 1)
+                    sums[name] = sums.get(name, 0) + value.detach() / (1 if name.startswith("loss/") else mass)
             grad_norm = clip_and_step(trainable, optimizer, args.max_grad_norm, update, pg_loss)
             stats.append(sums)
     return mean_over_steps(stats), grad_norm
@@ -606,7 +600,7 @@ def check_args(args):
     """Every size and range, and every model and dataset found, before anything is loaded or written."""
     check_estimator_args(args)
     for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-                 "num_collect_steps", "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every",
+                 "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every",
                  "kl_horizon", "num_samples_per_prompt"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
@@ -678,9 +672,6 @@ def start_up(args, rank, world):
     common.check_shared_output_dir(args.output_dir, rank)
     local_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size, num_updates = local_batch * world, args.total_episodes // (local_batch * world)
-    if local_batch % args.num_collect_steps:
-        raise common.UserError(f"--num_collect_steps {args.num_collect_steps}: must divide the {local_batch} episodes "
-                               "each rank rolls out per update")
     if num_updates == 0:
         raise common.UserError(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
     if args.total_episodes % batch_size and rank == 0:

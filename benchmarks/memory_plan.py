@@ -213,7 +213,7 @@ def ppo_plan(args, world, vocab_size=None):
                             on_host=host and shards > 1))
     compute, residual = (2, 2 if lora else 4) if args.bf16 else (4, 4)  # (a LoRA base held in bfloat16 computes so)
     micro, width = args.per_device_train_batch_size, (args.max_prompt_length or 256) + args.response_length
-    sequences = micro * args.gradient_accumulation_steps * args.num_mini_batches // args.num_collect_steps
+    sequences = micro * args.gradient_accumulation_steps * args.num_mini_batches
     if shards > 1 or args.bf16 and not lora:
         rows.append(Transient("policy gathered" if shards > 1 else "policy, autocast's copy", "rollout",
                               (policy[0] - head) * compute + head * 4))

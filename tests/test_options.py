@@ -23,7 +23,7 @@ TOK = common.embedded_tokenizer()
 
 PPO_OPTIONS = OrderedDict(
     ranks=[1, 2], fsdp=[False, True], bf16=[False, True], lora_r=[0, 4], reward=["model", "function", "both"],
-    critic_init=["auto", "policy", "reward"], ptx_coef=[0.0, 0.1], num_collect_steps=[1, 2],
+    critic_init=["auto", "policy", "reward"], ptx_coef=[0.0, 0.1],
     offload_inference_models=[False, True], kl_estimator=["k1", "k3"], target_kl=[None, 0.5],
     whiten_rewards=[False, True], stop_token=["eos", "none"], gradient_accumulation_steps=[1, 2],
     resume=[False, True], overwrite_output_dir=[False, True], policy=["embedded", "folder"],
