@@ -610,6 +610,8 @@ def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, flag
      "does not have; drop it (or use --advantage_estimator gae)"),
     (dict(advantage_estimator="rloo", critic_init="policy"), "--critic_init is for the critic"),
     (dict(advantage_estimator="reinforce_pp", lam=0.9), "--lam is for the critic"),
+    (dict(advantage_estimator="rloo", lam=0.95), "--lam is for the critic"),  # its default, given: refused too
+    (dict(advantage_estimator="grpo", gamma=1.0), "--gamma is for per-token returns"),
     (dict(advantage_estimator="reinforce_pp", critic_learning_rate=1e-5), "--critic_learning_rate is for the critic"),
     (dict(advantage_estimator="grpo", gamma=0.9), "--gamma is for per-token returns, which --advantage_estimator grpo"),
     (dict(advantage_estimator="rloo", whiten_rewards=True), "--whiten_rewards is for per-token returns"),
