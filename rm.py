@@ -90,8 +90,6 @@ class Args:
 
 
 # --- The math. -------------------------------------------------------------------------------------------------------
-
-
 def preference_loss(r_chosen, r_rejected, margin):
     """Per-pair Bradley-Terry negative log-likelihood with the Llama 2 margin (Touvron et al. 2023, eq. 2), stable at
     any gap; another pair loss goes here (training and evaluation read it through reward_model_loss)."""
@@ -126,8 +124,6 @@ def pearson(x, y):
 
 
 # --- The method's conventions, the same as ppo.py's (tests/test_rm.py checks that they agree). -----------------------
-
-
 def truncate_prompt(ids, max_prompt_length, bos_id=None):
     """A prompt longer than max_prompt_length keeps its END (the turn being answered) and its leading BOS/[CLS]."""
     if len(ids) <= max_prompt_length:
@@ -169,8 +165,6 @@ def disable_dropout(model):
 
 
 # --- The model, the data, the batch layouts, one training step, evaluation. ------------------------------------------
-
-
 class RewardModel(torch.nn.Module):
     """A transformers sequence classifier read at each sequence's last token: a padded batch through sequence_reward,
     a packed row (pack_segments) at the read points it brings, under segment_attention."""
@@ -217,8 +211,7 @@ def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
     one prompt (pairs without one, say) is held out by row instead."""
     prompt = lambda row: common.split_pair(row, tokenizer, common.where(row))[0]  # noqa: E731
     keys = [prompt(r) for r in rows]
-    if len(set(keys)) == 1:
-        keys = list(range(len(rows)))
+    keys = keys if len(set(keys)) > 1 else list(range(len(rows)))
     order, size = list(dict.fromkeys(keys)), collections.Counter(keys)
     random.Random(seed).shuffle(order)
     before = itertools.accumulate((size[k] for k in order), initial=0)  # rows held before each key in turn
@@ -274,8 +267,8 @@ def model_inputs(pairs, pad_id, args, device="cpu"):
 
 def train_step(model, micro_batches, args, pad_id, device):
     """The forward and backward passes of one optimizer step, the gradients clipped to --max_grad_norm. Returns the
-    step's mean loss, accuracy, reward gap, token count and the gradient norm before clipping."""
-    stats = dict.fromkeys(("loss", "accuracy", "reward_gap", "tokens"), 0.0)
+    step's mean loss, accuracy, reward gap and the gradient norm before clipping."""
+    stats = dict.fromkeys(("loss", "accuracy", "reward_gap"), 0.0)
     for m, pairs in enumerate(micro_batches):
         inputs = model_inputs(pairs, pad_id, args, device)
         margin = torch.tensor([p["margin"] for p in pairs], device=device)
@@ -290,8 +283,6 @@ def train_step(model, micro_batches, args, pad_id, device):
         stats["loss"] += loss.item() / len(micro_batches)
         stats["accuracy"] += (r_chosen > r_rejected).float().mean().item() / len(micro_batches)
         stats["reward_gap"] += (r_chosen - r_rejected).mean().item() / len(micro_batches)
-        # the tokens of both sequences, the prompt counted twice, whatever the layout: tokens/s compares layouts
-        stats["tokens"] += sum(len(p["prompt"]) * 2 + len(p["chosen"]) + len(p["rejected"]) for p in pairs)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
     stats["grad_norm"] = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
     return stats
@@ -303,9 +294,8 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
     training = model.training
     model.eval()
     # longest first, so that a batch holds pairs of similar length (little padding) and the peak memory comes first
-    by_length = sorted(range(len(pairs)), key=lambda i: -len(pairs[i]["prompt"] + pairs[i]["chosen"]
-                                                              + pairs[i]["rejected"]))
-    mine, per_rank = by_length[rank::world], math.ceil(len(pairs) / world)
+    order = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
+    mine, per_rank = order[rank::world], math.ceil(len(pairs) / world)
     valid = torch.arange(per_rank, device=device) < len(mine)
     mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts (FSDP's forward is collective)
     rewards, size = [], args.per_device_eval_batch_size or args.per_device_train_batch_size
@@ -360,8 +350,8 @@ def fit_normalization(model, train, args, pad_id, device, rank, world):
     eval pairs), and with shift_scale reward_scale, their std; ppo.py reads (score - reward_shift) / reward_scale."""
     if args.reward_normalization == "none":
         return {"reward_shift": 0.0, "reward_scale": 1.0, "reward_normalization_fitted_on": None}
-    pairs = random.Random(common.seed_of(args.seed, "normalization")).sample(train, min(len(train),
-                                                                                     NORMALIZATION_PAIRS))
+    rng = random.Random(common.seed_of(args.seed, "normalization"))
+    pairs = rng.sample(train, min(NORMALIZATION_PAIRS, len(train)))
     fitted = evaluate(model, pairs, args, pad_id, device, rank, world)[0]
     return {"reward_shift": fitted["eval/reward_mean"],
             "reward_scale": fitted["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0,
@@ -466,8 +456,6 @@ def main(args):
 
 
 # --- The systems: what makes the steps run on real data, at scale and fast. Start-up checks, model and data. ---------
-
-
 def start_up(args):
     """Every check that can fail before a weight is read, each in one line: arguments, sources, output folder."""
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
@@ -504,8 +492,7 @@ def load_tokenizer(name):
     from transformers import AutoTokenizer
 
     tok = common.load_pretrained(AutoTokenizer, name, "--model_name_or_path")
-    if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:
-        # A distinct pad id lets any loader (transformers pools at the last non-pad id) find a trailing EOS.
+    if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:  # transformers pools at the last non-pad id
         tok.add_special_tokens({"pad_token": "<|pad|>"})
     return tok
 
@@ -571,13 +558,10 @@ def load_data(args, tokenizer, rank):
         if args.eval_only and evals is None:
             split, evals, train = args.train_split, train, []
         share = [dict(r, _dataset=name) for r in take_share(train, weight, args.seed)]
-        if evals is None:
-            pool += share
-            eval_sets[name] = f"{args.eval_holdout:g} of its training pairs, held out by prompt"
-        else:
-            train_rows += share
-            eval_rows += [dict(r, _dataset=name) for r in evals]
-            eval_sets[name] = f"split {split!r}"
+        (pool if evals is None else train_rows).extend(share)
+        eval_rows += [dict(r, _dataset=name) for r in evals or []]
+        eval_sets[name] = f"{args.eval_holdout:g} of its training pairs, held out by prompt" if evals is None else \
+            f"split {split!r}"
     if pool:
         train_rows, held = hold_out_by_prompt(pool, args.eval_holdout, args.seed, tokenizer, train_rows)
         eval_rows += held
@@ -674,14 +658,11 @@ def build_optimizer(model, args, total_steps):
 
 
 # --- The packed layout's attention (pack_segments builds the row; model_inputs says what guarantees its rewards).
-
-
 class Segments:
     """A packed row for segment_attention: each token's sequences and position, blocks (start, end) of whole pairs."""
 
     def __init__(self, member, position, blocks):
-        self.member, self.position, self.blocks = member, position, blocks
-        self.masks, self.calls = {}, []
+        self.member, self.position, self.blocks, self.masks, self.calls = member, position, blocks, {}, []
 
     def mask(self, b, window, device):
         if (b, window) not in self.masks:
@@ -747,18 +728,13 @@ def declared_windows(config):  # each layer's sliding window (None: full attenti
 @torch.no_grad()
 def choose_layout(model, args, vocab_size, rank=0):
     """(args, layout): packed if this model passes packed_layout_fault (rank 0's verdict), else padded, and why."""
-    padded = dataclasses.replace(args, padding_free=False)
     if not args.padding_free:
         return args, "padded (as asked)"
-    if not hasattr(model.hf, "score"):
-        return padded, "padded: an encoder reads its pooled [CLS] over the whole sequence"
-    if "position_ids" not in inspect.signature(model.hf.base_model.forward).parameters:
-        return padded, "padded: the model takes no position ids (ALiBi or recurrent)"
     why_not = [common.agreed(lambda: packed_layout_fault(model, args, vocab_size) if rank == 0 else None)]
     if dist.is_initialized():
         dist.broadcast_object_list(why_not, src=0)
     if why_not[0]:
-        return padded, f"padded: {why_not[0]}"
+        return dataclasses.replace(args, padding_free=False), f"padded: {why_not[0]}"
     use_segment_attention(model.hf)
     return args, "prefix-shared + packed: one row, attention per block of pairs (rewards checked equal to padded ones)"
 
@@ -767,6 +743,10 @@ def packed_layout_fault(model, args, vocab_size):
     """Why the packed layout fails this model (None: it does not), on random pairs, 4 short and 2 longer than a block
     and the shortest sliding window: each layer must call segment_attention with its declared window, and the rewards
     must equal the padded batch's on the run's device and precision."""
+    if not hasattr(model.hf, "score"):
+        return "an encoder reads its pooled [CLS] over the whole sequence"
+    if "position_ids" not in inspect.signature(model.hf.base_model.forward).parameters:
+        return "the model takes no position ids (ALiBi or recurrent)"
     device, g = next(model.parameters()).device, torch.Generator().manual_seed(0)
     ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
     windows, own, was_training = declared_windows(model.hf.config), model.hf.config._attn_implementation, model.training
@@ -797,8 +777,6 @@ def packed_layout_fault(model, args, vocab_size):
 
 
 # --- Distributed set-up (torchrun's environment variables; a plain `python rm.py` is world size 1). ------------------
-
-
 def setup_distributed():
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
@@ -806,8 +784,7 @@ def setup_distributed():
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        # an hour, not the default 10 minutes: the ranks wait in a collective while rank 0 writes the final model
-        # (tens of GB at 7B); a rank that dies ends the job at once all the same (torchrun stops the others)
+        # an hour, not 10 minutes: the ranks wait while rank 0 writes the final model (tens of GB at 7B)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
     return rank, world, device
 
@@ -849,34 +826,28 @@ def all_gather_cat(t):
 
 
 # --- Logging and the final save. -------------------------------------------------------------------------------------
-
-
 def describe_run(args, model, lora, layout, optimizer, world, device, steps_per_epoch, total_steps, start_step):
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"model {args.model_name_or_path}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{trained / 1e6:.2f}M trained{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} "
           f"({device.type}, {'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})\n"
-          f"batch layout: {layout}\n{total_steps} steps ({total_steps / steps_per_epoch:.2f} epochs) of "
-          f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} accumulation x {world} ranks "
-          f"pairs; lr {optimizer.param_groups[0]['initial_lr']:g}, {args.lr_scheduler_type}"
-          + (f"; resumed from step {start_step}" if start_step else "")
+          f"batch layout: {layout}\n{total_steps} steps ({total_steps / steps_per_epoch:.2f} epochs), lr "
+          f"{optimizer.param_groups[0]['initial_lr']:g}" + (f"; resumed from step {start_step}" if start_step else "")
           + (" (at or past the total: the final evaluation and save remain)" if start_step >= total_steps else ""))
 
 
 def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world, **memory):
     """The statistics of the steps since the last log, averaged over them and over ranks, and the speed."""
-    keys = ("loss", "accuracy", "reward_gap", "grad_norm", "tokens")
+    keys = ("loss", "accuracy", "reward_gap", "grad_norm")
     means = torch.tensor([sum(s[k] for s in window) / len(window) for k in keys], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(means)
-    loss, accuracy, reward_gap, grad_norm, tokens = (means / world).tolist()
-    tokens *= len(window) * world
-    m = {"step": step, "epoch": step / steps_per_epoch, "train/loss": loss, "train/accuracy": accuracy,
-         "train/reward_gap": reward_gap, "train/grad_norm": grad_norm, "lr": lr, "perf/tokens_per_s": tokens / elapsed,
-         "perf/pairs_per_s": len(window) * global_batch / elapsed, **memory}
+    means /= world
+    m = {"step": step, "epoch": step / steps_per_epoch, **{f"train/{k}": v for k, v in zip(keys, means.tolist())},
+         "lr": lr, "perf/pairs_per_s": len(window) * global_batch / elapsed, **memory}
     if logger is not None:
         logger.log(m)
-        bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.3f}", tok_s=f"{tokens / elapsed:.0f}")
+        bar.set_postfix(loss=f"{m['train/loss']:.4f}", acc=f"{m['train/accuracy']:.3f}")
         bar.write(common.format_metrics(m))
 
 
@@ -889,7 +860,8 @@ def save_final(model, hf_model, lora, tokenizer, ev, logger, args, rank, record)
     save_reward_model(hf_model, lora, {k.removeprefix("hf."): v for k, v in model_sd.items()}, tokenizer,
                       args.output_dir, record["reward_shift"], record["reward_scale"])
     logger.close()
-    write_results(ev, args, **record)
+    common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), {
+        **{k.removeprefix("eval/"): v for k, v in ev.items()}, **record, "args": dataclasses.asdict(args)})
     summary = f"final eval accuracy {ev['eval/accuracy']:.4f}"
     if "eval/bayes_accuracy" in ev:
         summary += f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})"
@@ -914,17 +886,14 @@ def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, 
     if rank == 0:
         shift, scale = getattr(hf_model.config, "reward_shift", 0.0), getattr(hf_model.config, "reward_scale", 1.0)
         os.makedirs(args.output_dir, exist_ok=True)
-        write_results(ev, args, num_pairs=len(evals), reward_shift=shift, reward_scale=scale, batch_layout=layout,
-                      normalized_reward_mean=(ev["eval/reward_mean"] - shift) / scale, eval_sets=eval_sets)
+        common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), {
+            **{k.removeprefix("eval/"): v for k, v in ev.items()}, "num_pairs": len(evals), "reward_shift": shift,
+            "reward_scale": scale, "normalized_reward_mean": (ev["eval/reward_mean"] - shift) / scale,
+            "batch_layout": layout, "eval_sets": eval_sets, "args": dataclasses.asdict(args)})
         print(f"{common.format_metrics(ev)}\nevaluated {args.model_name_or_path} on {len(evals)} pairs; "
               f"eval_results.json in {args.output_dir}")
     common.leave_together()  # (under torchrun: every rank done)
     return ev
-
-
-def write_results(ev, args, **extra):
-    common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), {
-        **{k.removeprefix("eval/"): v for k, v in ev.items()}, **extra, "args": dataclasses.asdict(args)})
 
 
 if __name__ == "__main__":
