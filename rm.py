@@ -11,7 +11,7 @@ so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_
 1952; Ouyang et al. 2022, eq. 1; the margin of Touvron et al. 2023), plus optional centering. Phases (`main`): load
 model and pairs; choose the batch layout; train; evaluate; fit the reward normalization; save in transformers' format.
 The method reads from the top to the end of `main`; below it, only equivalent swaps (the packed attention, checked
-against the padded batch) and plumbing. Left out: see README's "Left out".
+against the padded batch) and plumbing. Left out (README): loss variants equal to this one, figures, hub upload.
 """
 
 import collections
@@ -40,8 +40,8 @@ class Args:
     # --- reward model
     center_rewards_coefficient: float = 0.0  # Weight of mean((r_c + r_r)^2), keeping rewards near 0 (Eisenstein 2023)
     head_init_std: float | None = None  # Std of a new head's weights (default 1/sqrt(hidden_size + 1): rewards ~1)
-    # shift: a reward of 0 is a typical training pair's, so PPO's rewards start centred
-    reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"  # Fit mean 0 (and std 1) after training
+    # fitted after training on 2048 training pairs (never eval ones); config.json: (logit - shift) / scale, as ppo.py
+    reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"  # Saved rewards' mean 0 (and std 1)
     # --- model and data
     model_name_or_path: str = "embedded-llama"  # HF model, path or peft adapter folder; or embedded-llama/-neox
     dataset_name: str = "embedded"  # Hub dataset, local .jsonl/.json/.parquet/.csv (gzip too), or `embedded`
@@ -83,7 +83,7 @@ class Args:
     run_name: str | None = None  # Run name for Weights & Biases
     eval_only: bool = False  # No training: evaluate --model_name_or_path on the eval split (or every pair)
     # --- systems
-    padding_free: bool = True  # Each pair's prompt + chosen + rejected in one packed row, no padding (else padded)
+    padding_free: bool = True  # Packed: pairs in one row, each prompt once, no padding, same rewards (else padded)
     fsdp: bool = False  # Shard parameters, gradients and optimizer state per block with FSDP2 (default: DDP)
     bf16: bool = False  # bfloat16 autocast (weights, optimizer state float32; a frozen LoRA base in bfloat16)
     gradient_checkpointing: bool = False  # Recompute activations in the backward pass to save memory
