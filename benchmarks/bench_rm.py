@@ -39,8 +39,7 @@ TASKS = {  # name: (training pairs, held-out pairs, max length, tokenizer vocabu
 }
 MODEL_VOCAB = {"hh-rlhf-152k": 151_936}  # a real-sized embedding (Qwen2's vocabulary), for the memory row
 MODES = {"rm.py padded": ["--no_padding_free"],
-         "rm.py packed": ["--padding_free", "--no_prefix_sharing"],
-         "rm.py prefix-shared + packed (default)": ["--padding_free", "--prefix_sharing"]}
+         "rm.py prefix-shared + packed (default)": ["--padding_free"]}
 
 
 def build_tokenizer(texts, vocab_size, out_dir):

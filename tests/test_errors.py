@@ -326,7 +326,7 @@ def test_help_is_printed_once_under_torchrun_the_methods_options_first():
     """tyro's own help, from each field's docstring: once under torchrun, the method's options first."""
     proc = run_script(["rm.py", "--help"], nproc=2, env={"COLUMNS": "80"})
     assert proc.stdout.count("usage: rm.py") == 1, proc.stdout[-2000:]
-    assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--loss_type", "--center_rewards_coefficient"]
+    assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--center_rewards_coefficient", "--head_init_std"]
     assert "Weight of mean((r_c + r_r)^2)" in proc.stdout
     proc = run_script(["ppo.py", "--help"], env={"COLUMNS": "80"})
     assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--advantage_estimator", "--num_samples_per_prompt"]

@@ -272,14 +272,14 @@ def test_eval_loss_is_the_training_objective_with_its_centering_term():
     r_c, r_r, margin = torch.tensor([1.0, -0.5, 2.0]), torch.tensor([0.2, 0.5, 1.5]), torch.zeros(3)
     expected = np.mean([np.log1p(np.exp(-(c - r))) for c, r in zip(r_c.tolist(), r_r.tolist())]) + \
         0.1 * np.mean([(c + r) ** 2 for c, r in zip(r_c.tolist(), r_r.tolist())])
-    assert rm.reward_model_loss(r_c, r_r, margin, "sigmoid", 0.1).item() == pytest.approx(expected, rel=1e-6)
+    assert rm.reward_model_loss(r_c, r_r, margin, 0.1).item() == pytest.approx(expected, rel=1e-6)
     pairs = [{"prompt": [2, 4], "chosen": [20, 3], "rejected": [21, 22, 3], "margin": 0.0, "gold": None}] * 4
     model = rm.RewardModel(rm.load_reward_model(rm.Args(), TOK)[0]).eval()
     for coefficient in (0.0, 0.5):
         ev, rewards = rm.evaluate(model, pairs, rm.Args(center_rewards_coefficient=coefficient, padding_free=False),
                                   0, torch.device("cpu"), 0, 1)
         assert ev["eval/loss"] == pytest.approx(rm.reward_model_loss(rewards[:, 0], rewards[:, 1], torch.zeros(4),
-                                                                     "sigmoid", coefficient).item(), rel=1e-6)
+                                                                     coefficient).item(), rel=1e-6)
 
 
 def test_calibration_error_is_of_the_probability_the_loss_models_with_its_margin():

@@ -92,21 +92,15 @@ def test_rm_and_ppo_state_the_same_conventions():
 def test_preference_losses_match_formulas():
     rc, rr, m = torch.tensor([1.0, -2.0, 0.3, 5.0]), torch.tensor([0.5, 1.0, 0.3, -5.0]), torch.tensor([0.0, 0.5, 1, 2])
     expected = [math.log(1 + math.exp(-(c - r - mm))) for c, r, mm in zip(rc.tolist(), rr.tolist(), m.tolist())]
-    for loss_type in ("sigmoid", "logexp"):
-        got = rm.preference_loss(rc, rr, m, loss_type)
-        assert torch.allclose(got, torch.tensor(expected), atol=1e-6), loss_type
+    assert torch.allclose(rm.preference_loss(rc, rr, m), torch.tensor(expected), atol=1e-6)
 
 
 def test_the_probability_the_loss_models_the_pair_loss_alone_and_a_head_of_std_0():
-    """chosen_wins (ECE's and the reliability plot's probability) is exp(-loss) = sigmoid(r_c - r_r - margin) for both
-    loss types; an unknown one is refused, not read as another; the evaluation reports the pair loss beside the loss
-    with its centering term; --head_init_std 0 is a head of zeros, not the default std; epochs default by the model."""
+    """chosen_wins (ECE's probability) is exp(-loss) = sigmoid(r_c - r_r - margin); the evaluation reports the pair
+    loss beside the loss with its centering term; --head_init_std 0 is a head of zeros, not the default std; epochs default by the model."""
     rc, rr, m = torch.tensor([1.0, -2.0, 0.3, 5.0]), torch.tensor([0.5, 1.0, 0.3, -5.0]), torch.tensor([0.0, 0.5, 1, 2])
     logistic = [1 / (1 + math.exp(-(c - r - mm))) for c, r, mm in zip(rc.tolist(), rr.tolist(), m.tolist())]
-    for loss_type in ("sigmoid", "logexp"):
-        assert torch.allclose(rm.chosen_wins(rc, rr, m, loss_type), torch.tensor(logistic), atol=1e-6)
-    with pytest.raises(ValueError, match="unknown loss_type 'hinge'"):
-        rm.preference_loss(rc, rr, m, "hinge")
+    assert torch.allclose(rm.chosen_wins(rc, rr, m), torch.tensor(logistic), atol=1e-6)
     pairs = [{"chosen": [1], "rejected": [2], "gold": None}] * 4
     metrics = rm.pair_metrics(rc, rr, m, pairs, rm.Args(center_rewards_coefficient=0.5), "eval/")
     pair = -sum(math.log(p) for p in logistic) / 4
@@ -115,24 +109,24 @@ def test_the_probability_the_loss_models_the_pair_loss_alone_and_a_head_of_std_0
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_config(common.embedded_model_config("embedded-llama", 40, 1))
-    assert rm.reward_head(model, rm.Args(head_init_std=0.0), trained_head=False).score.weight.abs().sum() == 0
-    assert 0.05 < rm.reward_head(model, rm.Args(), trained_head=False).score.weight.std() < 0.2  # 1 / sqrt(65)
+    assert rm.reward_head(model, rm.Args(head_init_std=0.0), new_head=True).score.weight.abs().sum() == 0
+    assert 0.05 < rm.reward_head(model, rm.Args(), new_head=True).score.weight.std() < 0.2  # 1 / sqrt(65)
     for name, epochs in (("embedded-llama", 3), ("someone/pretrained", 1)):
         assert rm.schedule(rm.Args(model_name_or_path=name), 64, 8, rank=0)[1] == 8 * epochs
     assert rm.schedule(rm.Args(model_name_or_path="someone/pretrained", num_train_epochs=2.0), 64, 8, rank=0)[1] == 16
 
 
-def test_logexp_and_sigmoid_losses_agree_in_value_and_gradient_at_any_reward_gap():
+def test_the_loss_and_its_gradient_are_exact_at_any_reward_gap():
+    """log(1 + exp(r_r - r_c + margin)) (ColossalChat's LogExpLoss, the same function) and its gradient, computed in
+    float64, match the float32 loss even where exp overflows float32."""
     gap = torch.cat([torch.linspace(-150, 150, 301), torch.tensor([-1e4, 88.5, 1e4])])
-    values, grads = [], []
-    for loss_type in ("sigmoid", "logexp"):
-        r_chosen = gap.clone().requires_grad_()
-        loss = rm.preference_loss(r_chosen, torch.zeros_like(gap), torch.full_like(gap, 0.5), loss_type)
-        loss.sum().backward()
-        values.append(loss.detach()), grads.append(r_chosen.grad)
-    assert all(torch.isfinite(t).all() for t in values + grads)
-    assert torch.allclose(values[0], values[1], rtol=1e-6, atol=1e-6)
-    assert torch.allclose(grads[0], grads[1], rtol=1e-6, atol=1e-6)
+    r_chosen = gap.clone().requires_grad_()
+    loss = rm.preference_loss(r_chosen, torch.zeros_like(gap), torch.full_like(gap, 0.5))
+    loss.sum().backward()
+    x = 0.5 - gap.double()
+    assert torch.isfinite(loss).all() and torch.isfinite(r_chosen.grad).all()
+    assert torch.allclose(loss.double(), torch.nn.functional.softplus(x), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(r_chosen.grad.double(), -torch.sigmoid(x), rtol=1e-6, atol=1e-6)
 
 
 def test_calibration_error_and_pearson_against_direct_computation():
@@ -541,11 +535,10 @@ def test_checkpoint_write_is_atomic(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002", "step_00000003"]
 
 
-@pytest.mark.parametrize("schedule", ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-                                      "constant_with_warmup"])
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "constant", "constant_with_warmup"])
 def test_every_lr_schedule_runs(tmp_path, small_pairs_file, schedule):
     m = rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=4, warmup_steps=1, lr_scheduler_type=schedule,
-                        lr_end=1e-4, output_dir=str(tmp_path), num_evals=1, logging_steps=1))
+                        output_dir=str(tmp_path), num_evals=1, logging_steps=1))
     lrs = [x["lr"] for x in read_metrics(tmp_path) if "lr" in x]
     assert len(lrs) == 4 and m["eval/accuracy"] > 0
     if schedule == "linear":  # each step's logged rate is the one it used: warm-up from 0, then down to 0 at step 5
@@ -591,8 +584,7 @@ def test_padded_packed_and_prefix_shared_rewards_and_gradients_agree(arch, pad_i
     pairs = shared_prefix_pairs(12, seed=4)
     batches = {"padded right": rm.collate(pairs, pad_id)[:2] + (None, None, None),
                "padded left": rm.collate(pairs, pad_id, padding_side="left")[:2] + (None, None, None),
-               "packed": rm.pack_segments(pairs, share_prompt=False),
-               "prefix-shared + packed": rm.pack_segments(pairs, share_prompt=True)}
+               "prefix-shared + packed": rm.pack_segments(pairs)}
     for block_tokens in (1, 10**6):  # every pair a block alone; the whole row one block
         monkeypatch.setattr(rm, "BLOCK_TOKENS", block_tokens)
         batches[f"prefix-shared + packed, blocks of {block_tokens}"] = rm.pack_segments(pairs)
@@ -726,13 +718,12 @@ def test_training_curves_of_all_modes_agree(tmp_path, small_pairs_file):
     base = ["--dataset_name", small_pairs_file, "--max_steps", "8", "--logging_steps", "1", "--num_evals", "1",
             "--per_device_train_batch_size", "8"]
     curves = {}
-    for name, flags in {"padded": ["--no_padding_free"], "packed": ["--no_prefix_sharing"], "default": []}.items():
+    for name, flags in {"padded": ["--no_padding_free"], "default": []}.items():
         args = tyro_args(base + flags + ["--output_dir", str(tmp_path / name)])
         rm.main(args)
         curves[name] = [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
     assert len(curves["padded"]) == 8
-    for name in ("packed", "default"):
-        assert np.allclose(curves[name], curves["padded"], atol=1e-4), (name, curves[name], curves["padded"])
+    assert np.allclose(curves["default"], curves["padded"], atol=1e-4), (curves["default"], curves["padded"])
 
 
 def tyro_args(argv):
@@ -861,7 +852,6 @@ def test_eval_only_reproduces_the_final_evaluation_of_training(tmp_path, small_p
         assert evaluated[key] == pytest.approx(trained[key], abs=1e-5), key
     assert evaluated["normalized_reward_mean"] == pytest.approx(
         (trained["reward_mean"] - trained["reward_shift"]) / trained["reward_scale"], abs=1e-5)
-    assert (tmp_path / "eval" / "eval.png").stat().st_size > 10_000
     plain = tmp_path / "plain"
     model = AutoModelForSequenceClassification.from_pretrained(train_dir)
     del model.config.reward_shift, model.config.reward_scale
