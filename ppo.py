@@ -54,147 +54,84 @@ import common
 
 @dataclass
 class Args:
-    # --- the method
-    advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = "gae"
-    """gae: a critic and GAE (Schulman et al. 2016); no critic: rloo (Ahmadian et al. 2024), grpo (Shao et al. 2024),
-    reinforce_pp (Hu 2025)."""
-    num_samples_per_prompt: int | None = None
-    """K: responses to each prompt in a rollout batch (default: 4 for rloo and grpo, their baseline; else 1)."""
-    scale_rewards: bool = True
-    """grpo: divide by the std of the prompt's returns (--no_scale_rewards: Dr. GRPO, Liu et al. 2025)."""
-    kl_penalty: Literal["reward", "loss"] = "reward"
-    """Where the KL to the reference goes: in the per-token reward (Ziegler et al. 2019), or in the loss (GRPO)."""
-    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
-    """A mini-batch's loss: the mean over its tokens, the mean of each response's token mean (GRPO), or the sum /
-    (responses x --response_length) (Dr. GRPO)."""
-    kl_coef: float = 0.1
-    """Initial coefficient of the per-token KL penalty."""
-    kl_estimator: Literal["k1", "k3"] | None = None
-    """Per-token KL estimate (Schulman 2020): k1 = log p - log q; k3 = (q/p - 1) - log(q/p) (default: k1 in the reward,
-    k3 in the loss)."""
-    # (k3 in the loss: k1's gradient is zero in expectation on the policy's own samples)
-    target_kl: float | None = None
-    """Target KL per response of the adaptive controller (Ziegler et al. 2019); None keeps kl_coef fixed."""
-    kl_horizon: int = 10000
-    """Horizon in episodes of the adaptive KL controller."""
-    gamma: float | None = None
-    """Discount factor (default 1.0; gae and reinforce_pp only)."""
-    lam: float | None = None
-    """GAE lambda (default 0.95; gae only)."""
-    cliprange: float = 0.2
-    """Clip range of the policy ratio."""
-    cliprange_value: float | None = None
-    """Clip range of the value around its rollout value (default 0.2; gae only)."""
-    vf_coef: float | None = None
-    """Weight of the value loss (default 0.1; gae only)."""
-    ent_coef: float = 0.0
-    """Weight of the entropy bonus."""
-    whiten_rewards: bool = False
-    """Whiten the per-token rewards before the advantages, keeping their mean (gae and reinforce_pp)."""
-    missing_eos_penalty: float | None = None
-    """Subtracted from the score of a response that never emits the stop token."""
-    ptx_coef: float = 0.0
-    """Weight of a language-modelling loss on --ptx_dataset_name (PPO-ptx, Ouyang et al. 2022)."""
-    ptx_dataset_name: str | None = None
-    """Text for the ptx loss: a dataset with a `text` column, or `embedded`."""
+    """ppo.py's options, the method's first (help: the comment after each field; the why of a default: above it)."""
+    # --- the method. gae: a critic and GAE (Schulman et al. 2016). No critic: rloo (Ahmadian et al. 2024), grpo (Shao
+    # et al. 2024), reinforce_pp (Hu 2025)
+    advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = "gae"  # How advantages are estimated
+    num_samples_per_prompt: int | None = None  # K responses per prompt in a batch (default 4 for rloo, grpo; else 1)
+    scale_rewards: bool = True  # grpo: divide by the std of the prompt's returns (no: Dr. GRPO, Liu et al. 2025)
+    kl_penalty: Literal["reward", "loss"] = "reward"  # KL in the per-token reward (Ziegler et al. 2019) or loss (GRPO)
+    # token_mean: over a mini-batch's tokens; sequence_mean: of each response's token mean (GRPO); constant: the sum /
+    # (responses x --response_length) (Dr. GRPO: no bias for or against length)
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"  # A mini-batch's loss mean
+    kl_coef: float = 0.1  # Initial coefficient of the per-token KL penalty
+    # k1 = log p - log q; k3 = (q/p - 1) - log(q/p) (Schulman 2020). k3 in the loss: k1's gradient there is zero in
+    # expectation on the policy's own samples
+    kl_estimator: Literal["k1", "k3"] | None = None  # Per-token KL estimate (default: k1 in the reward, k3 in the loss)
+    target_kl: float | None = None  # KL per response the adaptive controller aims at (Ziegler 2019); None: fixed
+    kl_horizon: int = 10000  # Horizon in episodes of the adaptive KL controller
+    gamma: float | None = None  # Discount factor (default 1.0; gae and reinforce_pp only)
+    lam: float | None = None  # GAE lambda (default 0.95; gae only)
+    cliprange: float = 0.2  # Clip range of the policy ratio
+    cliprange_value: float | None = None  # Clip range of the value around its rollout value (default 0.2; gae only)
+    vf_coef: float | None = None  # Weight of the value loss (default 0.1; gae only)
+    ent_coef: float = 0.0  # Weight of the entropy bonus
+    whiten_rewards: bool = False  # Whiten the per-token rewards, keeping their mean (gae and reinforce_pp)
+    missing_eos_penalty: float | None = None  # Subtracted from the score of a response that never stops
+    ptx_coef: float = 0.0  # Weight of a language-modelling loss on --ptx_dataset_name (PPO-ptx, Ouyang et al. 2022)
+    ptx_dataset_name: str | None = None  # Text for the ptx loss: a dataset with a `text` column, or `embedded`
     # --- models and data
-    sft_model_path: str = "embedded-llama"
-    """The initial policy: a causal LM (name or path, or a peft adapter folder), or embedded-llama / embedded-neox."""
-    reward_model_path: str | None = None
-    """A reward model (rm.py's, normalization applied; or any sequence classifier, decoder or encoder). Default:
-    runs/rm, none with --reward_fn."""
-    reward_fn: str | None = None
-    """A rule `module:function`, fn(prompts, responses) -> list of floats on the texts; added to the reward model's
-    score."""
-    critic_init: Literal["auto", "reward", "policy"] = "auto"
-    """The critic's start: the reward model (its head the value head), or the policy with a new head. auto: the reward
-    model where it reads the policy's tokens."""
-    dataset_name: str = "embedded"
-    """Prompts: a hub name, a .jsonl/.json/.parquet/.csv(.gz) file with `prompt` (text or messages), `messages` or
-    pairs, or `embedded`."""
-    dataset_config: str | None = None
-    """Hub dataset configuration."""
-    dataset_train_split: str = "train"
-    """Split to take prompts from."""
-    max_prompt_length: int | None = None
-    """A longer prompt keeps its last tokens and its BOS, as in rm.py (default 256, less where positions end)."""
-    output_dir: str = "runs/ppo"
-    """Where the policy, metrics.jsonl, samples.jsonl, curves.png and checkpoints go."""
+    sft_model_path: str = "embedded-llama"  # The initial policy: a causal LM or peft adapter, or embedded-llama/-neox
+    # rm.py's (its normalization applied), or any sequence classifier, decoder or encoder
+    reward_model_path: str | None = None  # The reward model (default: runs/rm; none with --reward_fn)
+    reward_fn: str | None = None  # A rule `module:function`: fn(prompts, responses) -> floats, added to the score
+    # auto: the reward model where it reads the policy's tokens (its head the value head), else the policy, new head
+    critic_init: Literal["auto", "reward", "policy"] = "auto"  # The critic's start
+    # a file with `prompt` (text or messages), `messages` or preference pairs
+    dataset_name: str = "embedded"  # Prompts: hub name, .jsonl/.json/.parquet/.csv(.gz), or `embedded`
+    dataset_config: str | None = None  # Hub dataset configuration
+    dataset_train_split: str = "train"  # Split to take prompts from
+    max_prompt_length: int | None = None  # Longer prompts keep their end and BOS, as rm.py's (default 256, or less)
+    output_dir: str = "runs/ppo"  # Policy, metrics.jsonl, samples.jsonl, curves.png, checkpoints
     # --- sizes: rollout batch = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x ranks
-    total_episodes: int = 12288
-    """Episodes (prompt, response) in all."""
-    per_device_train_batch_size: int = 16
-    """Episodes per rank per forward and backward of the learning phase."""
-    gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step."""
-    num_mini_batches: int = 2
-    """Optimizer steps per PPO epoch."""
-    num_ppo_epochs: int = 4
-    """Passes over each rollout batch."""
+    total_episodes: int = 12288  # Episodes (prompt, response) in all
+    per_device_train_batch_size: int = 16  # Episodes per rank per forward and backward of the learning phase
+    gradient_accumulation_steps: int = 1  # Micro-batches per optimizer step
+    num_mini_batches: int = 2  # Optimizer steps per PPO epoch
+    num_ppo_epochs: int = 4  # Passes over each rollout batch
     # --- optimisation
-    learning_rate: float | None = None
-    """AdamW learning rate of the policy (default: 3e-4 for the embedded models, 3e-6 for pretrained ones)."""
-    critic_learning_rate: float | None = None
-    """AdamW learning rate of the critic (default: the policy's)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
-    """Learning-rate schedule over the updates (no warm-up)."""
-    max_grad_norm: float = 1.0
-    """Clip the gradient norm of policy and critic together (0: no clipping)."""
-    # (one clip, not one per model: the same gold score at equal KL; benchmarks/README.md, Gradient clipping)
-    seed: int = 1
-    """Seed of the data order and of sampling (each episode's stream seeded by its index)."""
-    # --- sampling
-    response_length: int = 16
-    """Maximum new tokens per response."""
-    temperature: float = 1.0
-    """Sampling temperature, used by every log-prob too."""
-    # (no top-k / top-p: the ratio and KL need the distribution a token was drawn from)
-    stop_token: str = "eos"
-    """Token that ends a response: `eos`, a token as the tokenizer spells it, or `none`."""
-    # --- LoRA (peft)
-    lora_r: int = 0
-    """Rank of LoRA adapters (Hu et al. 2021) on the policy's and critic's linear layers; the reference is the policy
-    with its adapter off. 0: full fine-tuning."""
-    lora_alpha: float = 16.0
-    """LoRA scale: an adapter adds (lora_alpha / lora_r) B A to its layer."""
-    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
-    """Layers (names or suffixes) that get adapters; all-linear: every linear layer but the output layer."""
+    learning_rate: float | None = None  # AdamW learning rate (default 3e-4 for the embedded models, else 3e-6)
+    critic_learning_rate: float | None = None  # The critic's (default: the policy's)
+    weight_decay: float = 0.0  # AdamW weight decay
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"  # Over the updates, no warm-up
+    # one clip, not one per model: the same gold score at equal KL (benchmarks/README.md, Gradient clipping)
+    max_grad_norm: float = 1.0  # Clip the gradient norm of policy and critic together (0: no clipping)
+    seed: int = 1  # Seed of the data order and of sampling (each episode's stream seeded by its index)
+    # --- sampling. No top-k / top-p: the ratio and KL need the distribution a token was drawn from
+    response_length: int = 16  # Maximum new tokens per response
+    temperature: float = 1.0  # Sampling temperature, used by every log-prob too
+    stop_token: str = "eos"  # Token that ends a response: `eos`, a token as the tokenizer spells it, or `none`
+    # --- LoRA (peft): the reference is the policy with its adapter off
+    lora_r: int = 0  # LoRA rank (Hu et al. 2021) on the policy's and critic's linear layers; 0: full fine-tuning
+    lora_alpha: float = 16.0  # LoRA scale: an adapter adds (lora_alpha / lora_r) B A to its layer
+    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])  # Layers adapted
     # --- logging, checkpoints, systems
-    sample_every: int = 10
-    """Print and save sample completions every this many updates."""
-    num_samples: int = 4
-    """Rows in each sample table."""
-    save_steps: int | None = None
-    """A resumable checkpoint every this many updates (default: every 30 minutes; 0: none). Ctrl-C / SIGTERM checkpoint
-    too."""
-    resume: bool = False
-    """Continue from the latest checkpoint in --output_dir, on any number of ranks (the same global batch)."""
-    overwrite_output_dir: bool = False
-    """Train afresh in an --output_dir that holds a finished run or checkpoints (deleted when training starts)."""
-    track: bool = False
-    """Log to Weights & Biases."""
-    tensorboard: bool = False
-    """Also write TensorBoard events to --output_dir/tensorboard."""
-    wandb_project: str = "rlhf-ppo"
-    """Weights & Biases project."""
-    run_name: str | None = None
-    """Weights & Biases run name."""
-    fsdp: bool = False
-    """Shard every model per transformer block with FSDP2 (default DDP, the frozen models replicas)."""
-    offload_inference_models: bool = False
-    """With --fsdp on GPUs: the frozen models' shards in pinned host memory, on the GPU only while they compute."""
-    gradient_checkpointing: bool = False
-    """Recompute the policy's and critic's activations in the backward pass (less memory)."""
-    bf16: bool = False
-    """bfloat16 autocast (weights and optimizer state float32; a frozen LoRA base held in bfloat16)."""
+    sample_every: int = 10  # Print and save sample completions every this many updates
+    num_samples: int = 4  # Rows in each sample table
+    save_steps: int | None = None  # Checkpoint every this many updates (default: every 30 minutes; 0: none)
+    resume: bool = False  # Continue from the latest checkpoint in --output_dir, on any number of ranks
+    overwrite_output_dir: bool = False  # Train afresh where a finished run or checkpoints are (deleted at start)
+    track: bool = False  # Log to Weights & Biases
+    tensorboard: bool = False  # Also write TensorBoard events to --output_dir/tensorboard
+    wandb_project: str = "rlhf-ppo"  # Weights & Biases project
+    run_name: str | None = None  # Weights & Biases run name
+    fsdp: bool = False  # Shard every model per transformer block with FSDP2 (default: DDP, frozen models replicas)
+    offload_inference_models: bool = False  # --fsdp on GPUs: frozen models' shards in host memory until they compute
+    gradient_checkpointing: bool = False  # Recompute the policy's and critic's activations in the backward pass
+    bf16: bool = False  # bfloat16 autocast (weights, optimizer state float32; a frozen LoRA base in bfloat16)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The math.
-
-
+# --- The math. --------------------------------------------------------------------------------------------------------
 def masked_mean(x, mask):
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
@@ -318,10 +255,7 @@ def language_modelling_loss(policy, seqs, pad_id, n_tokens, device):
     return (-logprobs * real).sum() / n_tokens
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The method's conventions, the same as rm.py's (tests/test_rm.py checks that they agree).
-
-
+# --- The method's conventions, the same as rm.py's (tests/test_rm.py checks that they agree). -------------------------
 def truncate_prompt(ids, max_prompt_length, bos_id=None):
     """A prompt longer than max_prompt_length keeps its END (the turn being answered) and its leading BOS/[CLS]."""
     if len(ids) <= max_prompt_length:
@@ -363,10 +297,7 @@ def disable_dropout(model):
     return model
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The phases of an update, in the order main() runs them, handing one Rollout batch along.
-
-
+# --- The phases of an update, in the order main() runs them, handing one Rollout batch along. -------------------------
 @dataclass
 class Rollout:
     """One row per episode (the K episodes of a prompt in consecutive rows), every rank's rows (all_gather_rollout),
@@ -709,8 +640,6 @@ def main(args):
     if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir, args, world)):
         start, kl_coef, history = ckpt["step"], ckpt["kl_coef"], ckpt["history"]
     logs = open_logs(args, rank, start if args.resume else None)
-    if rank == 0:
-        print(describe_run(args, sizes, world, optimizer, critic, len(prompts), start))
 
     orders, collective = {}, args.fsdp and world > 1  # under FSDP every rank must make the same forward calls
     mine = torch.arange(rank * local_batch, (rank + 1) * local_batch, device=device)  # this rank's rows of a batch
@@ -778,11 +707,8 @@ def main(args):
     return history
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The systems. A first read can stop above; each piece below is one named function whose docstring says what it
-# guarantees. Models and data:
-
-
+# --- The systems. A first read can stop above; each piece below is one named function whose docstring says what
+# it guarantees. Models and data. --------------------------------------------------------------------------------------
 def load_tokenizer(args):
     from transformers import AutoTokenizer
 
@@ -1004,12 +930,9 @@ def episode_prompts(episodes, n_prompts, seed, orders):
     return [orders[e // n_prompts][e % n_prompts].item() for e in episodes]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Reward plumbing: a reward model (rm.py's normalization applied; the policy's tokens or its own), a function, or both.
-
-
+# --- Reward plumbing: a reward model (rm.py's normalization applied), a function, or both. ----------------------------
 class SequenceReward(torch.nn.Module):
-    """A sequence classifier whose forward is sequence_reward: one module, so that FSDP gathers every weight it reads."""
+    """A sequence classifier whose forward is sequence_reward: one module, so FSDP gathers every weight it reads."""
 
     def __init__(self, hf_model):
         super().__init__()
@@ -1151,11 +1074,8 @@ def gold_scores(args, prompts, responses, device):
     return torch.full((len(responses),), float("nan"), device=device)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Sampling: each episode has its own random stream (seeded by its global index), so samples do not depend on the
-# batch they are in, nor on the number of ranks.
-
-
+# --- Sampling: each episode has its own random stream (seeded by its index), so samples do not depend on the batch
+# they are in, nor on the number of ranks. -----------------------------------------------------------------------------
 @torch.no_grad()
 def generate(model, query, query_mask, generators, args, stop_id, pad_id, collective=False):
     """KV-cached sampling (Gumbel-max with per-row noise) from the logits the learning forward computes
@@ -1202,10 +1122,7 @@ class ComputeDtypeCache(StaticCache):
         return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The learning forward's log-probs, in memory bounded by the micro-batch whatever the vocabulary.
-
-
+# --- The learning forward's log-probs, in memory bounded by the micro-batch whatever the vocabulary. ------------------
 LOGIT_BLOCK = 2 ** 25  # elements (128 MB in float32) of one block of response logits (policy_forward)
 
 
@@ -1301,10 +1218,7 @@ def takes_argument(model_class, name):
     return name in inspect.signature(model_class.forward).parameters
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Length groups: rows of similar length run as one trimmed forward (less padding, the same numbers).
-
-
+# --- Length groups: rows of similar length run as one trimmed forward (less padding, the same numbers). ---------------
 @dataclass
 class Trimmed:
     """One forward's rows, less the columns that are padding in all of them (position ids come from the mask, so the
@@ -1366,10 +1280,7 @@ def length_groups(prompt_lengths, response_lengths, overhead=None):
     return [torch.tensor(g) for g in groups]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The learning phase's bookkeeping.
-
-
+# --- The learning phase's bookkeeping. --------------------------------------------------------------------------------
 def ptx_backward(policy, ptx, step, index, args, rank, world, pad_id, backward):
     """PPO-ptx's gradient for one optimizer step: as many pretraining sequences as the mini-batch has episodes, in
     order through the text by the step's global index (the same on any rank count, after a resume), this rank's
@@ -1421,10 +1332,7 @@ def mean_over_steps(stats):
     return means
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Distributed set-up (torchrun's environment variables; `python ppo.py` is world size 1).
-
-
+# --- Distributed set-up (torchrun's environment variables; `python ppo.py` is world size 1). --------------------------
 def setup_distributed():
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
@@ -1542,26 +1450,13 @@ def resharded(models):
             unit.reshard()
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Logging, the final save, figures.
-
-
+# --- Logging, the final save, figures. --------------------------------------------------------------------------------
 def open_logs(args, rank, saved):
     """Rank 0's metrics logger and samples.jsonl (on resume, continued after the checkpoint's update, saved)."""
     if rank != 0:
         return None
     return common.Logger(args, args.wandb_project, saved), \
         common.open_log(os.path.join(args.output_dir, "samples.jsonl"), saved)
-
-
-def describe_run(args, sizes, world, optimizer, critic, n_prompts, start):
-    k, lrs = args.num_samples_per_prompt, [g["initial_lr"] for g in optimizer.param_groups]
-    return (f"rollout batch {sizes.batch_size} episodes = {args.per_device_train_batch_size} x "
-            f"{args.gradient_accumulation_steps} accumulation x {args.num_mini_batches} mini-batches x {world} ranks "
-            f"({sizes.batch_size // k} prompts x {k}); {sizes.num_updates} updates x {args.num_ppo_epochs} epochs; "
-            f"{args.advantage_estimator}, KL {args.kl_estimator} in the {args.kl_penalty}, {args.loss_aggregation}; "
-            f"lr {' / '.join(f'{lr:g}' for lr in lrs)}; {n_prompts} prompts"
-            + (f"; resumed at update {start}" if start else ""))
 
 
 def log_update(logs, bar, m, last, args, tokenizer, batch):
