@@ -16,8 +16,9 @@ Each update hands one Rollout batch through the phases of main():
   4. advantages: rewards = -kl_coef * KL per token, plus the score at the last token; GAE, whitened;
   5. learn: num_ppo_epochs passes of the clipped policy loss and clipped value loss over shuffled mini-batches;
   6. adapt kl_coef, log, checkpoint.
-Sampling and every log-prob use logits / --temperature (no top-k / top-p). Weights and optimizer state are float32;
---bf16 autocasts the transformer blocks, while the output layer, log-softmax, entropy, values and rewards stay float32.
+Sampling and every log-prob of a response use logits / --temperature (no top-k / top-p; the ptx loss: 1). Trained
+weights and optimizer state are float32; --bf16 autocasts the transformer blocks (frozen LoRA bases and FSDP's frozen
+shards held in bfloat16), while the output layer, log-softmax, entropy, values and rewards stay float32.
 Schulman et al. 2017 (PPO); Ziegler et al. 2019, Stiennon et al. 2020 (PPO for language); Huang et al. 2024 ("The N
 implementation details of RLHF with PPO"). Also: critic-free advantages (--advantage_estimator rloo, grpo,
 reinforce_pp), the KL in the loss (--kl_penalty loss), other loss means (--loss_aggregation), PPO-ptx, LoRA, FSDP2.
@@ -238,7 +239,7 @@ def truncate_after_stop(responses, stop_id, pad_id):
 
 def response_logprobs(model, query_response, attention_mask, context_length, temperature):
     """Each response token's log-prob at the sampling temperature, written plainly: position t predicts token t + 1.
-    policy_forward computes the same in bounded memory (tests/test_ppo.py checks that they agree)."""
+    The phases call policy_forward, the same in bounded memory (tests/test_ppo.py checks it, in float32)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: a position counts real tokens only
     logits = model(input_ids=query_response, attention_mask=attention_mask, position_ids=position_ids).logits
     logprobs = torch.log_softmax(logits[:, context_length - 1:-1].float() / temperature, -1)
@@ -723,9 +724,9 @@ def load_tokenizer(args):
 def stop_token_id(args, tokenizer):
     stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
         args.stop_token, -1))
-    if stop_id == -1:
+    if stop_id == -1 or (args.stop_token == "eos" and stop_id is None):
         raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
-                               "pass eos, none, or one token as the tokenizer spells it")
+                               "pass eos (if it has one), none, or one token as the tokenizer spells it")
     return stop_id
 
 

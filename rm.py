@@ -10,8 +10,8 @@ A reward model is a language model with a scalar head read at the last real toke
 so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_c - r_r - margin) (Bradley & Terry
 1952; Ouyang et al. 2022, eq. 1; the margin of Touvron et al. 2023), plus optional centering. Phases (`main`): load
 model and pairs; choose the batch layout; train; evaluate; fit the reward normalization; save in transformers' format.
-The method reads from the top to the end of `main`; below it, only equivalent swaps (the packed attention, checked
-against the padded batch) and plumbing. Left out (README): loss variants equal to this one, figures, hub upload.
+The method reads from the top to the end of `main`; below it, the packed attention (checked against the padded batch),
+defaults filled in (sizes, schedule, eval split), plumbing. Left out (README): equal loss variants, figures, upload.
 """
 
 import collections
@@ -51,7 +51,7 @@ class Args:
     eval_split: str | None = None  # Split to evaluate on (default: validation, else test, else --eval_holdout)
     eval_holdout: float = 0.1  # Fraction of training pairs held out, whole prompts at a time, if no eval split
     max_length: int | None = None  # Max tokens of prompt + response (default 512, or the model's position table)
-    max_prompt_length: int | None = None  # Prompt tokens kept at least when a pair is cut (default 256, as ppo.py)
+    max_prompt_length: int | None = None  # Prompt tokens kept at least when a pair is cut (default 256, <= 3/4 max)
     output_dir: str = "runs/rm"  # The model, tokenizer, metrics.jsonl, eval_results.json and checkpoints
     # --- optimisation
     learning_rate: float | None = None  # AdamW learning rate (default 1e-3 for the embedded models, else 1e-5)
@@ -66,7 +66,7 @@ class Args:
     warmup_steps: int = 0  # Linear warm-up steps (overrides --warmup_ratio when > 0)
     warmup_ratio: float = 0.05  # Warm-up as a fraction of the total steps
     max_grad_norm: float = 1.0  # Gradient clipping norm (0 disables)
-    seed: int = 1  # Seed of model and head initialisation and data order
+    seed: int = 1  # Seed of the head, data order, hold-out, mixture shares and the normalization sample
     # --- LoRA (through peft)
     lora_r: int = 0  # LoRA rank on the backbone's linear layers (Hu et al. 2021), head trained in full; 0: off
     lora_alpha: float = 16.0  # LoRA scale numerator: an adapter adds (lora_alpha / lora_r) * B A to its layer
@@ -379,7 +379,7 @@ def main(args):
         return None
 
     # 2. Batch layout (model_inputs: packed, if the check on this model passes, else padded), optimizer, schedule.
-    if not sharded:  # (sharded, every rank checks the layout on its shards: rank 0 may hold no weights)
+    if not sharded:  # (sharded: every rank checks the layout on its own shards, after parallelize)
         args, layout = choose_layout(RewardModel(hf_model.to(device)), args, len(tokenizer), rank)
     if args.gradient_checkpointing:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
