@@ -1644,7 +1644,8 @@ class CompiledDecode:
         """A rollout's prompt inputs (the mask of cache_length columns, the prompt's last positions, the episodes'
         seeds); returns the cache, emptied, for generate's prefill."""
         self.cache.reset()
-        self.inputs, self.t = (position, mask, seeds), torch.zeros((), dtype=torch.long, device=mask.device)
+        self.inputs = (position.contiguous(), mask, seeds)  # (strides too the same for every rollout)
+        self.t = torch.zeros((), dtype=torch.long, device=mask.device)
         return self.cache
 
     def step(self, token, t):

@@ -330,17 +330,22 @@ def test_compiled_decode_samples_the_plain_decodes_tokens(monkeypatch):
 
     monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)  # scalar C++ kernels: compiled in half the time
     policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=20).eval()
-    prompts = sample_prompts(6, seed=1)
-    query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
-    args = ppo.Args(temperature=0.7, response_length=20, max_prompt_length=query.shape[1] + 3)
-    for first in (0, 6):
+    args = ppo.Args(temperature=0.7, response_length=20, max_prompt_length=16)
+    widths = []
+    for first in (0, 6):  # the second rollout's prompts of another width: compiled once all the same
+        if first:
+            monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        prompts = [p[:len(p) - first // 3] for p in sample_prompts(6, seed=1 + first)]
+        query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
+        widths.append(query.shape[1])
         seeds = torch.arange(first, first + 6)
         plain = ppo.generate(policy, query, qmask, seeds, args, TOK.eos_token_id, TOK.pad_token_id)
         compiled = ppo.generate(policy, query, qmask, seeds, dataclasses.replace(args, compile=True),
                                 TOK.eos_token_id, TOK.pad_token_id)
         assert torch.equal(compiled, plain), (compiled, plain)
-    assert (plain == TOK.eos_token_id).any(1).all() and (plain[:, -1] == TOK.pad_token_id).all()  # (stopped early)
-    assert len(ppo.DECODES) == 1 and ppo.DECODES[policy].key[1] == query.shape[1] + 3 + 20
+        assert (plain == TOK.eos_token_id).any(1).all() and (plain[:, -1] == TOK.pad_token_id).all()  # (all stop)
+    assert widths[0] != widths[1] and max(widths) <= 16
+    assert len(ppo.DECODES) == 1 and ppo.DECODES[policy].cache_length == 16 + 20
     cut = ppo.padded_after_all_stopped(torch.tensor([[5, 2, 7, 7], [2, 7, 7, 7]]), 2, 0)
     assert cut.tolist() == [[5, 2, 0, 0], [2, 7, 0, 0]]
 
