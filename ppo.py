@@ -1125,7 +1125,7 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=
     done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
     for t in range(args.response_length):
         if decode and t:
-            token = decode.step(token, t)
+            token = decode.step(unwrap(model), token, t)
         else:
             logits = output_logits(unwrap(model), head_inputs(model, **inputs)[:, -1], args.temperature)
             token = (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
@@ -1601,7 +1601,7 @@ def summarize(history, window=5):
 
 # --- --compile: the decode step through CUDA graphs. ------------------------------------------------------------------
 STOP_CHECK_EVERY = 16  # --compile: tokens between two reads of whether every row has stopped (a read waits for the GPU)
-DECODES = weakref.WeakKeyDictionary()  # a model -> its CompiledDecode
+DECODES = weakref.WeakKeyDictionary()  # a model -> its CompiledDecode (which holds no reference to the model)
 
 
 def compiled_decode(model, query, args):
@@ -1623,10 +1623,11 @@ class CompiledDecode:
     as generate's plain step (in float32 on a CPU the same tokens; tests/test_ppo.py); fixed shapes (a static cache of
     cache_length columns, kept for the run and reset for each rollout; the cache position and the step index held on
     the device), so one compilation and, on a GPU, one CUDA graph replayed per token, with no host sync and sampling on
-    the device. The graph's memory pool holds one step's intermediates; the weights are its own, not copies."""
+    the device. The graph reads the model's weights where they are (the optimizer updates them in place); its memory
+    pool holds one step's intermediates."""
 
     def __init__(self, model, key):
-        self.model, self.key, self.cache_length, self.temperature = model, key, key[1], key[2]
+        self.key, self.cache_length, self.temperature = key, key[1], key[2]
         self.cache = ComputeDtypeCache(config=model.config, max_cache_len=self.cache_length)
         # the output layer's input, taken as head_inputs takes it, by a hook added once (one added inside the compiled
         # step would break its graph), which acts only while the step's forward runs
@@ -1648,18 +1649,19 @@ class CompiledDecode:
         self.t = torch.zeros((), dtype=torch.long, device=mask.device)
         return self.cache
 
-    def step(self, token, t):
+    def step(self, model, token, t):
         """Token t from token t - 1 (B,)."""
         self.t.fill_(t)
         torch.compiler.cudagraph_mark_step_begin()
-        return self.compiled(token, self.t, *self.inputs).clone()  # (a graph's output is overwritten at its next replay)
+        return self.compiled(model, token, self.t, *self.inputs).clone()  # (a graph's output: overwritten when it
+        # replays next)
 
-    def forward(self, token, t, position, mask, seeds):
+    def forward(self, model, token, t, position, mask, seeds):
         self.capture["on"] = True
-        self.model(input_ids=token[:, None], attention_mask=mask, past_key_values=self.cache, use_cache=True,
-                   position_ids=position + t)
+        model(input_ids=token[:, None], attention_mask=mask, past_key_values=self.cache, use_cache=True,
+              position_ids=position + t)
         self.capture["on"] = False
-        logits = output_logits(self.model, self.capture.pop("hidden")[:, -1], self.temperature)
+        logits = output_logits(model, self.capture.pop("hidden")[:, -1], self.temperature)
         return (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
 
 

@@ -105,8 +105,8 @@ def family_dir(tmp_path_factory):
 def replayed_samples(policy, query, query_mask, responses, seeds, temperature, stop_id):
     """The tokens the sampler should have drawn, recomputed without its KV cache: a whole-sequence forward's logits
     (ppo.output_logits at each response position, the learning forward's) plus each episode's Gumbel noise at each step
-    (ppo.sampling_noise; seeds: (B,) int64), argmax. Equal to `responses` (generate's raw output) iff the cached decode samples from the
-    distribution the learning forward computes."""
+    (ppo.sampling_noise; seeds: (B,) int64), argmax. Equal to `responses` (generate's raw output) iff the cached decode
+    samples from the distribution the learning forward computes."""
     import ppo
 
     stopped = [(r == stop_id).nonzero() for r in responses]

@@ -1,4 +1,5 @@
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -328,7 +329,8 @@ def test_compiled_decode_samples_the_plain_decodes_tokens(monkeypatch):
     padded), on prompts of varied lengths, twice in a row (the cache reset and reused, not compiled again)."""
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)  # scalar C++ kernels: compiled in half the time
+    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)  # scalar C++ kernels: compiled in half the
+    # time
     policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=20).eval()
     args = ppo.Args(temperature=0.7, response_length=20, max_prompt_length=16)
     widths = []
@@ -346,6 +348,9 @@ def test_compiled_decode_samples_the_plain_decodes_tokens(monkeypatch):
         assert (plain == TOK.eos_token_id).any(1).all() and (plain[:, -1] == TOK.pad_token_id).all()  # (all stop)
     assert widths[0] != widths[1] and max(widths) <= 16
     assert len(ppo.DECODES) == 1 and ppo.DECODES[policy].cache_length == 16 + 20
+    del policy
+    gc.collect()
+    assert len(ppo.DECODES) == 0  # (the model is not kept alive, nor its cache)
     cut = ppo.padded_after_all_stopped(torch.tensor([[5, 2, 7, 7], [2, 7, 7, 7]]), 2, 0)
     assert cut.tolist() == [[5, 2, 0, 0], [2, 7, 0, 0]]
 
