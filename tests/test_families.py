@@ -122,9 +122,9 @@ def test_sampler_draws_from_the_learning_forwards_distribution(family, family_di
     rng = random.Random(0)
     prompts = common.tokenize_prompts(tokenizer, [common.embedded_prompt(rng) + " cat" * i for i in range(4)])
     query, query_mask = ppo.pad_left(prompts, max(map(len, prompts)), tokenizer.pad_token_id)
-    generators = [torch.Generator().manual_seed(i) for i in range(4)]
-    responses = ppo.generate(policy, query, query_mask, generators, args, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    drawn, steps = replayed_samples(policy, query, query_mask, responses, range(4), args.temperature,
+    responses = ppo.generate(policy, query, query_mask, torch.arange(4), args, tokenizer.eos_token_id,
+                             tokenizer.pad_token_id)
+    drawn, steps = replayed_samples(policy, query, query_mask, responses, torch.arange(4), args.temperature,
                                     tokenizer.eos_token_id)
     assert torch.equal(drawn, responses[:, :steps])
 
