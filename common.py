@@ -637,6 +637,7 @@ def load_model(loader, name, flag, on_meta=False, **kwargs):
         if config.task_type == "CAUSAL_LM" and not model.can_generate():  # an SFT adapter as a classifier's backbone:
             config.task_type = None  # its layers' adapters merged, the head the classifier's own (new)
         model = PeftModel.from_pretrained(model, name, config=config).merge_and_unload()
+        model.requires_grad_(True)  # peft loads an adapter for inference, every weight frozen: the merge trains whole
         if os.path.exists(norm := os.path.join(name, "reward_normalization.json")):
             with open(norm) as f:
                 model.config.update(json.load(f))

@@ -136,6 +136,29 @@ def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_document
         assert 1.5 < hf.score.weight.std().item() < 6, task  # --head_init_std, not transformers' 0.02
 
 
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapters(lora_r, family_dir, tmp_path):
+    """An SFT adapter folder (peft, CAUSAL_LM) as --model_name_or_path trains like any start: merged into its base,
+    every weight trained with --lora_r 0 (peft loads an adapter frozen), new adapters and the head with --lora_r."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32),
+                             LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    perturb_adapters(adapter, seed=1)
+    adapter.save_pretrained(tmp_path / "sft")
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 40))
+    rm.main(rm.Args(model_name_or_path=str(tmp_path / "sft"), dataset_name=data, output_dir=str(tmp_path / "rm"),
+                    lora_r=lora_r, max_steps=3, per_device_train_batch_size=4, num_evals=1, learning_rate=1e-2,
+                    max_length=64, max_prompt_length=32))
+    start = adapter.merge_and_unload().model.state_dict()  # the SFT model: the start, merged
+    saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").model.state_dict()
+    # (the rows of the SFT model's vocabulary: rm.py's pad token adds one)
+    moved = {k for k, v in start.items() if not torch.equal(saved[k][tuple(map(slice, v.shape))], v)}
+    linear = {k for k in start if k.endswith("proj.weight")}
+    assert moved == set(start) if not lora_r else moved == linear, sorted(set(start) ^ moved)
+
+
 def test_ppo_refuses_a_reward_model_without_a_trained_head(family_dir, tmp_path):
     """A causal LM, or an SFT adapter, as --reward_model_path: transformers would give it a head drawn at random (a
     reward of noise, trained on without a word); ppo.py stops in one line instead."""
