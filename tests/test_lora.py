@@ -45,12 +45,12 @@ def test_merged_reward_model_loads_without_peft_and_gives_the_adapted_rewards(fa
 
     args = rm.Args(model_name_or_path=family_dir(family), padding_free=False, **LORA)
     tokenizer = rm.load_tokenizer(args.model_name_or_path)
-    hf, lora = rm.load_reward_model(args, tokenizer)
+    hf, lora, _ = rm.load_reward_model(args, tokenizer)
     trained = {n for n, p in hf.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n or "modules_to_save" in n for n in trained), trained
     assert any("modules_to_save" in n for n in trained)  # the head is trained in full beside the adapters
     assert all(p.dtype == torch.float32 for n, p in hf.named_parameters() if n in trained)
-    ids, mask, _ = rm.collate(tokenized_pairs(family, tokenizer), tokenizer.pad_token_id)
+    ids, mask = rm.collate(tokenized_pairs(family, tokenizer), tokenizer.pad_token_id)
     with torch.no_grad():
         before = rm.RewardModel(hf.eval())(ids, mask)
         perturb_adapters(hf)
@@ -128,7 +128,7 @@ def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_document
         perturb_adapters(adapter, seed=1)
         adapter.save_pretrained(tmp_path / str(task))
         args = rm.Args(model_name_or_path=str(tmp_path / str(task)), head_init_std=3.0)
-        hf, _ = rm.load_reward_model(args, rm.load_tokenizer(args.model_name_or_path))
+        hf, _, _ = rm.load_reward_model(args, rm.load_tokenizer(args.model_name_or_path))
         with torch.no_grad():
             expected = adapter.eval().get_base_model().base_model(input_ids=ids).last_hidden_state
             assert not torch.allclose(expected, base, atol=1e-3)
@@ -217,7 +217,7 @@ def test_rm_lora_trains_only_adapters_and_head_and_two_ranks_equal_one(tmp_path,
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForSequenceClassification")
 
     tokenizer = rm.load_tokenizer("embedded-llama")
-    initial, _ = rm.load_reward_model(rm.Args(seed=1, lora_r=4, lora_alpha=8.0), tokenizer)
+    initial, _, _ = rm.load_reward_model(rm.Args(seed=1, lora_r=4, lora_alpha=8.0), tokenizer)
     trained = read_checkpoint(common.latest_checkpoint(str(tmp_path / "one")))["model"]
     moved = {k.removeprefix("hf.") for k, v in trained.items() if not torch.equal(v, initial.state_dict()[
         k.removeprefix("hf.")])}

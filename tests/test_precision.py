@@ -303,7 +303,7 @@ def test_calibration_error_is_of_the_probability_the_loss_models_with_its_margin
 def test_a_mixture_is_evaluated_per_dataset_as_each_dataset_alone_and_overall():
     model = rm.RewardModel(rm.load_reward_model(rm.Args(), TOK)[0]).eval()
     rows = [dict(r, _source="m", _row=i, _dataset="ab"[i % 2]) for i, r in enumerate(common.embedded_pairs(24, 3))]
-    pairs, _, _ = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=64, max_prompt_length=32))
+    pairs, _ = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=64, max_prompt_length=32))
     args = rm.Args(padding_free=False)
     evaluate = lambda pairs: rm.evaluate(model, pairs, args, 0, torch.device("cpu"), 0, 1)[0]  # noqa: E731
     both = evaluate(pairs)
