@@ -201,14 +201,14 @@ def test_no_query_attends_to_nothing_and_real_tokens_are_unchanged(family, famil
 
 def test_default_lengths_fit_a_short_position_table_and_given_ones_are_refused(family_dir, tmp_path, capsys):
     """rm.py's default --max_length 512 and ppo.py's default --max_prompt_length 256 on a model with a learned
-    position table of 256: the defaults are clamped with a line saying so, and the runs finish; a length the user
+    position table of 256: the defaults are fitted to it, with a line saying so, and the runs finish; a length the user
     gives beyond the table is refused (tests/test_families.py)."""
     from test_families import preference_rows, write_jsonl
 
     data = write_jsonl(tmp_path / "d.jsonl", preference_rows("gpt2", 40))
     rm.main(rm.Args(model_name_or_path=family_dir("gpt2"), dataset_name=data, max_steps=2,
                     per_device_train_batch_size=4, num_evals=1, output_dir=str(tmp_path / "rm")))
-    assert "--max_length: 256, not the default 512" in capsys.readouterr().out
+    assert "--max_length 256, --max_prompt_length 192" in capsys.readouterr().out  # (fill_defaults says so)
     saved = json.load(open(tmp_path / "rm" / "eval_results.json"))["args"]
     assert (saved["max_length"], saved["max_prompt_length"]) == (256, 192)
     ppo.main(ppo.Args(sft_model_path=family_dir("gpt2"), reward_fn="common:gold_rewards", total_episodes=8,

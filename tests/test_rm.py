@@ -606,7 +606,8 @@ def test_lr_end_not_below_the_learning_rate_is_refused_in_one_line(tmp_path, sma
 def test_help_and_wandb_offline(tmp_path, small_pairs_file):
     proc = run_script(["rm.py", "--help"], env={"COLUMNS": "200"})
     assert "--center_rewards_coefficient" in proc.stdout
-    assert "Fraction of training pairs held out" in proc.stdout
+    assert "this fraction held out, by whole prompts" in proc.stdout and "--lr_end" in proc.stdout
+    assert "warmup_stable_decay" in proc.stdout  # every schedule transformers has
     run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--track", "--output_dir",
                 str(tmp_path)], env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb"))
