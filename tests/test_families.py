@@ -373,7 +373,9 @@ def test_fsdp_ranks_fill_their_shards_from_rank_0s_copy_of_saved_models(family, 
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(family, 64))
     rm_base = ["rm.py", "--model_name_or_path", family_dir(family), "--dataset_name", data, "--max_steps", "2",
                "--per_device_train_batch_size", "4", "--num_evals", "1", "--max_length", "64", "--max_prompt_length",
-               "32", "--learning_rate", "3e-3"]
+               "32", "--learning_rate", "3e-3", "--center_rewards_coefficient", "0.01"]
+    # (the centering: without it a final layer norm's bias, which shifts both rewards of a pair alike, has no gradient
+    # in exact arithmetic, and AdamW turns its rounding noise, other on 1 and 2 ranks, into steps of the rate's size)
     ppo_base = ["ppo.py", "--sft_model_path", family_dir(family), "--reward_model_path", trained_rm(family),
                 "--total_episodes", "16", "--per_device_train_batch_size", "4", "--num_mini_batches", "1",
                 "--response_length", "6", "--max_prompt_length", "32", "--learning_rate", "1e-3"]
