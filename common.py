@@ -316,10 +316,11 @@ def load_folder(path, config, split):
 
 def split_names(name, config=None):
     """The splits a dataset has (as load_rows finds them), to name them where one asked for is missing."""
-    if name == "embedded" or not os.path.isdir(name) and os.path.splitext(name.removesuffix(".gz"))[1] in LOCAL_BUILDERS:
-        return list(EMBEDDED_SPLITS) if name == "embedded" else ["train"]
-    if not os.path.isdir(name):
-        return hf_datasets().get_dataset_split_names(name, config)
+    if name == "embedded":
+        return list(EMBEDDED_SPLITS)
+    if not os.path.isdir(name):  # a local file has one split; else a hub dataset
+        return ["train"] if os.path.splitext(name.removesuffix(".gz"))[1] in LOCAL_BUILDERS else \
+            hf_datasets().get_dataset_split_names(name, config)
     if os.path.exists(os.path.join(name, "dataset_dict.json")) or os.path.exists(os.path.join(name, "state.json")):
         ds = hf_datasets().load_from_disk(name)
         return list(ds) if isinstance(ds, hf_datasets().DatasetDict) else ["train"]

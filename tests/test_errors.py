@@ -70,8 +70,9 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
                                             '" Preheat the oven first.", "rejected": " Buy it instead please."}\n' * 5},
                                        "% of its tokens are <unk> to embedded-llama's tokenizer"),
     "pairs past max_length": (["--max_length", "8", "--max_prompt_length", "4"],
-                              {"d.jsonl": '{"prompt": "User:", "chosen": " cat dog red cat dog red cat dog red", "rejected": " a"}\n'
-                               * 5}, "training pairs do not fit --max_length 8 with the prompt cut to"),
+                              {"d.jsonl": '{"prompt": "User:", "chosen": " cat dog red cat dog red cat dog red", '
+                                          '"rejected": " a"}\n' * 5},
+                              "training pairs do not fit --max_length 8 with the prompt cut to"),
     "array row": ([], {"d.jsonl": GOOD + "\n[1, 2]\n"}, "d.jsonl: line 2: a JSON list is not a row"),
     "string row": ([], {"d.jsonl": '"just text"\n'}, "d.jsonl: line 1: a JSON str is not a row"),
     "text margin": ([], {"d.jsonl": GOOD + "\n" + GOOD[:-1] + ', "margin": "high"}\n'},

@@ -982,6 +982,7 @@ def test_local_folders_in_every_layout_load_with_their_splits(tmp_path):
         assert len(train) == n_train, name
         assert (len(test) if test is not None else None) == n_test, name
         assert train[3]["chosen"] == " cat dog dog dog", name
+        assert set(common.split_names(str(tmp_path / name))) == ({"train", "test"} if n_test else {"train"}), name
     (tmp_path / "split_files" / "runs" / "rm").mkdir(parents=True)  # a run's outputs inside the data folder
     (tmp_path / "split_files" / "runs" / "rm" / "eval_results.json").write_text('{"accuracy": 0.5}')
     assert len(common.load_rows(str(tmp_path / "split_files"), split="test")) == 6
