@@ -78,9 +78,9 @@ def check_attention(device, quick):
     pairs = [{"prompt": list(range(3, 40 + i)), "chosen": list(range(5, 20)), "rejected": list(range(6, 30)),
               "margin": 0.0} for i in range(4)]
     rm.use_segment_attention(rm_model.hf)
-    inputs = [x.to(device) if torch.is_tensor(x) else x for x in rm.pack_segments(pairs)]
+    inputs = rm.model_inputs(pairs, 0, rm.Args(padding_free=True), device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        out["rm_packed_kernels"] = sdpa_kernels(lambda: rm_model(*inputs))
+        out["rm_packed_kernels"] = sdpa_kernels(lambda: rm_model(**inputs))
     # the raw kernel: a boolean mask, L % 128 == 64, one query row whose scores are all very low
     length = 192
     g = torch.Generator(device=device).manual_seed(0)
@@ -168,10 +168,9 @@ def check_packed_vs_padded(device, quick):
                 model = rm.RewardModel(tiny_llama(128 if quick else 512, 4, 8, 2, 1000, device, seq_cls=True))
                 if packed:
                     rm.use_segment_attention(model.hf)
-                inputs = rm.pack_segments(pairs) if packed else rm.collate(pairs, 0)[:2]
-                inputs = [x.to(device) if torch.is_tensor(x) else x for x in inputs]
+                inputs = rm.model_inputs(pairs, 0, rm.Args(padding_free=packed), device)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                    rewards = model(*inputs)
+                    rewards = model(**inputs)
                 rewards.sum().backward()
                 results.append((rewards.detach().float(), torch.cat([p.grad.flatten() for p in model.parameters()])))
             (r0, g0), (r1, g1) = results
@@ -351,11 +350,11 @@ def check_8b_reward(device, quick):
     k = 100 if quick else 1000
     pairs = [{"prompt": list(range(3, 3 + k // 2)), "chosen": list(range(5, 5 + k // 2)),
               "rejected": list(range(7, 7 + k // 2)), "margin": 0.0} for _ in range(8)]
-    inputs = [x.to(device) if torch.is_tensor(x) else x for x in rm.pack_segments(pairs)]
+    inputs = rm.model_inputs(pairs, 0, rm.Args(padding_free=True), device)
 
     def rm_step():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            reward_model(*inputs).sum().backward()
+            reward_model(**inputs).sum().backward()
         reward_model.zero_grad(set_to_none=True)
     result = {}
     for checkpointing in (False, True):
@@ -364,7 +363,7 @@ def check_8b_reward(device, quick):
         result[f"rm_packed_8_pairs_ckpt{int(checkpointing)}"] = timed(rm_step, device, reward_model)
     reward_model.hf.activation_checkpointing_disable()
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):  # 32 query heads on 8 key/value heads
-        forward = lambda: reward_model(*inputs)  # noqa: E731
+        forward = lambda: reward_model(**inputs)  # noqa: E731
         result["rm_packed_forward_gqa"] = timed(forward, device) | {"kernels": sdpa_kernels(forward)}
     return result
 

@@ -32,7 +32,8 @@ PPO_OPTIONS = OrderedDict(
     gradient_checkpointing=[False, True], compile=[False, True])
 
 RM_OPTIONS = OrderedDict(
-    ranks=[1, 2], fsdp=[False, True], bf16=[False, True], lora_r=[0, 4], layout=["padded", "prefix-shared"],
+    ranks=[1, 2], fsdp=[False, True], bf16=[False, True], lora_r=[0, 4], padding_free=[False, True],
+    lr_scheduler_type=["cosine", "polynomial", "warmup_stable_decay"], lr_end=[0.0, 1e-4],
     gradient_checkpointing=[False, True], center_rewards_coefficient=[0.0, 0.1],
     reward_normalization=["none", "shift", "shift_scale"], gradient_accumulation_steps=[1, 2], resume=[False, True],
     overwrite_output_dir=[False, True], model=["embedded", "folder"])
@@ -161,10 +162,9 @@ def test_rm_runs_with_every_pair_of_options(row, tmp_path, small_pairs_file, fam
     from transformers import AutoModelForSequenceClassification
 
     row = dict(row)
-    ranks, layout, model = row.pop("ranks"), row.pop("layout"), row.pop("model")
+    ranks, model = row.pop("ranks"), row.pop("model")
     args = dict(row, max_steps=4 if row["resume"] else 2, per_device_train_batch_size=4, num_evals=1, logging_steps=1,
-                padding_free=layout != "padded", max_length=64,
-                max_prompt_length=32)
+                max_length=64, max_prompt_length=32)
     if model == "folder":  # a tiny Llama stored in bfloat16, with its own tokenizer and chat-formatted pairs
         args.update(model_name_or_path=family_dir("llama"), learning_rate=1e-3,
                     dataset_name=write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 80)))
