@@ -104,7 +104,8 @@ class Args:
     learning_rate: float | None = None  # AdamW learning rate (default 3e-4 for the embedded models, else 3e-6)
     critic_learning_rate: float | None = None  # The critic's (default: the policy's)
     weight_decay: float = 0.0  # AdamW weight decay
-    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"  # Over the updates, no warm-up
+    # any of transformers' SchedulerType that needs no metric and no arguments of its own (get_scheduler)
+    lr_scheduler_type: str = "linear"  # Learning-rate schedule over the updates, no warm-up (linear, cosine, ...)
     # one clip, not one per model: the same gold score at equal KL (benchmarks/README.md, Gradient clipping)
     max_grad_norm: float = 1.0  # Clip the gradient norm of policy and critic together (0: no clipping)
     seed: int = 1  # Seed of the data order and of sampling (each episode's stream seeded by its index)
@@ -481,14 +482,14 @@ def epoch_plan(batch, args, update, epoch, rank, world):
 def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, rank, world, ptx, pad_id):
     """5. num_ppo_epochs passes over the batch, num_mini_batches optimizer steps each; every loss is its mini-batch's
     mean (token_weights), whatever the micro-batches, accumulation, ranks and length groups. Returns each statistic's
-    mean over the optimizer steps, and the last step's gradient norm."""
+    mean over the optimizer steps, each model's gradient norm (before clipping) among them."""
     autocast = functools.partial(torch.autocast, batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16)
     models = [policy] if critic is None else [policy, critic]
 
     def backward(loss):  # DDP and FSDP average gradients over ranks; the mini-batch's gradient is their sum
         (loss * world).backward()
 
-    stats = []  # per optimizer step: name -> this rank's share of the mini-batch's mean
+    stats, norms = [], []  # per optimizer step: name -> this rank's share of the mini-batch's mean; the norms
     for epoch in range(args.num_ppo_epochs):
         for mb, step in enumerate(epoch_plan(batch, args, update, epoch, rank, world)):
             sums, mass = {}, step.weights.sum()
@@ -523,9 +524,9 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
                     backward(args.vf_coef * named["loss/value"])
                 for name, value in named.items():  # (statistics as weighted means: constant's weights sum below 1)
                     sums[name] = sums.get(name, 0) + value.detach() / (1 if name.startswith("loss/") else mass)
-            grad_norm = clip_and_step(trainable, optimizer, args.max_grad_norm, update, pg_loss)
+            norms.append(clip_and_step(trainable, optimizer, args.max_grad_norm, update, pg_loss))
             stats.append(sums)
-    return mean_over_steps(stats), grad_norm
+    return {**mean_over_steps(stats), **{k: sum(n[k] for n in norms) / len(norms) for k in norms[0]}}
 
 
 def check_args(args):
@@ -551,6 +552,7 @@ def check_args(args):
         raise common.UserError(f"--target_kl {args.target_kl}: must be above 0")
     if args.missing_eos_penalty is not None and args.stop_token == "none":
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
+    check_schedule(args.lr_scheduler_type)
     if args.offload_inference_models and not args.fsdp:
         raise common.UserError("--offload_inference_models holds the frozen models' FSDP shards on the host: pass "
                                "--fsdp too")
@@ -562,6 +564,28 @@ def check_args(args):
                              (args.ptx_dataset_name if args.ptx_coef > 0 else None, "--ptx_dataset_name", "dataset")):
         if name is not None:
             common.check_source(name, flag, kind)
+
+
+def check_schedule(name):
+    """--lr_scheduler_type: transformers' schedule of that name, built and stepped as build_optimizer does (once per
+    update, no metric, no arguments of its own); one that cannot be is refused in one line naming those that can."""
+    from transformers import SchedulerType, get_scheduler
+
+    def fault(name):
+        if name not in {s.value for s in SchedulerType}:
+            return "not a schedule of transformers"
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+        try:
+            scheduler = get_scheduler(name, optimizer, num_warmup_steps=0, num_training_steps=2)
+            optimizer.step()
+            scheduler.step()
+        except (ValueError, TypeError) as e:
+            return common.first_line(e)[:150]
+
+    if error := fault(name):
+        raise common.UserError(f"--lr_scheduler_type {name}: {error} (ppo.py steps the schedule once per update, "
+                               f"with no metric and no arguments of its own); use one of "
+                               f"{', '.join(s.value for s in SchedulerType if not fault(s.value))}")
 
 
 CRITIC_DEFAULTS = {"lam": 0.95, "vf_coef": 0.1, "cliprange_value": 0.2, "gamma": 1.0}
@@ -632,7 +656,8 @@ def main(args):
     # (critic_from); the reward: a frozen reward model and/or a function. Fills in --max_prompt_length.
     models = build_models(args, tokenizer, device, rank, world)
     policy, critic, reward, lora = models.policy, models.critic, models.reward, models.lora
-    prompts = [truncate_prompt(p, args.max_prompt_length, common.leading_id(tokenizer)) for p in prompts]
+    bos_id = common.leading_id(tokenizer)
+    prompts = [truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]
     ptx = ptx and [ids[:args.max_prompt_length + args.response_length] for ids in ptx]
     # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type over the updates, stepped
     # once per update
@@ -675,7 +700,7 @@ def main(args):
 
         # 5. Learn: num_ppo_epochs x num_mini_batches optimizer steps on the clipped policy loss (and value loss).
         trainable.train()
-        update_stats, grad_norm = learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, rank, world,
+        update_stats = learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, rank, world,
                                         ptx, tokenizer.pad_token_id)
         lr = scheduler.get_last_lr()[0]  # (the rate this update's steps used)
         scheduler.step()
@@ -683,7 +708,7 @@ def main(args):
 
         # 6. Adapt the KL coefficient; log; save samples and checkpoints.
         m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef,
-             "lr": lr, "policy/grad_norm": grad_norm, **update_stats,
+             "lr": lr, **update_stats,
              **rollout_metrics(batch, kl, non_score_reward),
              **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, batch.attention_mask, args)}
         if update == start:  # what each rank held at most
@@ -738,7 +763,8 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer)))
+    model = AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer),
+                                                                         flag="--sft_model_path"))
     code = open(__file__).read() + open(common.__file__).read()  # this function and the task
     key = hashlib.sha256(repr((len(tokenizer), torch.__version__, transformers.__version__, code)).encode()).hexdigest()
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlhf",
@@ -822,8 +848,8 @@ def build_models(args, tokenizer, device, rank, world):
     if args.lora_r:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         lora = common.add_lora(policy_hf.to(dtype), args, "CAUSAL_LM")
-        if critic_hf is not None:
-            critic_lora = common.add_lora(critic_hf.to(dtype), args, "SEQ_CLS")
+        if critic_hf is not None:  # (its head float32: the trained copy peft makes of it, and the reward model's)
+            critic_lora = common.add_lora(heads_in_float32(critic_hf.to(dtype)), args, "SEQ_CLS")
         if critic_init == "reward":  # the reward model is the critic with its adapter off: no second copy
             reward = dataclasses.replace(reward, model=None, in_critic=critic_lora.disable_adapter)
     if reward.model is not None:  # sharded first, so that rank 0 holds at most three models whole
@@ -858,7 +884,8 @@ def build_optimizer(policy, critic, args, num_updates):
     models = {name: (model, rate) for name, (model, rate) in models.items() if model is not None}
     optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rate}
                                    for model, rate in models.values()],
-                                  eps=1e-5, weight_decay=args.weight_decay, fused=True)
+                                  lr=lr, eps=1e-5, weight_decay=args.weight_decay, fused=True)  # (lr: the
+    # polynomial schedule reads its start from the optimizer's default)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_updates)
     return torch.nn.ModuleDict({name: model for name, (model, _) in models.items()}), optimizer, scheduler
 
@@ -997,7 +1024,7 @@ def load_reward(args, tokenizer, on_meta=False):
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     model = disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
                                               on_meta, config=config, dtype=dtype)).eval().requires_grad_(False)
-    common.scalar_head_in_float32(model)
+    heads_in_float32(common.scalar_head_in_float32(model))
     own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
     if own.pad_token is None:
         own.pad_token = own.eos_token  # read by the mask, never by pad ids
@@ -1059,11 +1086,14 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
         texts.append(full[len(p_text):] if full.startswith(p_text) else tokenizer.decode(r_ids))
         prompts.append(p_text[len(lead):] if lead and p_text.startswith(lead) else p_text)
     rm_tokenizer, encoder = reward.tokenizer, not hasattr(reward.model.hf, "score")
-    bos_id = common.leading_id(rm_tokenizer)
-    p_ids = [truncate_prompt(p, args.max_prompt_length, bos_id)
-             for p in common.tokenize_prompts(rm_tokenizer, prompts)]
-    r_ids = common.tokenize_responses(rm_tokenizer, prompts, texts)
-    seqs = [p + (r if s or encoder else r[:-1]) for p, r, s in zip(p_ids, r_ids, stopped)]
+    bos_id, table = common.leading_id(rm_tokenizer), common.position_table(reward.model.hf)
+    r_ids = [r if s or encoder else r[:-1] for r, s in zip(common.tokenize_responses(rm_tokenizer, prompts, texts),
+                                                           stopped)]
+    # within the reward model's position table (its tokens may be more than the policy's): the prompt cut further, its
+    # end and BOS kept, as rm.py cuts a prompt; a response longer than the whole table (never in practice) its start
+    seqs = [truncate_prompt(p, min(args.max_prompt_length, max((table or 1 << 62) - len(r), 1)), bos_id) + r
+            for p, r in zip(common.tokenize_prompts(rm_tokenizer, prompts), r_ids)]
+    seqs = [s[:1] + s[len(s) - table + 1:] if table and len(s) > table else s for s in seqs]
     batch = rm_tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
     return batch["input_ids"], batch["attention_mask"]
 
@@ -1311,16 +1341,22 @@ def sync_gradients(models, last, fsdp):
 
 
 def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
-    """Policy's and critic's gradients clipped together (0: not clipped), the step, the gradients cleared. Returns the
-    norm before clipping. A norm that is not finite stops the run before the step (the last checkpoint stays good)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable.parameters(), max_grad_norm or float("inf"))
-    norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    """Policy's and critic's gradients clipped together (0: not clipped), the step, the gradients cleared. Returns each
+    model's gradient norm before clipping ({"policy/grad_norm": ..., "critic/grad_norm": ...}). A norm that is not
+    finite stops the run before the step (the last checkpoint stays good)."""
+    def full(norm):  # (FSDP: a DTensor, each rank's shards' part)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    norms = {f"{name}/grad_norm": full(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
+                                                                       if p.grad is not None]))
+             for name, model in trainable.items()}
+    norm = full(torch.nn.utils.clip_grad_norm_(trainable.parameters(), max_grad_norm or float("inf")))
     if not math.isfinite(norm):
         raise common.UserError(f"update {update + 1}: the gradient norm is {norm} (policy loss {pg_loss.item():.4g}); "
                                "training diverged: lower --learning_rate; --resume continues from the last checkpoint")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm
+    return norms
 
 
 def mean_over_steps(stats):
@@ -1361,7 +1397,7 @@ def parallelize(model, args, device, num_layers, frozen=False):
             MixedPrecisionPolicy()
 
         def shard(model):
-            head = output_layer_unit(model) or common.scalar_head(model)  # (a critic's, a reward model's)
+            head = output_layer_unit(model) or scalar_head_unit(model)  # (a critic's, a reward model's)
             in_float32 = {id(p) for p in head.parameters()} if head is not None else set()
             if frozen and args.bf16:  # gathered in bfloat16 to compute: held so, the same numbers at half the memory
                 for p in model.parameters():  # (parameters only: RoPE's buffers stay float32)
@@ -1381,6 +1417,25 @@ def parallelize(model, args, device, num_layers, frozen=False):
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
                                                      broadcast_buffers=False, gradient_as_bucket_view=True)
+
+
+def heads_in_float32(model):
+    """A sequence classifier's scalar head held in float32 (the rest may be bfloat16): a frozen one is read, a trained
+    one is AdamW's, each in float32, as README's precision table says."""
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    if head is not None:
+        head.float()
+    return model
+
+
+def scalar_head_unit(model):
+    """The critic's or reward model's scalar head (common.Float32Linear), or peft's wrapper of it (LoRA: its trained
+    copy and its original, the reward model with the adapter off), to be its own FSDP unit gathered in float32; None
+    for a model without one."""
+    hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
+    head = getattr(hf, "score", None)
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)] if head is not None else []
+    return head if linears and all(isinstance(m, common.Float32Linear) for m in linears) else None
 
 
 def output_layer_unit(model):

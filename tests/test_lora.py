@@ -235,11 +235,13 @@ def test_ppo_lora_bf16_holds_every_frozen_weight_in_bfloat16_and_trains_in_float
     assert models.reference is policy  # the reference is the policy with its adapter off: no copy
     if critic_init == "reward":  # ... and the reward model is the critic with its adapter off
         assert reward.model is None and reward.in_critic is not None
-    else:
-        assert {p.dtype for p in reward.model.parameters()} == {torch.bfloat16}
+    else:  # (its scalar head float32, as every scalar head: README's precision table)
+        assert {(".score." in n, p.dtype) for n, p in reward.model.named_parameters()} == {
+            (False, torch.bfloat16), (True, torch.float32)}
     for model in (policy, critic):
-        dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
+        dtypes = {(p.requires_grad, p.dtype) for n, p in model.named_parameters() if ".score." not in n}
         assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}, dtypes
+    assert {p.dtype for n, p in critic.named_parameters() if ".score." in n} == {torch.float32}
 
 
 def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_reward_model(reward_model_path,

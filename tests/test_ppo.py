@@ -817,3 +817,86 @@ def test_total_episodes_that_are_not_whole_rollout_batches_are_said(monkeypatch,
             ppo.main(ppo.Args(total_episodes=total, reward_fn="common:gold_rewards", output_dir=str(tmp_path)))
         out = capsys.readouterr().out
         assert (said in out) if said else "--total_episodes" not in out, out
+
+
+# --- defects: each test failed before its fix ------------------------------------------------------------------------
+def test_a_reward_model_with_its_own_tokens_reads_within_its_position_table(family_dir, monkeypatch):
+    """An encoder reward model with its own tokenizer: a prompt and response that, in its tokens, overflow its learned
+    position table are cut to fit it (the prompt keeps its end and [CLS]; the response whole), not read past it."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = family_dir("bert")
+    rm_tokenizer = AutoTokenizer.from_pretrained(path)
+    reward = ppo.Reward(model=ppo.SequenceReward(AutoModelForSequenceClassification.from_pretrained(path)),
+                        tokenizer=rm_tokenizer)
+    prompt = "User: tell me about foods such as pear and rice and honey and soup and bread Assistant:"
+    query, query_mask = ppo.pad_left(common.tokenize_prompts(TOK, [prompt]), len(common.tokenize_prompts(TOK, [prompt])[0]),
+                                     TOK.pad_token_id)
+    response = common.tokenize_responses(TOK, [prompt], [" cat dog red blue"])[0]
+    responses = torch.tensor([response])
+    batch = ppo.Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)],
+                        1).long(), query.shape[1], torch.ones_like(responses, dtype=torch.bool))
+    args = ppo.Args(max_prompt_length=64)
+    whole, whole_mask = ppo.reward_model_tokens(batch, torch.arange(1), TOK.eos_token_id, TOK, reward, args)
+    n = int(whole_mask.sum())
+    table = n - 5
+    monkeypatch.setattr(common, "position_table", lambda model: table)
+    cut, cut_mask = ppo.reward_model_tokens(batch, torch.arange(1), TOK.eos_token_id, TOK, reward, args)
+    cut = cut[0][cut_mask[0].bool()].tolist()
+    full = whole[0][whole_mask[0].bool()].tolist()
+    assert len(cut) == table and cut[0] == full[0] == rm_tokenizer.cls_token_id and cut[-10:] == full[-10:]
+
+
+def test_grad_norms_are_each_models_own_before_clipping_averaged_over_the_updates_steps(tmp_path, monkeypatch):
+    """policy/grad_norm is the policy's gradient norm, critic/grad_norm the critic's, each before the joint clip: here
+    3 and 4 (the joint norm 5, clipped to 1). The update logs their mean over its optimizer steps."""
+    trainable = torch.nn.ModuleDict({"policy": torch.nn.Linear(1, 1, bias=False), "critic": torch.nn.Linear(1, 1,
+                                                                                                          bias=False)})
+    optimizer = torch.optim.SGD(trainable.parameters(), lr=0.0)
+    trainable["policy"].weight.grad, trainable["critic"].weight.grad = torch.tensor([[3.0]]), torch.tensor([[4.0]])
+    norms = ppo.clip_and_step(trainable, optimizer, 1.0, 0, torch.tensor(0.0))
+    assert norms == {"policy/grad_norm": pytest.approx(3.0), "critic/grad_norm": pytest.approx(4.0)}
+    seen, real = [], ppo.clip_and_step
+    monkeypatch.setattr(ppo, "clip_and_step", lambda *a: seen.append(real(*a)) or seen[-1])
+    ppo.main(ppo.Args(reward_fn="common:gold_rewards", total_episodes=32, output_dir=str(tmp_path)))
+    m = read_metrics(tmp_path)[0]
+    assert len(seen) == 8 and len({s["policy/grad_norm"] for s in seen}) == 8
+    for name in ("policy/grad_norm", "critic/grad_norm"):
+        assert m[name] == pytest.approx(sum(s[name] for s in seen) / len(seen), rel=1e-6)
+
+
+def test_the_prompts_leading_token_is_found_once_per_run(tmp_path, monkeypatch):
+    calls, real = [], common.leading_id
+    monkeypatch.setattr(common, "leading_id", lambda tokenizer: calls.append(1) or real(tokenizer))
+    ppo.main(ppo.Args(reward_fn="common:gold_rewards", total_episodes=32, num_ppo_epochs=1, output_dir=str(tmp_path)))
+    assert len(calls) == 1
+
+
+def test_an_unknown_embedded_model_names_the_flag_that_named_it(tmp_path):
+    with pytest.raises(common.UserError, match=r"^--sft_model_path embedded-gpt: unknown embedded model"):
+        ppo.main(ppo.Args(sft_model_path="embedded-gpt", reward_fn="common:gold_rewards", output_dir=str(tmp_path)))
+
+
+def test_every_schedule_of_transformers_is_taken_or_refused_in_one_line(tmp_path):
+    """--lr_scheduler_type: each of transformers' SchedulerType parses; those get_scheduler builds and steps without a
+    metric or arguments of their own set the learning rate as transformers computes it, the rest are one-line errors."""
+    from transformers import SchedulerType, get_scheduler
+
+    for kind in SchedulerType:
+        args = tyro.cli(ppo.Args, args=["--lr_scheduler_type", kind.value, "--reward_fn", "common:gold_rewards"],
+                        use_underscores=True)
+        try:
+            ppo.check_args(args)
+        except common.UserError as e:
+            assert len(str(e).splitlines()) == 1 and str(e).startswith(f"--lr_scheduler_type {kind.value}: ")
+            assert "use one of linear, cosine" in str(e)
+            continue
+        _, optimizer, scheduler = ppo.build_optimizer(torch.nn.Linear(2, 1), None, args, 10)
+        lr = optimizer.param_groups[0]["initial_lr"]
+        expected = get_scheduler(kind.value, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr), 0, 10)
+        for _ in range(3):
+            optimizer.step()
+            scheduler.step()
+            expected.optimizer.step()
+            expected.step()
+        assert scheduler.get_last_lr() == pytest.approx(expected.get_last_lr()), kind

@@ -75,30 +75,39 @@ def test_bf16_fsdp_on_two_ranks_first_mini_batch_is_on_policy(reward_model_path,
     assert read_metrics(tmp_path / "out")[0]["objective/kl"] == 0.0
 
 
-def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(reward_model_path, tmp_path):
+@pytest.mark.parametrize("lora", [0, 4])
+def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(lora, reward_model_path, tmp_path):
     """Under FSDP --bf16 the root gathers its parameters in bfloat16; the scalar heads (rm.py's, ppo.py's reward model
-    and critic) are their own units gathered in float32, so Float32Linear computes from float32 weights."""
-    runs = {"rm": f"rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp_path / 'rm')!r}, "
-                  "fsdp=True, bf16=True, max_steps=2, per_device_train_batch_size=4, num_evals=1))",
-            "ppo": f"ppo.main(ppo.Args(reward_model_path={reward_model_path!r}, output_dir={str(tmp_path / 'ppo')!r}, "
-                   "fsdp=True, bf16=True, total_episodes=16, per_device_train_batch_size=4, num_mini_batches=2, "
-                   "num_ppo_epochs=1))"}
-    for script, call in runs.items():  # (one run per process, as from the command line)
-        driver = tmp_path / f"head_dtypes_{script}.py"
+    and critic) are their own units gathered in float32, so Float32Linear computes from float32 weights. With LoRA too,
+    where peft wraps the critic's head (its trained copy and, as the reward model, its original) and every other frozen
+    weight is held in bfloat16: from the critic's and from the policy's backbone."""
+    ppo_run = ("ppo.main(ppo.Args(reward_model_path={rm!r}, output_dir={out!r}, fsdp=True, bf16=True, total_episodes=16, "
+               "per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1, lora_r={lora}, critic_init={init!r}))")
+    runs = {"ppo": ppo_run.format(rm=reward_model_path, out=str(tmp_path / "ppo"), lora=lora, init="auto")}
+    if lora:
+        runs["ppo_policy_critic"] = ppo_run.format(rm=reward_model_path, out=str(tmp_path / "ppo2"), lora=lora,
+                                                   init="policy")
+    else:
+        runs["rm"] = (f"rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp_path / 'rm')!r}, "
+                      "fsdp=True, bf16=True, max_steps=2, per_device_train_batch_size=4, num_evals=1))")
+    for name, call in runs.items():  # (one run per process, as from the command line)
+        script = name.split("_")[0]
+        driver = tmp_path / f"head_dtypes_{name}.py"
         driver.write_text(
             "import json, os, sys\n"
             f"sys.path.insert(0, {ROOT!r})\n"
             f"import common, {script}\n"
             "seen, real = set(), common.Float32Linear.forward\n"
             "def spy(self, x):\n"
-            "    seen.add(str(self.weight.dtype))\n"
+            "    if self.out_features == 1:  # (a scalar head)\n"
+            "        seen.add(str(self.weight.dtype))\n"
             "    return real(self, x)\n"
             "common.Float32Linear.forward = spy\n"
             f"{call}\n"
-            f"json.dump(sorted(seen), open({str(tmp_path)!r} + '/seen_{script}' + os.environ['RANK'], 'w'))\n")
+            f"json.dump(sorted(seen), open({str(tmp_path)!r} + '/seen_{name}' + os.environ['RANK'], 'w'))\n")
         run_script([str(driver)], nproc=2)
         for r in (0, 1):
-            assert json.load(open(tmp_path / f"seen_{script}{r}")) == ["torch.float32"], script
+            assert json.load(open(tmp_path / f"seen_{name}{r}")) == ["torch.float32"], name
 
 
 def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_path, small_pairs_file):
