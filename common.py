@@ -196,8 +196,7 @@ def embedded_tokenizer():
 
 
 def embedded_model_config(name, vocab_size, num_labels=None, flag="--model_name_or_path"):
-    """Tiny configs of two architectures, so that both code paths (Llama-, GPT-NeoX-shaped) are exercised offline. flag:
-    the option that named the model, for the error."""
+    """Tiny configs of two architectures (Llama-, GPT-NeoX-shaped), both code paths exercised offline; flag: the option."""
     from transformers import GPTNeoXConfig, LlamaConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,

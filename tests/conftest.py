@@ -104,19 +104,16 @@ def family_dir(tmp_path_factory):
 
 def replayed_samples(policy, query, query_mask, responses, seeds, temperature, stop_id):
     """The tokens the sampler should have drawn, recomputed without its KV cache: a whole-sequence forward's logits
-    (ppo.output_logits at each response position, the learning forward's) plus the Gumbel noise each episode's stream
-    gives at each step, argmax. Equal to `responses` (generate's raw output) iff the cached decode samples from the
-    distribution the learning forward computes."""
-    import ppo
-
+    (the model's own float32 logits at each response position / temperature, as ppo.response_logprobs reads them)
+    plus the Gumbel noise each episode's stream gives at each step, argmax. Equal to `responses` (generate's raw
+    output) iff the cached decode samples from the distribution the learning forward computes."""
     stopped = [(r == stop_id).nonzero() for r in responses]
     steps = responses.shape[1] if any(len(s) == 0 for s in stopped) else max(int(s[0]) + 1 for s in stopped)
     ids = torch.cat([query, responses[:, :steps]], 1)
     mask = torch.cat([query_mask.long(), torch.ones_like(responses[:, :steps])], 1)
     with torch.no_grad():
-        hidden = ppo.head_inputs(policy, input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(
-            min=0))
-        logits = ppo.output_logits(policy, hidden[:, query.shape[1] - 1:-1], temperature)
+        logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        logits = logits[:, query.shape[1] - 1:-1].float() / temperature
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     drawn = []
     for t in range(steps):
