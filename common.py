@@ -195,15 +195,15 @@ def embedded_tokenizer():
     return tok
 
 
-def embedded_model_config(name, vocab_size, num_labels=None):
-    """Tiny configs of two architectures, so that both code paths (Llama-, GPT-NeoX-shaped) are exercised offline."""
+def embedded_model_config(name, vocab_size, num_labels=None, flag="--model_name_or_path"):
+    """Tiny configs of two architectures (Llama-, GPT-NeoX-shaped), both code paths exercised offline; flag: the option."""
     from transformers import GPTNeoXConfig, LlamaConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=2, eos_token_id=3,
                   tie_word_embeddings=False)
     if name not in ("embedded-llama", "embedded-neox"):
-        raise UserError(f"--model_name_or_path {name}: unknown embedded model; use embedded-llama or embedded-neox")
+        raise UserError(f"{flag} {name}: unknown embedded model; use embedded-llama or embedded-neox")
     cfg = LlamaConfig(num_key_value_heads=4, **common) if name == "embedded-llama" else \
         GPTNeoXConfig(use_parallel_residual=True, rotary_pct=0.25, **common)
     cfg.num_labels = num_labels or cfg.num_labels

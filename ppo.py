@@ -16,13 +16,17 @@ Each update hands one Rollout batch through the phases of main():
   4. advantages: rewards = -kl_coef * KL per token, plus the score at the last token; GAE, whitened;
   5. learn: num_ppo_epochs passes of the clipped policy loss and clipped value loss over shuffled mini-batches;
   6. adapt kl_coef, log, checkpoint.
-Sampling and every log-prob of a response use logits / --temperature (no top-k / top-p; the ptx loss: 1). Trained
-weights and optimizer state are float32; --bf16 autocasts the transformer blocks (frozen LoRA bases and FSDP's frozen
-shards held in bfloat16), while the output layer, log-softmax, entropy, values and rewards stay float32.
+Sampling and every log-prob of a response use logits / --temperature (no top-k / top-p; the ptx loss: 1), every
+log-prob from one function (response_logprobs). Trained weights and optimizer state are float32; --bf16 autocasts the
+transformer blocks (frozen LoRA bases and FSDP's frozen shards held in bfloat16), while the output layer, log-softmax,
+entropy, values and rewards stay float32.
 Schulman et al. 2017 (PPO); Ziegler et al. 2019, Stiennon et al. 2020 (PPO for language); Huang et al. 2024 ("The N
 implementation details of RLHF with PPO"). Also: critic-free advantages (--advantage_estimator rloo, grpo,
 reinforce_pp), the KL in the loss (--kl_penalty loss), other loss means (--loss_aggregation), PPO-ptx, LoRA, FSDP2.
 Left out (README.md): value-model warm-up, top-k/top-p sampling, several reward models, multi-turn rollouts.
+
+The method is all above the FENCE, right after main(); below it, what a reader may trust by its docstring (loading,
+checks, distributed set-up, checkpoints, logs), then the opt-in speed paths, each tested equal to the plain path.
 """
 
 import contextlib
@@ -72,11 +76,11 @@ class Args:
     kl_estimator: Literal["k1", "k3"] | None = None  # Per-token KL estimate (default: k1 in the reward, k3 in the loss)
     target_kl: float | None = None  # KL per response the adaptive controller aims at (Ziegler 2019); None: fixed
     kl_horizon: int = 10000  # Horizon in episodes of the adaptive KL controller
-    gamma: float | None = None  # Discount factor (default 1.0; gae and reinforce_pp only)
-    lam: float | None = None  # GAE lambda (default 0.95; gae only)
+    gamma: float = 1.0  # Discount factor (gae and reinforce_pp only)
+    lam: float = 0.95  # GAE lambda (gae only)
     cliprange: float = 0.2  # Clip range of the policy ratio
-    cliprange_value: float | None = None  # Clip range of the value around its rollout value (default 0.2; gae only)
-    vf_coef: float | None = None  # Weight of the value loss (default 0.1; gae only)
+    cliprange_value: float = 0.2  # Clip range of the value around its rollout value (gae only)
+    vf_coef: float = 0.1  # Weight of the value loss (gae only)
     ent_coef: float = 0.0  # Weight of the entropy bonus
     whiten_rewards: bool = False  # Whiten the per-token rewards, keeping their mean (gae and reinforce_pp)
     missing_eos_penalty: float | None = None  # Subtracted from the score of a response that never stops
@@ -105,7 +109,8 @@ class Args:
     learning_rate: float | None = None  # AdamW learning rate (default 3e-4 for the embedded models, else 3e-6)
     critic_learning_rate: float | None = None  # The critic's (default: the policy's)
     weight_decay: float = 0.0  # AdamW weight decay
-    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"  # Over the updates, no warm-up
+    # any of transformers' SchedulerType that needs no metric and no arguments of its own (get_scheduler)
+    lr_scheduler_type: str = "linear"  # Learning-rate schedule over the updates, no warm-up (linear, cosine, ...)
     # one clip, not one per model: the same gold score at equal KL (benchmarks/README.md, Gradient clipping)
     max_grad_norm: float = 1.0  # Clip the gradient norm of policy and critic together (0: no clipping)
     seed: int = 1  # Seed of the data order and of sampling (each episode's stream seeded by its index)
@@ -131,7 +136,26 @@ class Args:
     offload_inference_models: bool = False  # --fsdp on GPUs: frozen models' shards in host memory until they compute
     gradient_checkpointing: bool = False  # Recompute the policy's and critic's activations in the backward pass
     bf16: bool = False  # bfloat16 autocast (weights, optimizer state float32; a frozen LoRA base in bfloat16)
+    # --- opt-in speed paths, each the plain path's numbers (below the fence)
+    group_by_length: bool = False  # Rows of similar length forward together, less their shared padding
+    blocked_logits: bool = False  # Response logits in checkpointed blocks: memory bounded whatever the vocabulary
     compile: bool = False  # Decode the rollout compiled: CUDA graphs on a GPU, the same samples (not with --fsdp)
+
+
+def fill_defaults(args, position_limit, rank=0):
+    """The defaults that depend on another option or on the model, filled here and only here (said at start-up, saved
+    in ppo_results.json): K, the KL estimator, the learning rates, and --max_prompt_length (256, or less where a
+    model's learned position table, position_limit, leaves less room)."""
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    group = args.advantage_estimator in ("rloo", "grpo")  # (a group baseline needs K > 1)
+    args.num_samples_per_prompt = args.num_samples_per_prompt or (4 if group else 1)
+    args.kl_estimator = args.kl_estimator or ("k1" if args.kl_penalty == "reward" else "k3")
+    if args.learning_rate is None:  # (the embedded models are tiny and learn fast)
+        args.learning_rate = 3e-4 if args.sft_model_path.startswith("embedded-") else 3e-6
+    args.critic_learning_rate = args.learning_rate if args.critic_learning_rate is None else args.critic_learning_rate
+    args.max_prompt_length = args.max_prompt_length or min(256, (position_limit or 1 << 30) - args.response_length)
+    if rank == 0:
+        print("defaults: " + ", ".join(f"--{k} {v}" for k, v in vars(args).items() if k not in given and v is not None))
 
 
 # --- The math. --------------------------------------------------------------------------------------------------------
@@ -192,35 +216,22 @@ def reinforce_pp_advantages(rewards, mask, gamma):
     return masked_whiten(returns, mask)
 
 
-def token_weights(mask, aggregation):
-    """THE mean a mini-batch's losses take: each token's weight, for the mini-batch's (responses, response_length)
-    real-token mask. token_mean: 1 / its tokens; sequence_mean: 1 / (responses x the response's length) (GRPO's
-    1/|o|); constant: 1 / (responses x response_length) (Dr. GRPO: no bias for or against length)."""
-    mask = mask.float()
-    if aggregation == "token_mean":
-        return mask / mask.sum().clamp(min=1)
-    if aggregation == "sequence_mean":
-        return mask / (len(mask) * mask.sum(1, keepdim=True).clamp(min=1))
-    return mask / mask.numel()
-
-
-def policy_loss(logprobs, old_logprobs, advantages, weights, cliprange):
-    """The clipped surrogate objective (Schulman et al. 2017, eq. 7) as a loss, weighted by token_weights; its
-    statistics weighted alike."""
+def policy_loss(logprobs, old_logprobs, advantages, cliprange):
+    """The clipped surrogate objective (Schulman et al. 2017, eq. 7) as a loss, per token, and per-token statistics
+    (learn() takes their means)."""
     ratio = (logprobs - old_logprobs).exp()
     unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
     stats = {"clipfrac": (clipped > unclipped).float(), "approxkl": 0.5 * (logprobs - old_logprobs) ** 2,
              "ratio": ratio, "ratio_sq": ratio ** 2}
-    return (torch.maximum(unclipped, clipped) * weights).sum(), {k: (v * weights).sum() for k, v in stats.items()}
+    return torch.maximum(unclipped, clipped), stats
 
 
-def value_loss(values, old_values, returns, weights, cliprange_value):
-    """0.5 * max((v - R)^2, (v_clipped - R)^2), v_clipped within cliprange_value of the rollout value (Huang et al.
-    2024), weighted by token_weights. Also returns the clipped fraction."""
+def value_loss(values, old_values, returns, cliprange_value):
+    """0.5 * max((v - R)^2, (v_clipped - R)^2) per token, v_clipped within cliprange_value of the rollout value (Huang
+    et al. 2024), and where the clipped term is the larger (the clipped fraction's tokens)."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_sq, clipped_sq = (values - returns) ** 2, (clipped - returns) ** 2
-    return 0.5 * (torch.maximum(unclipped_sq, clipped_sq) * weights).sum(), \
-        ((clipped_sq > unclipped_sq).float() * weights).sum()
+    return 0.5 * torch.maximum(unclipped_sq, clipped_sq), (clipped_sq > unclipped_sq).float()
 
 
 def adaptive_kl_coef(kl_coef, kl, target, horizon, n_episodes):
@@ -239,26 +250,42 @@ def truncate_after_stop(responses, stop_id, pad_id):
     return responses.masked_fill(after_stop, pad_id), ~after_stop
 
 
-def response_logprobs(model, query_response, attention_mask, context_length, temperature):
-    """Each response token's log-prob at the sampling temperature, written plainly: position t predicts token t + 1.
-    The phases call policy_forward, the same in bounded memory (tests/test_ppo.py checks it, in float32)."""
+def response_logprobs(model, query_response, attention_mask, context_length, temperature, entropy=False,
+                      entropy_grad=True, blocked=False):
+    """THE log-probs of every phase (the old ones, the reference's, the learning forward's, ptx's): each response
+    token's log-prob at the sampling temperature, position t predicting token t + 1. The model's logits at the
+    positions that predict a response token only (logits_to_keep), float32 (its output layer computes in float32:
+    output_layer_in_float32; its own transforms, e.g. Gemma's softcapping, applied by itself), / temperature, a
+    float32 log-softmax, gathered. entropy: each position's entropy too (with its gradient if entropy_grad).
+    blocked (--blocked_logits): the same numbers in memory bounded whatever the vocabulary (below the fence)."""
+    if blocked:
+        return blocked_response_logprobs(model, query_response, attention_mask, context_length, temperature, entropy,
+                                         entropy_grad)
+    predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 .. T - 1
+    keep = {"logits_to_keep": predicting} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: a position counts real tokens only
-    logits = model(input_ids=query_response, attention_mask=attention_mask, position_ids=position_ids).logits
-    logprobs = torch.log_softmax(logits[:, context_length - 1:-1].float() / temperature, -1)
-    return logprobs.gather(-1, query_response[:, context_length:, None]).squeeze(-1)
+    logits = model(input_ids=query_response, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False, **keep).logits[:, -predicting:-1]  # (the last position predicts nothing)
+    logp_all = torch.log_softmax(logits.float() / temperature, -1)
+    logprobs = logp_all.gather(-1, query_response[:, context_length:, None]).squeeze(-1)
+    if not entropy:
+        return logprobs, None
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        return logprobs, -(logp_all.exp() * logp_all).sum(-1)
 
 
-def language_modelling_loss(policy, seqs, pad_id, n_tokens, device):
+def language_modelling_loss(policy, seqs, pad_id, n_tokens, device, blocked=False):
     """The ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy on pretraining text, summed over real
     transitions and divided by n_tokens (those of the whole mini-batch)."""
     ids, ids_mask = pad_left(seqs, max(map(len, seqs)), pad_id)
     ids, ids_mask = ids.to(device), ids_mask.long().to(device)
-    logprobs, _ = policy_forward(policy, ids, ids_mask, 1, 1.0, entropy=False)
+    logprobs, _ = response_logprobs(policy, ids, ids_mask, 1, 1.0, blocked=blocked)
     real = (ids_mask[:, 1:] * ids_mask[:, :-1]).float()  # a target counts only after a real token (left padding)
     return (-logprobs * real).sum() / n_tokens
 
 
-# --- The method's conventions, the same as rm.py's (tests/test_rm.py checks that they agree). -------------------------
+# --- The method's conventions, the same as rm.py's (tests/test_rm.py checks that they agree). Dropout is off in every
+# model (disable_dropout, below): rollout, scoring and learning read one network, and the ratio starts at 1. ----------
 def truncate_prompt(ids, max_prompt_length, bos_id=None):
     """A prompt longer than max_prompt_length keeps its END (the turn being answered) and its leading BOS/[CLS]."""
     if len(ids) <= max_prompt_length:
@@ -281,23 +308,6 @@ def sequence_reward(model, ids, mask):
     hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
                               position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state  # ALiBi: ignored
     return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
-
-
-def without_dropout(config):
-    """Dropout off (every model: rollout, scoring and learning are one network, and the ratio starts at 1): every
-    dropout probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout)."""
-    for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-            setattr(config, key, 0.0)
-    return config
-
-
-def disable_dropout(model):
-    without_dropout(model.config)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
 
 
 # --- The phases of an update, in the order main() runs them, handing one Rollout batch along. -------------------------
@@ -337,8 +347,46 @@ def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collect
     return Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask)
 
 
+@torch.no_grad()
+def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=False):
+    """KV-cached sampling (Gumbel-max) from softmax(logits / --temperature), the logits float32 as response_logprobs
+    reads them; each episode's noise a function of its seed, the token's index and the vocabulary index alone
+    (sampling_noise: the same in any batch, on any number of ranks). Returns responses (B, response_length). The cache
+    is allocated once for prompt + response; the mask covers that width from the start, causality hiding the tokens not
+    yet sampled. (--compile: compiled_generate, the same tokens.)"""
+    if args.compile:
+        return compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id)
+    position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
+    mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
+        -1, args.response_length)], 1)
+    cache = ComputeDtypeCache(config=unwrap(model).config, max_cache_len=mask.shape[1])
+    last_only = {"logits_to_keep": 1} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
+    inputs = dict(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position,
+                  **last_only)  # the prompt's last position only, not B x prompt x V
+    tokens = []
+    done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
+    for t in range(args.response_length):
+        logits = model(**inputs).logits[:, -1].float() / args.temperature
+        token = (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
+        tokens.append(token)
+        done |= token == stop_id
+        all_done = done.all()
+        if collective:  # FSDP: every rank must run the same number of forward passes
+            all_done = torch.tensor(float(all_done), device=query.device)
+            dist.all_reduce(all_done, op=dist.ReduceOp.MIN)
+        if all_done or t == args.response_length - 1:
+            break
+        inputs = dict(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
+                      position_ids=position[:, -1:] + t + 1)
+    responses = torch.stack(tokens, 1)
+    return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
+
+
 class Critic(torch.nn.Module):
-    """The value of each state: a sequence classifier's scalar head (float32) at every position, minus an offset."""
+    """The value of each state: a sequence classifier's scalar head (float32) at every position, minus an offset. Its
+    start (critic_from): --critic_init reward, the reward model, its head divided by rm.py's scale and the offset
+    shift / scale (it starts out reading the normalized score); policy, the policy's backbone and a new head, normal
+    with std 1 / sqrt(hidden + 1), as rm.py's."""
 
     def __init__(self, hf_model, offset=0.0):
         super().__init__()
@@ -351,42 +399,25 @@ class Critic(torch.nn.Module):
         return self.hf.score(hidden).squeeze(-1).float() - self.offset
 
 
-def critic_from(args, policy, reward):
-    """The critic's network. --critic_init reward: the reward model, its head divided by rm.py's scale (the Critic's
-    offset is shift / scale: it starts out reading the normalized score). --critic_init policy: the policy's backbone
-    and a new head, normal with std 1 / sqrt(hidden + 1), as rm.py's."""
-    from transformers import AutoModelForSequenceClassification
-
-    if args.critic_init == "reward":
-        critic = copy.deepcopy(reward.model.hf).requires_grad_(True)
-        with torch.no_grad():
-            for p in critic.score.parameters():  # (a bias too, where a head has one)
-                p /= reward.scale
-        return critic
-    config = without_dropout(copy.deepcopy(policy.config))
-    config.num_labels = 1
-    critic = common.meta_model(lambda: AutoModelForSequenceClassification.from_config(config))
-    setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))
-    critic.score.to_empty(device=policy.device)
-    torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
-    if critic.score.bias is not None:
-        torch.nn.init.zeros_(critic.score.bias)
-    return common.scalar_head_in_float32(critic)
-
-
 @torch.no_grad()
 def logprobs_and_values(policy, ref_policy, critic, batch, args, update, rank, world, reference_mode):
     """2. Each sampled token's log-prob under the policy (the ratio's "old") and under the reference, and the critic's
-    values: computed as learn() computes its first steps (learning_forward), so that in any precision the first ratio
-    is exactly 1, the KL at initialisation 0, and the first value clip centred on the learning forward's values."""
-    def forwards(ids, mask, context):
-        out = [policy_forward(policy, ids, mask, context, args.temperature, entropy=False)[0]]
-        with reference_mode():  # the frozen copy of the initial policy (LoRA: the policy with its adapter off)
-            out.append(policy_forward(ref_policy, ids, mask, context, args.temperature, entropy=False)[0])
-        return out + ([critic(ids, mask)[:, context - 1:-1]] if critic is not None else [])
-
-    batch.logprobs, batch.ref_logprobs, *values = learning_forward(batch, args, update, rank, world, forwards)
-    batch.values = values[0] if values else None
+    values, on the micro-batches of epoch 0's plan, as learn() computes its first steps (the same rows, columns and
+    autocast): in any precision the first ratio is exactly 1, the KL at initialisation 0, and the first value clip
+    centred on the learning forward's values. Each rank computes its rows; the sum over ranks gives every rank all."""
+    out = torch.zeros(3, *batch.mask.shape, device=batch.mask.device)  # old log-probs, the reference's, values
+    with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        for step in epoch_plan(batch, args, update, 0, rank, world):
+            for f in step.forwards:
+                out[0, f.rows, :f.kept] = response_logprobs(policy, f.ids, f.attention_mask, f.context,
+                                                            args.temperature, blocked=args.blocked_logits)[0]
+                with reference_mode():  # the frozen copy of the initial policy (LoRA: the policy with its adapter off)
+                    out[1, f.rows, :f.kept] = response_logprobs(ref_policy, f.ids, f.attention_mask, f.context,
+                                                                args.temperature, blocked=args.blocked_logits)[0]
+                if critic is not None:
+                    out[2, f.rows, :f.kept] = critic(f.ids, f.attention_mask)[:, f.context - 1:-1]
+    batch.logprobs, batch.ref_logprobs, values = all_reduce(out).masked_fill(~batch.mask, 0.0)
+    batch.values = values if critic is not None else None
 
 
 @torch.no_grad()
@@ -398,24 +429,19 @@ def score(critic, reward, batch, rows, prompt_texts, tokenizer, stop_id, args, c
     responses, mask = batch.responses[rows], batch.mask[rows]
     texts = [tokenizer.decode(r[m & (r != stop_id)] if stop_id is not None else r[m], skip_special_tokens=True)
              for r, m in zip(responses.cpu(), mask.cpu())]
-    scores = torch.zeros(len(rows), device=mask.device)
-    groups = [torch.arange(len(rows))] if collective else length_groups(  # (FSDP: every rank the same calls)
-        batch.attention_mask[rows, :batch.context_length].sum(1), mask.sum(1))
-    if reward.tokenizer is not None:  # another vocabulary, an encoder: it reads the text, in its own tokens
-        rm_ids, rm_mask = (t.to(mask.device) for t in reward_model_tokens(batch, rows, stop_id, tokenizer, reward,
-                                                                           args))
-    micro = args.per_device_train_batch_size  # one micro-batch's forwards at a time, as in learning
+    scores = torch.zeros(len(batch.mask), device=mask.device)  # (by the batch's rows; this rank's filled)
     with torch.autocast(mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        for local in (g.to(mask.device)[i:i + micro] for g in groups for i in range(0, len(g), micro)):
-            f = trimmed(batch, rows[local])
+        for f in micro_batches(batch, rows, args, collective):  # one micro-batch's forwards at a time, as in learning
             if reward.in_critic is not None:  # LoRA: the reward model is the critic with its adapter off
                 with reward.in_critic():
                     values = critic(f.ids, f.attention_mask)
-                scores[local] = values.gather(1, last_token_index(f.attention_mask)[:, None])[:, 0]
-            elif reward.model is not None:
-                own = (f.ids, f.attention_mask) if reward.tokenizer is None else \
-                    (t[local][:, rm_mask[local].bool().any(0)] for t in (rm_ids, rm_mask))  # no all-padding column
-                scores[local] = (reward.model(*own) - reward.shift) / reward.scale
+                scores[f.rows] = values.gather(1, last_token_index(f.attention_mask)[:, None])[:, 0]
+            elif reward.model is not None:  # (its own tokens: another vocabulary, an encoder, reads the text)
+                ids, ids_mask = (f.ids, f.attention_mask) if reward.tokenizer is None else reward_model_tokens(
+                    batch, f.rows, stop_id, tokenizer, reward, args)
+                output = reward.model(ids.to(mask.device), ids_mask.to(mask.device))
+                scores[f.rows] = (output - reward.shift) / reward.scale
+    scores = scores[rows]
     if reward.fn is not None:
         scores += common.agreed(lambda: call_reward_fn(reward, prompt_texts, texts)).to(scores.device)
     batch.has_stop = (batch.responses == stop_id).any(1) if stop_id is not None else None
@@ -450,180 +476,86 @@ def advantages(batch, kl_coef, args):
     return kl, non_score_reward
 
 
-@dataclass
-class OptimizerStep:
-    """One mini-batch of a PPO epoch, as this rank runs it."""
-    rows: torch.Tensor  # the mini-batch's rows (every rank's)
-    weights: torch.Tensor  # (B, T) each token's weight in the mini-batch's losses (token_weights; 0 elsewhere)
-    forwards: list  # this rank's forward calls: its rows of each accumulation step, in groups of similar length
-
-
 def epoch_plan(batch, args, update, epoch, rank, world):
     """One PPO epoch's optimizer steps: the batch shuffled (seeded by update and epoch), cut into --num_mini_batches;
-    of each, this rank's per_device_train_batch_size x gradient_accumulation_steps rows, each accumulation step's as
-    length groups (one group under FSDP, where every rank must make the same calls)."""
-    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    size, device = micro * accumulation * world, batch.mask.device
+    of each, this rank's gradient_accumulation_steps x per_device_train_batch_size rows, as its micro-batches of
+    per_device_train_batch_size rows in order (MicroBatch: rows, ids, attention_mask, context, kept; below)."""
+    share = args.per_device_train_batch_size * args.gradient_accumulation_steps  # a rank's rows of a mini-batch
     order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(
-        common.seed_of(args.seed, "mini-batches", update, epoch))).to(device)
-    prompt_lengths, response_lengths = batch.attention_mask[:, :batch.context_length].sum(1), batch.mask.sum(1)
-    steps = []
-    for mb in range(args.num_mini_batches):
-        mini, forwards = order[mb * size:(mb + 1) * size], []
-        for m in range(accumulation):
-            rows = mini[(rank * accumulation + m) * micro:][:micro]
-            forwards += [rows] if args.fsdp and world > 1 else [
-                rows[g.to(device)] for g in length_groups(prompt_lengths[rows], response_lengths[rows])]
-        weights = torch.zeros_like(batch.mask, dtype=torch.float)
-        steps.append(OptimizerStep(mini, weights.index_copy(0, mini, token_weights(batch.mask[mini],
-                                                                                   args.loss_aggregation)), forwards))
-    return steps
+        common.seed_of(args.seed, "mini-batches", update, epoch))).to(batch.mask.device)
+    collective = args.fsdp and world > 1  # (FSDP: every rank the same calls)
+    return [OptimizerStep(mini, micro_batches(batch, mini[rank * share:(rank + 1) * share], args, collective))
+            for mini in order.split(share * world)]
 
 
 def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, rank, world, ptx, pad_id):
-    """5. num_ppo_epochs passes over the batch, num_mini_batches optimizer steps each; every loss is its mini-batch's
-    mean (token_weights), whatever the micro-batches, accumulation, ranks and length groups. Returns each statistic's
-    mean over the optimizer steps, and the last step's gradient norm."""
+    """5. num_ppo_epochs passes over the batch, num_mini_batches optimizer steps each, every loss its mini-batch's mean
+    whatever the micro-batches, accumulation and ranks. Returns each statistic's mean over the optimizer steps, each
+    model's gradient norm (before clipping) among them."""
     autocast = functools.partial(torch.autocast, batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16)
     models = [policy] if critic is None else [policy, critic]
 
-    def backward(loss):  # DDP and FSDP average gradients over ranks; the mini-batch's gradient is their sum
+    def backward(loss):  # DDP and FSDP average gradients over ranks; the mini-batch's gradient is the sum of theirs
         (loss * world).backward()
 
-    stats = []  # per optimizer step: name -> this rank's share of the mini-batch's mean
+    stats, norms = [], []  # per optimizer step: name -> this rank's share of the mini-batch's value; the norms
     for epoch in range(args.num_ppo_epochs):
         for mb, step in enumerate(epoch_plan(batch, args, update, epoch, rank, world)):
-            sums, mass = {}, step.weights.sum()
+            # THE loss mean. Every rank holds the whole batch (all_gather_rollout), so each counts the mini-batch's
+            # tokens (every rank's, every accumulation step's) itself: each micro-batch's loss is its share of the mean
+            tokens_in_mini_batch, responses = batch.mask[step.rows].sum(), len(step.rows)
+
+            def mean(loss_per_token, mask):
+                if args.loss_aggregation == "token_mean":
+                    return (loss_per_token * mask).sum() / tokens_in_mini_batch
+                if args.loss_aggregation == "sequence_mean":  # each response's token mean, then over responses (GRPO)
+                    return ((loss_per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / responses
+                return (loss_per_token * mask).sum() / (responses * args.response_length)  # constant (Dr. GRPO)
+
+            sums = {}
             if ptx is not None:  # PPO-ptx (Ouyang et al. 2022, eq. 2): language modelling on pretraining text
                 sums["loss/ptx"] = ptx_backward(policy, ptx, step, (update, epoch, mb), args, rank, world, pad_id,
                                                 backward)
-            for i, rows in enumerate(step.forwards):
+            for i, f in enumerate(step.forwards):
                 sync_gradients(models, last=i == len(step.forwards) - 1, fsdp=args.fsdp)
-                f = trimmed(batch, rows)
-                w = f.take(step.weights)
+                mask = f.take(batch.mask).float()
                 # Policy and critic share no weights: each loss goes backward on its own graph, so that only one
                 # model's activations are alive at a time.
                 with autocast():
-                    new_logprobs, entropy = policy_forward(policy, f.ids, f.attention_mask, f.context,
-                                                           args.temperature, with_entropy_grad=args.ent_coef > 0)
-                pg_loss, pg = policy_loss(new_logprobs, f.take(batch.logprobs), f.take(batch.advantages), w,
-                                          args.cliprange)
-                named = {"loss/policy": pg_loss, "policy/entropy": (entropy * w).sum(),
-                         **{f"policy/{k}": v for k, v in pg.items()}}
-                loss = pg_loss - args.ent_coef * named["policy/entropy"]
+                    new_logprobs, entropy = response_logprobs(
+                        policy, f.ids, f.attention_mask, f.context, args.temperature, entropy=True,
+                        entropy_grad=args.ent_coef > 0, blocked=args.blocked_logits)
+                pg_loss, per_token = policy_loss(new_logprobs, f.take(batch.logprobs), f.take(batch.advantages),
+                                                 args.cliprange)
+                losses = {"loss/policy": mean(pg_loss, mask)}
+                loss = losses["loss/policy"] - args.ent_coef * mean(entropy, mask)
                 if args.kl_penalty == "loss":  # GRPO (Shao et al. 2024, eq. 3): the current policy's KL, in the loss
                     # (padding's log-probs 0, as the reference's: k3 of a pad token could overflow, and inf x 0 is NaN)
-                    named["loss/kl"] = (kl_per_token(new_logprobs.masked_fill(w == 0, 0.0), f.take(batch.ref_logprobs),
-                                                     args.kl_estimator) * w).sum()
-                    loss = loss + kl_coef * named["loss/kl"]
+                    losses["loss/kl"] = mean(kl_per_token(new_logprobs.masked_fill(mask == 0, 0.0),
+                                                          f.take(batch.ref_logprobs), args.kl_estimator), mask)
+                    loss = loss + kl_coef * losses["loss/kl"]
                 backward(loss)
+                per_token = {"policy/entropy": entropy, **{f"policy/{k}": v for k, v in per_token.items()}}
                 if critic is not None:
                     with autocast():
                         new_values = critic(f.ids, f.attention_mask)[:, f.context - 1:-1]
-                    named["loss/value"], named["val/clipfrac"] = value_loss(
-                        new_values, f.take(batch.values), f.take(batch.returns), w, args.cliprange_value)
-                    backward(args.vf_coef * named["loss/value"])
-                for name, value in named.items():  # (statistics as weighted means: constant's weights sum below 1)
-                    sums[name] = sums.get(name, 0) + value.detach() / (1 if name.startswith("loss/") else mass)
-            grad_norm = clip_and_step(trainable, optimizer, args.max_grad_norm, update, pg_loss)
+                    vf_loss, per_token["val/clipfrac"] = value_loss(new_values, f.take(batch.values),
+                                                                    f.take(batch.returns), args.cliprange_value)
+                    losses["loss/value"] = mean(vf_loss, mask)
+                    backward(args.vf_coef * losses["loss/value"])
+                for name, value in losses.items():
+                    sums[name] = sums.get(name, 0) + value.detach()
+                for name, value in per_token.items():  # statistics: plain means over the mini-batch's tokens
+                    sums[name] = sums.get(name, 0) + (value.detach() * mask).sum() / tokens_in_mini_batch
+            norms.append(clip_and_step(trainable, optimizer, args.max_grad_norm, update, losses["loss/policy"]))
             stats.append(sums)
-    return mean_over_steps(stats), grad_norm
-
-
-def check_args(args):
-    """Every size and range, and every model and dataset found, before anything is loaded or written."""
-    check_estimator_args(args)
-    for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-                 "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every",
-                 "kl_horizon", "num_samples_per_prompt"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
-    for name in ("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
-                 "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples",
-                 "missing_eos_penalty", "lora_r", "lora_alpha"):
-        value = getattr(args, name)
-        if value is not None and not (value >= 0 and math.isfinite(value)):
-            raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
-    for name in ("gamma", "lam"):
-        if not 0 <= getattr(args, name) <= 1:
-            raise common.UserError(f"--{name} {getattr(args, name)}: must be within [0, 1]")
-    if not args.temperature > 0:
-        raise common.UserError(f"--temperature {args.temperature}: must be above 0")
-    if args.target_kl is not None and not args.target_kl > 0:
-        raise common.UserError(f"--target_kl {args.target_kl}: must be above 0")
-    if args.missing_eos_penalty is not None and args.stop_token == "none":
-        raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
-    if args.compile and args.fsdp:
-        raise common.UserError("--compile compiles the decode of a whole model; --fsdp shards it: drop one of them")
-    if args.offload_inference_models and not args.fsdp:
-        raise common.UserError("--offload_inference_models holds the frozen models' FSDP shards on the host: pass "
-                               "--fsdp too")
-    if args.ptx_coef > 0 and args.ptx_dataset_name is None:
-        raise common.UserError(f"--ptx_coef {args.ptx_coef} needs --ptx_dataset_name (a dataset with a 'text' column)")
-    for name, flag, kind in ((args.sft_model_path, "--sft_model_path", "model"),
-                             (reward_model_source(args), "--reward_model_path", "model"),
-                             (args.dataset_name, "--dataset_name", "dataset"),
-                             (args.ptx_dataset_name if args.ptx_coef > 0 else None, "--ptx_dataset_name", "dataset")):
-        if name is not None:
-            common.check_source(name, flag, kind)
-
-
-CRITIC_DEFAULTS = {"lam": 0.95, "vf_coef": 0.1, "cliprange_value": 0.2, "gamma": 1.0}
-
-
-def check_estimator_args(args):
-    """No flag the estimator would ignore (the critic's without GAE; per-token returns' with rloo and grpo), K at least
-    2 for a group baseline; the defaults that depend on the estimator filled in."""
-    estimator, group = args.advantage_estimator, args.advantage_estimator in ("rloo", "grpo")
-    ignored = ("critic_learning_rate", "vf_coef", "cliprange_value", "lam") + (("gamma", "whiten_rewards") if group
-                                                                                else ())
-    given = [n for n in ignored if getattr(args, n) is not None and getattr(args, n) is not False] + \
-        (["critic_init"] if args.critic_init != "auto" else [])
-    if estimator != "gae" and given:
-        what = "per-token returns" if given[0] in ("gamma", "whiten_rewards") else "the critic"
-        raise common.UserError(f"--{given[0]} is for {what}, which --advantage_estimator {estimator} does not have; "
-                               "drop it (or use --advantage_estimator gae)")
-    if not args.scale_rewards and estimator != "grpo":
-        raise common.UserError(f"--no_scale_rewards is grpo's (Dr. GRPO); --advantage_estimator {estimator} does not "
-                               "divide by a group's std")
-    for name, default in CRITIC_DEFAULTS.items():
-        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
-    args.num_samples_per_prompt = args.num_samples_per_prompt or (4 if group else 1)
-    if group and args.num_samples_per_prompt < 2:
-        raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: --advantage_estimator "
-                               f"{estimator} compares each response with the others to its prompt; it needs at least 2")
-    args.kl_estimator = args.kl_estimator or ("k1" if args.kl_penalty == "reward" else "k3")
-
-
-@dataclass
-class Sizes:
-    local_batch: int  # episodes each rank rolls out per update: micro-batch x accumulation x mini-batches
-    batch_size: int  # the rollout batch: local_batch x ranks
-    num_updates: int
-
-
-def start_up(args, rank, world):
-    """The run's sizes, checked, and its output folder (the same for every rank, and one it may write to). None when
-    the folder holds this run already finished."""
-    common.check_shared_output_dir(args.output_dir, rank)
-    local_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    batch_size, num_updates = local_batch * world, args.total_episodes // (local_batch * world)
-    if num_updates == 0:
-        raise common.UserError(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
-    if args.total_episodes % batch_size and rank == 0:
-        trained = num_updates * batch_size
-        print(f"--total_episodes {args.total_episodes}: {trained} trained, whole rollout batches of {batch_size} (the "
-              f"nearest to train all: {trained} or {trained + batch_size})")
-    if batch_size % args.num_samples_per_prompt:
-        raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
-                               f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
-    common.check_output_dir(args, rank)
-    return None if common.run_complete(args, num_updates, rank) else Sizes(local_batch, batch_size, num_updates)
+    return {**mean_over_steps(stats), **{k: sum(n[k] for n in norms) / len(norms) for k in norms[0]}}
 
 
 def main(args):
     check_args(args)
     rank, world, device = setup_distributed()
+    fill_defaults(args, position_limit(args), rank)
     if (sizes := start_up(args, rank, world)) is None:  # finished already: nothing to do
         return None
     batch_size, local_batch, num_updates = sizes.batch_size, sizes.local_batch, sizes.num_updates
@@ -633,10 +565,11 @@ def main(args):
     prompts, prompt_texts = load_prompts(args, tokenizer)  # before the models: a data mistake is found in seconds
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     # The policy; the reference, a frozen copy of it (LoRA: the policy with its adapter off); GAE's critic
-    # (critic_from); the reward: a frozen reward model and/or a function. Fills in --max_prompt_length.
+    # (critic_from); the reward: a frozen reward model and/or a function.
     models = build_models(args, tokenizer, device, rank, world)
     policy, critic, reward, lora = models.policy, models.critic, models.reward, models.lora
-    prompts = [truncate_prompt(p, args.max_prompt_length, common.leading_id(tokenizer)) for p in prompts]
+    bos_id = common.leading_id(tokenizer)
+    prompts = [truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]
     ptx = ptx and [ids[:args.max_prompt_length + args.response_length] for ids in ptx]
     # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type over the updates, stepped
     # once per update
@@ -679,15 +612,14 @@ def main(args):
 
         # 5. Learn: num_ppo_epochs x num_mini_batches optimizer steps on the clipped policy loss (and value loss).
         trainable.train()
-        update_stats, grad_norm = learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, rank, world,
-                                        ptx, tokenizer.pad_token_id)
+        update_stats = learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, rank, world, ptx,
+                             tokenizer.pad_token_id)
         lr = scheduler.get_last_lr()[0]  # (the rate this update's steps used)
         scheduler.step()
         t_learn = time.time()
 
         # 6. Adapt the KL coefficient; log; save samples and checkpoints.
-        m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef,
-             "lr": lr, "policy/grad_norm": grad_norm, **update_stats,
+        m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef, "lr": lr, **update_stats,
              **rollout_metrics(batch, kl, non_score_reward),
              **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, batch.attention_mask, args)}
         if update == start:  # what each rank held at most
@@ -712,8 +644,132 @@ def main(args):
     return history
 
 
-# --- The systems. A first read can stop above; each piece below is one named function whose docstring says what
-# it guarantees. Models and data. --------------------------------------------------------------------------------------
+# ======================================================================================================================
+# THE FENCE. The method ends here: a first read can stop. Below, first what a default run calls and a reader may trust
+# by its docstring (checks, loading models and data, the reward's plumbing, the learning phase's bookkeeping,
+# distributed set-up, logging and figures); then the opt-in speed paths, each in its own section (--group_by_length,
+# --blocked_logits), each tested equal to the plain path above.
+# ======================================================================================================================
+
+
+# --- Checks and sizes, before anything is loaded or written. ---------------------------------------------------------
+def check_args(args):
+    """Every size and range, and every model and dataset found, before anything is loaded or written."""
+    for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                 "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every", "kl_horizon",
+                 "num_samples_per_prompt"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
+    for name in ("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
+                 "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples",
+                 "missing_eos_penalty", "lora_r", "lora_alpha"):
+        value = getattr(args, name)
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name) <= 1:
+            raise common.UserError(f"--{name} {getattr(args, name)}: must be within [0, 1]")
+    if args.advantage_estimator in ("rloo", "grpo") and args.num_samples_per_prompt == 1:
+        raise common.UserError(f"--num_samples_per_prompt 1: --advantage_estimator {args.advantage_estimator} "
+                               "compares each response with the others to its prompt; it needs at least 2")
+    if not args.scale_rewards and args.advantage_estimator != "grpo":
+        raise common.UserError(f"--no_scale_rewards is grpo's (Dr. GRPO); --advantage_estimator "
+                               f"{args.advantage_estimator} does not divide by a group's std")
+    if not args.temperature > 0:
+        raise common.UserError(f"--temperature {args.temperature}: must be above 0")
+    if args.target_kl is not None and not args.target_kl > 0:
+        raise common.UserError(f"--target_kl {args.target_kl}: must be above 0")
+    if args.missing_eos_penalty is not None and args.stop_token == "none":
+        raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
+    check_schedule(args.lr_scheduler_type)
+    if args.compile and args.fsdp:
+        raise common.UserError("--compile compiles the decode of a whole model; --fsdp shards it: drop one of them")
+    if args.offload_inference_models and not args.fsdp:
+        raise common.UserError("--offload_inference_models holds the frozen models' FSDP shards on the host: pass "
+                               "--fsdp too")
+    if args.ptx_coef > 0 and args.ptx_dataset_name is None:
+        raise common.UserError(f"--ptx_coef {args.ptx_coef} needs --ptx_dataset_name (a dataset with a 'text' column)")
+    for name, flag, kind in ((args.sft_model_path, "--sft_model_path", "model"),
+                             (reward_model_source(args), "--reward_model_path", "model"),
+                             (args.dataset_name, "--dataset_name", "dataset"),
+                             (args.ptx_dataset_name if args.ptx_coef > 0 else None, "--ptx_dataset_name", "dataset")):
+        if name is not None:
+            common.check_source(name, flag, kind)
+
+
+def check_schedule(name):
+    """--lr_scheduler_type: transformers' schedule of that name, built and stepped as the run does (once per update, no
+    metric, no arguments of its own); one that cannot be (or no schedule) is refused in one line."""
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    try:
+        scheduler = get_scheduler(name, optimizer, num_warmup_steps=0, num_training_steps=2)
+        optimizer.step()
+        scheduler.step()
+    except (ValueError, TypeError) as e:
+        raise common.UserError(f"--lr_scheduler_type {name}: {common.first_line(e)} (ppo.py steps the schedule "
+                               "once per update, with no metric and no arguments of its own)") from None
+
+
+@dataclass
+class Sizes:
+    local_batch: int  # episodes each rank rolls out per update: micro-batch x accumulation x mini-batches
+    batch_size: int  # the rollout batch: local_batch x ranks
+    num_updates: int
+
+
+def start_up(args, rank, world):
+    """The run's sizes, checked, and its output folder (the same for every rank, and one it may write to). None when
+    the folder holds this run already finished."""
+    common.check_shared_output_dir(args.output_dir, rank)
+    local_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    batch_size, num_updates = local_batch * world, args.total_episodes // (local_batch * world)
+    if num_updates == 0:
+        raise common.UserError(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
+    if args.total_episodes % batch_size and rank == 0:
+        trained = num_updates * batch_size
+        print(f"--total_episodes {args.total_episodes}: {trained} trained, whole rollout batches of {batch_size} (the "
+              f"nearest to train all: {trained} or {trained + batch_size})")
+    if batch_size % args.num_samples_per_prompt:
+        raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
+                               f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
+    common.check_output_dir(args, rank)
+    return None if common.run_complete(args, num_updates, rank) else Sizes(local_batch, batch_size, num_updates)
+
+
+def position_limit(args):
+    """The shortest learned position table (common.position_table) of the policy and the reward model, from their
+    configs (built on the meta device: no weight read); None where none has one (rotary, ALiBi: the embedded models)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    limits = []
+    for path, flag, loader in ((args.sft_model_path, "--sft_model_path", AutoModelForCausalLM),
+                               (reward_model_source(args), "--reward_model_path", AutoModelForSequenceClassification)):
+        if path is not None and not path.startswith("embedded-"):
+            config = common.load_pretrained(AutoConfig, path, flag)
+            limits.append(common.position_table(common.meta_model(lambda: loader.from_config(config))))
+    return min((n for n in limits if n), default=None)
+
+
+# --- Models and data. -------------------------------------------------------------------------------------------------
+def without_dropout(config):
+    """Dropout off (every model: rollout, scoring and learning are one network, and the ratio starts at 1): every
+    dropout probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout)."""
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
+def disable_dropout(model):
+    without_dropout(model.config)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
 def load_tokenizer(args):
     from transformers import AutoTokenizer
 
@@ -742,7 +798,8 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer)))
+    model = AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer),
+                                                                         flag="--sft_model_path"))
     code = open(__file__).read() + open(common.__file__).read()  # this function and the task
     key = hashlib.sha256(repr((len(tokenizer), torch.__version__, transformers.__version__, code)).encode()).hexdigest()
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlhf",
@@ -775,17 +832,28 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
 
 def load_policy(args, tokenizer, on_meta=False):
     """The initial policy: a causal LM, or a peft adapter folder merged into its base (the reference is then the SFT
-    adapter's model). on_meta: no weight read (common.load_model)."""
+    adapter's model), its output layer computing in float32 (output_layer_in_float32). on_meta: no weight read
+    (common.load_model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.sft_model_path.startswith("embedded-"):
-        return disable_dropout(embedded_sft_policy(args.sft_model_path, tokenizer, args.seed))
+        return output_layer_in_float32(disable_dropout(embedded_sft_policy(args.sft_model_path, tokenizer, args.seed)))
     config = without_dropout(common.load_pretrained(AutoConfig, args.sft_model_path, "--sft_model_path"))
     # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights; a frozen
     # LoRA base is only read, so it may be held in bfloat16
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-    return disable_dropout(common.load_model(AutoModelForCausalLM, args.sft_model_path, "--sft_model_path",
-                                             on_meta, config=config, dtype=dtype))
+    return output_layer_in_float32(disable_dropout(common.load_model(
+        AutoModelForCausalLM, args.sft_model_path, "--sft_model_path", on_meta, config=config, dtype=dtype)))
+
+
+def output_layer_in_float32(model):
+    """The causal LM, its output layer (an nn.Linear) computing in float32 whatever autocast asks
+    (common.Float32Linear, as the scalar heads): model(...).logits are float32, and the transforms the model applies
+    after the layer (Gemma's softcapping, Cohere's logit scale) too. A tied layer keeps its weight, the embedding's."""
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        head.__class__ = common.Float32Linear
+    return model
 
 
 @dataclass
@@ -800,8 +868,8 @@ class Models:
 
 def build_models(args, tokenizer, device, rank, world):
     """The policy and critic (trained; DDP or FSDP), the frozen reference and the reward. Under FSDP on several ranks
-    rank 0 loads each model whole, the others build it on the meta device, until sharded (parallelize). Fills in
-    --max_prompt_length where it was not given (256, or what the position tables leave)."""
+    rank 0 loads each model whole, the others build it on the meta device, until sharded (parallelize). Every length
+    within the learned position tables of the models that read the policy's tokens."""
     on_meta = args.fsdp and world > 1 and rank != 0
     reward = load_reward(args, tokenizer, on_meta)
     critic_init = args.critic_init if args.advantage_estimator == "gae" else None  # the others have no critic
@@ -812,11 +880,9 @@ def build_models(args, tokenizer, device, rank, world):
                                "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer, on_meta)
-    common.agreed(lambda: on_meta or check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
+    if args.blocked_logits:  # (its own output_logits: the model's logits, checked)
+        common.agreed(lambda: on_meta or check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
     readers = [policy_hf] + ([reward.model.hf] if reward.model is not None and reward.tokenizer is None else [])
-    limit = min((n for n in map(common.position_table, readers) if n), default=None)
-    args.max_prompt_length = common.length_default(
-        args.max_prompt_length, 256, limit and limit - args.response_length, "--max_prompt_length", rank)
     length = args.max_prompt_length + args.response_length
     for model in readers:
         common.check_position_table(model, length, f"--max_prompt_length + --response_length ({length})")
@@ -826,8 +892,8 @@ def build_models(args, tokenizer, device, rank, world):
     if args.lora_r:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         lora = common.add_lora(policy_hf.to(dtype), args, "CAUSAL_LM")
-        if critic_hf is not None:
-            critic_lora = common.add_lora(critic_hf.to(dtype), args, "SEQ_CLS")
+        if critic_hf is not None:  # (its head float32: the trained copy peft makes of it, and the reward model's)
+            critic_lora = common.add_lora(heads_in_float32(critic_hf.to(dtype)), args, "SEQ_CLS")
         if critic_init == "reward":  # the reward model is the critic with its adapter off: no second copy
             reward = dataclasses.replace(reward, model=None, in_critic=critic_lora.disable_adapter)
     if reward.model is not None:  # sharded first, so that rank 0 holds at most three models whole
@@ -857,12 +923,13 @@ def build_optimizer(policy, critic, args, num_updates):
     """AdamW over the trainable parameters of policy and critic, each at its own learning rate, and the schedule."""
     from transformers import get_scheduler
 
-    lr = args.learning_rate or (3e-4 if args.sft_model_path.startswith("embedded-") else 3e-6)
-    models = {"policy": (policy, lr), "critic": (critic, args.critic_learning_rate or lr)}
+    lr = args.learning_rate
+    models = {"policy": (policy, lr), "critic": (critic, args.critic_learning_rate)}
     models = {name: (model, rate) for name, (model, rate) in models.items() if model is not None}
     optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rate}
                                    for model, rate in models.values()],
-                                  eps=1e-5, weight_decay=args.weight_decay, fused=True)
+                                  lr=lr, eps=1e-5, weight_decay=args.weight_decay, fused=True)  # (lr: the
+    # polynomial schedule reads its start from the optimizer's default)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_updates)
     return torch.nn.ModuleDict({name: model for name, (model, _) in models.items()}), optimizer, scheduler
 
@@ -936,6 +1003,27 @@ def episode_prompts(episodes, n_prompts, seed, orders):
 
 
 # --- Reward plumbing: a reward model (rm.py's normalization applied), a function, or both. ----------------------------
+def critic_from(args, policy, reward):
+    """The critic's network, as the Critic's docstring says."""
+    from transformers import AutoModelForSequenceClassification
+
+    if args.critic_init == "reward":
+        critic = copy.deepcopy(reward.model.hf).requires_grad_(True)
+        with torch.no_grad():
+            for p in critic.score.parameters():  # (a bias too, where a head has one)
+                p /= reward.scale
+        return critic
+    config = without_dropout(copy.deepcopy(policy.config))
+    config.num_labels = 1
+    critic = common.meta_model(lambda: AutoModelForSequenceClassification.from_config(config))
+    setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))
+    critic.score.to_empty(device=policy.device)
+    torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
+    if critic.score.bias is not None:
+        torch.nn.init.zeros_(critic.score.bias)
+    return common.scalar_head_in_float32(critic)
+
+
 class SequenceReward(torch.nn.Module):
     """A sequence classifier whose forward is sequence_reward: one module, so FSDP gathers every weight it reads."""
 
@@ -1001,7 +1089,7 @@ def load_reward(args, tokenizer, on_meta=False):
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     model = disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
                                               on_meta, config=config, dtype=dtype)).eval().requires_grad_(False)
-    common.scalar_head_in_float32(model)
+    heads_in_float32(common.scalar_head_in_float32(model))
     own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
     if own.pad_token is None:
         own.pad_token = own.eos_token  # read by the mask, never by pad ids
@@ -1063,11 +1151,14 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
         texts.append(full[len(p_text):] if full.startswith(p_text) else tokenizer.decode(r_ids))
         prompts.append(p_text[len(lead):] if lead and p_text.startswith(lead) else p_text)
     rm_tokenizer, encoder = reward.tokenizer, not hasattr(reward.model.hf, "score")
-    bos_id = common.leading_id(rm_tokenizer)
-    p_ids = [truncate_prompt(p, args.max_prompt_length, bos_id)
-             for p in common.tokenize_prompts(rm_tokenizer, prompts)]
-    r_ids = common.tokenize_responses(rm_tokenizer, prompts, texts)
-    seqs = [p + (r if s or encoder else r[:-1]) for p, r, s in zip(p_ids, r_ids, stopped)]
+    bos_id, table = common.leading_id(rm_tokenizer), common.position_table(reward.model.hf)
+    r_ids = [r if s or encoder else r[:-1] for r, s in zip(common.tokenize_responses(rm_tokenizer, prompts, texts),
+                                                           stopped)]
+    # within the reward model's position table (its tokens may be more than the policy's): the prompt cut further, its
+    # end and BOS kept, as rm.py cuts a prompt; a response longer than the whole table (never in practice) its start
+    seqs = [truncate_prompt(p, min(args.max_prompt_length, max((table or 1 << 62) - len(r), 1)), bos_id) + r
+            for p, r in zip(common.tokenize_prompts(rm_tokenizer, prompts), r_ids)]
+    seqs = [s[:1] + s[len(s) - table + 1:] if table and len(s) > table else s for s in seqs]
     batch = rm_tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
     return batch["input_ids"], batch["attention_mask"]
 
@@ -1079,8 +1170,8 @@ def gold_scores(args, prompts, responses, device):
     return torch.full((len(responses),), float("nan"), device=device)
 
 
-# --- Sampling: each episode has its own random stream (seeded by its index), so samples do not depend on the batch
-# they are in, nor on the number of ranks. -----------------------------------------------------------------------------
+# --- The sampler's noise: each episode its own stream (seeded by its index), so samples depend neither on the batch
+# they are in nor on the number of ranks. ------------------------------------------------------------------------------
 def sampling_noise(seeds, step, vocab_size, device):
     """Gumbel(0, 1) noise (rows, vocab_size) for token `step` of each row's episode. Counter-based (as Salmon et al.
     2011): entry (b, v) is a hash of (seeds[b], step, v) alone, so an episode draws the same noise in any batch, on
@@ -1104,49 +1195,7 @@ def sampling_noise(seeds, step, vocab_size, device):
     return -torch.log(-torch.log((bits.double() + 0.5) / 2 ** 32)).float()
 
 
-@torch.no_grad()
-def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=False):
-    """KV-cached sampling (Gumbel-max with each episode's noise, sampling_noise; seeds: (B,) int64) from the logits
-    the learning forward computes (output_logits, float32). Returns responses (B, response_length). The cache is
-    allocated once for prompt + response (a growing one copies itself every token); the mask covers that width from
-    the start, causality hiding the tokens not yet sampled. --compile: each token after the first through
-    CompiledDecode's step, the same tokens."""
-    decode = compiled_decode(model, query, args) if args.compile else None
-    position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
-    width = decode.cache_length if decode else query.shape[1] + args.response_length  # (--compile: the run's)
-    mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
-        -1, width - query.shape[1])], 1)
-    cache = decode.start(mask, position[:, -1:], seeds) if decode else \
-        ComputeDtypeCache(config=unwrap(model).config, max_cache_len=mask.shape[1])
-    last_only = {"logits_to_keep": 1} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
-    inputs = dict(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position,
-                  **last_only)  # the prompt's last position only, not B x prompt x V
-    tokens = []
-    done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
-    for t in range(args.response_length):
-        if decode and t:
-            token = decode.step(unwrap(model), token, t)
-        else:
-            logits = output_logits(unwrap(model), head_inputs(model, **inputs)[:, -1], args.temperature)
-            token = (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
-        tokens.append(token)
-        done |= token == stop_id
-        if decode and (t + 1) % STOP_CHECK_EVERY and t < args.response_length - 1:
-            continue  # (reading `done` waits for the device)
-        all_done = done.all()
-        if collective:  # FSDP: every rank must run the same number of forward passes
-            all_done = torch.tensor(float(all_done), device=query.device)
-            dist.all_reduce(all_done, op=dist.ReduceOp.MIN)
-        if all_done or t == args.response_length - 1:
-            break
-        inputs = dict(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
-                      position_ids=position[:, -1:] + t + 1)
-    responses = torch.stack(tokens, 1)
-    if decode:
-        responses = padded_after_all_stopped(responses, stop_id, pad_id)
-    return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
-
-
+# --- The sampler's cache, and what a model's forward takes. -----------------------------------------------------------
 class ComputeDtypeCache(StaticCache):
     """transformers' StaticCache with keys and values held in the dtype attention computes in. Under bfloat16 autocast
     over float32 weights, a rotary family's keys leave the rotary embedding in float32 while its values are bfloat16;
@@ -1159,165 +1208,41 @@ class ComputeDtypeCache(StaticCache):
         return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
 
 
-# --- The learning forward's log-probs, in memory bounded by the micro-batch whatever the vocabulary. ------------------
-LOGIT_BLOCK = 2 ** 25  # elements (128 MB in float32) of one block of response logits (policy_forward)
-
-
-def output_logits(model, hidden, temperature=1.0):
-    """A causal LM's logits / temperature in float32 from the hidden states its output layer reads, whatever the
-    autocast and the weights' dtype: the layer, then the transforms families apply after it (Gemma's softcapping,
-    Cohere's logit scale, Granite's scaling; check_output_logits confirms the model's own logits at start-up). Where
-    all is linear, the hidden states are divided instead: (h / T) W = (h W) / T, hidden- rather than vocabulary-wide."""
-    head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
-    linear = cap is None and getattr(head, "bias", None) is None
-    with torch.autocast(hidden.device.type, enabled=False):
-        hidden = hidden.float() / temperature if linear else hidden.float()
-        if type(head) is torch.nn.Linear and head.weight.dtype != torch.float32:  # computed in float32 all the same
-            logits = F.linear(hidden, head.weight.float(), None if head.bias is None else head.bias.float())
-        else:  # a module call: FSDP gathers the layer where it is its own unit (output_layer_unit)
-            logits = head(hidden.to(head.weight.dtype)).float()
-        if cap:
-            logits = cap * torch.tanh(logits / cap)
-        if (scale := getattr(model, "logit_scale", None)) is not None:
-            logits = logits * scale
-        if divisor := getattr(model.config, "logits_scaling", None):
-            logits = logits / divisor
-        return logits if linear else logits / temperature
-
-
-def head_inputs(model, **inputs):
-    """The hidden states the model's output layer reads, from its own forward (through DDP or FSDP), the layer handed
-    an empty slice instead: the model's own logits are never computed."""
-    captured = []
-
-    def capture(module, args):
-        captured.append(args[0])
-        return (args[0][:, :0],) + args[1:]
-
-    handle = unwrap(model).get_output_embeddings().register_forward_pre_hook(capture)
-    try:
-        model(**inputs)
-    finally:
-        handle.remove()
-    return captured[0]
-
-
-def policy_forward(policy, query_response, mask, context_length, temperature, with_entropy_grad=True, entropy=True):
-    """response_logprobs and the entropies, float32, in memory bounded by the micro-batch whatever the vocabulary: only
-    the positions that predict a response token go through the output layer (head_inputs, logits_to_keep), and their
-    logits are made in blocks of LOGIT_BLOCK elements, each recomputed in the backward pass (Chen et al. 2016), so a
-    micro-batch's logits (16 x 128 x 152k floats: 1.2 GB) are never held whole."""
-    from torch.utils.checkpoint import checkpoint
-
-    position = (mask.cumsum(1) - 1).clamp(min=0)
-    predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 .. T-1
-    only_kept = {"logits_to_keep": predicting} if takes_argument(type(unwrap(policy)), "logits_to_keep") else {}
-    hidden = head_inputs(policy, input_ids=query_response, attention_mask=mask, position_ids=position, use_cache=False,
-                         **only_kept)[:, -predicting:-1]  # ... less the last, which predicts nothing
-    targets, model = query_response[:, context_length:], unwrap(policy)
-
-    def block(h, y):  # float32 throughout: logits, log-softmax and entropy
-        logp_all = torch.log_softmax(output_logits(model, h, temperature), -1)
-        logprobs = logp_all.gather(-1, y[..., None]).squeeze(-1)
-        if not entropy:
-            return logprobs, torch.zeros_like(logprobs)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad), \
-                torch.autocast(h.device.type, enabled=False):  # (vecdot is on autocast's bfloat16 list)
-            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all)  # -sum p log p, no V-wide temporary
-
-    n = hidden.shape[1]
-    step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
-    recompute = torch.is_grad_enabled() and step < n  # (one block: computed directly)
-    parts = [checkpoint(block, hidden[:, s:s + step], targets[:, s:s + step], use_reentrant=False) if recompute
-             else block(hidden[:, s:s + step], targets[:, s:s + step]) for s in range(0, n, step)]
-    logprobs, entropies = (torch.cat(t, 1) for t in zip(*parts))
-    return (logprobs, entropies) if entropy else (logprobs, None)
-
-
-@torch.no_grad()
-def check_output_logits(model, flag, name):
-    """output_logits must give the model's own logits: a family with an output transform it does not know is named
-    here, before training on wrong log-probs."""
-    vocab = model.get_output_embeddings().weight.shape[0]
-    ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % vocab
-    own = model(input_ids=ids).logits.float()
-    ours = output_logits(model, head_inputs(model, input_ids=ids)).float()
-    # a model held in bfloat16 rounds its own logits to bfloat16 (2^-8 relative); an unknown transform moves them more
-    tol = 1e-4 if model.get_output_embeddings().weight.dtype == torch.float32 else 1e-2
-    if not torch.allclose(own, ours, atol=tol, rtol=tol):
-        raise common.UserError(f"{flag} {name}: ppo.py's output_logits does not reproduce this model's logits (an "
-                               f"output transform it does not know, in {type(model).__name__}); add it there")
-
-
 @functools.cache
 def takes_argument(model_class, name):
     """Every causal LM of transformers takes logits_to_keep; a remote-code model may not."""
     return name in inspect.signature(model_class.forward).parameters
 
 
-# --- Length groups: rows of similar length run as one trimmed forward (less padding, the same numbers). ---------------
+# --- The learning phase's bookkeeping. --------------------------------------------------------------------------------
 @dataclass
-class Trimmed:
-    """One forward's rows, less the columns that are padding in all of them (position ids come from the mask, so the
-    real tokens' outputs are unchanged)."""
+class MicroBatch:
+    """One forward's rows of the batch, every column (--group_by_length: less those all padding in these rows)."""
+    rows: torch.Tensor
     ids: torch.Tensor
     attention_mask: torch.Tensor
-    context: int  # prompt columns left: the response starts there
+    context: int  # the response starts at this column
     kept: int  # response columns kept
-    rows: torch.Tensor
 
-    def take(self, field):
-        """A (B, response_length) field of the batch at these rows and the response columns kept."""
+    def take(self, field):  # a (B, response_length) field at these rows and columns
         return field[self.rows][:, :self.kept]
 
 
-def trimmed(batch, rows):
-    mask, context = batch.attention_mask[rows], batch.context_length
-    real = mask.bool().any(0)
-    first = min(int(real.int().argmax()), context - 1)
-    last = max(len(real) - int(real.flip(0).int().argmax()), context + 1)
-    return Trimmed(batch.query_response[rows][:, first:last], mask[:, first:last], context - first, last - context,
-                   rows)
+def micro_batches(batch, rows, args, collective):
+    """rows as forwards of --per_device_train_batch_size rows each, in order (--group_by_length: length_grouped,
+    below the fence; not under FSDP on several ranks, where every rank must make the same calls)."""
+    if args.group_by_length and not collective:
+        return length_grouped(batch, rows, args.per_device_train_batch_size)
+    return [MicroBatch(r, batch.query_response[r], batch.attention_mask[r], batch.context_length, batch.mask.shape[1])
+            for r in rows.split(args.per_device_train_batch_size)]
 
 
-def learning_forward(batch, args, update, rank, world, fn):
-    """fn(ids, attention_mask, context) -> a list of (rows, response) outputs, computed exactly as learn() computes its
-    first steps (epoch 0's rows and length groups, trimmed so, the same autocast): each rank its rows, summed over
-    ranks into (B, response_length) outputs, 0 after each response."""
-    outs = None
-    with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        for step in epoch_plan(batch, args, update, 0, rank, world):
-            for rows in step.forwards:
-                f = trimmed(batch, rows)
-                values = fn(f.ids, f.attention_mask, f.context)
-                outs = outs or [torch.zeros_like(batch.mask, dtype=torch.float) for _ in values]
-                for out, v in zip(outs, values):
-                    out[rows, :f.kept] = v
-    return list(all_reduce(torch.stack(outs)).masked_fill(~batch.mask, 0.0))  # (one collective for all)
+@dataclass
+class OptimizerStep:  # one mini-batch of a PPO epoch, as this rank runs it
+    rows: torch.Tensor  # the mini-batch's rows (every rank's)
+    forwards: list  # this rank's MicroBatches: its rows of each of the step's gradient_accumulation_steps
 
 
-GROUP_OVERHEAD_TOKENS = 64  # the cost of one more forward and backward, in tokens (~30 on 2 CPU cores; more on GPUs)
-
-
-def length_groups(prompt_lengths, response_lengths, overhead=None):
-    """A batch's rows in groups of similar length, each to run as its own trimmed forward: rows sorted by length, each
-    joining the group before it unless the padding that adds costs more than one more call. A group's width is its
-    longest prompt plus its longest response (prompts left-padded, responses right-padded)."""
-    overhead = GROUP_OVERHEAD_TOKENS if overhead is None else overhead
-    p, r = prompt_lengths.tolist(), response_lengths.tolist()
-    groups, longest = [], (0, 0)
-    for i in sorted(range(len(p)), key=lambda i: (p[i] + r[i], p[i])):
-        grown = (max(longest[0], p[i]), max(longest[1], r[i]))
-        if groups and (len(groups[-1]) + 1) * sum(grown) - len(groups[-1]) * sum(longest) <= p[i] + r[i] + overhead:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-            grown = (p[i], r[i])
-        longest = grown
-    return [torch.tensor(g) for g in groups]
-
-
-# --- The learning phase's bookkeeping. --------------------------------------------------------------------------------
 def ptx_backward(policy, ptx, step, index, args, rank, world, pad_id, backward):
     """PPO-ptx's gradient for one optimizer step: as many pretraining sequences as the mini-batch has episodes, in
     order through the text by the step's global index (the same on any rank count, after a resume), this rank's
@@ -1330,7 +1255,7 @@ def ptx_backward(policy, ptx, step, index, args, rank, world, pad_id, backward):
     for i in range(rank * share, (rank + 1) * share, micro):
         with torch.autocast(step.rows.device.type, dtype=torch.bfloat16, enabled=args.bf16):
             loss = language_modelling_loss(policy, seqs[i:i + micro], pad_id, sum(len(s) - 1 for s in seqs),
-                                           step.rows.device)
+                                           step.rows.device, args.blocked_logits)
         backward(args.ptx_coef * loss)
         total = total + loss.detach()
     return total
@@ -1347,16 +1272,22 @@ def sync_gradients(models, last, fsdp):
 
 
 def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
-    """Policy's and critic's gradients clipped together (0: not clipped), the step, the gradients cleared. Returns the
-    norm before clipping. A norm that is not finite stops the run before the step (the last checkpoint stays good)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable.parameters(), max_grad_norm or float("inf"))
-    norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    """Policy's and critic's gradients clipped together (0: not clipped), the step, the gradients cleared. Returns each
+    model's gradient norm before clipping ({"policy/grad_norm": ..., "critic/grad_norm": ...}). A norm that is not
+    finite stops the run before the step (the last checkpoint stays good)."""
+    def full(norm):  # (FSDP: a DTensor, each rank's shards' part)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    norms = {f"{name}/grad_norm": full(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
+                                                                       if p.grad is not None]))
+             for name, model in trainable.items()}
+    norm = full(torch.nn.utils.clip_grad_norm_(trainable.parameters(), max_grad_norm or float("inf")))
     if not math.isfinite(norm):
         raise common.UserError(f"update {update + 1}: the gradient norm is {norm} (policy loss {pg_loss.item():.4g}); "
                                "training diverged: lower --learning_rate; --resume continues from the last checkpoint")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm
+    return norms
 
 
 def mean_over_steps(stats):
@@ -1397,7 +1328,7 @@ def parallelize(model, args, device, num_layers, frozen=False):
             MixedPrecisionPolicy()
 
         def shard(model):
-            head = output_layer_unit(model) or common.scalar_head(model)  # (a critic's, a reward model's)
+            head = output_layer_unit(model) or scalar_head_unit(model)  # (a critic's, a reward model's)
             in_float32 = {id(p) for p in head.parameters()} if head is not None else set()
             if frozen and args.bf16:  # gathered in bfloat16 to compute: held so, the same numbers at half the memory
                 for p in model.parameters():  # (parameters only: RoPE's buffers stay float32)
@@ -1419,6 +1350,23 @@ def parallelize(model, args, device, num_layers, frozen=False):
                                                      broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
+def heads_in_float32(model):
+    """A sequence classifier's scalar head held in float32 (the rest may be bfloat16), as README's precision table
+    says."""
+    (getattr(model, "score", None) or getattr(model, "classifier", None) or torch.nn.Identity()).float()
+    return model
+
+
+def scalar_head_unit(model):
+    """The critic's or reward model's scalar head (common.Float32Linear), or peft's wrapper of it (LoRA: its trained
+    copy and its original, the reward model with the adapter off), to be its own FSDP unit gathered in float32; None
+    for a model without one."""
+    hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
+    head = getattr(hf, "score", None)
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)] if head is not None else []
+    return head if linears and all(isinstance(m, common.Float32Linear) for m in linears) else None
+
+
 def output_layer_unit(model):
     """A causal LM's output layer as its own FSDP unit, held in float32: gathered only while it computes the logits, its
     gradient reduce-scattered at once (not a vocabulary x hidden weight held whole with the root). None for a layer
@@ -1428,7 +1376,7 @@ def output_layer_unit(model):
     if not isinstance(model, PreTrainedModel):
         return None
     head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or head.weight.dtype != torch.float32 or \
+    if not isinstance(head, torch.nn.Linear) or head.weight.dtype != torch.float32 or \
             head.weight is model.get_input_embeddings().weight:
         return None
     return head
@@ -1599,51 +1547,195 @@ def summarize(history, window=5):
     return out
 
 
+# --- Opt-in: length grouping (--group_by_length). Rows of similar length run as one trimmed forward: less padding,
+# the same numbers (tests/test_ppo.py checks a run against the plain path). -------------------------------------------
+GROUP_OVERHEAD_TOKENS = 64  # the cost of one more forward and backward, in tokens (~30 on 2 CPU cores; more on GPUs)
+
+
+def length_groups(prompt_lengths, response_lengths, overhead=None):
+    """A batch's rows in groups of similar length, each to run as its own trimmed forward: rows sorted by length, each
+    joining the group before it unless the padding that adds costs more than one more call. A group's width is its
+    longest prompt plus its longest response (prompts left-padded, responses right-padded)."""
+    overhead = GROUP_OVERHEAD_TOKENS if overhead is None else overhead
+    p, r = prompt_lengths.tolist(), response_lengths.tolist()
+    groups, longest = [], (0, 0)
+    for i in sorted(range(len(p)), key=lambda i: (p[i] + r[i], p[i])):
+        grown = (max(longest[0], p[i]), max(longest[1], r[i]))
+        if groups and (len(groups[-1]) + 1) * sum(grown) - len(groups[-1]) * sum(longest) <= p[i] + r[i] + overhead:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            grown = (p[i], r[i])
+        longest = grown
+    return [torch.tensor(g) for g in groups]
+
+
+def trimmed(batch, rows):
+    """A MicroBatch of rows less the columns that are padding in all of them (position ids come from the mask, so the
+    real tokens' outputs are unchanged)."""
+    mask, context = batch.attention_mask[rows], batch.context_length
+    real = mask.bool().any(0)
+    first = min(int(real.int().argmax()), context - 1)
+    last = max(len(real) - int(real.flip(0).int().argmax()), context + 1)
+    return MicroBatch(rows, batch.query_response[rows][:, first:last], mask[:, first:last], context - first,
+                      last - context)
+
+
+def length_grouped(batch, rows, micro):
+    """micro_batches under --group_by_length: each micro-batch's rows (micro of them, in order) as length_groups, each
+    one trimmed forward."""
+    prompt_lengths, response_lengths = batch.attention_mask[:, :batch.context_length].sum(1), batch.mask.sum(1)
+    return [trimmed(batch, r[g.to(r.device)]) for r in rows.split(micro)
+            for g in length_groups(prompt_lengths[r], response_lengths[r])]
+
+
+# --- Opt-in: the output layer in bounded memory (--blocked_logits). Response logits in checkpointed blocks, whatever
+# the vocabulary: response_logprobs' numbers (tests/test_ppo.py checks them and their gradients against it). ---------
+LOGIT_BLOCK = 2 ** 25  # elements (128 MB in float32) of one block of response logits
+
+
+def output_logits(model, hidden, temperature=1.0):
+    """A causal LM's logits / temperature in float32 from the hidden states its output layer reads, whatever the
+    autocast and the weights' dtype: the layer, then the transforms families apply after it (Gemma's softcapping,
+    Cohere's logit scale, Granite's scaling; check_output_logits confirms the model's own logits at start-up). Where
+    all is linear, the hidden states are divided instead: (h / T) W = (h W) / T, hidden- rather than vocabulary-wide."""
+    head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
+    linear = cap is None and getattr(head, "bias", None) is None
+    with torch.autocast(hidden.device.type, enabled=False):
+        hidden = hidden.float() / temperature if linear else hidden.float()
+        # a module call (FSDP gathers the layer where it is its own unit); in float32 (output_layer_in_float32)
+        logits = head(hidden if isinstance(head, common.Float32Linear) else hidden.to(head.weight.dtype)).float()
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        if (scale := getattr(model, "logit_scale", None)) is not None:
+            logits = logits * scale
+        if divisor := getattr(model.config, "logits_scaling", None):
+            logits = logits / divisor
+        return logits if linear else logits / temperature
+
+
+def head_inputs(model, **inputs):
+    """The hidden states the model's output layer reads, from its own forward (through DDP or FSDP), the layer handed
+    an empty slice instead: the model's own logits are never computed."""
+    captured = []
+
+    def capture(module, args):
+        captured.append(args[0])
+        return (args[0][:, :0],) + args[1:]
+
+    handle = unwrap(model).get_output_embeddings().register_forward_pre_hook(capture)
+    try:
+        model(**inputs)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def blocked_response_logprobs(policy, query_response, mask, context_length, temperature, entropy=False,
+                              entropy_grad=True):
+    """response_logprobs in memory bounded by the micro-batch whatever the vocabulary: only the positions that predict
+    a response token go through the output layer (head_inputs, logits_to_keep), and their logits are made in blocks
+    of LOGIT_BLOCK elements, each recomputed in the backward pass (Chen et al. 2016), so a micro-batch's logits (16 x
+    128 x 152k floats: 1.2 GB) are never held whole."""
+    from torch.utils.checkpoint import checkpoint
+
+    position = (mask.cumsum(1) - 1).clamp(min=0)
+    predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 .. T-1
+    only_kept = {"logits_to_keep": predicting} if takes_argument(type(unwrap(policy)), "logits_to_keep") else {}
+    hidden = head_inputs(policy, input_ids=query_response, attention_mask=mask, position_ids=position, use_cache=False,
+                         **only_kept)[:, -predicting:-1]  # ... less the last, which predicts nothing
+    targets, model = query_response[:, context_length:], unwrap(policy)
+
+    def block(h, y):  # float32 throughout: logits, log-softmax and entropy
+        logp_all = torch.log_softmax(output_logits(model, h, temperature), -1)
+        logprobs = logp_all.gather(-1, y[..., None]).squeeze(-1)
+        if not entropy:
+            return logprobs, torch.zeros_like(logprobs)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad), \
+                torch.autocast(h.device.type, enabled=False):  # (vecdot is on autocast's bfloat16 list)
+            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all)  # -sum p log p, no V-wide temporary
+
+    n = hidden.shape[1]
+    step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
+    recompute = torch.is_grad_enabled() and step < n  # (one block: computed directly)
+    parts = [checkpoint(block, hidden[:, s:s + step], targets[:, s:s + step], use_reentrant=False) if recompute
+             else block(hidden[:, s:s + step], targets[:, s:s + step]) for s in range(0, n, step)]
+    logprobs, entropies = (torch.cat(t, 1) for t in zip(*parts))
+    return (logprobs, entropies) if entropy else (logprobs, None)
+
+
+@torch.no_grad()
+def check_output_logits(model, flag, name):
+    """output_logits must give the model's own logits: a family with an output transform it does not know is named
+    here, before training on wrong log-probs."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % vocab
+    own = model(input_ids=ids).logits.float()
+    ours = output_logits(model, head_inputs(model, input_ids=ids)).float()
+    # a model held in bfloat16 rounds its own logits to bfloat16 (2^-8 relative); an unknown transform moves them more
+    tol = 1e-4 if model.get_output_embeddings().weight.dtype == torch.float32 else 1e-2
+    if not torch.allclose(own, ours, atol=tol, rtol=tol):
+        raise common.UserError(f"{flag} {name}: ppo.py's output_logits does not reproduce this model's logits (an "
+                               f"output transform it does not know, in {type(model).__name__}); add it there")
+
+
 # --- --compile: the decode step through CUDA graphs. ------------------------------------------------------------------
 STOP_CHECK_EVERY = 16  # --compile: tokens between two reads of whether every row has stopped (a read waits for the GPU)
 DECODES = weakref.WeakKeyDictionary()  # a model -> its CompiledDecode (which holds no reference to the model)
 
 
+@torch.no_grad()
+def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
+    """generate's tokens, each after the first from CompiledDecode's step; whether every row has stopped read every
+    STOP_CHECK_EVERY tokens (not each token: a read waits for the device), the tokens after that padded as generate
+    pads them (padded_after_all_stopped). Not under FSDP (check_args refuses it)."""
+    model = unwrap(model)
+    decode = compiled_decode(model, query, args)
+    position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
+    mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
+        -1, decode.cache_length - query.shape[1])], 1)
+    last_only = {"logits_to_keep": 1} if takes_argument(type(model), "logits_to_keep") else {}
+    logits = model(input_ids=query, attention_mask=mask, past_key_values=decode.start(mask, position[:, -1:], seeds),
+                   use_cache=True, position_ids=position, **last_only).logits[:, -1].float() / args.temperature
+    tokens = [(logits + sampling_noise(seeds, 0, logits.shape[-1], logits.device)).argmax(-1)]
+    done = tokens[0] == stop_id
+    for t in range(1, args.response_length):
+        if t % STOP_CHECK_EVERY == 0 and done.all():
+            break
+        tokens.append(decode.step(model, tokens[-1], t))
+        done |= tokens[-1] == stop_id
+    responses = padded_after_all_stopped(torch.stack(tokens, 1), stop_id, pad_id)
+    return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
+
+
 def compiled_decode(model, query, args):
     """The model's CompiledDecode for this rollout's shape: the rows and --max_prompt_length + --response_length
     columns, the same for every rollout of a run, so the step is compiled (and its CUDA graph recorded) once."""
-    model, kind = unwrap(model), query.device.type
+    kind = query.device.type
     key = (len(query), max(query.shape[1], args.max_prompt_length or 0) + args.response_length, args.temperature,
            torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
     if (decode := DECODES.get(model)) is None or decode.key != key:
-        if decode is not None:
-            decode.hook.remove()
         decode = DECODES[model] = CompiledDecode(model, key)
     return decode
 
 
 class CompiledDecode:
-    """generate's one-token step (the forward over the KV cache, output_logits, sampling_noise, argmax) through
-    torch.compile(mode="reduce-overhead"), the gpt-fast recipe. It guarantees: the same function of the same inputs
-    as generate's plain step (in float32 on a CPU the same tokens; tests/test_ppo.py); fixed shapes (a static cache of
-    cache_length columns, kept for the run and reset for each rollout; the cache position and the step index held on
-    the device), so one compilation and, on a GPU, one CUDA graph replayed per token, with no host sync and sampling on
-    the device. The graph reads the model's weights where they are (the optimizer updates them in place); its memory
-    pool holds one step's intermediates."""
+    """generate's one-token step (the forward over the KV cache, the float32 logits / temperature, sampling_noise,
+    argmax) through torch.compile(mode="reduce-overhead"), the gpt-fast recipe. It guarantees: the same function of the
+    same inputs as generate's plain step (in float32 on a CPU the same tokens; tests/test_ppo.py); fixed shapes (a
+    static cache of cache_length columns, kept for the run and reset for each rollout; the cache position and the step
+    index held on the device), so one compilation and, on a GPU, one CUDA graph replayed per token, with no host sync
+    and sampling on the device. The graph reads the model's weights where they are (the optimizer updates them in
+    place); its memory pool holds one step's intermediates."""
 
     def __init__(self, model, key):
         self.key, self.cache_length, self.temperature = key, key[1], key[2]
         self.cache = ComputeDtypeCache(config=model.config, max_cache_len=self.cache_length)
-        # the output layer's input, taken as head_inputs takes it, by a hook added once (one added inside the compiled
-        # step would break its graph), which acts only while the step's forward runs
-        self.capture = {"on": False}
-        self.hook = model.get_output_embeddings().register_forward_pre_hook(self.capture_hidden)
         self.compiled = torch.compile(self.forward, mode="reduce-overhead", dynamic=False)
-
-    def capture_hidden(self, module, args):
-        if not self.capture["on"]:
-            return None
-        self.capture["hidden"] = args[0]
-        return (args[0][:, :0],) + args[1:]
 
     def start(self, mask, position, seeds):
         """A rollout's prompt inputs (the mask of cache_length columns, the prompt's last positions, the episodes'
-        seeds); returns the cache, emptied, for generate's prefill."""
+        seeds); returns the cache, emptied, for the prefill."""
         self.cache.reset()
         self.inputs = (position.contiguous(), mask, seeds)  # (strides too the same for every rollout)
         self.t = torch.zeros((), dtype=torch.long, device=mask.device)
@@ -1657,11 +1749,8 @@ class CompiledDecode:
         # replays next)
 
     def forward(self, model, token, t, position, mask, seeds):
-        self.capture["on"] = True
-        model(input_ids=token[:, None], attention_mask=mask, past_key_values=self.cache, use_cache=True,
-              position_ids=position + t)
-        self.capture["on"] = False
-        logits = output_logits(model, self.capture.pop("hidden")[:, -1], self.temperature)
+        logits = model(input_ids=token[:, None], attention_mask=mask, past_key_values=self.cache, use_cache=True,
+                       position_ids=position + t).logits[:, -1].float() / self.temperature
         return (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
 
 

@@ -14,7 +14,8 @@ too), the same prompt token ids, sizes and sampling settings. Workloads:
 - long-8k: the long workload with a byte-level BPE tokenizer of 8,000 tokens trained on the HH-RLHF text (its own
   policy, same shape, and reward model): a vocabulary whose output layer is a third of the model, as in the small
   pretrained models (GPT-2, Pythia, Qwen2.5-0.5B: a fifth to a third), where the byte-level one is a few percent.
-Episodes/s is over the training loop (TRL: inside train(); ppo.py: the sum of its updates' times). The time split is
+ppo.py runs twice: its default (plain) path, and with its opt-in speed flags (SPEED_FLAGS: --group_by_length
+--blocked_logits). Episodes/s is over the training loop (TRL: inside train(); ppo.py: the sum of its updates' times). The time split is
 generation; reference + reward + value forwards; learning (the PPO epochs). Peak memory is the process's peak RSS.
 Last, ppo.py's learning phase of one update per workload runs under the profiler: its share of time in matrix
 products and their GFLOP/s, against one large product's on the same machine (the ceiling).
@@ -130,11 +131,14 @@ def prompt_ids(root, workload, tokenizer):
             for p in common.tokenize_prompts(tokenizer, texts)]
 
 
-def run_ours(root, workload, episodes=None):
+SPEED_FLAGS = dict(group_by_length=True, blocked_logits=True)  # ppo.py's opt-in speed paths, the "ours_fast" row
+
+
+def run_ours(root, workload, episodes=None, fast=False):
     import ppo
 
     w, out = WORKLOADS[workload], tempfile.mkdtemp()
-    ppo.main(ppo.Args(sft_model_path=model_dir(root, workload, "policy"),
+    ppo.main(ppo.Args(**(SPEED_FLAGS if fast else {}), sft_model_path=model_dir(root, workload, "policy"),
                       reward_model_path=model_dir(root, workload, "rm"),
                       dataset_name=os.path.join(root, f"{w['prompts']}.jsonl"), max_prompt_length=w["prompt_length"],
                       total_episodes=episodes or w["episodes"], per_device_train_batch_size=SIZES["batch"],
@@ -262,7 +266,8 @@ def row(args):
         sys.path.insert(0, args.code_root)
     if args.row == "profile":
         return print("RESULT " + json.dumps(profile_learning(args.assets, args.workload)))
-    result = (run_trl if args.row == "trl" else run_ours)(args.assets, args.workload)
+    result = run_trl(args.assets, args.workload) if args.row == "trl" else run_ours(args.assets, args.workload,
+                                                                                     fast=args.row == "ours_fast")
     with open("/proc/self/status") as f:  # VmHWM: this process's own peak (ru_maxrss counts the parent's at fork)
         peak_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     result |= {"process_s": time.time() - t + args.startup_s, "peak_rss_mb": peak_kb / 1024,
@@ -281,7 +286,7 @@ def main():
     p.add_argument("--omp_wait_policy", choices=["passive", "active"], help="OMP_WAIT_POLICY of the rows")
     p.add_argument("--before", help="a checkout of an earlier commit of this project: its ppo.py runs as a row beside "
                    "today's, in place of TRL's (before/after comparisons of one change)")
-    p.add_argument("--row", choices=["trl", "ours", "profile"], help=argparse.SUPPRESS)
+    p.add_argument("--row", choices=["trl", "ours", "ours_fast", "profile"], help=argparse.SUPPRESS)
     p.add_argument("--code_root", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--assets", help=argparse.SUPPRESS)
@@ -326,9 +331,11 @@ def main():
         for workload in args.workloads:
             first = ((f"ppo.py at {args.before_commit}", sys.executable, args.before) if args.before else
                      ("TRL 1.12 PPOTrainer", args.trl_python, None))
-            for name, python, code_root in (first, ("ppo.py", sys.executable, None)):
+            fast = "ppo.py " + " ".join(f"--{k}" for k in SPEED_FLAGS)
+            for name, python, code_root in (first, ("ppo.py", sys.executable, None), (fast, sys.executable, None)):
                 t = time.time()
-                r = child(python, "trl" if name.startswith("TRL") else "ours", workload, code_root)
+                kind = "trl" if name.startswith("TRL") else "ours_fast" if name == fast else "ours"
+                r = child(python, kind, workload, code_root)
                 r |= {"row": name, "workload": workload, "repeat": repeat, "whole_process_s": time.time() - t,
                       "beside_threads": args.beside_threads, "omp_wait_policy": env.get("OMP_WAIT_POLICY", "default")}
                 r["episodes_per_s"] = r["episodes"] / r["train_s"]

@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -183,29 +184,30 @@ def check_packed_vs_padded(device, quick):
 
 def check_8b_shapes(device, quick):
     """4. Llama-3-8B shapes from a config, random bf16 weights: the learning forward + backward of ppo.py's
-    policy_forward at micro-batches of 768 tokens (peak memory, time, OOM), with and without activation
-    checkpointing; the rollout of 64 prompts x 256 new tokens. The second of two timings."""
+    response_logprobs (the plain path, and --blocked_logits: `_blocked`) at micro-batches of 768 tokens (peak memory,
+    time, OOM), with and without activation checkpointing; the rollout of 64 prompts x 256 new tokens. The second of
+    two timings."""
     from transformers import AutoModelForCausalLM
 
     config, shape = llama_8b_config(quick)
     result = {}
     with torch.device(device):
-        policy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        policy = ppo.output_layer_in_float32(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
     length = 96 if quick else 768
-    for micro in ((2, 4) if quick else (4, 8, 16)):
-        for checkpointing in (False, True):
-            if checkpointing:
-                policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                policy.activation_checkpointing_disable()
-            ids = torch.randint(3, shape["vocab_size"], (micro, length), device=device)
-            mask = torch.ones_like(ids)
+    for micro, checkpointing, blocked in itertools.product((2, 4) if quick else (4, 8, 16), (False, True),
+                                                           (False, True)):
+        if checkpointing:
+            policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            policy.activation_checkpointing_disable()
+        ids = torch.randint(3, shape["vocab_size"], (micro, length), device=device)
+        mask = torch.ones_like(ids)
 
-            def step():
-                logprobs, _ = ppo.policy_forward(policy, ids, mask, length // 2, 1.0)
-                logprobs.sum().backward()
-                policy.zero_grad(set_to_none=True)
-            result[f"learn_micro{micro}_ckpt{int(checkpointing)}"] = timed(step, device, policy)
+        def step():
+            logprobs, _ = ppo.response_logprobs(policy, ids, mask, length // 2, 1.0, entropy=True, blocked=blocked)
+            logprobs.sum().backward()
+            policy.zero_grad(set_to_none=True)
+        result[f"learn_micro{micro}_ckpt{int(checkpointing)}{'_blocked' * blocked}"] = timed(step, device, policy)
     policy.activation_checkpointing_disable()
     n_prompts, new = (8, 16) if quick else (64, 256)
     args = ppo.Args(response_length=new)
@@ -236,7 +238,7 @@ def check_decode_profile(device, quick):
 
     config, shape = llama_8b_config(quick)
     with torch.device(device):
-        policy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+        policy = ppo.output_layer_in_float32(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)).eval()
     rows, prompt, new, profiled = (8, 16, 24, 8) if quick else (64, 128, 256, 32)
     query = torch.randint(3, shape["vocab_size"], (rows, prompt), device=device,
                           generator=torch.Generator(device).manual_seed(0))
@@ -442,7 +444,7 @@ def check_logprobs(device, quick):
             opt.step()
             opt.zero_grad()
         policy.eval()
-        out[f"width{width}"] = logprob_gaps(policy, tok, device)
+        out[f"width{width}"] = logprob_gaps(ppo.output_layer_in_float32(policy), tok, device)
     return out
 
 
@@ -458,9 +460,11 @@ def logprob_gaps(policy, tok, device):
         model = policy.to(dtype)
         batch = ppo.rollout(model, prompts, range(64), args, tok.eos_token_id, tok.pad_token_id, device, False)
         ppo.logprobs_and_values(model, model, None, batch, args, 0, 0, 1, contextlib.nullcontext)
-        with torch.no_grad():  # learn()'s first forwards: epoch 0's rows and groups, under the same autocast
-            new = ppo.learning_forward(batch, args, 0, 0, 1, lambda ids, m, c: [
-                ppo.policy_forward(model, ids, m, c, args.temperature, entropy=False)[0]])[0]
+        new = torch.zeros_like(batch.logprobs)
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):  # learn()'s first forwards
+            for f in (f for step in ppo.epoch_plan(batch, args, 0, 0, 0, 1) for f in step.forwards):
+                new[f.rows, :f.kept] = ppo.response_logprobs(model, f.ids, f.attention_mask, f.context,
+                                                             args.temperature)[0]
         real = batch.mask
         diff = (new - batch.logprobs)[real]
         ratio = diff.exp()

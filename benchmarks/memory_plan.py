@@ -220,7 +220,8 @@ def ppo_plan(args, world, vocab_size=None):
     rows.append(Transient(f"KV cache ({sequences} x {width} tokens)", "rollout",
                           kv_cache_bytes(sft, sequences, width, compute, vocab_size)))
     vocab = max(config(sft, vocab_size).vocab_size, vocab_size or 0)
-    logits = 4 * min(micro * args.response_length * vocab, LOGIT_BLOCK)  # the log-softmax policy_forward keeps
+    logits = 4 * micro * args.response_length * vocab  # the log-softmax response_logprobs keeps (float32) ...
+    logits = min(logits, 4 * LOGIT_BLOCK) if args.blocked_logits else logits  # ... or one block of it
     learners = [((sft, "causal", vocab_size), logits, policy[0])] + ([(critic_source, 0, critic[0])] if gae else [])
     rows.append(Transient(f"activations ({micro} x {width} tokens)", "learning", max(
         activation_bytes(*source, micro * width, compute, residual, args.gradient_checkpointing) + extra

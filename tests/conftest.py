@@ -104,9 +104,9 @@ def family_dir(tmp_path_factory):
 
 def replayed_samples(policy, query, query_mask, responses, seeds, temperature, stop_id):
     """The tokens the sampler should have drawn, recomputed without its KV cache: a whole-sequence forward's logits
-    (ppo.output_logits at each response position, the learning forward's) plus each episode's Gumbel noise at each step
-    (ppo.sampling_noise; seeds: (B,) int64), argmax. Equal to `responses` (generate's raw output) iff the cached decode
-    samples from the distribution the learning forward computes."""
+    (the model's own float32 logits at each response position / temperature, as ppo.response_logprobs reads them)
+    plus each episode's Gumbel noise at each step (ppo.sampling_noise; seeds: (B,) int64), argmax. Equal to `responses`
+    (generate's raw output) iff the cached decode samples from the distribution the learning forward computes."""
     import ppo
 
     stopped = [(r == stop_id).nonzero() for r in responses]
@@ -114,9 +114,8 @@ def replayed_samples(policy, query, query_mask, responses, seeds, temperature, s
     ids = torch.cat([query, responses[:, :steps]], 1)
     mask = torch.cat([query_mask.long(), torch.ones_like(responses[:, :steps])], 1)
     with torch.no_grad():
-        hidden = ppo.head_inputs(policy, input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(
-            min=0))
-        logits = ppo.output_logits(policy, hidden[:, query.shape[1] - 1:-1], temperature)
+        logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        logits = logits[:, query.shape[1] - 1:-1].float() / temperature
     drawn = [(logits[:, t] + ppo.sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
              for t in range(steps)]
     return torch.stack(drawn, 1), steps

@@ -20,6 +20,7 @@ import rm  # noqa: E402
 def ppo_held(flags, rank, world, device):
     args = tyro.cli(ppo.Args, args=flags)
     ppo.check_args(args)
+    ppo.fill_defaults(args, ppo.position_limit(args), rank)
     tokenizer = ppo.load_tokenizer(args)
     models = ppo.build_models(args, tokenizer, device, rank, world)
     policy, critic = models.policy, models.critic

@@ -189,17 +189,17 @@ def test_saved_reward_model_reloads_with_transformers_and_gives_the_training_rew
 @pytest.mark.parametrize("family", DECODERS)
 def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(family, family_dir, trained_rm,
                                                                             tmp_path, monkeypatch):
-    """One micro-batch of 8 run as one padded group with its logits in one block, against 4 micro-batches of 2 each cut
-    into as many length groups as there are lengths, their logits one position at a time: the same update."""
+    """The plain path, one micro-batch of 8, against the opt-in speed paths: 4 micro-batches of 2 each cut into as
+    many length groups as there are lengths (--group_by_length), their logits one position at a time
+    (--blocked_logits): the same update."""
     base = dict(sft_model_path=family_dir(family), reward_model_path=trained_rm(family), total_episodes=8,
                 num_mini_batches=1, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, sample_every=1,
                 max_prompt_length=32)
-    monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 10**9)
     ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
     monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
     monkeypatch.setattr(ppo, "LOGIT_BLOCK", 1)  # and logits one position at a time, recomputed in the backward pass
     ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
-                      gradient_accumulation_steps=4, **base))
+                      gradient_accumulation_steps=4, group_by_length=True, blocked_logits=True, **base))
     whole, micro = read_metrics(tmp_path / "whole")[0], read_metrics(tmp_path / "micro")[0]
     for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/entropy", "policy/grad_norm"):
         assert whole[key] == pytest.approx(micro[key], abs=1e-5, rel=1e-5), key
@@ -214,7 +214,8 @@ def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(fam
 def test_critic_free_estimators_on_every_decoder_family_are_independent_of_the_micro_batch_split(
         family, family_dir, trained_rm, tmp_path, monkeypatch):
     """The critic-free estimators, the KL's two places and the three loss averages, spread over the families: one
-    micro-batch of 8 against 4 micro-batches of 2 in one length group per row, the same update; no critic."""
+    micro-batch of 8 against 4 micro-batches of 2 in one length group per length (--group_by_length), the same
+    update; no critic."""
     i = DECODERS.index(family)
     estimator = [dict(advantage_estimator="rloo"), dict(advantage_estimator="grpo"),
                  dict(advantage_estimator="reinforce_pp", num_samples_per_prompt=2),
@@ -223,11 +224,10 @@ def test_critic_free_estimators_on_every_decoder_family_are_independent_of_the_m
                 num_mini_batches=1, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, sample_every=1,
                 max_prompt_length=32, kl_penalty=["loss", "reward"][i % 2],
                 loss_aggregation=["sequence_mean", "constant", "token_mean"][i % 3], **estimator)
-    monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 10**9)
     ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
     monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
     ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
-                      gradient_accumulation_steps=4, **base))
+                      gradient_accumulation_steps=4, group_by_length=True, **base))
     whole, micro = read_metrics(tmp_path / "whole")[0], read_metrics(tmp_path / "micro")[0]
     kl = ("loss/kl",) if base["kl_penalty"] == "loss" else ()
     for key in ("objective/scores", "objective/kl", "loss/policy", "policy/entropy", "policy/grad_norm", *kl):

@@ -36,7 +36,7 @@ def policy_logprobs(model, tokenizer, n=3):
     seqs = common.tokenize_prompts(tokenizer, [common.embedded_prompt(rng) + " cat dog" * i for i in range(n)])
     ids, mask = ppo.pad_left(seqs, max(map(len, seqs)), tokenizer.pad_token_id)
     with torch.no_grad():
-        return ppo.policy_forward(model, ids, mask.long(), 4, 1.0, entropy=False)[0]
+        return ppo.response_logprobs(model, ids, mask.long(), 4, 1.0)[0]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -253,16 +253,19 @@ def test_ppo_lora_two_ranks_equal_one_and_under_fsdp_bf16_the_adapters_stay_floa
 @pytest.mark.parametrize("critic_init", ["reward", "policy"])
 def test_ppo_lora_bf16_holds_every_frozen_weight_in_bfloat16_and_trains_in_float32(critic_init, reward_model_path):
     args = ppo.Args(reward_model_path=reward_model_path, bf16=True, critic_init=critic_init, **LORA)
+    ppo.fill_defaults(args, None)
     models = ppo.build_models(args, ppo.load_tokenizer(args), torch.device("cpu"), 0, 1)
     policy, critic, reward = models.policy, models.critic, models.reward
     assert models.reference is policy  # the reference is the policy with its adapter off: no copy
     if critic_init == "reward":  # ... and the reward model is the critic with its adapter off
         assert reward.model is None and reward.in_critic is not None
-    else:
-        assert {p.dtype for p in reward.model.parameters()} == {torch.bfloat16}
+    else:  # (its scalar head float32, as every scalar head: README's precision table)
+        assert {(".score." in n, p.dtype) for n, p in reward.model.named_parameters()} == {
+            (False, torch.bfloat16), (True, torch.float32)}
     for model in (policy, critic):
-        dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
+        dtypes = {(p.requires_grad, p.dtype) for n, p in model.named_parameters() if ".score." not in n}
         assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}, dtypes
+    assert {p.dtype for n, p in critic.named_parameters() if ".score." in n} == {torch.float32}
 
 
 def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_reward_model(reward_model_path,
@@ -274,6 +277,7 @@ def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_re
     config = json.load(open(tmp_path / "rm" / "config.json"))
     json.dump(dict(config, reward_scale=2.5), open(tmp_path / "rm" / "config.json", "w"))  # shift_scale's normalization
     args = ppo.Args(reward_model_path=str(tmp_path / "rm"), **LORA)
+    ppo.fill_defaults(args, None)
     tokenizer = ppo.load_tokenizer(args)
     models = ppo.build_models(args, tokenizer, torch.device("cpu"), 0, 1)
     critic, reward = models.critic, models.reward

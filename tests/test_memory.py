@@ -169,7 +169,7 @@ def saved_bytes(fn, params):
 
 @pytest.mark.parametrize("family", ["llama", "neox"])
 def test_planned_activations_are_what_autograd_saves(tmp_path, family):
-    """ppo.py's learning forward (policy_forward) of a micro-batch on a model of the family widened to 256: the plan's
+    """ppo.py's learning forward (response_logprobs) of a micro-batch on a model of the family widened to 256: the plan's
     activations row against the bytes autograd keeps, in float32 and bfloat16 autocast, with and without activation
     checkpointing (then one block is recomputed at a time, the difference of the two forwards over the blocks, and its
     gradients take as much)."""
@@ -181,7 +181,7 @@ def test_planned_activations_are_what_autograd_saves(tmp_path, family):
                        hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=512))
     config.save_pretrained(tmp_path)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).train()
+    model = ppo.output_layer_in_float32(AutoModelForCausalLM.from_config(config).train())
     batch, prompt, response = 4, 32, 64
     ids = torch.randint(3, config.vocab_size, (batch, prompt + response))
     for bf16 in (False, True):
@@ -192,7 +192,8 @@ def test_planned_activations_are_what_autograd_saves(tmp_path, family):
 
             def forward():
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                    ppo.policy_forward(model, ids, torch.ones_like(ids), prompt, 1.0, with_entropy_grad=False)
+                    ppo.response_logprobs(model, ids, torch.ones_like(ids), prompt, 1.0, entropy=True,
+                                          entropy_grad=False)
             measured[checkpointing] = saved_bytes(forward, model.parameters())
             args = ppo.Args(sft_model_path=str(tmp_path), reward_fn="common:gold_rewards", advantage_estimator="grpo",
                             per_device_train_batch_size=batch, max_prompt_length=prompt, response_length=response,

@@ -29,7 +29,8 @@ PPO_OPTIONS = OrderedDict(
     resume=[False, True], overwrite_output_dir=[False, True], policy=["embedded", "folder"],
     advantage_estimator=["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"], num_samples_per_prompt=[None, 2],
     kl_penalty=["reward", "loss"], loss_aggregation=["token_mean", "sequence_mean", "constant"],
-    gradient_checkpointing=[False, True], compile=[False, True])
+    gradient_checkpointing=[False, True], group_by_length=[False, True], blocked_logits=[False, True],
+    lr_scheduler_type=["linear", "cosine_with_restarts", "polynomial"], compile=[False, True])
 
 RM_OPTIONS = OrderedDict(
     ranks=[1, 2], fsdp=[False, True], bf16=[False, True], lora_r=[0, 4], padding_free=[False, True],
@@ -40,16 +41,13 @@ RM_OPTIONS = OrderedDict(
 
 
 def ppo_refused(values):
-    """The combinations ppo.py refuses by design: a critic initialised from a reward model that is not there; a
-    critic's flag without a critic (critic-free estimators); whitened per-token rewards for a per-episode return;
-    frozen models held on the host without FSDP's shards to hold; a compiled decode of sharded weights (FSDP's, which
-    offloading needs)."""
+    """The combinations ppo.py refuses by design: a critic initialised from a reward model that is not there (GAE's
+    critic; the other estimators have none, and ignore the critic's options); frozen models held on the host without
+    FSDP's shards to hold; a compiled decode of sharded weights (FSDP's, which offloading needs)."""
     estimator = values.get("advantage_estimator", "gae")
-    return (values.get("critic_init") == "reward" and values.get("reward") == "function") or \
+    return (values.get("critic_init") == "reward" and values.get("reward") == "function" and estimator == "gae") or \
         (values.get("offload_inference_models") and not values.get("fsdp", True)) or \
-        (values.get("compile") and (values.get("fsdp") or values.get("offload_inference_models"))) or \
-        (estimator != "gae" and values.get("critic_init", "auto") != "auto") or \
-        (estimator in ("rloo", "grpo", "dr_grpo") and values.get("whiten_rewards", False))
+        (values.get("compile") and (values.get("fsdp") or values.get("offload_inference_models")))
 
 
 def covering_array(options, refused=lambda values: False):

@@ -58,53 +58,53 @@ def test_masked_whiten():
 def test_policy_and_value_losses_match_formulas():
     g = torch.Generator().manual_seed(1)
     new, old, adv = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]]).float()
-    loss, stats = ppo.policy_loss(new, old, adv, ppo.token_weights(mask, "token_mean"), 0.2)
-    terms, clipped = [], []
+    loss, stats = ppo.policy_loss(new, old, adv, 0.2)
     for i in range(3):
         for j in range(4):
-            if mask[i, j]:
-                ratio = math.exp(new[i, j] - old[i, j])
-                a = -adv[i, j].item() * ratio
-                b = -adv[i, j].item() * min(max(ratio, 0.8), 1.2)
-                terms.append(max(a, b))
-                clipped.append(b > a)
-    assert loss.item() == pytest.approx(sum(terms) / len(terms), abs=1e-6)
-    assert stats["clipfrac"].item() == pytest.approx(sum(clipped) / len(clipped), abs=1e-6)
-
+            ratio = math.exp(new[i, j] - old[i, j])
+            a, b = -adv[i, j].item() * ratio, -adv[i, j].item() * min(max(ratio, 0.8), 1.2)
+            assert loss[i, j].item() == pytest.approx(max(a, b), abs=1e-6)
+            assert stats["clipfrac"][i, j].item() == float(b > a)
+            assert stats["ratio"][i, j].item() == pytest.approx(ratio, rel=1e-6)
     v, old_v, ret = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
-    vloss, vclip = ppo.value_loss(v, old_v, ret, ppo.token_weights(mask, "token_mean"), 0.2)
-    terms = []
+    vloss, vclip = ppo.value_loss(v, old_v, ret, 0.2)
     for i in range(3):
         for j in range(4):
-            if mask[i, j]:
-                vc = old_v[i, j] + min(max(v[i, j] - old_v[i, j], -0.2), 0.2)
-                terms.append(0.5 * max((v[i, j] - ret[i, j]) ** 2, (vc - ret[i, j]) ** 2).item())
-    assert vloss.item() == pytest.approx(sum(terms) / len(terms), abs=1e-6)
+            vc = old_v[i, j] + min(max(v[i, j] - old_v[i, j], -0.2), 0.2)
+            unclipped, clipped = (v[i, j] - ret[i, j]) ** 2, (vc - ret[i, j]) ** 2
+            assert vloss[i, j].item() == pytest.approx(0.5 * max(unclipped, clipped).item(), abs=1e-6)
+            assert vclip[i, j].item() == float(clipped > unclipped)
 
 
-def test_loss_aggregations_match_their_formulas_and_weight_the_losses():
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
+def test_the_loss_mean_is_its_formula_whatever_the_micro_batches(aggregation):
+    """learn()'s policy loss for one mini-batch of 4 responses of 4, 2, 1 and 3 tokens, on-policy (ratio 1: each
+    token's loss is -advantage): its mean as --loss_aggregation says, written out here, whether the mini-batch runs as
+    one micro-batch or as 2 x 2 accumulated; its statistics plain token means."""
+    import contextlib
+
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, 4, generator=g)
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]]).float()
-    lengths, real = [4, 2, 1], [x[i, :n].tolist() for i, n in enumerate([4, 2, 1])]
-    expected = {"token_mean": sum(map(sum, real)) / 7,
-                "sequence_mean": sum(sum(r) / n for r, n in zip(real, lengths)) / 3,
-                "constant": sum(map(sum, real)) / (3 * 4)}
-    for mode, value in expected.items():
-        w = ppo.token_weights(mask, mode)
-        assert (x * w).sum().item() == pytest.approx(value, abs=1e-6), mode
-        assert w.sum().item() == pytest.approx(7 / 12 if mode == "constant" else 1.0) and (w[mask == 0] == 0).all()
-        # the policy loss's per-token terms, and its statistics, are averaged the same way
-        new, old, adv = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
-        loss, stats = ppo.policy_loss(new, old, adv, w, 1e9)  # (no clipping)
-        ratio = [(new[i, :n] - old[i, :n]).exp() for i, n in enumerate(lengths)]
-        terms = [(-adv[i, :n] * r).tolist() for i, (n, r) in enumerate(zip(lengths, ratio))]
-        formula = {"token_mean": lambda v: sum(map(sum, v)) / 7,
-                   "sequence_mean": lambda v: sum(sum(r) / n for r, n in zip(v, lengths)) / 3,
-                   "constant": lambda v: sum(map(sum, v)) / 12}[mode]
-        assert loss.item() == pytest.approx(formula(terms), abs=1e-6), mode
-        assert stats["ratio"].item() == pytest.approx(formula([r.tolist() for r in ratio]), abs=1e-6), mode
+    policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=1)
+    prompts = sample_prompts(4)
+    query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
+    lengths = [4, 2, 1, 3]
+    mask = torch.arange(4)[None] < torch.tensor(lengths)[:, None]
+    responses = torch.randint(20, len(TOK), (4, 4), generator=g).masked_fill(~mask, TOK.pad_token_id)
+    adv = torch.randn(4, 4, generator=g) * mask
+    real = [(-adv[i, :n]).tolist() for i, n in enumerate(lengths)]
+    expected = {"token_mean": sum(map(sum, real)) / 10, "sequence_mean": sum(sum(r) / len(r) for r in real) / 4,
+                "constant": sum(map(sum, real)) / (4 * 4)}[aggregation]
+    for micro, accumulation in ((4, 1), (2, 2)):
+        args = ppo.Args(per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation, num_mini_batches=1,
+                        num_ppo_epochs=1, response_length=4, loss_aggregation=aggregation)
+        batch = ppo.Rollout(torch.cat([query, responses], 1), torch.cat([qmask, mask], 1).long(), query.shape[1], mask)
+        ppo.logprobs_and_values(policy, policy, None, batch, args, 0, 0, 1, contextlib.nullcontext)
+        batch.advantages = adv
+        trainable = torch.nn.ModuleDict({"policy": policy})
+        stats = ppo.learn(policy, None, trainable, torch.optim.SGD(policy.parameters(), lr=0.0), batch, 0.1, args, 0,
+                          0, 1, None, TOK.pad_token_id)
+        assert stats["loss/policy"] == pytest.approx(expected, abs=1e-6), (micro, accumulation)
+        assert stats["policy/ratio"] == pytest.approx(1.0, abs=1e-6) and stats["policy/clipfrac"] == 0.0
 
 
 def test_critic_free_estimators_match_their_formulas():
@@ -152,7 +152,7 @@ def test_advantages_phase_puts_the_kl_where_asked(estimator, kl_penalty):
                         logprobs=torch.randn(B, T, generator=g) * mask, scores=torch.randn(B, generator=g),
                         values=torch.randn(B, T, generator=g) * mask, ref_logprobs=torch.randn(B, T, generator=g) * mask)
     args = ppo.Args(advantage_estimator=estimator, kl_penalty=kl_penalty)
-    ppo.check_estimator_args(args)
+    ppo.fill_defaults(args, None)
     kl, non_score = ppo.advantages(batch, coef, args)
     expected_kl = (batch.logprobs - batch.ref_logprobs) if args.kl_estimator == "k1" else \
         ppo.kl_per_token(batch.logprobs, batch.ref_logprobs, "k3")
@@ -179,16 +179,16 @@ def test_advantages_phase_puts_the_kl_where_asked(estimator, kl_penalty):
 
 
 def test_kl_in_the_loss_stays_finite_when_padding_is_improbable(tmp_path, monkeypatch):
-    """--kl_penalty loss (k3) over length groups whose padding columns the policy finds very improbable (a pad token
+    """--kl_penalty loss (k3) over micro-batches whose padding columns the policy finds very improbable (a pad token
     at a low temperature: log-prob -200): exp(ref - new) there would overflow, and inf x a zero mask is NaN. The run
     must train on the real tokens alone, its KL loss finite."""
-    real_forward = ppo.policy_forward
+    real_forward = ppo.response_logprobs
 
     def improbable_padding(policy, ids, mask, context, *args, **kwargs):
         logprobs, entropy = real_forward(policy, ids, mask, context, *args, **kwargs)
         return logprobs.masked_fill(mask[:, context:] == 0, -200.0), entropy
 
-    monkeypatch.setattr(ppo, "policy_forward", improbable_padding)
+    monkeypatch.setattr(ppo, "response_logprobs", improbable_padding)
     history = ppo.main(ppo.Args(kl_penalty="loss", reward_fn="common:gold_rewards", total_episodes=32,
                                 per_device_train_batch_size=8, output_dir=str(tmp_path)))
     losses = [m["loss/kl"] for m in read_metrics(tmp_path)]
@@ -666,21 +666,12 @@ def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, flag
 @pytest.mark.parametrize("flags,expected", [
     (dict(advantage_estimator="rloo", num_samples_per_prompt=1), "--num_samples_per_prompt 1: --advantage_estimator "
      "rloo compares"),
-    (dict(advantage_estimator="grpo", vf_coef=0.5), "--vf_coef is for the critic, which --advantage_estimator grpo "
-     "does not have; drop it (or use --advantage_estimator gae)"),
-    (dict(advantage_estimator="rloo", critic_init="policy"), "--critic_init is for the critic"),
-    (dict(advantage_estimator="reinforce_pp", lam=0.9), "--lam is for the critic"),
-    (dict(advantage_estimator="rloo", lam=0.95), "--lam is for the critic"),  # its default, given: refused too
-    (dict(advantage_estimator="grpo", gamma=1.0), "--gamma is for per-token returns"),
-    (dict(advantage_estimator="reinforce_pp", critic_learning_rate=1e-5), "--critic_learning_rate is for the critic"),
-    (dict(advantage_estimator="grpo", gamma=0.9), "--gamma is for per-token returns, which --advantage_estimator grpo"),
-    (dict(advantage_estimator="rloo", whiten_rewards=True), "--whiten_rewards is for per-token returns"),
     (dict(scale_rewards=False), "--no_scale_rewards is grpo's (Dr. GRPO)"),
     (dict(advantage_estimator="grpo", num_samples_per_prompt=3, reward_fn="common:gold_rewards"),
      "--num_samples_per_prompt 3: must divide the rollout "
      "batch (32 episodes)"),
 ])
-def test_an_estimator_refuses_the_flags_it_would_ignore(flags, expected, tmp_path):
+def test_an_estimator_refuses_what_it_cannot_do(flags, expected, tmp_path):
     with pytest.raises(common.UserError, match=re.escape(expected)):
         ppo.main(ppo.Args(output_dir=str(tmp_path / "out"), **flags))
     assert not (tmp_path / "out").exists()
@@ -817,36 +808,34 @@ def test_an_empty_prompt_without_bos_is_named(tmp_path):
         ppo.load_prompts(ppo.Args(dataset_name=str(path), max_prompt_length=256), TOK)
 
 
-def test_logits_in_blocks_give_the_log_probs_entropies_and_gradients_of_the_whole(monkeypatch):
-    """The learning forward computes response logits in blocks (recomputed in the backward pass): the same numbers and
-    gradients as one block, and no block above LOGIT_BLOCK elements."""
-    policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=5)
+def test_blocked_logits_give_the_plain_paths_log_probs_entropies_and_gradients(monkeypatch):
+    """--blocked_logits computes response logits in blocks (recomputed in the backward pass): the plain path's
+    (response_logprobs) numbers and gradients, and no block above LOGIT_BLOCK elements; the plain path's are the
+    formula written out on the model's own logits at temperature 0.7."""
+    policy = ppo.output_layer_in_float32(ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=5))
     prompts = sample_prompts(4)
     query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
     responses = torch.randint(20, len(TOK), (4, 7), generator=torch.Generator().manual_seed(0))
     qr, qr_mask = torch.cat([query, responses], 1), torch.cat([qmask, torch.ones_like(responses, dtype=torch.bool)], 1)
     blocks, real = [], ppo.output_logits
     monkeypatch.setattr(ppo, "output_logits", lambda m, h, t=1.0: blocks.append(h.shape[:2]) or real(m, h, t))
+    monkeypatch.setattr(ppo, "LOGIT_BLOCK", 8 * len(TOK))  # blocks of 4 rows x 2 positions x vocabulary
     results = {}
-    for block in (10 ** 9, 8 * len(TOK)):  # the whole micro-batch; blocks of 4 rows x 2 positions x vocabulary
-        monkeypatch.setattr(ppo, "LOGIT_BLOCK", block)
+    for blocked in (False, True):
         policy.zero_grad()
-        blocks.clear()
-        logprobs, entropy = ppo.policy_forward(policy, qr, qr_mask.long(), query.shape[1], 0.7)
+        logprobs, entropy = ppo.response_logprobs(policy, qr, qr_mask.long(), query.shape[1], 0.7, entropy=True,
+                                                  blocked=blocked)
         (logprobs.sum() + entropy.sum()).backward()
-        results[block] = logprobs.detach(), entropy.detach(), torch.cat([p.grad.flatten() for p in policy.parameters()])
-        assert max(b * t for b, t in blocks) * len(TOK) <= block
-    assert len(blocks) == 8  # 7 positions in 4 blocks, each computed again in the backward pass
-    for whole, blocked in zip(*results.values()):
-        assert torch.allclose(whole, blocked, atol=1e-6, rtol=1e-5)
-    # ... and both are what the method's plain forward computes (response_logprobs), the entropy the formula written
-    # out on the model's own logits at temperature 0.7
+        results[blocked] = logprobs.detach(), entropy.detach(), torch.cat([p.grad.flatten() for p in policy.parameters()])
+    assert len(blocks) == 8 and max(b * t for b, t in blocks) * len(TOK) <= 8 * len(TOK)  # 7 positions in 4 blocks, each
+    # computed again in the backward pass
+    for plain, blocked in zip(results[False], results[True]):
+        assert torch.allclose(plain, blocked, atol=1e-6, rtol=1e-5)
     with torch.no_grad():
-        plain = ppo.response_logprobs(policy, qr, qr_mask.long(), query.shape[1], 0.7)
         logp = torch.log_softmax(policy(input_ids=qr, attention_mask=qr_mask.long()).logits[:, query.shape[1] - 1:-1]
                                  / 0.7, -1)
-    assert torch.allclose(results[10 ** 9][0], plain, atol=1e-5)
-    assert torch.allclose(results[10 ** 9][1], -(logp.exp() * logp).sum(-1), atol=1e-5)
+    assert torch.allclose(results[False][0], logp.gather(-1, responses[..., None])[..., 0], atol=1e-5)
+    assert torch.allclose(results[False][1], -(logp.exp() * logp).sum(-1), atol=1e-5)
 
 
 def test_a_model_whose_output_transform_is_unknown_is_named_before_training(monkeypatch):
@@ -877,3 +866,106 @@ def test_total_episodes_that_are_not_whole_rollout_batches_are_said(monkeypatch,
             ppo.main(ppo.Args(total_episodes=total, reward_fn="common:gold_rewards", output_dir=str(tmp_path)))
         out = capsys.readouterr().out
         assert (said in out) if said else "--total_episodes" not in out, out
+
+
+# --- defects: each test failed before its fix ------------------------------------------------------------------------
+def test_a_reward_model_with_its_own_tokens_reads_within_its_position_table(family_dir, monkeypatch):
+    """An encoder reward model with its own tokenizer: a prompt and response that, in its tokens, overflow its learned
+    position table are cut to fit it (the prompt keeps its end and [CLS]; the response whole), not read past it."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = family_dir("bert")
+    rm_tokenizer = AutoTokenizer.from_pretrained(path)
+    reward = ppo.Reward(model=ppo.SequenceReward(AutoModelForSequenceClassification.from_pretrained(path)),
+                        tokenizer=rm_tokenizer)
+    prompt = "User: tell me about foods such as pear and rice and honey and soup and bread Assistant:"
+    query, query_mask = ppo.pad_left(common.tokenize_prompts(TOK, [prompt]), len(common.tokenize_prompts(TOK, [prompt])[0]),
+                                     TOK.pad_token_id)
+    response = common.tokenize_responses(TOK, [prompt], [" cat dog red blue"])[0]
+    responses = torch.tensor([response])
+    batch = ppo.Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)],
+                        1).long(), query.shape[1], torch.ones_like(responses, dtype=torch.bool))
+    args = ppo.Args(max_prompt_length=64)
+    whole, whole_mask = ppo.reward_model_tokens(batch, torch.arange(1), TOK.eos_token_id, TOK, reward, args)
+    n = int(whole_mask.sum())
+    table = n - 5
+    monkeypatch.setattr(common, "position_table", lambda model: table)
+    cut, cut_mask = ppo.reward_model_tokens(batch, torch.arange(1), TOK.eos_token_id, TOK, reward, args)
+    cut = cut[0][cut_mask[0].bool()].tolist()
+    full = whole[0][whole_mask[0].bool()].tolist()
+    assert len(cut) == table and cut[0] == full[0] == rm_tokenizer.cls_token_id and cut[-10:] == full[-10:]
+
+
+def test_grad_norms_are_each_models_own_before_clipping_averaged_over_the_updates_steps(tmp_path, monkeypatch):
+    """policy/grad_norm is the policy's gradient norm, critic/grad_norm the critic's, each before the joint clip: here
+    3 and 4 (the joint norm 5, clipped to 1). The update logs their mean over its optimizer steps."""
+    trainable = torch.nn.ModuleDict({"policy": torch.nn.Linear(1, 1, bias=False), "critic": torch.nn.Linear(1, 1,
+                                                                                                          bias=False)})
+    optimizer = torch.optim.SGD(trainable.parameters(), lr=0.0)
+    trainable["policy"].weight.grad, trainable["critic"].weight.grad = torch.tensor([[3.0]]), torch.tensor([[4.0]])
+    norms = ppo.clip_and_step(trainable, optimizer, 1.0, 0, torch.tensor(0.0))
+    assert norms == {"policy/grad_norm": pytest.approx(3.0), "critic/grad_norm": pytest.approx(4.0)}
+    seen, real = [], ppo.clip_and_step
+    monkeypatch.setattr(ppo, "clip_and_step", lambda *a: seen.append(real(*a)) or seen[-1])
+    ppo.main(ppo.Args(reward_fn="common:gold_rewards", total_episodes=32, output_dir=str(tmp_path)))
+    m = read_metrics(tmp_path)[0]
+    assert len(seen) == 8 and len({s["policy/grad_norm"] for s in seen}) == 8
+    for name in ("policy/grad_norm", "critic/grad_norm"):
+        assert m[name] == pytest.approx(sum(s[name] for s in seen) / len(seen), rel=1e-6)
+
+
+def test_the_prompts_leading_token_is_found_once_per_run(tmp_path, monkeypatch):
+    calls, real = [], common.leading_id
+    monkeypatch.setattr(common, "leading_id", lambda tokenizer: calls.append(1) or real(tokenizer))
+    ppo.main(ppo.Args(reward_fn="common:gold_rewards", total_episodes=32, num_ppo_epochs=1, output_dir=str(tmp_path)))
+    assert len(calls) == 1
+
+
+def test_an_unknown_embedded_model_names_the_flag_that_named_it(tmp_path):
+    with pytest.raises(common.UserError, match=r"^--sft_model_path embedded-gpt: unknown embedded model"):
+        ppo.main(ppo.Args(sft_model_path="embedded-gpt", reward_fn="common:gold_rewards", output_dir=str(tmp_path)))
+
+
+def test_every_schedule_of_transformers_is_taken_or_refused_in_one_line(tmp_path):
+    """--lr_scheduler_type: each of transformers' SchedulerType parses; those get_scheduler builds and steps without a
+    metric or arguments of their own set the learning rate as transformers computes it, the rest are one-line errors."""
+    from transformers import SchedulerType, get_scheduler
+
+    for kind in SchedulerType:
+        args = tyro.cli(ppo.Args, args=["--lr_scheduler_type", kind.value, "--reward_fn", "common:gold_rewards"],
+                        use_underscores=True)
+        try:
+            ppo.check_args(args)
+        except common.UserError as e:
+            assert len(str(e).splitlines()) == 1 and str(e).startswith(f"--lr_scheduler_type {kind.value}: ")
+            assert kind.value in ("reduce_lr_on_plateau", "greedy", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                                  "warmup_stable_decay"), e  # (a metric to step on, or arguments of their own)
+            continue
+        ppo.fill_defaults(args, None)
+        _, optimizer, scheduler = ppo.build_optimizer(torch.nn.Linear(2, 1), None, args, 10)
+        lr = optimizer.param_groups[0]["initial_lr"]
+        expected = get_scheduler(kind.value, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr), 0, 10)
+        for _ in range(3):
+            optimizer.step()
+            scheduler.step()
+            expected.optimizer.step()
+            expected.step()
+        assert scheduler.get_last_lr() == pytest.approx(expected.get_last_lr()), kind
+
+
+def test_the_opt_in_speed_paths_give_the_plain_paths_run(tmp_path, monkeypatch):
+    """--group_by_length (here a group per length: the most trimming) with --blocked_logits (here one position per
+    block, recomputed in the backward pass): the same updates as the plain path, the same saved policy."""
+    base = dict(reward_fn="common:gold_rewards", total_episodes=32, num_ppo_epochs=2, sample_every=1)
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "plain"), **base))
+    monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
+    monkeypatch.setattr(ppo, "LOGIT_BLOCK", 1)
+    groups, real = [], ppo.length_grouped
+    monkeypatch.setattr(ppo, "length_grouped", lambda *a: groups.append(len(real(*a))) or real(*a))
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "fast"), group_by_length=True, blocked_logits=True, **base))
+    assert max(groups) > 1  # (rows of several lengths: trimmed groups)
+    plain, fast = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "fast")
+    for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/entropy", "policy/approxkl",
+                "policy/grad_norm", "critic/grad_norm"):
+        assert [m[key] for m in fast] == pytest.approx([m[key] for m in plain], abs=1e-5, rel=1e-5), key
+    assert_saved_models_equal([tmp_path / "plain", tmp_path / "fast"], "AutoModelForCausalLM")

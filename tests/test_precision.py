@@ -24,9 +24,9 @@ def first_mini_batch_spy(monkeypatch, loss="policy_loss"):
     its clip is centred on), the largest |new - old|."""
     calls, real = [], getattr(ppo, loss)
 
-    def spy(new, old, third, mask, *a, **k):
-        calls.append(((new - old).abs() * mask).max().item())
-        return real(new, old, third, mask, *a, **k)
+    def spy(new, old, third, *a, **k):  # (third: the advantages or returns, 0 exactly on padding only)
+        calls.append(((new - old).abs() * (third != 0)).max().item())
+        return real(new, old, third, *a, **k)
     monkeypatch.setattr(ppo, loss, spy)
     return calls
 
@@ -61,9 +61,9 @@ def test_bf16_fsdp_on_two_ranks_first_mini_batch_is_on_policy(reward_model_path,
         f"sys.path.insert(0, {ROOT!r})\n"
         "import ppo\n"
         "calls, real = [], ppo.policy_loss\n"
-        "def spy(new, old, adv, mask, *a, **k):\n"
-        "    calls.append(((new - old).abs() * mask).max().item())\n"
-        "    return real(new, old, adv, mask, *a, **k)\n"
+        "def spy(new, old, adv, *a, **k):\n"
+        "    calls.append(((new - old).abs() * (adv != 0)).max().item())\n"
+        "    return real(new, old, adv, *a, **k)\n"
         "ppo.policy_loss = spy\n"
         f"ppo.main(ppo.Args(reward_model_path={reward_model_path!r}, output_dir={str(tmp_path / 'out')!r}, fsdp=True, "
         "total_episodes=16, per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1, bf16=True))\n"
@@ -75,30 +75,39 @@ def test_bf16_fsdp_on_two_ranks_first_mini_batch_is_on_policy(reward_model_path,
     assert read_metrics(tmp_path / "out")[0]["objective/kl"] == 0.0
 
 
-def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(reward_model_path, tmp_path):
+@pytest.mark.parametrize("lora", [0, 4])
+def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(lora, reward_model_path, tmp_path):
     """Under FSDP --bf16 the root gathers its parameters in bfloat16; the scalar heads (rm.py's, ppo.py's reward model
-    and critic) are their own units gathered in float32, so Float32Linear computes from float32 weights."""
-    runs = {"rm": f"rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp_path / 'rm')!r}, "
-                  "fsdp=True, bf16=True, max_steps=2, per_device_train_batch_size=4, num_evals=1))",
-            "ppo": f"ppo.main(ppo.Args(reward_model_path={reward_model_path!r}, output_dir={str(tmp_path / 'ppo')!r}, "
-                   "fsdp=True, bf16=True, total_episodes=16, per_device_train_batch_size=4, num_mini_batches=2, "
-                   "num_ppo_epochs=1))"}
-    for script, call in runs.items():  # (one run per process, as from the command line)
-        driver = tmp_path / f"head_dtypes_{script}.py"
+    and critic) are their own units gathered in float32, so Float32Linear computes from float32 weights. With LoRA too,
+    where peft wraps the critic's head (its trained copy and, as the reward model, its original) and every other frozen
+    weight is held in bfloat16: from the critic's and from the policy's backbone."""
+    ppo_run = ("ppo.main(ppo.Args(reward_model_path={rm!r}, output_dir={out!r}, fsdp=True, bf16=True, total_episodes=16, "
+               "per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1, lora_r={lora}, critic_init={init!r}))")
+    runs = {"ppo": ppo_run.format(rm=reward_model_path, out=str(tmp_path / "ppo"), lora=lora, init="auto")}
+    if lora:
+        runs["ppo_policy_critic"] = ppo_run.format(rm=reward_model_path, out=str(tmp_path / "ppo2"), lora=lora,
+                                                   init="policy")
+    else:
+        runs["rm"] = (f"rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp_path / 'rm')!r}, "
+                      "fsdp=True, bf16=True, max_steps=2, per_device_train_batch_size=4, num_evals=1))")
+    for name, call in runs.items():  # (one run per process, as from the command line)
+        script = name.split("_")[0]
+        driver = tmp_path / f"head_dtypes_{name}.py"
         driver.write_text(
             "import json, os, sys\n"
             f"sys.path.insert(0, {ROOT!r})\n"
             f"import common, {script}\n"
             "seen, real = set(), common.Float32Linear.forward\n"
             "def spy(self, x):\n"
-            "    seen.add(str(self.weight.dtype))\n"
+            "    if self.out_features == 1:  # (a scalar head)\n"
+            "        seen.add(str(self.weight.dtype))\n"
             "    return real(self, x)\n"
             "common.Float32Linear.forward = spy\n"
             f"{call}\n"
-            f"json.dump(sorted(seen), open({str(tmp_path)!r} + '/seen_{script}' + os.environ['RANK'], 'w'))\n")
+            f"json.dump(sorted(seen), open({str(tmp_path)!r} + '/seen_{name}' + os.environ['RANK'], 'w'))\n")
         run_script([str(driver)], nproc=2)
         for r in (0, 1):
-            assert json.load(open(tmp_path / f"seen_{script}{r}")) == ["torch.float32"], script
+            assert json.load(open(tmp_path / f"seen_{name}{r}")) == ["torch.float32"], name
 
 
 def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_path, small_pairs_file):
@@ -140,13 +149,14 @@ def test_scalar_heads_logits_and_entropy_are_float32_under_bf16_autocast():
     assert rewards.dtype == torch.float32 and rewards.abs().max() > 4
     assert torch.allclose(rewards.double(), expected[:, 0], atol=1e-4) and torch.allclose(values, rewards)
 
-    policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=3)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        logprobs, entropy = ppo.policy_forward(policy, ids, mask, 4, 0.7)
-        h = ppo.head_inputs(policy, input_ids=ids, attention_mask=mask)[:, 3:-1]
-    logp = torch.log_softmax(h.double() @ policy.lm_head.weight.double().T / 0.7, -1)
-    assert torch.allclose(logprobs.double(), logp.gather(-1, ids[:, 4:, None]).squeeze(-1), atol=1e-5)
-    assert torch.allclose(entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-5)
+    policy = ppo.output_layer_in_float32(ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=3))
+    for blocked in (False, True):  # the plain path and --blocked_logits
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logprobs, entropy = ppo.response_logprobs(policy, ids, mask, 4, 0.7, entropy=True, blocked=blocked)
+            h = ppo.head_inputs(policy, input_ids=ids, attention_mask=mask)[:, 3:-1]
+        logp = torch.log_softmax(h.double() @ policy.lm_head.weight.double().T / 0.7, -1)
+        assert torch.allclose(logprobs.double(), logp.gather(-1, ids[:, 4:, None]).squeeze(-1), atol=1e-5), blocked
+        assert torch.allclose(entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-5), blocked
 
 
 def test_critic_initialised_from_the_reward_model_starts_at_the_normalized_reward(reward_model_path, tmp_path):
@@ -155,6 +165,7 @@ def test_critic_initialised_from_the_reward_model_starts_at_the_normalized_rewar
     config = json.load(open(tmp_path / "rm" / "config.json"))
     json.dump(dict(config, reward_shift=0.7, reward_scale=2.5), open(tmp_path / "rm" / "config.json", "w"))
     args = ppo.Args(reward_model_path=str(tmp_path / "rm"))
+    ppo.fill_defaults(args, None)
     models = ppo.build_models(args, TOK, torch.device("cpu"), 0, 1)
     critic, reward = models.critic, models.reward
     rng = random.Random(0)
@@ -214,7 +225,8 @@ def test_default_lengths_fit_a_short_position_table_and_given_ones_are_refused(f
     ppo.main(ppo.Args(sft_model_path=family_dir("gpt2"), reward_fn="common:gold_rewards", total_episodes=8,
                       per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1,
                       output_dir=str(tmp_path / "ppo")))
-    assert "--max_prompt_length: 240, not the default 256" in capsys.readouterr().out
+    assert "--max_prompt_length 240" in capsys.readouterr().out.split("defaults: ")[1].splitlines()[0]  # (said)
+    assert json.load(open(tmp_path / "ppo" / "ppo_results.json"))["args"]["max_prompt_length"] == 240  # (recorded)
 
 
 def test_layout_check_runs_once_on_rank_0_in_the_runs_precision(monkeypatch):
