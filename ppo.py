@@ -154,6 +154,9 @@ def fill_defaults(args, position_limit, rank=0):
         args.learning_rate = 3e-4 if args.sft_model_path.startswith("embedded-") else 3e-6
     args.critic_learning_rate = args.learning_rate if args.critic_learning_rate is None else args.critic_learning_rate
     args.max_prompt_length = args.max_prompt_length or min(256, (position_limit or 1 << 30) - args.response_length)
+    if args.max_prompt_length < 1:
+        raise common.UserError(f"--response_length {args.response_length} leaves no room for a prompt in the "
+                               f"{position_limit} positions of a model's position table; lower it")
     if rank == 0:
         print("defaults: " + ", ".join(f"--{k} {v}" for k, v in vars(args).items() if k not in given and v is not None))
 

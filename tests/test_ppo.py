@@ -487,12 +487,14 @@ def test_embedded_sft_policy_is_trained_once_then_read_from_its_cache_file(tmp_p
 
 def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, reward_model_path):
     out = tmp_path / "ppo"
-    history = ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(out), total_episodes=640,
+    history = ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(out), total_episodes=1280,
                                 sample_every=100))
     results = json.load(open(out / "ppo_results.json"))
-    assert results["gold_last"] - results["gold_first"] >= results["gold_std_first"], results
+    # half the initial spread of the gold score: a run that does not learn moves the mean of 5 x 32 episodes by about
+    # 0.05 (0.44 / sqrt(160) per window), a tenth of this margin
+    assert results["gold_last"] - results["gold_first"] >= 0.5 * results["gold_std_first"], results
     assert results["proxy_last"] > results["proxy_first"] and results["kl_last"] > 0
-    assert os.path.getsize(out / "curves.png") > 1000 and len(history) == 20
+    assert os.path.getsize(out / "curves.png") > 1000 and len(history) == 40
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is the caller's again after main
 
     from transformers import AutoModelForCausalLM
@@ -645,6 +647,16 @@ def test_ptx_loss_of_a_left_padded_batch_is_the_mean_over_real_transitions():
         alone = [torch.nn.functional.cross_entropy(policy(input_ids=torch.tensor([s])).logits[0, :-1],
                                                    torch.tensor(s[1:]), reduction="sum") for s in seqs]
     assert batch.item() == pytest.approx(sum(alone).item() / n, rel=1e-5)
+
+
+def test_a_response_length_that_fills_the_position_table_is_refused_in_one_line():
+    """The default --max_prompt_length is what a learned position table leaves after --response_length: none left is
+    refused, not a prompt cut to nothing."""
+    args = ppo.Args(response_length=16)
+    ppo.fill_defaults(args, position_limit=20)
+    assert args.max_prompt_length == 4
+    with pytest.raises(common.UserError, match="--response_length 16 leaves no room for a prompt in the 16 positions"):
+        ppo.fill_defaults(ppo.Args(response_length=16), position_limit=16)
 
 
 @pytest.mark.parametrize("flags,expected", [
