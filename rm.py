@@ -410,7 +410,8 @@ METRIC_DRIVEN = ("reduce_lr_on_plateau", "greedy")  # schedules stepped with a m
 
 
 def start_up(args):
-    """Every check that can fail before a weight is read, each in one line: arguments, sources, output folder."""
+    """Every check that can fail before a weight is read, each in one line: arguments, sources, output folder; and
+    (rank, world size, device) from torchrun's variables, the ranks joined (a plain `python rm.py`: world size 1)."""
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
     for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -418,13 +419,11 @@ def start_up(args):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
     for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
-                 "max_grad_norm", "center_rewards_coefficient", "save_steps", "head_init_std", "lora_r",
-                 "lora_alpha"):
+                 "max_grad_norm", "center_rewards_coefficient", "save_steps", "head_init_std", "lora_r", "lora_alpha"):
         value = getattr(args, name)
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
-    if args.max_steps <= 0 and args.num_train_epochs is not None and not args.num_train_epochs > 0 and \
-            not args.eval_only:
+    if args.num_train_epochs == 0 and args.max_steps <= 0 and not args.eval_only:  # (below 0 or NaN: refused above)
         raise common.UserError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or set --max_steps)")
     if not 0 < args.eval_holdout < 1:
         raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
@@ -437,7 +436,14 @@ def start_up(args):
     common.check_source(args.model_name_or_path, "--model_name_or_path")
     for name, _ in mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
         common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
-    rank, world, device = setup_distributed()
+    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+    common.attention_without_nan(device)
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        # an hour, not 10 minutes: the ranks wait while rank 0 writes the final model (tens of GB at 7B)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
     common.check_shared_output_dir(args.output_dir, rank)
     common.check_output_dir(args, rank)
     return args, rank, world, device
@@ -467,7 +473,7 @@ def load_backbone(args, tokenizer, on_meta=False):
         config = common.embedded_model_config(name, len(tokenizer), num_labels=1)
         model, needs_head = loader.from_config(config).to(dtype), True
     else:
-        config = common.load_pretrained(AutoConfig, name, "--model_name_or_path")
+        config = without_dropout(common.load_pretrained(AutoConfig, name, "--model_name_or_path"))
         # the head is the checkpoint's if it is a classifier, or an adapter folder holding the head (as rm.py saves)
         adapter = common.adapter_base(name) is not None
         needs_head = not (any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or
@@ -478,8 +484,7 @@ def load_backbone(args, tokenizer, on_meta=False):
             loader = type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_missing": outside,
                                                  "_keys_to_ignore_on_load_unexpected": outside})
         config.num_labels = 1
-        model = common.load_model(loader, name, "--model_name_or_path", on_meta, config=without_dropout(config),
-                                  dtype=dtype)
+        model = common.load_model(loader, name, "--model_name_or_path", on_meta, config=config, dtype=dtype)
     disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
@@ -502,6 +507,7 @@ def load_data(args, tokenizer, rank):
     (hold_out_by_prompt)."""
     mixer = mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
     names = " ".join(n for n, _ in mixer)
+    fit = f"--max_length {args.max_length} with the prompt cut to --max_prompt_length {args.max_prompt_length}"
     train_rows, eval_rows, pool, eval_sets = [], [], [], {}
     for name, weight in mixer:
         tried = [args.eval_split] if args.eval_split else ["validation", "test"]
@@ -527,9 +533,8 @@ def load_data(args, tokenizer, rank):
         eval_rows += held
     train, dropped = tokenize_pairs(train_rows, tokenizer, args)
     if train_rows and dropped["too long"] > len(train_rows) / 2:
-        raise common.UserError(f"{names}: {dropped['too long']} of {len(train_rows)} training pairs do not fit "
-                               f"--max_length {args.max_length} with the prompt cut to --max_prompt_length "
-                               f"{args.max_prompt_length}: raise --max_length (or lower --max_prompt_length)")
+        raise common.UserError(f"{names}: {dropped['too long']} of {len(train_rows)} training pairs do not fit {fit}: "
+                               "raise --max_length (or lower --max_prompt_length)")
     if train_rows and not train:
         raise common.UserError(f"{names}: all {len(train_rows)} training pairs were dropped: chosen and rejected are "
                                "identical token for token; check the data")
@@ -543,8 +548,7 @@ def load_data(args, tokenizer, rank):
             print(f"{name}: evaluating on {on} ({count[name]} pairs)")
         n = dropped + dropped_e
         print(f"pairs: {len(train)} train, {len(evals)} eval; prompts cut {n['prompt cut']}; dropped {n['too long']} "
-              f"too long (past --max_length {args.max_length} with the prompt cut to --max_prompt_length "
-              f"{args.max_prompt_length}), {n['identical']} identical")
+              f"too long (past {fit}), {n['identical']} identical")
     return train, evals, eval_sets
 
 
@@ -618,19 +622,7 @@ def tokenize_pairs(rows, tokenizer, args):
     return pairs, counts
 
 
-# --- Distributed set-up (torchrun's environment variables; a plain `python rm.py` is world size 1). ------------------
-def setup_distributed():
-    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
-    device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
-    common.attention_without_nan(device)
-    if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        # an hour, not 10 minutes: the ranks wait while rank 0 writes the final model (tens of GB at 7B)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
-    return rank, world, device
-
-
+# --- Distributed: DDP or FSDP2, and evaluation shared by the ranks. --------------------------------------------------
 def parallelize(model, args, device):
     """DDP, or FSDP2 per transformer block and input embeddings, filled with rank 0's weights; activations recomputed
     in the backward pass with --gradient_checkpointing."""
@@ -665,6 +657,8 @@ def parallelize(model, args, device):
 def all_pair_rewards(model, pairs, args, pad_id, device, rank, world):
     """Per pair (r_chosen, r_rejected), on CPU, in the pairs' order; each rank computes a slice, longest pairs first
     (a batch holds pairs of similar length, little padding; the peak memory comes first)."""
+    from torch.distributed.nn.functional import all_gather
+
     order = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
     mine, per_rank = order[rank::world], math.ceil(len(pairs) / world)
     valid = torch.arange(per_rank, device=device) < len(mine)
@@ -674,24 +668,13 @@ def all_pair_rewards(model, pairs, args, pad_id, device, rank, world):
         inputs = model_inputs([pairs[j] for j in mine[i:i + size]], pad_id, args, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             rewards.append(torch.stack(model(**inputs).chunk(2), 1))
-    index, valid, rewards = (all_gather_cat(t) for t in (torch.tensor(mine, device=device), valid, torch.cat(rewards)))
+    index, rewards = torch.tensor(mine, device=device), torch.cat(rewards)
+    if dist.is_initialized():  # every rank's slice
+        index, valid, rewards = (torch.cat(all_gather(t)) for t in (index, valid, rewards))
     return torch.empty(len(pairs), 2).index_copy_(0, index[valid].cpu(), rewards[valid].cpu())
 
 
-def all_gather_cat(t):
-    if not dist.is_initialized():
-        return t
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return torch.cat(out)
-
-
 # --- Evaluation metrics, logging and the final save. -----------------------------------------------------------------
-def chosen_wins(r_chosen, r_rejected, margin):
-    """P(chosen wins) as the loss models it, exp(-loss) = sigmoid(r_c - r_r - margin)."""
-    return torch.exp(-preference_loss(r_chosen, r_rejected, margin))
-
-
 def calibration_error(p_chosen, n_bins=10):
     """Expected calibration error of P(chosen wins): over bins of predictions, sum of (bin size / N) * |mean
     prediction - frequency it came true|; each pair counted in both orders, (p, won) and (1 - p, lost)."""
@@ -712,27 +695,24 @@ def metrics_by_dataset(rewards, pairs, args):
     margin = torch.tensor([p["margin"] for p in pairs])
     metrics = pair_metrics(rewards[:, 0], rewards[:, 1], margin, pairs, args, "eval/")
     datasets = dict.fromkeys(p.get("dataset") for p in pairs)
-    if len(datasets) > 1:
-        for name in datasets:
-            ours = torch.tensor([p.get("dataset") == name for p in pairs])
-            metrics.update(pair_metrics(rewards[ours, 0], rewards[ours, 1], margin[ours],
-                                        [p for p, o in zip(pairs, ours) if o], args, f"eval/{name}/"))
+    for name in datasets if len(datasets) > 1 else ():
+        ours = torch.tensor([p.get("dataset") == name for p in pairs])
+        metrics.update(pair_metrics(rewards[ours, 0], rewards[ours, 1], margin[ours],
+                                    [p for p, o in zip(pairs, ours) if o], args, f"eval/{name}/"))
     return metrics
 
 
 def pair_metrics(rc, rr, margin, pairs, args, prefix):
     """The evaluation metrics of pairs from their rewards, each key prefixed."""
     lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
+    loss = preference_loss(rc, rr, margin)
     metrics = {
         "accuracy": (rc > rr).float().mean().item(),  # (a tie counts as an error)
         "loss": reward_model_loss(rc, rr, margin, args.center_rewards_coefficient).item(),
-        "preference_loss": preference_loss(rc, rr, margin).mean().item(),  # (without the centering)
-        "reward_gap": (rc - rr).mean().item(),
-        "chosen_reward": rc.mean().item(),
-        "rejected_reward": rr.mean().item(),
-        "reward_mean": torch.cat([rc, rr]).mean().item(),
-        "reward_std": torch.cat([rc, rr]).std().item(),
-        "calibration_error": calibration_error(chosen_wins(rc, rr, margin)),
+        "preference_loss": loss.mean().item(),  # (without the centering)
+        "reward_gap": (rc - rr).mean().item(), "chosen_reward": rc.mean().item(), "rejected_reward": rr.mean().item(),
+        "reward_mean": torch.cat([rc, rr]).mean().item(), "reward_std": torch.cat([rc, rr]).std().item(),
+        "calibration_error": calibration_error(torch.exp(-loss)),  # P(chosen wins) as the loss models it
         "length_correlation": pearson(torch.cat([rc, rr]), lengths),
     }
     known = torch.tensor([p["gold"] is not None for p in pairs])
@@ -743,8 +723,6 @@ def pair_metrics(rc, rr, margin, pairs, args, prefix):
         metrics["accuracy_vs_bayes"] = (rc > rr).float().mean().item() / metrics["bayes_accuracy"]
         metrics["gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
     return {prefix + k: v for k, v in metrics.items()}
-
-
 
 
 def describe_run(args, model, lora, layout, optimizer, world, device, steps_per_epoch, total_steps, start_step, rank):
@@ -786,10 +764,9 @@ def save_final(model, hf_model, lora, tokenizer, ev, logger, args, rank, record)
     logger.close()
     common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), {
         **{k.removeprefix("eval/"): v for k, v in ev.items()}, **record, "args": dataclasses.asdict(args)})
-    summary = f"final eval accuracy {ev['eval/accuracy']:.4f}"
-    if "eval/bayes_accuracy" in ev:
-        summary += f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})"
-    print(f"{summary}; saved to {args.output_dir}")
+    bayes = f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})" \
+        if "eval/bayes_accuracy" in ev else ""
+    print(f"final eval accuracy {ev['eval/accuracy']:.4f}{bayes}; saved to {args.output_dir}")
 
 
 def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, scale):
@@ -887,7 +864,7 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     groups = query.shape[1] // key.shape[1]  # query heads per key/value head (grouped-query attention)
     if groups > 1 and (softcap is not None or not sdpa_takes_groups_with_mask(query.device)):
         key, value = (t.repeat_interleave(groups, 1) for t in (key, value))
-    out = None  # (1, heads, tokens, head dim), in the attention's dtype (autocast may differ from the query's)
+    out = []  # per block (1, heads, tokens, head dim), in the attention's dtype (autocast's, not the query's)
     for b, (s, e) in enumerate(rm_segments.blocks):  # slices stay 4D: 3D inputs miss the fused kernel on CPU
         q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
         mask = rm_segments.mask(b, sliding_window, query.device)
@@ -897,9 +874,8 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         else:
             scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scaling / softcap)
             o = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(v.dtype) @ v
-        out = o.new_empty(query.shape) if out is None else out
-        out[:, :, s:e] = o
-    return out.transpose(1, 2).contiguous(), None
+        out.append(o)
+    return torch.cat(out, 2).transpose(1, 2).contiguous(), None
 
 
 def sdpa_takes_groups_with_mask(device):

@@ -96,13 +96,14 @@ def test_preference_losses_match_formulas():
 
 
 def test_the_probability_the_loss_models_the_pair_loss_alone_and_a_head_of_std_0():
-    """chosen_wins (ECE's probability) is exp(-loss) = sigmoid(r_c - r_r - margin); the evaluation reports the pair
+    """ECE's probability is exp(-loss) = sigmoid(r_c - r_r - margin); the evaluation reports the pair
     loss beside the loss with its centering term; --head_init_std 0 is a head of zeros, not the default std; epochs default by the model."""
     rc, rr, m = torch.tensor([1.0, -2.0, 0.3, 5.0]), torch.tensor([0.5, 1.0, 0.3, -5.0]), torch.tensor([0.0, 0.5, 1, 2])
     logistic = [1 / (1 + math.exp(-(c - r - mm))) for c, r, mm in zip(rc.tolist(), rr.tolist(), m.tolist())]
-    assert torch.allclose(rm.chosen_wins(rc, rr, m), torch.tensor(logistic), atol=1e-6)
+    assert torch.allclose(torch.exp(-rm.preference_loss(rc, rr, m)), torch.tensor(logistic), atol=1e-6)
     pairs = [{"chosen": [1], "rejected": [2], "gold": None}] * 4
     metrics = rm.pair_metrics(rc, rr, m, pairs, rm.Args(center_rewards_coefficient=0.5), "eval/")
+    assert metrics["eval/calibration_error"] == pytest.approx(rm.calibration_error(torch.tensor(logistic)), abs=1e-6)
     pair = -sum(math.log(p) for p in logistic) / 4
     assert metrics["eval/preference_loss"] == pytest.approx(pair, rel=1e-6)
     assert metrics["eval/loss"] == pytest.approx(pair + 0.5 * ((rc + rr) ** 2).mean().item(), rel=1e-6)
