@@ -1093,12 +1093,14 @@ def shard_input_embeddings(model, fully_shard, **options):
 
 
 def scalar_head(model):
-    """The scalar head (`score`, in float32) of the transformers sequence classifier in model (a reward model, a
-    critic), or None. Under FSDP it is sharded as its own unit gathered in float32: Float32Linear then computes from
-    the float32 weights, not from the bfloat16 copies a mixed-precision root would gather."""
+    """The scalar head (`score`, a Float32Linear) of the transformers sequence classifier in model (a reward model, a
+    critic), or peft's wrapper of it (LoRA: its trained copy and its original), or None. Under FSDP it is sharded as its
+    own unit gathered in float32: Float32Linear then computes from float32 weights, not from the bfloat16 copies a
+    mixed-precision root would gather."""
     hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
     head = getattr(hf, "score", None)
-    return head if isinstance(head, Float32Linear) else None  # (not peft's wrapper of a trained LoRA head)
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)] if head is not None else []
+    return head if linears and all(isinstance(m, Float32Linear) for m in linears) else None
 
 
 def peak_memory(device):

@@ -87,9 +87,8 @@ def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(lora, reward_
     if lora:
         runs["ppo_policy_critic"] = ppo_run.format(rm=reward_model_path, out=str(tmp_path / "ppo2"), lora=lora,
                                                    init="policy")
-    else:
-        runs["rm"] = (f"rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp_path / 'rm')!r}, "
-                      "fsdp=True, bf16=True, max_steps=2, per_device_train_batch_size=4, num_evals=1))")
+    runs["rm"] = (f"rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp_path / 'rm')!r}, "
+                  f"fsdp=True, bf16=True, max_steps=2, per_device_train_batch_size=4, num_evals=1, lora_r={lora}))")
     for name, call in runs.items():  # (one run per process, as from the command line)
         script = name.split("_")[0]
         driver = tmp_path / f"head_dtypes_{name}.py"
