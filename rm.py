@@ -427,6 +427,9 @@ def start_up(args):
         raise common.UserError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or set --max_steps)")
     if not 0 < args.eval_holdout < 1:
         raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
+    if args.eval_split == args.train_split and not args.eval_only:
+        raise common.UserError(f"--eval_split {args.eval_split} is the --train_split: the evaluation would read the "
+                               "pairs trained on; pass another split, or none to hold out --eval_holdout of them")
     if not args.warmup_ratio <= 1:
         raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
     if args.lr_scheduler_type in METRIC_DRIVEN:
@@ -510,7 +513,7 @@ def load_data(args, tokenizer, rank):
     fit = f"--max_length {args.max_length} with the prompt cut to --max_prompt_length {args.max_prompt_length}"
     train_rows, eval_rows, pool, eval_sets = [], [], [], {}
     for name, weight in mixer:
-        tried = [args.eval_split] if args.eval_split else ["validation", "test"]
+        tried = [args.eval_split] if args.eval_split else [s for s in ("validation", "test") if s != args.train_split]
         split, evals = next(((s, rows) for s in tried if (rows := common.load_rows(name, args.dataset_config, s))
                              is not None), (None, None))
         if args.eval_split and evals is None:

@@ -66,6 +66,8 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
     "eval split missing from a folder": (["--eval_split", "validation"], {"dir/train.jsonl": (GOOD + "\n") * 5,
                                                                           "dir/test.jsonl": GOOD + "\n"},
                                          "dir: no split 'validation' (--eval_split); it has 'test', 'train'"),
+    "eval split the train split": (["--eval_split", "train"], {"d.jsonl": (GOOD + "\n") * 5},
+                                   "--eval_split train is the --train_split: the evaluation would read the pairs"),
     "text the tokenizer cannot read": ([], {"d.jsonl": '{"prompt": "Human: How do I bake bread? Assistant:", "chosen": '
                                             '" Preheat the oven first.", "rejected": " Buy it instead please."}\n' * 5},
                                        "% of its tokens are <unk> to embedded-llama's tokenizer"),
