@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, read_metrics, run_script
+from conftest import ROOT, read_metrics, run_main, run_script
 from families import DECODERS
 
 import common
@@ -53,52 +53,46 @@ def test_bf16_first_mini_batch_is_on_policy_and_the_kl_at_initialisation_is_zero
     assert m["objective/kl"] == 0.0 and np.isfinite(m["loss/policy"])
 
 
-def test_bf16_fsdp_on_two_ranks_first_mini_batch_is_on_policy(reward_model_path, tmp_path):
-    """The same under FSDP2 on 2 ranks: the reference is sharded as the policy is, so it computes as the policy does."""
-    driver = tmp_path / "first_ratio.py"
-    driver.write_text(
-        "import json, sys, torch.distributed as dist\n"
+@pytest.fixture(scope="module")
+def bf16_fsdp_runs(reward_model_path, tmp_path_factory):
+    """rm.py and ppo.py under FSDP2 --bf16 on 2 ranks (one launch), spied on: ppo.py's largest |new - old| log-prob at
+    each policy-loss call; the dtypes of Float32Linear's weights when it computed (each script's)."""
+    tmp = tmp_path_factory.mktemp("bf16_fsdp")
+    driver = tmp / "spied.py"
+    driver.write_text("import json, os, sys\n"
         f"sys.path.insert(0, {ROOT!r})\n"
-        "import ppo\n"
-        "calls, real = [], ppo.policy_loss\n"
-        "def spy(new, old, adv, mask, *a, **k):\n"
+        "import common, ppo, rm\n"
+        "calls, seen, loss, linear = [], set(), ppo.policy_loss, common.Float32Linear.forward\n"
+        "def spy_loss(new, old, adv, mask, *a, **k):\n"
         "    calls.append(((new - old).abs() * mask).max().item())\n"
-        "    return real(new, old, adv, mask, *a, **k)\n"
-        "ppo.policy_loss = spy\n"
-        f"ppo.main(ppo.Args(reward_model_path={reward_model_path!r}, output_dir={str(tmp_path / 'out')!r}, fsdp=True, "
+        "    return loss(new, old, adv, mask, *a, **k)\n"
+        "def spy_linear(self, x):\n"
+        "    seen.add(str(self.weight.dtype))\n"
+        "    return linear(self, x)\n"
+        "ppo.policy_loss, common.Float32Linear.forward = spy_loss, spy_linear\n"
+        f"rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp / 'rm')!r}, fsdp=True, bf16=True, "
+        "max_steps=2, per_device_train_batch_size=4, num_evals=1))\n"
+        "seen_rm, seen = sorted(seen), set()\n"
+        f"ppo.main(ppo.Args(reward_model_path={reward_model_path!r}, output_dir={str(tmp / 'ppo')!r}, fsdp=True, "
         "total_episodes=16, per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1, bf16=True))\n"
-        f"json.dump(calls, open({str(tmp_path)!r} + '/calls' + __import__('os').environ['RANK'], 'w'))\n")
+        f"json.dump(dict(calls=calls, rm=seen_rm, ppo=sorted(seen)), open({str(tmp)!r} + '/spied' + os.environ['RANK'], "
+        "'w'))\n")
     run_script([str(driver)], nproc=2)
-    for r in (0, 1):
-        calls = json.load(open(tmp_path / f"calls{r}"))
-        assert calls[0] == 0.0 and calls[1] > 0, calls  # one forward per mini-batch per rank under FSDP
-    assert read_metrics(tmp_path / "out")[0]["objective/kl"] == 0.0
+    return tmp, [json.load(open(tmp / f"spied{r}")) for r in (0, 1)]
 
 
-def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(reward_model_path, tmp_path):
+def test_bf16_fsdp_on_two_ranks_first_mini_batch_is_on_policy(bf16_fsdp_runs):
+    """The same under FSDP2 on 2 ranks: the reference is sharded as the policy is, so it computes as the policy does."""
+    for spied in bf16_fsdp_runs[1]:
+        assert spied["calls"][0] == 0.0 and spied["calls"][1] > 0, spied  # one forward per mini-batch per rank
+    assert read_metrics(bf16_fsdp_runs[0] / "ppo")[0]["objective/kl"] == 0.0
+
+
+def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(bf16_fsdp_runs):
     """Under FSDP --bf16 the root gathers its parameters in bfloat16; the scalar heads (rm.py's, ppo.py's reward model
     and critic) are their own units gathered in float32, so Float32Linear computes from float32 weights."""
-    runs = {"rm": f"rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp_path / 'rm')!r}, "
-                  "fsdp=True, bf16=True, max_steps=2, per_device_train_batch_size=4, num_evals=1))",
-            "ppo": f"ppo.main(ppo.Args(reward_model_path={reward_model_path!r}, output_dir={str(tmp_path / 'ppo')!r}, "
-                   "fsdp=True, bf16=True, total_episodes=16, per_device_train_batch_size=4, num_mini_batches=2, "
-                   "num_ppo_epochs=1))"}
-    for script, call in runs.items():  # (one run per process, as from the command line)
-        driver = tmp_path / f"head_dtypes_{script}.py"
-        driver.write_text(
-            "import json, os, sys\n"
-            f"sys.path.insert(0, {ROOT!r})\n"
-            f"import common, {script}\n"
-            "seen, real = set(), common.Float32Linear.forward\n"
-            "def spy(self, x):\n"
-            "    seen.add(str(self.weight.dtype))\n"
-            "    return real(self, x)\n"
-            "common.Float32Linear.forward = spy\n"
-            f"{call}\n"
-            f"json.dump(sorted(seen), open({str(tmp_path)!r} + '/seen_{script}' + os.environ['RANK'], 'w'))\n")
-        run_script([str(driver)], nproc=2)
-        for r in (0, 1):
-            assert json.load(open(tmp_path / f"seen_{script}{r}")) == ["torch.float32"], script
+    for spied in bf16_fsdp_runs[1]:
+        assert spied["rm"] == spied["ppo"] == ["torch.float32"], spied
 
 
 def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_path, small_pairs_file):
@@ -108,8 +102,8 @@ def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_pa
     for precision in ("fp32", "bf16"):
         flags = ["--bf16"] if precision == "bf16" else []
         out = tmp_path / precision
-        run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size",
-                    "16", "--num_evals", "1", "--output_dir", str(out / "rm"), *flags])
+        run_main(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size",
+                  "16", "--num_evals", "1", "--output_dir", str(out / "rm"), *flags])
         history = ppo.main(ppo.Args(reward_model_path=str(out / "rm"), output_dir=str(out / "ppo"),
                                     total_episodes=384, sample_every=100, bf16=precision == "bf16"))
         results[precision] = (json.load(open(out / "rm" / "eval_results.json"))["accuracy"],
