@@ -320,6 +320,23 @@ def load_folder(path, config, split):
     return [row for f in files[split] for row in load_rows(str(f))] if split in files else None
 
 
+def split_names(name, config=None):
+    """The splits a dataset has (as load_rows finds them), to name them where one asked for is missing."""
+    if name == "embedded":
+        return list(EMBEDDED_SPLITS)
+    if not os.path.isdir(name):  # a local file has one split; else a hub dataset
+        return ["train"] if os.path.splitext(name.removesuffix(".gz"))[1] in LOCAL_BUILDERS else \
+            hf_datasets().get_dataset_split_names(name, config)
+    if os.path.exists(os.path.join(name, "dataset_dict.json")) or os.path.exists(os.path.join(name, "state.json")):
+        ds = hf_datasets().load_from_disk(name)
+        return list(ds) if isinstance(ds, hf_datasets().DatasetDict) else ["train"]
+    top = [f.split(".")[0] for f in sorted(os.listdir(name)) if os.path.splitext(f.removesuffix(".gz"))[1] in
+           LOCAL_BUILDERS and os.path.isfile(os.path.join(name, f))]
+    if any(t in ("train", "test", "validation") for t in top):  # split files at the top, as load_folder reads them
+        return top
+    return [str(k) for k in hf_datasets().load_dataset_builder(name, config).config.data_files or {}]
+
+
 def read_jsonl(path):
     rows = []
     with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
@@ -643,6 +660,7 @@ def load_model(loader, name, flag, on_meta=False, **kwargs):
         if config.task_type == "CAUSAL_LM" and not model.can_generate():  # an SFT adapter as a classifier's backbone:
             config.task_type = None  # its layers' adapters merged, the head the classifier's own (new)
         model = PeftModel.from_pretrained(model, name, config=config).merge_and_unload()
+        model.requires_grad_(True)  # peft loads an adapter for inference, every weight frozen: the merge trains whole
         if os.path.exists(norm := os.path.join(name, "reward_normalization.json")):
             with open(norm) as f:
                 model.config.update(json.load(f))

@@ -41,6 +41,7 @@ import runpy
 import sys
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -130,6 +131,7 @@ class Args:
     offload_inference_models: bool = False  # --fsdp on GPUs: frozen models' shards in host memory until they compute
     gradient_checkpointing: bool = False  # Recompute the policy's and critic's activations in the backward pass
     bf16: bool = False  # bfloat16 autocast (weights, optimizer state float32; a frozen LoRA base in bfloat16)
+    compile: bool = False  # Decode the rollout compiled: CUDA graphs on a GPU, the same samples (not with --fsdp)
 
 
 # --- The math. --------------------------------------------------------------------------------------------------------
@@ -324,12 +326,12 @@ class Rollout:
 
 def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collective):
     """1. A response to each of this rank's episodes, sampled from softmax(logits / --temperature) with the episode's
-    own random stream (generate); tokens after the stop token become padding."""
+    own random stream (sampling_noise, generate); tokens after the stop token become padding."""
     width = all_reduce(torch.tensor(max(map(len, prompt_ids)), device=device), dist.ReduceOp.MAX)  # same on all ranks
     query, query_mask = (t.to(device) for t in pad_left(prompt_ids, int(width), pad_id))
-    generators = [torch.Generator(device).manual_seed(common.seed_of(args.seed, "sampling", e)) for e in episodes]
+    seeds = torch.tensor([common.seed_of(args.seed, "sampling", e) for e in episodes], device=device)
     with gathered_once(policy, collective), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        responses = generate(policy, query, query_mask, generators, args, stop_id, pad_id, collective)  # (FSDP: the
+        responses = generate(policy, query, query_mask, seeds, args, stop_id, pad_id, collective)  # (FSDP: the
         # weights gathered once, not once per token)
     responses, mask = truncate_after_stop(responses, stop_id, pad_id)
     return Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask)
@@ -551,6 +553,8 @@ def check_args(args):
         raise common.UserError(f"--target_kl {args.target_kl}: must be above 0")
     if args.missing_eos_penalty is not None and args.stop_token == "none":
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
+    if args.compile and args.fsdp:
+        raise common.UserError("--compile compiles the decode of a whole model; --fsdp shards it: drop one of them")
     if args.offload_inference_models and not args.fsdp:
         raise common.UserError("--offload_inference_models holds the frozen models' FSDP shards on the host: pass "
                                "--fsdp too")
@@ -1077,28 +1081,58 @@ def gold_scores(args, prompts, responses, device):
 
 # --- Sampling: each episode has its own random stream (seeded by its index), so samples do not depend on the batch
 # they are in, nor on the number of ranks. -----------------------------------------------------------------------------
+def sampling_noise(seeds, step, vocab_size, device):
+    """Gumbel(0, 1) noise (rows, vocab_size) for token `step` of each row's episode. Counter-based (as Salmon et al.
+    2011): entry (b, v) is a hash of (seeds[b], step, v) alone, so an episode draws the same noise in any batch, on
+    any number of ranks, compiled or not, with no generator and no kernel per row. The hash: rounds of Wellons'
+    lowbias32 (a bijection of 32-bit integers), in int64 with products that never overflow; (seed, step) gives a
+    64-bit row key, each v 32 random bits, u = (bits + 1/2) / 2^32 in float64 (never 0 nor 1), noise -log(-log u)."""
+    low32 = 0xFFFFFFFF
+
+    def times(x, c):  # x * c mod 2^32, c in 16-bit halves: no product reaches 2^63
+        return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & low32
+
+    def mix(x):  # lowbias32 (Wellons 2018)
+        x = times(x ^ (x >> 16), 0x7FEB352D)
+        x = times(x ^ (x >> 15), 0x846CA68B)
+        return x ^ (x >> 16)
+
+    seeds = seeds.to(device)
+    low, high, at = seeds & low32, seeds >> 32, mix(step & low32)  # (step: an int, or a tensor in a compiled graph)
+    key1, key2 = mix(low ^ mix(high ^ at)), mix(high ^ mix(low ^ mix(at ^ 0x9E3779B9)))  # (rows,) each
+    bits = mix(mix((torch.arange(vocab_size, device=device) + key1[:, None]) & low32) ^ key2[:, None])
+    return -torch.log(-torch.log((bits.double() + 0.5) / 2 ** 32)).float()
+
+
 @torch.no_grad()
-def generate(model, query, query_mask, generators, args, stop_id, pad_id, collective=False):
-    """KV-cached sampling (Gumbel-max with per-row noise) from the logits the learning forward computes
-    (output_logits, float32). Returns responses (B, response_length). The cache is allocated once for prompt +
-    response (a growing one copies itself every token); the mask covers that width from the start, causality hiding
-    the tokens not yet sampled."""
+def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=False):
+    """KV-cached sampling (Gumbel-max with each episode's noise, sampling_noise; seeds: (B,) int64) from the logits
+    the learning forward computes (output_logits, float32). Returns responses (B, response_length). The cache is
+    allocated once for prompt + response (a growing one copies itself every token); the mask covers that width from
+    the start, causality hiding the tokens not yet sampled. --compile: each token after the first through
+    CompiledDecode's step, the same tokens."""
+    decode = compiled_decode(model, query, args) if args.compile else None
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
+    width = decode.cache_length if decode else query.shape[1] + args.response_length  # (--compile: the run's)
     mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
-        -1, args.response_length)], 1)
-    cache = ComputeDtypeCache(config=unwrap(model).config, max_cache_len=mask.shape[1])
+        -1, width - query.shape[1])], 1)
+    cache = decode.start(mask, position[:, -1:], seeds) if decode else \
+        ComputeDtypeCache(config=unwrap(model).config, max_cache_len=mask.shape[1])
     last_only = {"logits_to_keep": 1} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     inputs = dict(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position,
                   **last_only)  # the prompt's last position only, not B x prompt x V
     tokens = []
     done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
     for t in range(args.response_length):
-        logits = output_logits(unwrap(model), head_inputs(model, **inputs)[:, -1], args.temperature)
-        noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generators])
-        gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
-        token = (logits + gumbel).argmax(-1)
+        if decode and t:
+            token = decode.step(unwrap(model), token, t)
+        else:
+            logits = output_logits(unwrap(model), head_inputs(model, **inputs)[:, -1], args.temperature)
+            token = (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
         tokens.append(token)
         done |= token == stop_id
+        if decode and (t + 1) % STOP_CHECK_EVERY and t < args.response_length - 1:
+            continue  # (reading `done` waits for the device)
         all_done = done.all()
         if collective:  # FSDP: every rank must run the same number of forward passes
             all_done = torch.tensor(float(all_done), device=query.device)
@@ -1108,6 +1142,8 @@ def generate(model, query, query_mask, generators, args, stop_id, pad_id, collec
         inputs = dict(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
                       position_ids=position[:, -1:] + t + 1)
     responses = torch.stack(tokens, 1)
+    if decode:
+        responses = padded_after_all_stopped(responses, stop_id, pad_id)
     return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
 
 
@@ -1561,6 +1597,81 @@ def summarize(history, window=5):
             out[f"{name}_first"], out[f"{name}_last"] = sum(xs[:window]) / len(xs[:window]), sum(xs[-window:]) / len(
                 xs[-window:])
     return out
+
+
+# --- --compile: the decode step through CUDA graphs. ------------------------------------------------------------------
+STOP_CHECK_EVERY = 16  # --compile: tokens between two reads of whether every row has stopped (a read waits for the GPU)
+DECODES = weakref.WeakKeyDictionary()  # a model -> its CompiledDecode (which holds no reference to the model)
+
+
+def compiled_decode(model, query, args):
+    """The model's CompiledDecode for this rollout's shape: the rows and --max_prompt_length + --response_length
+    columns, the same for every rollout of a run, so the step is compiled (and its CUDA graph recorded) once."""
+    model, kind = unwrap(model), query.device.type
+    key = (len(query), max(query.shape[1], args.max_prompt_length or 0) + args.response_length, args.temperature,
+           torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
+    if (decode := DECODES.get(model)) is None or decode.key != key:
+        if decode is not None:
+            decode.hook.remove()
+        decode = DECODES[model] = CompiledDecode(model, key)
+    return decode
+
+
+class CompiledDecode:
+    """generate's one-token step (the forward over the KV cache, output_logits, sampling_noise, argmax) through
+    torch.compile(mode="reduce-overhead"), the gpt-fast recipe. It guarantees: the same function of the same inputs
+    as generate's plain step (in float32 on a CPU the same tokens; tests/test_ppo.py); fixed shapes (a static cache of
+    cache_length columns, kept for the run and reset for each rollout; the cache position and the step index held on
+    the device), so one compilation and, on a GPU, one CUDA graph replayed per token, with no host sync and sampling on
+    the device. The graph reads the model's weights where they are (the optimizer updates them in place); its memory
+    pool holds one step's intermediates."""
+
+    def __init__(self, model, key):
+        self.key, self.cache_length, self.temperature = key, key[1], key[2]
+        self.cache = ComputeDtypeCache(config=model.config, max_cache_len=self.cache_length)
+        # the output layer's input, taken as head_inputs takes it, by a hook added once (one added inside the compiled
+        # step would break its graph), which acts only while the step's forward runs
+        self.capture = {"on": False}
+        self.hook = model.get_output_embeddings().register_forward_pre_hook(self.capture_hidden)
+        self.compiled = torch.compile(self.forward, mode="reduce-overhead", dynamic=False)
+
+    def capture_hidden(self, module, args):
+        if not self.capture["on"]:
+            return None
+        self.capture["hidden"] = args[0]
+        return (args[0][:, :0],) + args[1:]
+
+    def start(self, mask, position, seeds):
+        """A rollout's prompt inputs (the mask of cache_length columns, the prompt's last positions, the episodes'
+        seeds); returns the cache, emptied, for generate's prefill."""
+        self.cache.reset()
+        self.inputs = (position.contiguous(), mask, seeds)  # (strides too the same for every rollout)
+        self.t = torch.zeros((), dtype=torch.long, device=mask.device)
+        return self.cache
+
+    def step(self, model, token, t):
+        """Token t from token t - 1 (B,)."""
+        self.t.fill_(t)
+        torch.compiler.cudagraph_mark_step_begin()
+        return self.compiled(model, token, self.t, *self.inputs).clone()  # (a graph's output: overwritten when it
+        # replays next)
+
+    def forward(self, model, token, t, position, mask, seeds):
+        self.capture["on"] = True
+        model(input_ids=token[:, None], attention_mask=mask, past_key_values=self.cache, use_cache=True,
+              position_ids=position + t)
+        self.capture["on"] = False
+        logits = output_logits(model, self.capture.pop("hidden")[:, -1], self.temperature)
+        return (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
+
+
+def padded_after_all_stopped(responses, stop_id, pad_id):
+    """generate's plain output from the compiled one's, which samples on until the token where it reads that every row
+    has stopped: padding after the first token where every row had."""
+    if stop_id is None:
+        return responses
+    all_stopped = (responses == stop_id).cumsum(1).gt(0).all(0)  # (T,)
+    return responses.masked_fill(F.pad(all_stopped[:-1], (1, 0), value=False), pad_id)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@
 
 A reward model is a language model with a scalar head read at the last real token of prompt + response. It is trained
 so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_c - r_r - margin) (Bradley & Terry
-1952; Ouyang et al. 2022, eq. 1; the margin of Touvron et al. 2023), plus optional centering. Phases (`main`): load
-model and pairs; choose the batch layout; train; evaluate; fit the reward normalization; save in transformers' format.
-The method reads from the top to the end of `main`; below it, the packed attention (checked against the padded batch),
-defaults filled in (sizes, schedule, eval split), plumbing. Left out (README): equal loss variants, figures, upload.
+1952; Ouyang et al. 2022, eq. 1; the margin of Touvron et al. 2023), plus optional centering. The whole method reads
+from here to the end of `main` (load model and pairs; train; evaluate; fit the reward normalization; save), where the
+FENCE stands; below it, what a run calls but a reader may trust by its docstring (loading, distributed set-up, I/O,
+logging), then the opt-in packed layout (--padding_free). Left out (README): equal loss variants, figures, upload.
 """
 
 import collections
@@ -36,10 +36,11 @@ import common
 
 @dataclass
 class Args:
-    """rm.py's options, the method's first (help: the comment after each field; the why of a default: above it)."""
+    """rm.py's options (help: the comment after each field; the why of a default: above it). Each default is the value
+    a run uses, but None where it depends on the model: fill_defaults (below) fills those, and the run records them."""
     # --- reward model
     center_rewards_coefficient: float = 0.0  # Weight of mean((r_c + r_r)^2), keeping rewards near 0 (Eisenstein 2023)
-    head_init_std: float | None = None  # Std of a new head's weights (default 1/sqrt(hidden_size + 1): rewards ~1)
+    head_init_std: float | None = None  # Std of a new head's weights (None: 1/sqrt(hidden_size + 1), rewards ~1)
     # fitted after training on 2048 training pairs (never eval ones); config.json: (logit - shift) / scale, as ppo.py
     reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"  # Saved rewards' mean 0 (and std 1)
     # --- model and data
@@ -48,21 +49,23 @@ class Args:
     dataset_config: str | None = None  # Hub dataset configuration name
     dataset_mixer_list: list[str] = field(default_factory=list)  # NAME WEIGHT ... (weight <= 1: fraction, > 1: count)
     train_split: str = "train"  # Split to train on
-    eval_split: str | None = None  # Split to evaluate on (default: validation, else test, else --eval_holdout)
-    eval_holdout: float = 0.1  # Fraction of training pairs held out, whole prompts at a time, if no eval split
-    max_length: int | None = None  # Max tokens of prompt + response (default 512, or the model's position table)
-    max_prompt_length: int | None = None  # Prompt tokens kept at least when a pair is cut (default 256, <= 3/4 max)
+    eval_split: str | None = None  # Split evaluated on, refused if absent (None: validation, else test, else held out)
+    eval_holdout: float = 0.1  # Without an eval split: this fraction held out, by whole prompts never trained on
+    max_length: int | None = None  # Max tokens of prompt + response (None: 512, or the model's position table if less)
+    max_prompt_length: int | None = None  # Prompt tokens kept at least if a pair is cut (None: min(256, 3/4 max))
     output_dir: str = "runs/rm"  # The model, tokenizer, metrics.jsonl, eval_results.json and checkpoints
     # --- optimisation
-    learning_rate: float | None = None  # AdamW learning rate (default 1e-3 for the embedded models, else 1e-5)
+    learning_rate: float | None = None  # AdamW learning rate (None: 1e-5; 1e-3 for the embedded models)
     weight_decay: float = 0.0  # AdamW weight decay
-    # 1 for pretrained models: InstructGPT and Llama 2 train reward models one epoch (they overfit after one)
-    num_train_epochs: float | None = None  # Passes over the pairs (default 1; 3 for the embedded models)
+    num_train_epochs: float | None = None  # Passes over the pairs (None: 1; 3 for the embedded models)
     max_steps: int = -1  # Total optimizer steps; overrides --num_train_epochs when > 0
     per_device_train_batch_size: int = 32  # Pairs per device per micro-step (chosen and rejected in one forward)
     gradient_accumulation_steps: int = 1  # Micro-steps per optimizer step (global batch: per-device x this x ranks)
-    per_device_eval_batch_size: int | None = None  # Pairs per device per evaluation forward (default: training's)
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"  # LR after warm-up
+    per_device_eval_batch_size: int = 32  # Pairs per device per evaluation forward
+    lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "inverse_sqrt",
+                               "constant_with_warmup", "reduce_lr_on_plateau", "cosine_with_min_lr", "greedy",
+                               "cosine_warmup_with_min_lr", "warmup_stable_decay"] = "cosine"  # LR after warm-up
+    lr_end: float = 0.0  # End LR of polynomial (a linear decay to it), cosine_*min_lr and warmup_stable_decay
     warmup_steps: int = 0  # Linear warm-up steps (overrides --warmup_ratio when > 0)
     warmup_ratio: float = 0.05  # Warm-up as a fraction of the total steps
     max_grad_norm: float = 1.0  # Gradient clipping norm (0 disables)
@@ -74,19 +77,35 @@ class Args:
     # --- evaluation, logging, checkpoints
     num_evals: int = 5  # Evaluations evenly spread over training, the last at its end
     logging_steps: int = 50  # Log train metrics every this many steps
-    save_steps: int | None = None  # Checkpoint every this many steps (default every 30 minutes; 0: none)
+    save_steps: int | None = None  # Checkpoint every this many steps (None: every 30 minutes; 0: none)
     resume: bool = False  # Continue from the latest checkpoint in --output_dir, on any number of ranks
     overwrite_output_dir: bool = False  # Train afresh where a run or checkpoints are (refused without this or --resume)
     track: bool = False  # Log to Weights & Biases (works with WANDB_MODE=offline)
     tensorboard: bool = False  # Also write every logged metric as TensorBoard events to --output_dir/tensorboard
     wandb_project: str = "rlhf-rm"  # Weights & Biases project
-    run_name: str | None = None  # Run name for Weights & Biases
+    run_name: str | None = None  # Run name for Weights & Biases (None: its own)
     eval_only: bool = False  # No training: evaluate --model_name_or_path on the eval split (or every pair)
     # --- systems
-    padding_free: bool = True  # Packed: pairs in one row, each prompt once, no padding, same rewards (else padded)
+    # opt-in speed path (below the fence), used if its rewards equal the padded ones on this model (said at start-up)
+    padding_free: bool = False  # Pack each pair in one row, its prompt once, no padding (default: 2B padded rows)
     fsdp: bool = False  # Shard parameters, gradients and optimizer state per block with FSDP2 (default: DDP)
     bf16: bool = False  # bfloat16 autocast (weights, optimizer state float32; a frozen LoRA base in bfloat16)
     gradient_checkpointing: bool = False  # Recompute activations in the backward pass to save memory
+
+
+def fill_defaults(args, model, rank=0):
+    """The defaults that depend on the model, the only ones not written in Args; printed, and saved with the results."""
+    # pretrained models: 1 epoch, as InstructGPT and Llama 2 (they overfit after one); tiny models from scratch: more
+    embedded = args.model_name_or_path.startswith("embedded-")
+    max_length = args.max_length or min(512, common.position_table(model) or 512)  # (GPT-2: 1024, BERT: 512, ...)
+    head = getattr(model, "score", None)  # a new head's std: first rewards of order 1 (as Ziegler et al. 2019's code)
+    filled = {"learning_rate": 1e-3 if embedded else 1e-5, "num_train_epochs": 3.0 if embedded else 1.0,
+              "max_length": max_length, "max_prompt_length": min(256, max_length * 3 // 4),
+              "head_init_std": 1 / math.sqrt(head.in_features + 1) if head is not None else None}
+    filled = {k: v for k, v in filled.items() if getattr(args, k) is None and v is not None}
+    if filled and rank == 0:
+        print("defaults for this model: " + ", ".join(f"--{k} {v:.4g}" for k, v in filled.items()))
+    return dataclasses.replace(args, **filled)
 
 
 # --- The math. -------------------------------------------------------------------------------------------------------
@@ -103,26 +122,6 @@ def reward_model_loss(r_chosen, r_rejected, margin, center_coefficient=0.0):
         center_coefficient * ((r_chosen + r_rejected) ** 2).mean()
 
 
-def chosen_wins(r_chosen, r_rejected, margin):
-    """P(chosen wins) as the loss models it, exp(-loss) = sigmoid(r_c - r_r - margin)."""
-    return torch.exp(-preference_loss(r_chosen, r_rejected, margin))
-
-
-def calibration_error(p_chosen, n_bins=10):
-    """Expected calibration error of P(chosen wins): over bins of predictions, sum of (bin size / N) * |mean
-    prediction - frequency it came true|; each pair counted in both orders, (p, won) and (1 - p, lost)."""
-    p = torch.cat([p_chosen, 1 - p_chosen]).double()
-    won = torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)]).double()
-    bins = (p * n_bins).long().clamp(max=n_bins - 1)
-    total = lambda x: torch.bincount(bins, weights=x, minlength=n_bins)  # noqa: E731
-    return ((total(p) - total(won)).abs().sum() / len(p)).item()
-
-
-def pearson(x, y):
-    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
-    return (x * y).sum().item() / max(math.sqrt((x * x).sum().item() * (y * y).sum().item()), 1e-12)
-
-
 # --- The method's conventions, the same as ppo.py's (tests/test_rm.py checks that they agree). -----------------------
 def truncate_prompt(ids, max_prompt_length, bos_id=None):
     """A prompt longer than max_prompt_length keeps its END (the turn being answered) and its leading BOS/[CLS]."""
@@ -132,9 +131,23 @@ def truncate_prompt(ids, max_prompt_length, bos_id=None):
     return ids[:keep] + ids[len(ids) - max_prompt_length + keep:]
 
 
+def truncate_pair(prompt, chosen, rejected, max_length, max_prompt_length, bos_id=None):
+    """(prompt ids, None), or (None, why the pair is dropped). Responses are never cut: a cut response loses its EOS,
+    and its reward would be read at a token never trained on (TRL's RewardTrainer and open-instruct drop such pairs).
+    A pair past max_length has its prompt cut (truncate_prompt) to what the longer response leaves, but not below
+    max_prompt_length; if the pair still does not fit it is dropped ("too long": over half of the training pairs
+    stops the run). Responses of the same tokens carry no preference ("identical")."""
+    if chosen == rejected:
+        return None, "identical"
+    longest = max(len(chosen), len(rejected))
+    if min(len(prompt), max_prompt_length) + longest > max_length:
+        return None, "too long"
+    return truncate_prompt(prompt, max_length - longest, bos_id), None
+
+
 def last_token_index(mask):
-    """Where a reward is read, in every layout: the last token of each row of the mask (a sequence's EOS, or its last
-    token kept if cut), read from the mask (a pad id may equal EOS), right or left padded."""
+    """Where a reward is read, in every layout: the last token of each row of the mask (a sequence's EOS: a response
+    is never cut), read from the mask (a pad id may equal EOS), right or left padded."""
     return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
 
 
@@ -164,105 +177,58 @@ def disable_dropout(model):
     return model
 
 
-# --- The model, the data, the batch layouts, one training step, evaluation. ------------------------------------------
+def new_head(model, std):
+    """A new head `score` drawn N(0, std^2) (fill_defaults: 1/sqrt(hidden + 1)); encoders keep their pooled head's.
+    Every head computes in float32 (load_reward_model): a bfloat16 reward moves in steps of 1/128 of its size."""
+    if hasattr(model, "score"):
+        torch.nn.init.normal_(model.score.weight, std=std)
+
+
+def load_reward_model(args, tokenizer, rank=0, on_meta=False):
+    """(the sequence classifier, its peft model with --lora_r, args with the model's defaults filled): the backbone
+    float32 (a frozen LoRA base may be bfloat16), dropout off, an adapter folder merged in (load_backbone); a new head
+    where the start has no trained one (a causal LM, an SFT model); --lora_r's adapters, the head trained in full."""
+    hf_model, needs_head = load_backbone(args, tokenizer, on_meta)
+    args = fill_defaults(args, hf_model, rank)
+    check_lengths(args, hf_model)
+    if needs_head:
+        new_head(hf_model, args.head_init_std)
+    hf_model = common.scalar_head_in_float32(hf_model)
+    return hf_model, common.add_lora(hf_model, args, "SEQ_CLS") if args.lora_r and not args.eval_only else None, args
+
+
+# --- The batch, the model, one training step, evaluation. ------------------------------------------------------------
+def collate(pairs, pad_id):
+    """The padded batch (the default layout): 2B rows, the chosen sequences then the rejected ones, right-padded
+    (rewards.chunk(2) splits them); one pass equals two, as rows never attend to each other and dropout is off."""
+    seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
+    ids = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+    return ids, mask
+
+
+def model_inputs(pairs, pad_id, args, device="cpu"):
+    """The model's inputs for B pairs, by name; it returns the B chosen rewards, then the B rejected ones. Padded, or
+    with --padding_free a packed row (pack_segments, below the fence; choose_layout checked it on this model)."""
+    if args.padding_free:
+        ids, segments = pack_segments(pairs, device)
+        return {"input_ids": ids.to(device), "packed": segments}
+    ids, mask = collate(pairs, pad_id)
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
 class RewardModel(torch.nn.Module):
-    """A transformers sequence classifier read at each sequence's last token: a padded batch through sequence_reward,
-    a packed row (pack_segments) at the read points it brings, under segment_attention."""
+    """The module DDP and FSDP wrap: a padded batch's rewards (sequence_reward), or a packed row's (packed_rewards)."""
 
     def __init__(self, hf_model):
         super().__init__()
         self.hf = hf_model
 
-    def forward(self, input_ids, attention_mask, position_ids=None, read_at=None, segments=None):
-        if segments is None:
-            return sequence_reward(self.hf, input_ids, attention_mask)
-        if self.hf.config._attn_implementation != "rm_segments":  # the model's own attention would cross pairs
-            raise ValueError("a packed row needs the model's attention set by choose_layout")
-        hidden = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                    rm_segments=segments).last_hidden_state
-        return self.hf.score(hidden[read_at[0], read_at[1]]).squeeze(-1).float()
-
-
-def reward_head(model, args, new_head):
-    """The head `score`; a new one drawn with std 1/sqrt(hidden + 1) (first rewards of order 1, as Ziegler et al. 2019's
-    code), computing in float32 under any autocast: a bfloat16 reward moves in steps of 1/128 of its size."""
-    if new_head and hasattr(model, "score"):  # encoders' pooled heads keep transformers' initialisation
-        hidden = model.score.in_features
-        std = args.head_init_std if args.head_init_std is not None else 1 / math.sqrt(hidden + 1)
-        torch.nn.init.normal_(model.score.weight, std=std)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"{args.model_name_or_path}: a new reward head (score, {hidden} -> 1, initial std {std:.3g}) on "
-                  "its backbone")
-    return common.scalar_head_in_float32(model)
-
-
-def truncate_pair(prompt_ids, chosen_ids, rejected_ids, max_length, max_prompt_length, bos_id=None):
-    """(prompt, chosen, rejected, cut?): past max_length, the prompt keeps its end and BOS, as many tokens as the longer
-    response leaves but at least max_prompt_length; then each response is cut to fit (losing its EOS)."""
-    longest = max(len(chosen_ids), len(rejected_ids))
-    p = truncate_prompt(prompt_ids, max(max_prompt_length, max_length - longest), bos_id)
-    c, r = chosen_ids[:max_length - len(p)], rejected_ids[:max_length - len(p)]
-    return p, c, r, (len(p), len(c), len(r)) != (len(prompt_ids), len(chosen_ids), len(rejected_ids))
-
-
-def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
-    """(train, eval): whole prompts drawn by seed go to eval until they hold `fraction` of the rows, and their pairs in
-    also_trained (other datasets' training pairs) leave training too: no held-out prompt is trained on. A dataset of
-    one prompt (pairs without one, say) is held out by row instead."""
-    prompt = lambda row: common.split_pair(row, tokenizer, common.where(row))[0]  # noqa: E731
-    keys = [prompt(r) for r in rows]
-    keys = keys if len(set(keys)) > 1 else list(range(len(rows)))
-    order, size = list(dict.fromkeys(keys)), collections.Counter(keys)
-    random.Random(seed).shuffle(order)
-    before = itertools.accumulate((size[k] for k in order), initial=0)  # rows held before each key in turn
-    held = {k for k, n in zip(order, before) if n < max(1, int(len(rows) * fraction))}
-    train = [r for r, k in zip(rows, keys) if k not in held] + [r for r in also_trained if prompt(r) not in held]
-    return train, [r for r, k in zip(rows, keys) if k in held]
-
-
-def collate(pairs, pad_id, padding_side="right"):
-    """The padded batch: 2B rows, the chosen sequences then the rejected ones (rewards.chunk(2) splits them); one pass
-    equals two, as rows never attend to each other and dropout is off."""
-    seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        span = slice(0, len(s)) if padding_side == "right" else slice(width - len(s), width)
-        ids[i, span], mask[i, span] = torch.tensor(s), 1
-    return ids, mask, torch.tensor([p["margin"] for p in pairs])
-
-
-# segment_attention makes one SDPA call per block of consecutive pairs of at most this many tokens (a longer pair is a
-# block alone): short pairs share a call, long ones pay only for their own length, never for the row's
-BLOCK_TOKENS = 256
-
-
-def pack_segments(pairs):
-    """The default layout: per pair prompt + chosen + rejected, end to end in one row, rejected's positions continuing
-    from the prompt's end (Wang et al. 2024, arXiv 2410.20305). `member` marks each sequence's tokens (chosen, then
-    rejected): its reward is read at its last token by last_token_index, as in the padded batch."""
-    ids, positions, blocks = [], [], []
-    member = torch.zeros(2 * len(pairs), sum(len(p["prompt"] + p["chosen"] + p["rejected"]) for p in pairs), dtype=bool)
-    for i, p in enumerate(pairs):
-        s, P, C, R = len(ids), len(p["prompt"]), len(p["chosen"]), len(p["rejected"])
-        if not blocks or s + P + C + R - blocks[-1][0] > BLOCK_TOKENS:
-            blocks.append([s, s])
-        ids += p["prompt"] + p["chosen"] + p["rejected"]
-        positions += list(range(P + C)) + list(range(P, P + R))
-        blocks[-1][1] = len(ids)
-        member[i, s:s + P + C] = member[len(pairs) + i, s:s + P] = member[len(pairs) + i, s + P + C:len(ids)] = True
-    read = last_token_index(member)
-    segments = Segments(member, torch.tensor(positions), [tuple(b) for b in blocks])
-    return torch.tensor([ids]), None, torch.tensor([positions]), torch.stack([torch.zeros_like(read), read]), segments
-
-
-def model_inputs(pairs, pad_id, args, device="cpu"):
-    """The model's inputs for B pairs; it returns the B chosen rewards, then the B rejected ones. Packed is a swap for
-    speed with collate's rewards: tests compare rewards and gradients on every model family, and choose_layout checks
-    them on the run's model, device and precision, else takes the padded batch and says why ("batch layout: ...")."""
-    inputs = pack_segments(pairs) if args.padding_free else collate(pairs, pad_id)[:2] + (None, None, None)
-    return [x.to(device) if torch.is_tensor(x) else x for x in inputs]
+    def forward(self, input_ids, attention_mask=None, packed=None):
+        return sequence_reward(self.hf, input_ids, attention_mask) if packed is None else \
+            packed_rewards(self.hf, input_ids, packed)
 
 
 def train_step(model, micro_batches, args, pad_id, device):
@@ -275,7 +241,7 @@ def train_step(model, micro_batches, args, pad_id, device):
         if hasattr(model, "require_backward_grad_sync"):  # DDP all-reduces the gradients on the last micro-batch only
             model.require_backward_grad_sync = m == len(micro_batches) - 1  # (FSDP reduce-scatters every one's)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            r_chosen, r_rejected = model(*inputs).chunk(2)
+            r_chosen, r_rejected = model(**inputs).chunk(2)
         loss = reward_model_loss(r_chosen, r_rejected, margin, args.center_rewards_coefficient)
         # / accumulation: the summed gradients are the mean over this rank's pairs, and DDP/FSDP average the ranks',
         # so the step's gradient is that of the mean loss over the global batch (equal micro-batches)
@@ -290,114 +256,93 @@ def train_step(model, micro_batches, args, pad_id, device):
 
 @torch.no_grad()
 def evaluate(model, pairs, args, pad_id, device, rank, world):
-    """(metrics, overall and per dataset of a mixture; per pair (r_chosen, r_rejected)), pairs shared by the ranks."""
+    """(metrics (pair_metrics: of all pairs, and of each dataset of a mixture), per pair (r_chosen, r_rejected)), the
+    pairs shared by the ranks; the model in evaluation mode (dropout is off anyway)."""
     training = model.training
     model.eval()
-    # longest first, so that a batch holds pairs of similar length (little padding) and the peak memory comes first
-    order = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
-    mine, per_rank = order[rank::world], math.ceil(len(pairs) / world)
-    valid = torch.arange(per_rank, device=device) < len(mine)
-    mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts (FSDP's forward is collective)
-    rewards, size = [], args.per_device_eval_batch_size or args.per_device_train_batch_size
-    for i in range(0, per_rank, size):
-        inputs = model_inputs([pairs[j] for j in mine[i:i + size]], pad_id, args, device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            rewards.append(torch.stack(model(*inputs).chunk(2), 1))  # per pair (r_chosen, r_rejected)
-    index, valid, rewards = (all_gather_cat(t) for t in (torch.tensor(mine, device=device), valid, torch.cat(rewards)))
-    rewards = torch.empty(len(pairs), 2).index_copy_(0, index[valid].cpu(), rewards[valid].cpu())
+    rewards = all_pair_rewards(model, pairs, args, pad_id, device, rank, world)
     model.train(training)
-    margin = torch.tensor([p["margin"] for p in pairs])
-    metrics = pair_metrics(rewards[:, 0], rewards[:, 1], margin, pairs, args, "eval/")
-    datasets = dict.fromkeys(p.get("dataset") for p in pairs)
-    if len(datasets) > 1:  # a mixture: each dataset's own numbers as well
-        for name in datasets:
-            ours = torch.tensor([p.get("dataset") == name for p in pairs])
-            metrics.update(pair_metrics(rewards[ours, 0], rewards[ours, 1], margin[ours],
-                                        [p for p, o in zip(pairs, ours) if o], args, f"eval/{name}/"))
-    return metrics, rewards
-
-
-def pair_metrics(rc, rr, margin, pairs, args, prefix):
-    """The evaluation metrics of pairs from their rewards, each key prefixed."""
-    lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
-    metrics = {
-        "accuracy": (rc > rr).float().mean().item(),  # (a tie counts as an error)
-        "loss": reward_model_loss(rc, rr, margin, args.center_rewards_coefficient).item(),
-        "preference_loss": preference_loss(rc, rr, margin).mean().item(),  # (without the centering)
-        "reward_gap": (rc - rr).mean().item(),
-        "chosen_reward": rc.mean().item(),
-        "rejected_reward": rr.mean().item(),
-        "reward_mean": torch.cat([rc, rr]).mean().item(),
-        "reward_std": torch.cat([rc, rr]).std().item(),
-        "calibration_error": calibration_error(chosen_wins(rc, rr, margin)),
-        "length_correlation": pearson(torch.cat([rc, rr]), lengths),
-    }
-    known = torch.tensor([p["gold"] is not None for p in pairs])
-    if known.any():  # embedded-task pairs (all, or some of a mixture): compare with the best possible accuracy
-        gold, rc, rr = torch.tensor([p["gold"] for p in pairs if p["gold"] is not None]), rc[known], rr[known]
-        p_gold = torch.sigmoid(common.PREFERENCE_BETA * (gold[:, 0] - gold[:, 1]))
-        metrics["bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
-        metrics["accuracy_vs_bayes"] = (rc > rr).float().mean().item() / metrics["bayes_accuracy"]
-        metrics["gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
-    return {prefix + k: v for k, v in metrics.items()}
-
-
-NORMALIZATION_PAIRS = 2048  # the mean's standard error is then under 1/45 of the rewards' std
+    return metrics_by_dataset(rewards, pairs, args), rewards
 
 
 def fit_normalization(model, train, args, pad_id, device, rank, world):
-    """--reward_normalization: reward_shift, the mean reward of NORMALIZATION_PAIRS training pairs drawn by seed (never
-    eval pairs), and with shift_scale reward_scale, their std; ppo.py reads (score - reward_shift) / reward_scale."""
+    """--reward_normalization: reward_shift, the mean reward of 2048 training pairs drawn by seed (never eval pairs; its
+    standard error under 1/45 of the rewards' std), with shift_scale reward_scale, their std; ppo.py reads (score -
+    reward_shift) / reward_scale."""
     if args.reward_normalization == "none":
         return {"reward_shift": 0.0, "reward_scale": 1.0, "reward_normalization_fitted_on": None}
     rng = random.Random(common.seed_of(args.seed, "normalization"))
-    pairs = rng.sample(train, min(NORMALIZATION_PAIRS, len(train)))
+    pairs = rng.sample(train, min(2048, len(train)))
     fitted = evaluate(model, pairs, args, pad_id, device, rank, world)[0]
     return {"reward_shift": fitted["eval/reward_mean"],
             "reward_scale": fitted["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0,
             "reward_normalization_fitted_on": f"{len(pairs)} training pairs"}
 
 
+def schedule(args, n_train, global_batch, rank):
+    """(steps per epoch, total steps, the steps after which to evaluate): --max_steps, else ceil(--num_train_epochs x
+    (training pairs // global batch)), each epoch's leftover pairs (fewer than a global batch) left out of it."""
+    steps_per_epoch = n_train // global_batch
+    if steps_per_epoch == 0 and not args.eval_only:
+        raise common.UserError(f"{n_train} training pairs are fewer than one global batch of {global_batch}")
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
+    evals_at = {math.ceil(k * total_steps / args.num_evals) for k in range(1, args.num_evals + 1)}
+    if len(evals_at) < args.num_evals and not args.eval_only and rank == 0:
+        print(f"--num_evals {args.num_evals}: {len(evals_at)}, one after each of the {total_steps} steps")
+    return steps_per_epoch, total_steps, evals_at
+
+
+def build_optimizer(model, args, total_steps):
+    """AdamW on the trained parameters; transformers' --lr_scheduler_type after linear warm-up, to --lr_end where the
+    schedule has an end rate."""
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay, fused=True)
+    end = {"polynomial": {"lr_end": args.lr_end, "power": 1.0},  # power 1: a linear decay to --lr_end
+           "cosine_with_min_lr": {"min_lr": args.lr_end}, "cosine_warmup_with_min_lr": {"min_lr": args.lr_end},
+           # the last fifth of the steps cools down (Hagele et al. 2024: a 20% cool-down matches cosine)
+           "warmup_stable_decay": {"num_decay_steps": total_steps // 5,
+                                   "min_lr_ratio": args.lr_end / args.learning_rate if args.learning_rate else 0.0}}
+    try:
+        scheduler = get_scheduler(args.lr_scheduler_type, optimizer,
+                                  num_warmup_steps=args.warmup_steps or int(args.warmup_ratio * total_steps),
+                                  num_training_steps=total_steps,
+                                  scheduler_specific_kwargs=end.get(args.lr_scheduler_type))
+    except (ValueError, TypeError) as e:  # e.g. polynomial's --lr_end not below --learning_rate
+        raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: {common.first_line(e)}") from None
+    return optimizer, scheduler
+
+
 def main(args):
-    args, rank, world, device = start_up(args)  # arguments, models, datasets and output folder checked
+    args, rank, world, device = start_up(args)  # arguments, sources and output folder checked, before any weight
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
 
     # 1. Model and data: preference pairs -> token ids (the same on every rank; each takes its slice of every batch).
     tokenizer = load_tokenizer(args.model_name_or_path)
     sharded = args.fsdp and world > 1  # then rank 0 loads the model, the others build it on the meta device
-    # the backbone, float32 (dropout off) and a scalar head (reward_head: new, or the checkpoint's)
-    hf_model, lora = load_reward_model(args, tokenizer, on_meta=sharded and rank != 0)
-    args = resolve_lengths(args, hf_model, rank)
-    # pairs past --max_length are cut (truncate_pair); eval: each dataset's --eval_split, else --eval_holdout of its
-    # pairs, whole prompts held out of training (hold_out_by_prompt)
+    hf_model, lora, args = load_reward_model(args, tokenizer, rank, on_meta=sharded and rank != 0)
+    # pairs: truncate_pair (a long prompt cut, a still too long pair dropped); eval: each dataset's --eval_split (or
+    # validation, else test), else --eval_holdout of its pairs, whole prompts never trained on (hold_out_by_prompt)
     train, evals, eval_sets = load_data(args, tokenizer, rank)
-    # steps: --max_steps, else ceil(--num_train_epochs x (training pairs // global batch)), each epoch's leftover pairs
-    # (fewer than a global batch) left out of it; evaluations after evals_at
     steps_per_epoch, total_steps, evals_at = schedule(args, len(train), global_batch, rank)
     if not args.eval_only and common.run_complete(args, total_steps, rank):
         return None
 
-    # 2. Batch layout (model_inputs: packed, if the check on this model passes, else padded), optimizer, schedule.
-    if not sharded:  # (sharded: every rank checks the layout on its own shards, after parallelize)
-        args, layout = choose_layout(RewardModel(hf_model.to(device)), args, len(tokenizer), rank)
-    if args.gradient_checkpointing:
-        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model = parallelize(RewardModel(hf_model), args, device)
-    if sharded:
-        args, layout = choose_layout(model, args, len(tokenizer))
-        model.reshard()  # (FSDP keeps the root's parameters gathered after a forward: the optimizer takes the shards)
+    # 2. DDP or FSDP2; the batch layout: padded, or with --padding_free packed if checked equal on this model.
+    model, layout = parallelize(RewardModel(hf_model), args, device), "padded (the default)"
+    if args.padding_free:
+        args, layout = choose_layout(model, args, len(tokenizer), rank)
     if args.eval_only:
         return evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, layout, eval_sets)
-    # AdamW (lr 1e-5; 1e-3 for the embedded models) with --weight_decay; --lr_scheduler_type after linear warm-up
     optimizer, scheduler = build_optimizer(model, args, total_steps)
     ckpt = common.resume_training(model, optimizer, scheduler, args.output_dir, args, world) if args.resume else None
     start_step = ckpt["step"] if ckpt else 0
     logger = common.Logger(args, args.wandb_project, start_step if args.resume else None) if rank == 0 else None
-    if rank == 0:
-        describe_run(args, hf_model, lora, layout, optimizer, world, device, steps_per_epoch, total_steps, start_step)
+    describe_run(args, hf_model, lora, layout, optimizer, world, device, steps_per_epoch, total_steps, start_step, rank)
 
-    # 3. Training loop: per step, one fused forward per micro-batch, Bradley-Terry loss, one optimizer step.
+    # 3. Training loop: per step, one forward per micro-batch (chosen and rejected rows together), one optimizer step.
     model.train()
     bar = tqdm(range(start_step, total_steps), disable=rank != 0, initial=start_step, total=total_steps, desc="rm")
     window, t_window, t_saved, ev = [], time.time(), time.time(), None
@@ -455,7 +400,15 @@ def main(args):
     return ev
 
 
-# --- The systems: what makes the steps run on real data, at scale and fast. Start-up checks, model and data. ---------
+# ===================================================== FENCE ========================================================
+# The method ends here. Below: what a run calls but a reader may trust by its docstring (start-up checks, loading the
+# model and data, distributed set-up, checkpoint and result I/O, logging), then the opt-in packed layout.
+
+
+# --- Start-up checks, loading the model and the data. ----------------------------------------------------------------
+METRIC_DRIVEN = ("reduce_lr_on_plateau", "greedy")  # schedules stepped with a metric, not by step count
+
+
 def start_up(args):
     """Every check that can fail before a weight is read, each in one line: arguments, sources, output folder."""
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
@@ -464,7 +417,7 @@ def start_up(args):
                  "per_device_eval_batch_size", "logging_steps", "num_evals"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
-    for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio",
+    for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
                  "max_grad_norm", "center_rewards_coefficient", "save_steps", "head_init_std", "lora_r",
                  "lora_alpha"):
         value = getattr(args, name)
@@ -477,6 +430,10 @@ def start_up(args):
         raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
     if not args.warmup_ratio <= 1:
         raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
+    if args.lr_scheduler_type in METRIC_DRIVEN:
+        raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: sets the rate from a metric at each "
+                               "step, which rm.py's loop, scheduled by steps, does not pass; pick a schedule by steps "
+                               "(e.g. cosine, or polynomial with --lr_end)")
     common.check_source(args.model_name_or_path, "--model_name_or_path")
     for name, _ in mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
         common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
@@ -497,25 +454,25 @@ def load_tokenizer(name):
     return tok
 
 
-def load_reward_model(args, tokenizer, on_meta=False):
-    """(the sequence classifier, with --lora_r its peft model); on_meta: no weights read (FSDP's ranks > 0)."""
+def load_backbone(args, tokenizer, on_meta=False):
+    """(the sequence classifier, whether its head is new): float32 whatever the stored dtype, as AdamW's updates (lr x
+    ~1e-3) would round away in bfloat16 weights (a frozen LoRA base is only read: bfloat16 with --bf16); dropout off;
+    an adapter folder merged into its base; on_meta (FSDP's ranks > 0): no weight read."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     torch.manual_seed(args.seed)
     name, loader = args.model_name_or_path, AutoModelForSequenceClassification
-    # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights; a frozen
-    # LoRA base is only read, so it may be held in bfloat16
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     if name.startswith("embedded-"):
         config = common.embedded_model_config(name, len(tokenizer), num_labels=1)
-        model, new_head = loader.from_config(config).to(dtype), True
+        model, needs_head = loader.from_config(config).to(dtype), True
     else:
         config = common.load_pretrained(AutoConfig, name, "--model_name_or_path")
         # the head is the checkpoint's if it is a classifier, or an adapter folder holding the head (as rm.py saves)
         adapter = common.adapter_base(name) is not None
-        new_head = not (any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or
-                        adapter and common.adapter_holds_head(name))
-        if new_head and not (adapter or on_meta):  # (common.load_model builds those itself)
+        needs_head = not (any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or
+                          adapter and common.adapter_holds_head(name))
+        if needs_head and not (adapter or on_meta):  # (common.load_model builds those itself)
             cls = loader._model_mapping[type(config)]
             outside = [rf"^(?!{cls.base_model_prefix}\.)"]  # load report: a missing head is expected, not reported
             loader = type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_missing": outside,
@@ -527,23 +484,22 @@ def load_reward_model(args, tokenizer, on_meta=False):
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.pad_token_id = tokenizer.pad_token_id
-    model = reward_head(model, args, new_head)
-    return model, common.add_lora(model, args, "SEQ_CLS") if args.lora_r and not args.eval_only else None
+    if needs_head and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"{name}: a new reward head (score, {model.config.hidden_size} -> 1) on its backbone")
+    return model, needs_head
 
 
-def resolve_lengths(args, model, rank):
-    max_length = common.length_default(args.max_length, 512, common.position_table(model), "--max_length", rank)
-    common.check_position_table(model, max_length, f"--max_length {max_length}")
-    max_prompt_length = args.max_prompt_length or min(256, max_length * 3 // 4)
-    if max_length <= max_prompt_length:
-        raise common.UserError(f"--max_prompt_length {max_prompt_length} must be below --max_length {max_length} to "
-                               "leave room for the responses")
-    return dataclasses.replace(args, max_length=max_length, max_prompt_length=max_prompt_length)
+def check_lengths(args, model):
+    common.check_position_table(model, args.max_length, f"--max_length {args.max_length}")
+    if args.max_length <= args.max_prompt_length:
+        raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
+                               f"{args.max_length} to leave room for the responses")
 
 
 def load_data(args, tokenizer, rank):
-    """(train pairs, eval pairs, what each dataset is evaluated on): a dataset's eval split whole, else --eval_holdout
-    of the pooled shares of those without one, by prompt (hold_out_by_prompt)."""
+    """(train pairs, eval pairs, what each dataset is evaluated on): a dataset's eval split whole (--eval_split, refused
+    if missing; else validation, else test), else --eval_holdout of the pooled shares of those without one, by prompt
+    (hold_out_by_prompt)."""
     mixer = mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
     names = " ".join(n for n, _ in mixer)
     train_rows, eval_rows, pool, eval_sets = [], [], [], {}
@@ -551,6 +507,10 @@ def load_data(args, tokenizer, rank):
         tried = [args.eval_split] if args.eval_split else ["validation", "test"]
         split, evals = next(((s, rows) for s in tried if (rows := common.load_rows(name, args.dataset_config, s))
                              is not None), (None, None))
+        if args.eval_split and evals is None:
+            raise common.UserError(f"{name}: no split {args.eval_split!r} (--eval_split); it has "
+                                   f"{', '.join(map(repr, common.split_names(name, args.dataset_config)))}: pass one "
+                                   "of them, or no --eval_split to hold out --eval_holdout of the training pairs")
         train = [] if args.eval_only and evals else common.load_rows(name, args.dataset_config, args.train_split)
         if not train and not (args.eval_only and evals):
             raise common.UserError(f"{name}: no rows in split '{args.train_split}'" + (
@@ -565,21 +525,26 @@ def load_data(args, tokenizer, rank):
     if pool:
         train_rows, held = hold_out_by_prompt(pool, args.eval_holdout, args.seed, tokenizer, train_rows)
         eval_rows += held
-    train, cut, dropped = tokenize_pairs(train_rows, tokenizer, args)
-    common.check_vocabulary(tokenizer, [p["prompt"] + p["chosen"] + p["rejected"] for p in train], names,
-                            args.model_name_or_path, "--model_name_or_path")
+    train, dropped = tokenize_pairs(train_rows, tokenizer, args)
+    if train_rows and dropped["too long"] > len(train_rows) / 2:
+        raise common.UserError(f"{names}: {dropped['too long']} of {len(train_rows)} training pairs do not fit "
+                               f"--max_length {args.max_length} with the prompt cut to --max_prompt_length "
+                               f"{args.max_prompt_length}: raise --max_length (or lower --max_prompt_length)")
     if train_rows and not train:
         raise common.UserError(f"{names}: all {len(train_rows)} training pairs were dropped: chosen and rejected are "
-                               "identical (after truncation to --max_length); check the data or raise --max_length")
-    evals, cut_e, dropped_e = tokenize_pairs(eval_rows, tokenizer, args)
+                               "identical token for token; check the data")
+    evals, dropped_e = tokenize_pairs(eval_rows, tokenizer, args)
     if not evals:
-        raise common.UserError(f"{names}: no evaluation pairs left after tokenization")
+        raise common.UserError(f"{names}: no evaluation pairs left after tokenization (--max_length "
+                               f"{args.max_length}: {dropped_e['too long']} too long)")
     if rank == 0:
         count = collections.Counter(p["dataset"] for p in evals)
         for name, on in eval_sets.items():
             print(f"{name}: evaluating on {on} ({count[name]} pairs)")
-        print(f"pairs: {len(train)} train, {len(evals)} eval; truncated {cut + cut_e}, dropped {dropped + dropped_e} "
-              f"(identical after truncation); max_length {args.max_length}, max_prompt_length {args.max_prompt_length}")
+        n = dropped + dropped_e
+        print(f"pairs: {len(train)} train, {len(evals)} eval; prompts cut {n['prompt cut']}; dropped {n['too long']} "
+              f"too long (past --max_length {args.max_length} with the prompt cut to --max_prompt_length "
+              f"{args.max_prompt_length}), {n['identical']} identical")
     return train, evals, eval_sets
 
 
@@ -605,9 +570,25 @@ def take_share(rows, weight, seed):  # a fraction (weight <= 1) or a count of th
     return rows[:n]
 
 
+def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
+    """(train, eval): whole prompts drawn by seed go to eval until they hold `fraction` of the rows, and their pairs in
+    also_trained (other datasets' training pairs) leave training too: no held-out prompt is trained on. A dataset of
+    one prompt (pairs without one, say) is held out by row instead."""
+    prompt = lambda row: common.split_pair(row, tokenizer, common.where(row))[0]  # noqa: E731
+    keys = [prompt(r) for r in rows]
+    keys = keys if len(set(keys)) > 1 else list(range(len(rows)))
+    order, size = list(dict.fromkeys(keys)), collections.Counter(keys)
+    random.Random(seed).shuffle(order)
+    before = itertools.accumulate((size[k] for k in order), initial=0)  # rows held before each key in turn
+    held = {k for k, n in zip(order, before) if n < max(1, int(len(rows) * fraction))}
+    train = [r for r, k in zip(rows, keys) if k not in held] + [r for r in also_trained if prompt(r) not in held]
+    return train, [r for r, k in zip(rows, keys) if k in held]
+
+
 def tokenize_pairs(rows, tokenizer, args):
-    """(pairs of prompt/chosen/rejected ids, margin, dataset and gold rewards, how many were truncated, how many
-    dropped): truncated by truncate_pair; a pair identical after truncation carries no preference and is dropped."""
+    """(pairs of prompt/chosen/rejected ids, margin, dataset and gold rewards; counts of the prompts cut and of the
+    pairs dropped, by reason): each pair through truncate_pair. The tokenizer's coverage is checked first, on every
+    row as read (text it cannot read becomes identical runs of its unknown token)."""
     in_file_order = sorted(range(len(rows)), key=lambda i: (str(rows[i]["_source"]), rows[i]["_row"]))
     texts, margins = [None] * len(rows), [None] * len(rows)
     for i in in_file_order:  # the first bad row of a file is the one reported, however the rows were shuffled
@@ -622,158 +603,19 @@ def tokenize_pairs(rows, tokenizer, args):
     prompts = common.tokenize_prompts(tokenizer, [t[0] for t in texts])
     chosen = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[1] for t in texts])
     rejected = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[2] for t in texts])
-    bos_id, pairs, n_truncated = common.leading_id(tokenizer), [], 0
+    common.check_vocabulary(tokenizer, [p + c + r for p, c, r in zip(prompts, chosen, rejected)],
+                            " ".join(dict.fromkeys(str(r.get("_dataset") or r["_source"]) for r in rows)),
+                            args.model_name_or_path, "--model_name_or_path")
+    bos_id, pairs, counts = common.leading_id(tokenizer), [], collections.Counter()
     for row, margin, p, c, r in zip(rows, margins, prompts, chosen, rejected):
-        p, c, r, cut = truncate_pair(p, c, r, args.max_length, args.max_prompt_length, bos_id)
-        n_truncated += cut
-        if c != r:
+        kept, why = truncate_pair(p, c, r, args.max_length, args.max_prompt_length, bos_id)
+        if why or kept != p:
+            counts[why or "prompt cut"] += 1
+        if kept is not None:
             gold = (row["gold_chosen"], row["gold_rejected"]) if row.get("gold_chosen") is not None else None
-            pairs.append({"prompt": p, "chosen": c, "rejected": r, "margin": margin,
+            pairs.append({"prompt": kept, "chosen": c, "rejected": r, "margin": margin,
                           "dataset": row.get("_dataset"), "gold": gold})
-    return pairs, n_truncated, len(rows) - len(pairs)
-
-
-def schedule(args, n_train, global_batch, rank):  # (steps per epoch, total steps, the steps after which to evaluate)
-    steps_per_epoch = n_train // global_batch
-    if steps_per_epoch == 0 and not args.eval_only:
-        raise common.UserError(f"{n_train} training pairs are fewer than one global batch of {global_batch}")
-    epochs = args.num_train_epochs or (3 if args.model_name_or_path.startswith("embedded-") else 1)
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(epochs * max(steps_per_epoch, 1))
-    evals_at = {math.ceil(k * total_steps / args.num_evals) for k in range(1, args.num_evals + 1)}
-    if len(evals_at) < args.num_evals and not args.eval_only and rank == 0:
-        print(f"--num_evals {args.num_evals}: {len(evals_at)}, one after each of the {total_steps} steps")
-    return steps_per_epoch, total_steps, evals_at
-
-
-def build_optimizer(model, args, total_steps):
-    from transformers import get_scheduler
-
-    lr = args.learning_rate if args.learning_rate is not None else \
-        1e-3 if args.model_name_or_path.startswith("embedded-") else 1e-5
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                  weight_decay=args.weight_decay, fused=True)
-    return optimizer, get_scheduler(args.lr_scheduler_type, optimizer,
-                                    num_warmup_steps=args.warmup_steps or int(args.warmup_ratio * total_steps),
-                                    num_training_steps=total_steps)
-
-
-# --- The packed layout's attention (pack_segments builds the row; model_inputs says what guarantees its rewards).
-class Segments:
-    """A packed row for segment_attention: each token's sequences and position, blocks (start, end) of whole pairs."""
-
-    def __init__(self, member, position, blocks):
-        self.member, self.position, self.blocks, self.masks, self.calls = member, position, blocks, {}, []
-
-    def mask(self, b, window, device):
-        if (b, window) not in self.masks:
-            s, e = self.blocks[b]
-            member, pos = self.member[:, s:e], self.position[s:e].to(device)
-            member = member[member.any(1)].to(device, torch.float32)
-            # a token sees the earlier tokens of its own sequences: a rejected token the prompt, never a chosen one
-            m = (member.T @ member > 0) & (pos[None, :] <= pos[:, None])
-            if window:  # transformers' sliding window: query i sees key j when i - j < window
-                m &= pos[:, None] - pos[None, :] < window
-            self.masks[(b, window)] = m
-        return self.masks[(b, window)]
-
-
-def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                      sliding_window=None, rm_segments=None, **kwargs):
-    """Per block of whole pairs, one SDPA call under Segments.mask (with this layer's window); Gemma 2's softcap."""
-    if rm_segments is None:
-        raise ValueError("a model given the packed layout is called with a packed row only (see pack_segments)")
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        raise NotImplementedError("attention sinks")
-    rm_segments.calls.append(sliding_window)
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    groups = query.shape[1] // key.shape[1]  # query heads per key/value head (grouped-query attention)
-    if groups > 1 and (softcap is not None or not sdpa_takes_groups_with_mask(query.device)):
-        key, value = (t.repeat_interleave(groups, 1) for t in (key, value))
-    out = None  # (1, heads, tokens, head dim), in the attention's dtype (autocast may differ from the query's)
-    for b, (s, e) in enumerate(rm_segments.blocks):  # slices stay 4D: 3D inputs miss the fused kernel on CPU
-        q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
-        mask = rm_segments.mask(b, sliding_window, query.device)
-        if softcap is None:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
-                                               enable_gqa=q.shape[1] != k.shape[1])
-        else:
-            scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scaling / softcap)
-            o = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(v.dtype) @ v
-        out = o.new_empty(query.shape) if out is None else out
-        out[:, :, s:e] = o
-    return out.transpose(1, 2).contiguous(), None
-
-
-def sdpa_takes_groups_with_mask(device):
-    """Not on CUDA: with a boolean mask, grouped keys can fall to the math kernel there (repeat them per head)."""
-    return device.type != "cuda"
-
-
-def use_segment_attention(hf_model):  # and no mask of transformers' own (a dense N x N one would go unread)
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register("rm_segments", segment_attention)
-    AttentionMaskInterface.register("rm_segments", lambda *args, **kwargs: None)
-    hf_model.config._attn_implementation = "rm_segments"
-
-
-def declared_windows(config):  # each layer's sliding window (None: full attention)
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * \
-        config.num_hidden_layers
-    return [window if t == "sliding_attention" else None for t in types]
-
-
-@torch.no_grad()
-def choose_layout(model, args, vocab_size, rank=0):
-    """(args, layout): packed if this model passes packed_layout_fault (rank 0's verdict), else padded, and why."""
-    if not args.padding_free:
-        return args, "padded (as asked)"
-    why_not = [common.agreed(lambda: packed_layout_fault(model, args, vocab_size) if rank == 0 else None)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(why_not, src=0)
-    if why_not[0]:
-        return dataclasses.replace(args, padding_free=False), f"padded: {why_not[0]}"
-    use_segment_attention(model.hf)
-    return args, "prefix-shared + packed: one row, attention per block of pairs (rewards checked equal to padded ones)"
-
-
-def packed_layout_fault(model, args, vocab_size):
-    """Why the packed layout fails this model (None: it does not), on random pairs, 4 short and 2 longer than a block
-    and the shortest sliding window: each layer must call segment_attention with its declared window, and the rewards
-    must equal the padded batch's on the run's device and precision."""
-    if not hasattr(model.hf, "score"):
-        return "an encoder reads its pooled [CLS] over the whole sequence"
-    if "position_ids" not in inspect.signature(model.hf.base_model.forward).parameters:
-        return "the model takes no position ids (ALiBi or recurrent)"
-    device, g = next(model.parameters()).device, torch.Generator().manual_seed(0)
-    ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
-    windows, own, was_training = declared_windows(model.hf.config), model.hf.config._attn_implementation, model.training
-    long = min(args.max_length or common.position_table(model.hf) or 2 * BLOCK_TOKENS,
-               max([BLOCK_TOKENS] + [w + 8 for w in windows if w])) - 8
-    sizes = [(3 + i, 2 + i % 3, 4 - i % 3) for i in range(4)] + [(long // 2, long // 2 - i, long // 4) for i in
-                                                                 range(2 if long >= 16 else 0)]
-    pairs = [{"prompt": ids(p), "chosen": ids(c), "rejected": ids(r), "margin": 0.0} for p, c, r in sizes]
-    model.eval()
-    low = args.bf16 or model.hf.dtype == torch.bfloat16  # a LoRA base held in bfloat16 runs under autocast too
-    tol, why_not = 5e-2 if low else 1e-3, None
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=low):
-        reference = model(*model_inputs(pairs, 0, dataclasses.replace(args, padding_free=False), device))
-        use_segment_attention(model.hf)
-        inputs = model_inputs(pairs, 0, args, device)
-        try:
-            rewards = model(*inputs)
-        except NotImplementedError as e:
-            why_not = f"its attention needs {e}"
-    if why_not is None and inputs[-1].calls != windows:
-        why_not = f"its layers called segment_attention with windows {inputs[-1].calls}, not the config's {windows}"
-    elif why_not is None and not torch.allclose(rewards, reference, rtol=tol,
-                                                atol=tol * reference.abs().max().item() + 1e-6):
-        why_not = "its packed rewards differ from the padded batch's"
-    model.train(was_training)
-    model.hf.config._attn_implementation = own
-    return why_not
+    return pairs, counts
 
 
 # --- Distributed set-up (torchrun's environment variables; a plain `python rm.py` is world size 1). ------------------
@@ -790,7 +632,10 @@ def setup_distributed():
 
 
 def parallelize(model, args, device):
-    """DDP, or FSDP2 per transformer block and input embeddings, filled with rank 0's weights."""
+    """DDP, or FSDP2 per transformer block and input embeddings, filled with rank 0's weights; activations recomputed
+    in the backward pass with --gradient_checkpointing."""
+    if args.gradient_checkpointing:
+        model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if not dist.is_initialized():
         return model.to(device)
     if args.fsdp:
@@ -817,6 +662,22 @@ def parallelize(model, args, device):
                                                      None, broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
+def all_pair_rewards(model, pairs, args, pad_id, device, rank, world):
+    """Per pair (r_chosen, r_rejected), on CPU, in the pairs' order; each rank computes a slice, longest pairs first
+    (a batch holds pairs of similar length, little padding; the peak memory comes first)."""
+    order = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
+    mine, per_rank = order[rank::world], math.ceil(len(pairs) / world)
+    valid = torch.arange(per_rank, device=device) < len(mine)
+    mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts (FSDP's forward is collective)
+    rewards, size = [], args.per_device_eval_batch_size
+    for i in range(0, per_rank, size):
+        inputs = model_inputs([pairs[j] for j in mine[i:i + size]], pad_id, args, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            rewards.append(torch.stack(model(**inputs).chunk(2), 1))
+    index, valid, rewards = (all_gather_cat(t) for t in (torch.tensor(mine, device=device), valid, torch.cat(rewards)))
+    return torch.empty(len(pairs), 2).index_copy_(0, index[valid].cpu(), rewards[valid].cpu())
+
+
 def all_gather_cat(t):
     if not dist.is_initialized():
         return t
@@ -825,15 +686,78 @@ def all_gather_cat(t):
     return torch.cat(out)
 
 
-# --- Logging and the final save. -------------------------------------------------------------------------------------
-def describe_run(args, model, lora, layout, optimizer, world, device, steps_per_epoch, total_steps, start_step):
+# --- Evaluation metrics, logging and the final save. -----------------------------------------------------------------
+def chosen_wins(r_chosen, r_rejected, margin):
+    """P(chosen wins) as the loss models it, exp(-loss) = sigmoid(r_c - r_r - margin)."""
+    return torch.exp(-preference_loss(r_chosen, r_rejected, margin))
+
+
+def calibration_error(p_chosen, n_bins=10):
+    """Expected calibration error of P(chosen wins): over bins of predictions, sum of (bin size / N) * |mean
+    prediction - frequency it came true|; each pair counted in both orders, (p, won) and (1 - p, lost)."""
+    p = torch.cat([p_chosen, 1 - p_chosen]).double()
+    won = torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)]).double()
+    bins = (p * n_bins).long().clamp(max=n_bins - 1)
+    total = lambda x: torch.bincount(bins, weights=x, minlength=n_bins)  # noqa: E731
+    return ((total(p) - total(won)).abs().sum() / len(p)).item()
+
+
+def pearson(x, y):
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    return (x * y).sum().item() / max(math.sqrt((x * x).sum().item() * (y * y).sum().item()), 1e-12)
+
+
+def metrics_by_dataset(rewards, pairs, args):
+    """pair_metrics of all pairs ("eval/..."), and of a mixture's datasets each ("eval/NAME/...")."""
+    margin = torch.tensor([p["margin"] for p in pairs])
+    metrics = pair_metrics(rewards[:, 0], rewards[:, 1], margin, pairs, args, "eval/")
+    datasets = dict.fromkeys(p.get("dataset") for p in pairs)
+    if len(datasets) > 1:
+        for name in datasets:
+            ours = torch.tensor([p.get("dataset") == name for p in pairs])
+            metrics.update(pair_metrics(rewards[ours, 0], rewards[ours, 1], margin[ours],
+                                        [p for p, o in zip(pairs, ours) if o], args, f"eval/{name}/"))
+    return metrics
+
+
+def pair_metrics(rc, rr, margin, pairs, args, prefix):
+    """The evaluation metrics of pairs from their rewards, each key prefixed."""
+    lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
+    metrics = {
+        "accuracy": (rc > rr).float().mean().item(),  # (a tie counts as an error)
+        "loss": reward_model_loss(rc, rr, margin, args.center_rewards_coefficient).item(),
+        "preference_loss": preference_loss(rc, rr, margin).mean().item(),  # (without the centering)
+        "reward_gap": (rc - rr).mean().item(),
+        "chosen_reward": rc.mean().item(),
+        "rejected_reward": rr.mean().item(),
+        "reward_mean": torch.cat([rc, rr]).mean().item(),
+        "reward_std": torch.cat([rc, rr]).std().item(),
+        "calibration_error": calibration_error(chosen_wins(rc, rr, margin)),
+        "length_correlation": pearson(torch.cat([rc, rr]), lengths),
+    }
+    known = torch.tensor([p["gold"] is not None for p in pairs])
+    if known.any():  # embedded-task pairs (all, or some of a mixture): compare with the best possible accuracy
+        gold, rc, rr = torch.tensor([p["gold"] for p in pairs if p["gold"] is not None]), rc[known], rr[known]
+        p_gold = torch.sigmoid(common.PREFERENCE_BETA * (gold[:, 0] - gold[:, 1]))
+        metrics["bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
+        metrics["accuracy_vs_bayes"] = (rc > rr).float().mean().item() / metrics["bayes_accuracy"]
+        metrics["gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
+    return {prefix + k: v for k, v in metrics.items()}
+
+
+
+
+def describe_run(args, model, lora, layout, optimizer, world, device, steps_per_epoch, total_steps, start_step, rank):
+    if rank != 0:
+        return
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"model {args.model_name_or_path}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{trained / 1e6:.2f}M trained{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} "
           f"({device.type}, {'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})\n"
           f"batch layout: {layout}\n{total_steps} steps ({total_steps / steps_per_epoch:.2f} epochs), lr "
-          f"{optimizer.param_groups[0]['initial_lr']:g}" + (f"; resumed from step {start_step}" if start_step else "")
-          + (" (at or past the total: the final evaluation and save remain)" if start_step >= total_steps else ""))
+          f"{optimizer.param_groups[0]['initial_lr']:g} ({args.lr_scheduler_type})" +
+          (f"; resumed from step {start_step}" if start_step else "") +
+          (" (at or past the total: the final evaluation and save remain)" if start_step >= total_steps else ""))
 
 
 def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world, **memory):
@@ -894,6 +818,163 @@ def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, 
               f"eval_results.json in {args.output_dir}")
     common.leave_together()  # (under torchrun: every rank done)
     return ev
+
+
+# === The opt-in packed layout (--padding_free): pairs end to end in one row, each prompt once, no padding. ==========
+# segment_attention makes one SDPA call per block of consecutive pairs of at most this many tokens (a longer pair is a
+# block alone): short pairs share a call, long ones pay only for their own length, never for the row's
+BLOCK_TOKENS = 256
+
+
+def pack_segments(pairs, device="cpu"):
+    """(ids of one row, its Segments): per pair prompt + chosen + rejected, end to end, rejected's positions continuing
+    from the prompt's end (Wang et al. 2024, arXiv 2410.20305). `member` marks each sequence's tokens (chosen, then
+    rejected): its reward is read at its last token by last_token_index, as in the padded batch."""
+    ids, positions, blocks = [], [], []
+    member = torch.zeros(2 * len(pairs), sum(len(p["prompt"] + p["chosen"] + p["rejected"]) for p in pairs), dtype=bool)
+    for i, p in enumerate(pairs):
+        s, P, C, R = len(ids), len(p["prompt"]), len(p["chosen"]), len(p["rejected"])
+        if not blocks or s + P + C + R - blocks[-1][0] > BLOCK_TOKENS:
+            blocks.append([s, s])
+        ids += p["prompt"] + p["chosen"] + p["rejected"]
+        positions += list(range(P + C)) + list(range(P, P + R))
+        blocks[-1][1] = len(ids)
+        member[i, s:s + P + C] = member[len(pairs) + i, s:s + P] = member[len(pairs) + i, s + P + C:len(ids)] = True
+    return torch.tensor([ids]), Segments(member, torch.tensor(positions, device=device), [tuple(b) for b in blocks],
+                                         last_token_index(member).to(device))
+
+
+class Segments:
+    """A packed row for segment_attention: each token's sequences and position, blocks (start, end) of whole pairs,
+    and each sequence's read point."""
+
+    def __init__(self, member, position, blocks, read):
+        self.member, self.position, self.blocks, self.read, self.masks, self.calls = member, position, blocks, read, \
+            {}, []
+
+    def mask(self, b, window, device):
+        if (b, window) not in self.masks:
+            s, e = self.blocks[b]
+            member, pos = self.member[:, s:e], self.position[s:e].to(device)
+            member = member[member.any(1)].to(device, torch.float32)
+            # a token sees the earlier tokens of its own sequences: a rejected token the prompt, never a chosen one
+            m = (member.T @ member > 0) & (pos[None, :] <= pos[:, None])
+            if window:  # transformers' sliding window: query i sees key j when i - j < window
+                m &= pos[:, None] - pos[None, :] < window
+            self.masks[(b, window)] = m
+        return self.masks[(b, window)]
+
+
+def packed_rewards(hf_model, input_ids, segments):
+    """A packed row's rewards (chosen, then rejected): the scalar head at each sequence's last token, under
+    segment_attention (use_segment_attention, which choose_layout sets once checked)."""
+    if hf_model.config._attn_implementation != "rm_segments":  # the model's own attention would cross pairs
+        raise ValueError("a packed row needs the model's attention set by choose_layout")
+    hidden = hf_model.base_model(input_ids=input_ids, position_ids=segments.position[None], use_cache=False,
+                                 rm_segments=segments).last_hidden_state
+    return hf_model.score(hidden[0, segments.read]).squeeze(-1).float()
+
+
+def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                      sliding_window=None, rm_segments=None, **kwargs):
+    """Per block of whole pairs, one SDPA call under Segments.mask (with this layer's window); Gemma 2's softcap."""
+    if rm_segments is None:
+        raise ValueError("a model given the packed layout is called with a packed row only (see pack_segments)")
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise NotImplementedError("attention sinks")
+    rm_segments.calls.append(sliding_window)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    groups = query.shape[1] // key.shape[1]  # query heads per key/value head (grouped-query attention)
+    if groups > 1 and (softcap is not None or not sdpa_takes_groups_with_mask(query.device)):
+        key, value = (t.repeat_interleave(groups, 1) for t in (key, value))
+    out = None  # (1, heads, tokens, head dim), in the attention's dtype (autocast may differ from the query's)
+    for b, (s, e) in enumerate(rm_segments.blocks):  # slices stay 4D: 3D inputs miss the fused kernel on CPU
+        q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
+        mask = rm_segments.mask(b, sliding_window, query.device)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                               enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scaling / softcap)
+            o = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(v.dtype) @ v
+        out = o.new_empty(query.shape) if out is None else out
+        out[:, :, s:e] = o
+    return out.transpose(1, 2).contiguous(), None
+
+
+def sdpa_takes_groups_with_mask(device):
+    """Not on CUDA: with a boolean mask, grouped keys can fall to the math kernel there (repeat them per head)."""
+    return device.type != "cuda"
+
+
+def use_segment_attention(hf_model):  # and no mask of transformers' own (a dense N x N one would go unread)
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("rm_segments", segment_attention)
+    AttentionMaskInterface.register("rm_segments", lambda *args, **kwargs: None)
+    hf_model.config._attn_implementation = "rm_segments"
+
+
+def declared_windows(config):  # each layer's sliding window (None: full attention)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * \
+        config.num_hidden_layers
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+@torch.no_grad()
+def choose_layout(model, args, vocab_size, rank=0):
+    """(args, layout) under --padding_free: packed if this model passes packed_layout_fault, else padded, and why. DDP:
+    rank 0 checks its copy; FSDP: every rank its shards (the forward is collective), rank 0's verdict for all."""
+    sharded, model = hasattr(model, "reshard"), getattr(model, "module", model)  # (DDP's module; FSDP is in place)
+    why_not = [common.agreed(lambda: packed_layout_fault(model, args, vocab_size) if rank == 0 or sharded else None)]
+    if sharded:
+        model.reshard()  # (FSDP keeps the root's parameters gathered after a forward: the optimizer takes the shards)
+    if dist.is_initialized():
+        dist.broadcast_object_list(why_not, src=0)
+    if why_not[0]:
+        return dataclasses.replace(args, padding_free=False), f"padded: {why_not[0]}"
+    use_segment_attention(model.hf)
+    return dataclasses.replace(args, padding_free=True), "prefix-shared + packed: one row, attention per block of " \
+        "pairs (--padding_free; rewards checked equal to padded ones)"
+
+
+def packed_layout_fault(model, args, vocab_size):
+    """Why the packed layout fails this model (None: it does not), on random pairs, 4 short and 2 longer than a block
+    and the shortest sliding window: each layer must call segment_attention with its declared window, and the rewards
+    must equal the padded batch's on the run's device and precision. Any error of the packed forward is a fault."""
+    if not hasattr(model.hf, "score"):
+        return "an encoder reads its pooled [CLS] over the whole sequence"
+    if "position_ids" not in inspect.signature(model.hf.base_model.forward).parameters:
+        return "the model takes no position ids (ALiBi or recurrent)"
+    device, g = next(model.parameters()).device, torch.Generator().manual_seed(0)
+    ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
+    windows, own, was_training = declared_windows(model.hf.config), model.hf.config._attn_implementation, model.training
+    long = min(args.max_length or common.position_table(model.hf) or 2 * BLOCK_TOKENS,
+               max([BLOCK_TOKENS] + [w + 8 for w in windows if w])) - 8
+    sizes = [(3 + i, 2 + i % 3, 4 - i % 3) for i in range(4)] + [(long // 2, long // 2 - i, long // 4) for i in
+                                                                 range(2 if long >= 16 else 0)]
+    pairs = [{"prompt": ids(p), "chosen": ids(c), "rejected": ids(r), "margin": 0.0} for p, c, r in sizes]
+    model.eval()
+    low = args.bf16 or model.hf.dtype == torch.bfloat16  # a LoRA base held in bfloat16 runs under autocast too
+    tol, why_not = 5e-2 if low else 1e-3, None
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=low):
+        reference = model(**model_inputs(pairs, 0, dataclasses.replace(args, padding_free=False), device))
+        try:  # whatever fails (a base model without the keyword, layers that drop it, odd head sizes): padded
+            use_segment_attention(model.hf)
+            inputs = model_inputs(pairs, 0, dataclasses.replace(args, padding_free=True), device)
+            rewards = model(**inputs)
+            if inputs["packed"].calls != windows:
+                why_not = f"its layers called segment_attention with windows {inputs['packed'].calls}, not the " \
+                    f"config's {windows}"
+            elif not torch.allclose(rewards, reference, rtol=tol, atol=tol * reference.abs().max().item() + 1e-6):
+                why_not = "its packed rewards differ from the padded batch's"
+        except Exception as e:
+            why_not = f"its forward fails on a packed row ({type(e).__name__}: {common.first_line(e)[:200]})"
+    model.train(was_training)
+    model.hf.config._attn_implementation = own
+    return why_not
 
 
 if __name__ == "__main__":

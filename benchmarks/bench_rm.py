@@ -1,15 +1,17 @@
-"""Reward-model training speed: TRL's RewardTrainer vs rm.py's batch layouts (padded, padding-free, prefix-shared).
+"""Reward-model training speed: TRL's RewardTrainer vs rm.py's batch layouts (padded: the default; prefix-shared +
+packed: --padding_free).
 
     pip install -r benchmarks/requirements.txt
     python benchmarks/bench_rm.py                       # CPU: HH-RLHF (BPE, 512), HH-RLHF (bytes, 1024), embedded
     python benchmarks/bench_rm.py --device cuda --shape pythia-160m --bf16 --pairs 2048 --batch 16
 
 Every row trains the same randomly initialised model (saved once), on the same token sequences (tokenized and
-truncated once, by rm.py's policy, and handed to TRL pre-tokenized), with the same global batch, max length, number of
-pairs, optimizer and schedule, one epoch. Each row runs in its own process, so its peak memory is its own. Two speeds:
-the training loop alone, and the whole process (start-up, data, training, every evaluation, saving) over the pairs
-trained; rm.py rows evaluate at rm.py's defaults (--num_evals, the last one at the end; the eval batch as the training one),
-TRL evaluates once, after training. Writes the table to stdout and to --out (JSON).
+truncated once, by rm.py's policy: over-long pairs dropped, and handed to TRL pre-tokenized), with the same global
+batch, max length, number of pairs, optimizer and schedule, one epoch. Each row runs in its own process, so its peak
+memory is its own. Two speeds: the training loop alone, and the whole process (start-up, data, training, every
+evaluation, saving) over the pairs trained; rm.py rows evaluate at rm.py's defaults (--num_evals, the last one at the
+end; the eval batch as the training one), TRL evaluates once, after training. Writes the table to stdout and to --out
+(JSON).
 """
 
 import argparse
@@ -38,8 +40,8 @@ TASKS = {  # name: (training pairs, held-out pairs, max length, tokenizer vocabu
     "hh-rlhf-152k": (256, 128, 512, 8000),
 }
 MODEL_VOCAB = {"hh-rlhf-152k": 151_936}  # a real-sized embedding (Qwen2's vocabulary), for the memory row
-MODES = {"rm.py padded": ["--no_padding_free"],
-         "rm.py prefix-shared + packed (default)": ["--padding_free"]}
+MODES = {"rm.py padded (default)": ["--no_padding_free"],  # (the flag spelled out: --before runs it on older code too)
+         "rm.py prefix-shared + packed (--padding_free)": ["--padding_free"]}
 
 
 def build_tokenizer(texts, vocab_size, out_dir):
@@ -101,7 +103,7 @@ def prepare_task(task, args, work):
         with open(os.path.join(work, f"{split}.jsonl"), "w") as f:
             for r in part:
                 f.write(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n")
-        ids[split], _, _ = rm.tokenize_pairs([dict(r, _source=task, _row=i) for i, r in enumerate(part)], tok, targs)
+        ids[split], _ = rm.tokenize_pairs([dict(r, _source=task, _row=i) for i, r in enumerate(part)], tok, targs)
     with open(os.path.join(work, "ids.json"), "w") as f:
         json.dump(ids, f)
     n_params, cfg = build_model(args.shape, MODEL_VOCAB.get(task, len(tok)), tok.pad_token_id, tok.eos_token_id, os.path.join(work, "model"),
@@ -163,7 +165,7 @@ def child_rm(work, args, flags, code_root=ROOT):
     out = os.path.join(work, "rm-" + "-".join(f.strip("-") for f in flags))
     sys.argv = ["rm.py", "--model_name_or_path", os.path.join(work, "model"), "--dataset_name", work,
                 "--output_dir", out, "--overwrite_output_dir", "--learning_rate", str(args.lr), "--num_train_epochs", "1",
-                "--per_device_train_batch_size", str(args.batch),
+                "--per_device_train_batch_size", str(args.batch), "--per_device_eval_batch_size", str(args.batch),
                 "--max_length", str(args.max_length), "--max_prompt_length", str(args.max_length * 3 // 4),
                 "--logging_steps", "10", "--warmup_steps", str(warmup_steps(args)),
                 "--reward_normalization", "none",

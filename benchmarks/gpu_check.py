@@ -1,9 +1,11 @@
 """What a GPU shows that a CPU cannot: attention kernels and NaN, both scripts end to end in bfloat16, packed vs padded
-rewards, memory and speed at Llama-3-8B shapes, the decode step profiled, sampling vs learning log-probs. Run it when a
-device is lent (results: benchmarks/README.md, GPU check):
+rewards, memory and speed at Llama-3-8B shapes, the decode step profiled (plain and --compile), an update with and
+without --compile, sampling vs learning log-probs. Run it when a device is lent (results: benchmarks/README.md, GPU
+check):
 
     python benchmarks/gpu_check.py --out gpu_report            # one CUDA device: 3 minutes on an H100 (2026-11-26)
     python benchmarks/gpu_check.py --quick --out /tmp/gpu       # tiny shapes, any device (a smoke run on a CPU)
+    python benchmarks/gpu_check.py --sections decode --out gpu_decode  # the rollout, plain and --compile (< 4 min)
 
 Writes report.json and report.md (device, torch / CUDA / cuDNN versions, every figure) to --out. Each section is
 independent: one that fails is reported as such and the others still run. See ../shared/gpu-checks.md for what each
@@ -13,6 +15,7 @@ section must show.
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -75,9 +78,9 @@ def check_attention(device, quick):
     pairs = [{"prompt": list(range(3, 40 + i)), "chosen": list(range(5, 20)), "rejected": list(range(6, 30)),
               "margin": 0.0} for i in range(4)]
     rm.use_segment_attention(rm_model.hf)
-    inputs = [x.to(device) if torch.is_tensor(x) else x for x in rm.pack_segments(pairs)]
+    inputs = rm.model_inputs(pairs, 0, rm.Args(padding_free=True), device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        out["rm_packed_kernels"] = sdpa_kernels(lambda: rm_model(*inputs))
+        out["rm_packed_kernels"] = sdpa_kernels(lambda: rm_model(**inputs))
     # the raw kernel: a boolean mask, L % 128 == 64, one query row whose scores are all very low
     length = 192
     g = torch.Generator(device=device).manual_seed(0)
@@ -165,10 +168,9 @@ def check_packed_vs_padded(device, quick):
                 model = rm.RewardModel(tiny_llama(128 if quick else 512, 4, 8, 2, 1000, device, seq_cls=True))
                 if packed:
                     rm.use_segment_attention(model.hf)
-                inputs = rm.pack_segments(pairs) if packed else rm.collate(pairs, 0)[:2]
-                inputs = [x.to(device) if torch.is_tensor(x) else x for x in inputs]
+                inputs = rm.model_inputs(pairs, 0, rm.Args(padding_free=packed), device)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                    rewards = model(*inputs)
+                    rewards = model(**inputs)
                 rewards.sum().backward()
                 results.append((rewards.detach().float(), torch.cat([p.grad.flatten() for p in model.parameters()])))
             (r0, g0), (r1, g1) = results
@@ -209,11 +211,10 @@ def check_8b_shapes(device, quick):
     args = ppo.Args(response_length=new)
     query = torch.randint(3, shape["vocab_size"], (n_prompts, 128), device=device)
     qmask = torch.ones_like(query, dtype=torch.bool)
-    gens = [torch.Generator(device).manual_seed(i) for i in range(n_prompts)]
+    seeds = torch.arange(n_prompts, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        rollout = timed(lambda: ppo.generate(policy, query, qmask, gens, args, None, 0), device)
-    noise = timed(lambda: [torch.stack([torch.rand(shape["vocab_size"], generator=g, device=device) for g in gens])
-                           for _ in range(new)], device)
+        rollout = timed(lambda: ppo.generate(policy, query, qmask, seeds, args, None, 0), device)
+    noise = timed(lambda: [ppo.sampling_noise(seeds, t, shape["vocab_size"], device) for t in range(new)], device)
     if "seconds" in rollout:
         rollout["ms_per_token"] = round(rollout["seconds"] / new * 1000, 2)
         rollout["noise_share"] = round(noise.get("seconds", 0) / rollout["seconds"], 3)
@@ -222,38 +223,117 @@ def check_8b_shapes(device, quick):
 
 
 def check_decode_profile(device, quick):
-    """4 (the rollout's cost). One decode step of the Llama-3-8B-shaped policy, 64 rows, under the profiler: wall time
-    per token against the GPU's busy time per token and the kernels launched per token (a gap between the two is host
-    time: Python and launches, which CUDA graphs would remove), and the operators taking the most host time."""
-    from torch.profiler import ProfilerActivity, profile
+    """4 (the rollout's cost), the plain decode and --compile's in the same call. The Llama-3-8B-shaped policy (random
+    bf16 weights), 64 prompts of 128 tokens, 256 new tokens, bf16 autocast, no stop token. For each path: the wall time
+    per token of a whole rollout (--compile: its second; compile_s, the first's extra time), peak memory (--compile:
+    the CUDA graph's pool included); the decode alone under the profiler (32 new tokens less 1: the prefill taken
+    away), the GPU's busy time per token (its kernels' time summed) and the kernels per token; wall - busy is host time
+    (Python, launches, syncs), which CUDA graphs remove. Then the two rollouts compared (bf16 rounds the two paths'
+    logits differently, so samples may part): the share of tokens and rows alike, and the mean log-prob of each one's
+    tokens under the learning forward."""
+    from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
     config, shape = llama_8b_config(quick)
     with torch.device(device):
-        policy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    new = 32
-    args = ppo.Args(response_length=new)
-    query = torch.randint(3, shape["vocab_size"], (64, 128), device=device)
+        policy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    rows, prompt, new, profiled = (8, 16, 24, 8) if quick else (64, 128, 256, 32)
+    query = torch.randint(3, shape["vocab_size"], (rows, prompt), device=device,
+                          generator=torch.Generator(device).manual_seed(0))
     qmask = torch.ones_like(query, dtype=torch.bool)
+    seeds = torch.tensor([common.seed_of(1, "sampling", e) for e in range(rows)], device=device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def decode():
-        gens = [torch.Generator(device).manual_seed(i) for i in range(64)]
+    def rollout(n, compiled):  # (--max_prompt_length: the same static cache, so one compilation, for every n)
+        args = ppo.Args(response_length=n, max_prompt_length=prompt + new - n, compile=compiled)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            ppo.generate(policy, query, qmask, gens, args, None, 0)
-    wall = timed(decode, device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as p:
-        decode()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    events = p.key_averages()
-    kernels = [e for e in events if getattr(e, "self_device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
-    busy_ms = sum(e.self_device_time_total for e in kernels) / 1000
-    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
-    return {"wall_ms_per_token": round(wall.get("seconds", float("nan")) / new * 1000, 2),
-            "gpu_busy_ms_per_token": round(busy_ms / new, 2),
-            "kernels_per_token": round(sum(e.count for e in kernels) / new),
-            "host_top_ops_ms_per_token": {e.key: round(e.self_cpu_time_total / 1000 / new, 2) for e in top}}
+            return ppo.generate(policy, query, qmask, seeds, args, None, 0)
+
+    def clock(fn):
+        sync()
+        t = time.time()
+        out = fn()
+        sync()
+        return time.time() - t, out
+
+    def profiled_run(n, compiled):
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as p:
+            rollout(n, compiled)
+            sync()
+        events = p.key_averages()
+        kernels = [e for e in events if getattr(e, "self_device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+        return {"busy_ms": sum(e.self_device_time_total for e in kernels) / 1000,
+                "kernels": sum(e.count for e in kernels),
+                "graph_launches": sum(e.count for e in events if e.key == "cudaGraphLaunch"),
+                "host_top_ops": sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:6]}
+
+    result, tokens = {}, {}
+    for name, compiled in (("plain", False), ("compile", True)):
+        out = {}
+        if compiled:
+            counters.clear()
+            first, _ = clock(lambda: rollout(new, True))
+        else:
+            rollout(profiled, False)  # (a warm-up: kernels' first launches)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        seconds, tokens[name] = clock(lambda: rollout(new, compiled))
+        prefill, _ = clock(lambda: rollout(1, compiled))
+        out["wall_ms_per_token"] = round(seconds / new * 1000, 2)
+        out["decode_wall_ms_per_token"] = round((seconds - prefill) / (new - 1) * 1000, 2)
+        if cuda:
+            out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+        if compiled:
+            out["compile_s"] = round(first - seconds, 1)
+            out["graph_breaks"] = sum(counters["graph_break"].values())
+            out["cudagraph_skips"] = sum(counters["inductor"].get(k, 0) for k in counters["inductor"] if "skip" in k)
+            out["graphs_compiled"] = counters["stats"].get("unique_graphs", 0)
+        one, many = profiled_run(1, compiled), profiled_run(profiled, compiled)
+        busy = (many["busy_ms"] - one["busy_ms"]) / (profiled - 1)
+        out["gpu_busy_ms_per_token"] = round(busy, 2)
+        out["gpu_busy_share"] = round(busy / max(out["decode_wall_ms_per_token"], 1e-9), 3)
+        out["kernels_per_token"] = round((many["kernels"] - one["kernels"]) / (profiled - 1))
+        out["graph_launches_per_token"] = round((many["graph_launches"] - one["graph_launches"]) / (profiled - 1), 2)
+        out["host_top_ops_ms_per_token"] = {e.key: round(e.self_cpu_time_total / 1000 / profiled, 2)
+                                            for e in many["host_top_ops"]}
+        result[name] = out
+    a, b = tokens["plain"], tokens["compile"]
+    parted = (a != b).int().cumsum(1).gt(0)  # from the first token where a row's two samples differ
+    mask = torch.ones_like(a, dtype=torch.long)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        logprob = {k: ppo.policy_forward(policy, torch.cat([query, t], 1), torch.cat([qmask.long(), mask], 1), prompt,
+                                         1.0, entropy=False)[0].mean().item() for k, t in tokens.items()}
+    result["same_samples"] = {"tokens_equal": round((a == b).float().mean().item(), 4),
+                              "rows_equal": round((~parted[:, -1]).float().mean().item(), 4),
+                              "tokens_before_rows_part": round((~parted).float().sum(1).mean().item(), 1),
+                              "mean_logprob_plain": round(logprob["plain"], 4),
+                              "mean_logprob_compile": round(logprob["compile"], 4)}
+    result["speedup"] = round(result["plain"]["wall_ms_per_token"] / result["compile"]["wall_ms_per_token"], 2)
+    return result
+
+
+def check_ppo_update(device, quick, scratch):
+    """4 (a whole update). The embedded task's PPO (--bf16, the gold reward as a function: no reward model), three
+    updates of 32 episodes, plain and with --compile: each update's time and its rollout's (the first --compile
+    update compiles), the last update's gold score."""
+    out = {}
+    for compiled in (False, True):
+        args = ppo.Args(bf16=True, compile=compiled, reward_fn="common:gold_rewards", total_episodes=96,
+                        sample_every=1000, save_steps=0, overwrite_output_dir=True,
+                        output_dir=os.path.join(scratch, f"ppo_update_compile{int(compiled)}"))
+        if quick:
+            args = dataclasses.replace(args, per_device_train_batch_size=4, total_episodes=24)
+        ppo.main(args)
+        metrics = [json.loads(line) for line in open(os.path.join(args.output_dir, "metrics.jsonl"))]
+        batch = metrics[0]["episodes"]
+        out["compile" if compiled else "plain"] = {
+            "update_s": [round(batch / m["perf/episodes_per_s"], 3) for m in metrics],
+            "rollout_s": [round(m["perf/time_rollout"], 3) for m in metrics],
+            "gold_last": metrics[-1].get("gold/mean")}
+    return out
 
 
 def check_8b_reward(device, quick):
@@ -270,11 +350,11 @@ def check_8b_reward(device, quick):
     k = 100 if quick else 1000
     pairs = [{"prompt": list(range(3, 3 + k // 2)), "chosen": list(range(5, 5 + k // 2)),
               "rejected": list(range(7, 7 + k // 2)), "margin": 0.0} for _ in range(8)]
-    inputs = [x.to(device) if torch.is_tensor(x) else x for x in rm.pack_segments(pairs)]
+    inputs = rm.model_inputs(pairs, 0, rm.Args(padding_free=True), device)
 
     def rm_step():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            reward_model(*inputs).sum().backward()
+            reward_model(**inputs).sum().backward()
         reward_model.zero_grad(set_to_none=True)
     result = {}
     for checkpointing in (False, True):
@@ -283,7 +363,7 @@ def check_8b_reward(device, quick):
         result[f"rm_packed_8_pairs_ckpt{int(checkpointing)}"] = timed(rm_step, device, reward_model)
     reward_model.hf.activation_checkpointing_disable()
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):  # 32 query heads on 8 key/value heads
-        forward = lambda: reward_model(*inputs)  # noqa: E731
+        forward = lambda: reward_model(**inputs)  # noqa: E731
         result["rm_packed_forward_gqa"] = timed(forward, device) | {"kernels": sdpa_kernels(forward)}
     return result
 
@@ -397,8 +477,10 @@ def main():
     parser.add_argument("--scratch", default=None, help="where the scripts' runs go (default: OUT/runs)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, on any device")
     parser.add_argument("--sections", nargs="*", default=["attention", "packed", "logprobs", "scripts", "shapes",
-                                                                 "rm_shapes", "decode_profile"])
+                                                                 "rm_shapes", "decode_profile", "ppo_update"],
+                        help="sections to run, in this order (decode: decode_profile and ppo_update)")
     a = parser.parse_args()
+    a.sections = [n for name in a.sections for n in ({"decode": ["decode_profile", "ppo_update"]}.get(name, [name]))]
     os.makedirs(a.out, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     common.attention_without_nan(device)
@@ -411,6 +493,7 @@ def main():
               "shapes": lambda: check_8b_shapes(device, a.quick),
               "rm_shapes": lambda: check_8b_reward(device, a.quick),
               "decode_profile": lambda: check_decode_profile(device, a.quick),
+              "ppo_update": lambda: check_ppo_update(device, a.quick, a.scratch or os.path.join(a.out, "runs")),
               "logprobs": lambda: check_logprobs(device, a.quick)}
     for name in a.sections:
         t = time.time()

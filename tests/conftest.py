@@ -147,9 +147,9 @@ def family_dir(tmp_path_factory):
 
 def replayed_samples(policy, query, query_mask, responses, seeds, temperature, stop_id):
     """The tokens the sampler should have drawn, recomputed without its KV cache: a whole-sequence forward's logits
-    (ppo.output_logits at each response position, the learning forward's) plus the Gumbel noise each episode's stream
-    gives at each step, argmax. Equal to `responses` (generate's raw output) iff the cached decode samples from the
-    distribution the learning forward computes."""
+    (ppo.output_logits at each response position, the learning forward's) plus each episode's Gumbel noise at each step
+    (ppo.sampling_noise; seeds: (B,) int64), argmax. Equal to `responses` (generate's raw output) iff the cached decode
+    samples from the distribution the learning forward computes."""
     import ppo
 
     stopped = [(r == stop_id).nonzero() for r in responses]
@@ -160,9 +160,6 @@ def replayed_samples(policy, query, query_mask, responses, seeds, temperature, s
         hidden = ppo.head_inputs(policy, input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(
             min=0))
         logits = ppo.output_logits(policy, hidden[:, query.shape[1] - 1:-1], temperature)
-    generators = [torch.Generator().manual_seed(s) for s in seeds]
-    drawn = []
-    for t in range(steps):
-        noise = torch.stack([torch.rand(logits.shape[-1], generator=g) for g in generators])
-        drawn.append((logits[:, t] - torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))).argmax(-1))
+    drawn = [(logits[:, t] + ppo.sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
+             for t in range(steps)]
     return torch.stack(drawn, 1), steps

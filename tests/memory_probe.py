@@ -40,7 +40,7 @@ def ppo_held(flags, rank, world, device):
 def rm_held(flags, rank, world, device):
     args = tyro.cli(rm.Args, args=flags)
     tokenizer = rm.load_tokenizer(args.model_name_or_path)
-    hf_model, _ = rm.load_reward_model(args, tokenizer)
+    hf_model, _, args = rm.load_reward_model(args, tokenizer)
     model = rm.parallelize(rm.RewardModel(hf_model), args, device)
     optimizer, _ = rm.build_optimizer(model, args, 10)
     ids = torch.randint(3, len(tokenizer), (2, 12))

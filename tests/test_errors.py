@@ -61,6 +61,18 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
                           "d.jsonl: line 2: not UTF-8 text"),
     "all pairs identical": ([], {"d.jsonl": '{"prompt": "User:", "chosen": " cat", "rejected": " cat"}\n' * 5},
                             "d.jsonl: all 4 training pairs were dropped: chosen and rejected are identical"),
+    "eval split missing from a file": (["--eval_split", "validation_typo"], {"d.jsonl": (GOOD + "\n") * 5},
+                                       "d.jsonl: no split 'validation_typo' (--eval_split); it has 'train'"),
+    "eval split missing from a folder": (["--eval_split", "validation"], {"dir/train.jsonl": (GOOD + "\n") * 5,
+                                                                          "dir/test.jsonl": GOOD + "\n"},
+                                         "dir: no split 'validation' (--eval_split); it has 'test', 'train'"),
+    "text the tokenizer cannot read": ([], {"d.jsonl": '{"prompt": "Human: How do I bake bread? Assistant:", "chosen": '
+                                            '" Preheat the oven first.", "rejected": " Buy it instead please."}\n' * 5},
+                                       "% of its tokens are <unk> to embedded-llama's tokenizer"),
+    "pairs past max_length": (["--max_length", "8", "--max_prompt_length", "4"],
+                              {"d.jsonl": '{"prompt": "User:", "chosen": " cat dog red cat dog red cat dog red", '
+                                          '"rejected": " a"}\n' * 5},
+                              "training pairs do not fit --max_length 8 with the prompt cut to"),
     "array row": ([], {"d.jsonl": GOOD + "\n[1, 2]\n"}, "d.jsonl: line 2: a JSON list is not a row"),
     "string row": ([], {"d.jsonl": '"just text"\n'}, "d.jsonl: line 1: a JSON str is not a row"),
     "text margin": ([], {"d.jsonl": GOOD + "\n" + GOOD[:-1] + ', "margin": "high"}\n'},
@@ -342,7 +354,7 @@ def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_re
     proc = run_script(["rm.py", "--model_name_or_path", str(source), "--max_steps", "1", "--num_evals", "1",
                        "--output_dir", str(tmp_path / "out")])
     out = proc.stdout + proc.stderr
-    assert out.count("a new reward head (score, 32 -> 1, initial std 0.174) on its backbone") == 1, out
+    assert out.count("a new reward head (score, 32 -> 1) on its backbone") == 1 and "--head_init_std 0.1741" in out, out
     assert "model.norm.weight" in out and "score.weight" not in out and "lm_head.weight" not in out, out
 
 

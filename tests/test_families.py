@@ -64,26 +64,29 @@ def reward_model_of(path, **kw):
 
 def tokenized_pairs(family, tokenizer, n=6):
     rows = [dict(r, _source="mem", _row=i) for i, r in enumerate(preference_rows(family, n, seed=3))]
-    pairs, _, _ = rm.tokenize_pairs(rows, tokenizer, rm.Args(max_length=64, max_prompt_length=32))
+    pairs, _ = rm.tokenize_pairs(rows, tokenizer, rm.Args(max_length=64, max_prompt_length=32))
     return pairs
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_default_batch_layout_gives_the_padded_rewards_and_gradients(family, family_dir):
-    model, tokenizer, args = reward_model_of(family_dir(family))
+def test_packed_layout_gives_the_padded_rewards_and_gradients(family, family_dir):
+    """--padding_free on every family: packed where its start-up check passes, and then the padded batch's rewards and
+    gradients (each sequence alone's rewards); padded, and why, where it cannot."""
+    model, tokenizer, args = reward_model_of(family_dir(family), padding_free=True)
     padded_model = reward_model_of(family_dir(family))[0]
     assert model.hf.dtype == torch.float32  # trained in float32 whatever the stored dtype
     chosen_args, layout = rm.choose_layout(model, args, len(tokenizer))
+    assert chosen_args.padding_free == (family not in PADDED_FAMILIES)
     assert layout.startswith("padded" if family in PADDED_FAMILIES else "prefix-shared + packed: one row"), layout
     pairs = tokenized_pairs(family, tokenizer)
     if family in WINDOWED:
         assert max(len(p["prompt"]) + len(p["chosen"]) for p in pairs) > WINDOW  # the window matters here
     pad = tokenizer.pad_token_id
     results = {}
-    for name, m, inputs in (("padded", padded_model, rm.collate(pairs, pad)[:2] + (None, None, None)),
-                            ("default", model, rm.model_inputs(pairs, pad, chosen_args))):
+    for name, m, inputs in (("padded", padded_model, rm.model_inputs(pairs, pad, rm.Args())),
+                            ("packed", model, rm.model_inputs(pairs, pad, chosen_args))):
         m.train()
-        rewards = m(*inputs)
+        rewards = m(**inputs)
         rc, rr = rewards.chunk(2)
         rm.preference_loss(rc, rr, torch.zeros(len(pairs))).mean().backward()
         results[name] = rewards.detach(), torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
@@ -92,8 +95,8 @@ def test_default_batch_layout_gives_the_padded_rewards_and_gradients(family, fam
                                                                                      dtype=torch.long))
                            for k in ("chosen", "rejected") for p in pairs])
     assert torch.allclose(results["padded"][0], alone, atol=1e-5)
-    assert torch.allclose(results["default"][0], alone, atol=1e-5)
-    assert torch.allclose(results["default"][1], results["padded"][1], atol=1e-5, rtol=1e-4)
+    assert torch.allclose(results["packed"][0], alone, atol=1e-5)
+    assert torch.allclose(results["packed"][1], results["padded"][1], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -101,9 +104,9 @@ def test_no_dropout_anywhere_training_forward_equals_evaluation_forward(family, 
     path = family_dir(family)
     model, tokenizer, args = reward_model_of(path)
     pairs = tokenized_pairs(family, tokenizer)
-    inputs = rm.model_inputs(pairs, tokenizer.pad_token_id, rm.choose_layout(model, args, len(tokenizer))[0])
+    inputs = rm.model_inputs(pairs, tokenizer.pad_token_id, args)  # (the default: padded)
     with torch.no_grad():
-        train, evaluation = model.train()(*inputs), model.eval()(*inputs)
+        train, evaluation = model.train()(**inputs), model.eval()(**inputs)
     assert torch.equal(train, evaluation)
     if family in DECODERS:
         policy = ppo.load_policy(ppo.Args(sft_model_path=path), tokenizer)
@@ -122,9 +125,9 @@ def test_sampler_draws_from_the_learning_forwards_distribution(family, family_di
     rng = random.Random(0)
     prompts = common.tokenize_prompts(tokenizer, [common.embedded_prompt(rng) + " cat" * i for i in range(4)])
     query, query_mask = ppo.pad_left(prompts, max(map(len, prompts)), tokenizer.pad_token_id)
-    generators = [torch.Generator().manual_seed(i) for i in range(4)]
-    responses = ppo.generate(policy, query, query_mask, generators, args, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    drawn, steps = replayed_samples(policy, query, query_mask, responses, range(4), args.temperature,
+    responses = ppo.generate(policy, query, query_mask, torch.arange(4), args, tokenizer.eos_token_id,
+                             tokenizer.pad_token_id)
+    drawn, steps = replayed_samples(policy, query, query_mask, responses, torch.arange(4), args.temperature,
                                     tokenizer.eos_token_id)
     assert torch.equal(drawn, responses[:, :steps])
 
@@ -135,19 +138,26 @@ def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(fa
     token (once, with nothing after it: chat templates write text after their end-of-turn token)."""
     path = family_dir(family)
     rows = preference_rows(family, 8, seed=4)
-    # cut (keeping the leading BOS; rm.py cuts a prompt only where the pair does not fit --max_length), and whole
-    for max_prompt_length, max_length in ((5, 9), (64, 96)):
-        pairs, _, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)],
-                                        rm.load_tokenizer(path), rm.Args(max_length=max_length,
-                                                                         max_prompt_length=max_prompt_length))
+    # cut (keeping the leading BOS; rm.py cuts a prompt only where the pair does not fit --max_length, to what the
+    # longer response leaves, and drops a pair that does not fit with the prompt at --max_prompt_length), and whole
+    for max_prompt_length, max_length in ((5, 16), (64, 96)):
         args = ppo.Args(sft_model_path=path, dataset_name=write_jsonl(tmp_path / "p.jsonl", rows),
                         max_prompt_length=max_prompt_length)
         tokenizer = ppo.load_tokenizer(args)
-        prompt_ids = [ppo.truncate_prompt(p, max_prompt_length, common.leading_id(tokenizer))  # as ppo.main cuts
-                      for p in ppo.load_prompts(args, tokenizer)[0]]
-        assert [p["prompt"] for p in pairs] == prompt_ids
+        kept, cut = [], 0
+        for i, (row, whole) in enumerate(zip(rows, ppo.load_prompts(args, tokenizer)[0])):  # (before ppo.main cuts)
+            pairs, _ = rm.tokenize_pairs([dict(row, _source="m", _row=i)], rm.load_tokenizer(path),
+                                         rm.Args(max_length=max_length, max_prompt_length=max_prompt_length))
+            for pair in pairs:
+                left = max_length - max(len(pair["chosen"]), len(pair["rejected"]))  # >= max_prompt_length
+                assert left >= max_prompt_length and pair["prompt"] == ppo.truncate_prompt(
+                    whole, left, common.leading_id(tokenizer))  # ppo.py's cut, to that length
+                kept.append((pair, row))
+                cut += len(pair["prompt"]) < len(whole)
+        assert kept and (cut > 0) == (max_length == 16), (len(kept), cut)
+    prompt_ids = [pair["prompt"] for pair, _ in kept]
     stop = tokenizer.eos_token_id
-    for pair, row in zip(pairs, rows):
+    for pair, row in kept:
         response = pair["chosen"]
         assert response[-1] == stop and stop not in response[:-1]
         text = row["chosen"] if isinstance(row["chosen"], str) else " " + row["chosen"][0]["content"]
@@ -166,8 +176,8 @@ def test_saved_reward_model_reloads_with_transformers_and_gives_the_training_rew
     tokenizer = AutoTokenizer.from_pretrained(path)
     rows = [dict(r, _source="m", _row=i) for i, r in enumerate(preference_rows(family, 160))]
     held_out = rm.hold_out_by_prompt(rows, 0.1, 1, tokenizer)[1]  # rm.py's hold-out (seed 1)
-    evals, _, _ = rm.tokenize_pairs(held_out, tokenizer, rm.Args(max_length=64, max_prompt_length=32))
-    ids, mask, _ = rm.collate(evals, tokenizer.pad_token_id)
+    evals, _ = rm.tokenize_pairs(held_out, tokenizer, rm.Args(max_length=64, max_prompt_length=32))
+    ids, mask = rm.collate(evals, tokenizer.pad_token_id)
     with torch.no_grad():
         ours = rm.RewardModel(hf)(ids, mask)
         plain = hf(input_ids=ids, attention_mask=mask).logits.squeeze(-1)  # transformers' own pooling
@@ -253,7 +263,7 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
     assert ids[1][ids_mask[1].bool()].tolist() == pair["prompt"] + pair["rejected"]
     # ... and ppo.py's score of each episode is the reward model's normalized reward on those tokens
     hf = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
-    c_ids, c_mask, _ = rm.collate([pair], rm_tokenizer.pad_token_id)
+    c_ids, c_mask = rm.collate([pair], rm_tokenizer.pad_token_id)
     with torch.no_grad():
         expected = (rm.RewardModel(hf)(c_ids, c_mask) - hf.config.reward_shift) / hf.config.reward_scale
     policy = ppo.load_policy(args, tokenizer)
@@ -275,7 +285,7 @@ def test_two_ranks_equal_one_process_on_an_eager_decoder_and_an_encoder(family, 
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(family, 96))
     base = ["rm.py", "--model_name_or_path", family_dir(family), "--dataset_name", data, "--max_steps", "3",
             "--logging_steps", "1", "--num_evals", "1", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
-            "--max_length", "64", "--max_prompt_length", "32"]
+            "--max_length", "64", "--max_prompt_length", "32", "--padding_free"]
     run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
     proc, _ = run_ranks([base + ["--output_dir", str(tmp_path / "ddp")]], tmp_path)
     assert "batch layout: " + ("padded" if family in PADDED_FAMILIES else "prefix-shared + packed") in proc.stdout
@@ -363,7 +373,9 @@ def test_fsdp_ranks_fill_their_shards_from_rank_0s_copy_of_saved_models(family, 
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(family, 64))
     rm_base = ["rm.py", "--model_name_or_path", family_dir(family), "--dataset_name", data, "--max_steps", "2",
                "--per_device_train_batch_size", "4", "--num_evals", "1", "--max_length", "64", "--max_prompt_length",
-               "32", "--learning_rate", "3e-3"]
+               "32", "--learning_rate", "3e-3", "--center_rewards_coefficient", "0.01"]
+    # (the centering: without it a final layer norm's bias, which shifts both rewards of a pair alike, has no gradient
+    # in exact arithmetic, and AdamW turns its rounding noise, other on 1 and 2 ranks, into steps of the rate's size)
     ppo_base = ["ppo.py", "--sft_model_path", family_dir(family), "--reward_model_path", trained_rm(family),
                 "--total_episodes", "16", "--per_device_train_batch_size", "4", "--num_mini_batches", "1",
                 "--response_length", "6", "--max_prompt_length", "32", "--learning_rate", "1e-3"]

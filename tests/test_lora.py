@@ -45,12 +45,12 @@ def test_merged_reward_model_loads_without_peft_and_gives_the_adapted_rewards(fa
 
     args = rm.Args(model_name_or_path=family_dir(family), padding_free=False, **LORA)
     tokenizer = rm.load_tokenizer(args.model_name_or_path)
-    hf, lora = rm.load_reward_model(args, tokenizer)
+    hf, lora, _ = rm.load_reward_model(args, tokenizer)
     trained = {n for n, p in hf.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n or "modules_to_save" in n for n in trained), trained
     assert any("modules_to_save" in n for n in trained)  # the head is trained in full beside the adapters
     assert all(p.dtype == torch.float32 for n, p in hf.named_parameters() if n in trained)
-    ids, mask, _ = rm.collate(tokenized_pairs(family, tokenizer), tokenizer.pad_token_id)
+    ids, mask = rm.collate(tokenized_pairs(family, tokenizer), tokenizer.pad_token_id)
     with torch.no_grad():
         before = rm.RewardModel(hf.eval())(ids, mask)
         perturb_adapters(hf)
@@ -128,12 +128,35 @@ def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_document
         perturb_adapters(adapter, seed=1)
         adapter.save_pretrained(tmp_path / str(task))
         args = rm.Args(model_name_or_path=str(tmp_path / str(task)), head_init_std=3.0)
-        hf, _ = rm.load_reward_model(args, rm.load_tokenizer(args.model_name_or_path))
+        hf, _, _ = rm.load_reward_model(args, rm.load_tokenizer(args.model_name_or_path))
         with torch.no_grad():
             expected = adapter.eval().get_base_model().base_model(input_ids=ids).last_hidden_state
             assert not torch.allclose(expected, base, atol=1e-3)
             assert torch.allclose(hf.eval().base_model(input_ids=ids).last_hidden_state, expected, atol=1e-5), task
         assert 1.5 < hf.score.weight.std().item() < 6, task  # --head_init_std, not transformers' 0.02
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapters(lora_r, family_dir, tmp_path):
+    """An SFT adapter folder (peft, CAUSAL_LM) as --model_name_or_path trains like any start: merged into its base,
+    every weight trained with --lora_r 0 (peft loads an adapter frozen), new adapters and the head with --lora_r."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32),
+                             LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    perturb_adapters(adapter, seed=1)
+    adapter.save_pretrained(tmp_path / "sft")
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 40))
+    rm.main(rm.Args(model_name_or_path=str(tmp_path / "sft"), dataset_name=data, output_dir=str(tmp_path / "rm"),
+                    lora_r=lora_r, max_steps=3, per_device_train_batch_size=4, num_evals=1, learning_rate=1e-2,
+                    max_length=64, max_prompt_length=32))
+    start = adapter.merge_and_unload().model.state_dict()  # the SFT model: the start, merged
+    saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").model.state_dict()
+    # (the rows of the SFT model's vocabulary: rm.py's pad token adds one)
+    moved = {k for k, v in start.items() if not torch.equal(saved[k][tuple(map(slice, v.shape))], v)}
+    linear = {k for k in start if k.endswith("proj.weight")}
+    assert moved == set(start) if not lora_r else moved == linear, sorted(set(start) ^ moved)
 
 
 def test_ppo_refuses_a_reward_model_without_a_trained_head(family_dir, tmp_path):
@@ -194,7 +217,7 @@ def test_rm_lora_trains_only_adapters_and_head_and_two_ranks_equal_one(tmp_path,
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForSequenceClassification")
 
     tokenizer = rm.load_tokenizer("embedded-llama")
-    initial, _ = rm.load_reward_model(rm.Args(seed=1, lora_r=4, lora_alpha=8.0), tokenizer)
+    initial, _, _ = rm.load_reward_model(rm.Args(seed=1, lora_r=4, lora_alpha=8.0), tokenizer)
     trained = read_checkpoint(common.latest_checkpoint(str(tmp_path / "one")))["model"]
     moved = {k.removeprefix("hf.") for k, v in trained.items() if not torch.equal(v, initial.state_dict()[
         k.removeprefix("hf.")])}

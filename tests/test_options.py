@@ -29,10 +29,11 @@ PPO_OPTIONS = OrderedDict(
     resume=[False, True], overwrite_output_dir=[False, True], policy=["embedded", "folder"],
     advantage_estimator=["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"], num_samples_per_prompt=[None, 2],
     kl_penalty=["reward", "loss"], loss_aggregation=["token_mean", "sequence_mean", "constant"],
-    gradient_checkpointing=[False, True])
+    gradient_checkpointing=[False, True], compile=[False, True])
 
 RM_OPTIONS = OrderedDict(
-    ranks=[1, 2], fsdp=[False, True], bf16=[False, True], lora_r=[0, 4], layout=["padded", "prefix-shared"],
+    ranks=[1, 2], fsdp=[False, True], bf16=[False, True], lora_r=[0, 4], padding_free=[False, True],
+    lr_scheduler_type=["cosine", "polynomial", "warmup_stable_decay"], lr_end=[0.0, 1e-4],
     gradient_checkpointing=[False, True], center_rewards_coefficient=[0.0, 0.1],
     reward_normalization=["none", "shift", "shift_scale"], gradient_accumulation_steps=[1, 2], resume=[False, True],
     overwrite_output_dir=[False, True], model=["embedded", "folder"])
@@ -41,10 +42,12 @@ RM_OPTIONS = OrderedDict(
 def ppo_refused(values):
     """The combinations ppo.py refuses by design: a critic initialised from a reward model that is not there; a
     critic's flag without a critic (critic-free estimators); whitened per-token rewards for a per-episode return;
-    frozen models held on the host without FSDP's shards to hold."""
+    frozen models held on the host without FSDP's shards to hold; a compiled decode of sharded weights (FSDP's, which
+    offloading needs)."""
     estimator = values.get("advantage_estimator", "gae")
     return (values.get("critic_init") == "reward" and values.get("reward") == "function") or \
         (values.get("offload_inference_models") and not values.get("fsdp", True)) or \
+        (values.get("compile") and (values.get("fsdp") or values.get("offload_inference_models"))) or \
         (estimator != "gae" and values.get("critic_init", "auto") != "auto") or \
         (estimator in ("rloo", "grpo", "dr_grpo") and values.get("whiten_rewards", False))
 
@@ -140,10 +143,9 @@ def ppo_row(row, reward_model_path, sft_folder):
 def rm_row(row, folder, small_pairs_file, family_dir):
     """A row of RM_ROWS as (ranks, rm.py's arguments, the first of two runs' if it resumes)."""
     row = dict(row)
-    ranks, layout, model = row.pop("ranks"), row.pop("layout"), row.pop("model")
+    ranks, model = row.pop("ranks"), row.pop("model")
     args = dict(row, max_steps=4 if row["resume"] else 2, per_device_train_batch_size=4, num_evals=1, logging_steps=1,
-                padding_free=layout != "padded", max_length=64,
-                max_prompt_length=32)
+                max_length=64, max_prompt_length=32)
     if model == "folder":  # a tiny Llama stored in bfloat16, with its own tokenizer and chat-formatted pairs
         args.update(model_name_or_path=family_dir("llama"), learning_rate=1e-3,
                     dataset_name=write_jsonl(folder / "pairs.jsonl", preference_rows("llama", 80)))
@@ -156,6 +158,15 @@ def rm_row(row, folder, small_pairs_file, family_dir):
 def ran(tmp_path_factory, reward_model_path, sft_folder, small_pairs_file, family_dir):
     """Every row: 1 rank in this process, the 2-rank rows of both scripts in one torchrun launch (a launch costs each
     rank seconds of imports). {(script, row index): (output_dir, the first error of its runs or None)}."""
+    import torch._inductor.config
+
+    with pytest.MonkeyPatch.context() as patch:  # --compile: scalar C++ kernels, here and under torchrun: half the time
+        patch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)
+        patch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
+        return run_rows(tmp_path_factory, reward_model_path, sft_folder, small_pairs_file, family_dir)
+
+
+def run_rows(tmp_path_factory, reward_model_path, sft_folder, small_pairs_file, family_dir):
     jobs, errors = {}, {}
     for script, rows in (("ppo.py", PPO_ROWS), ("rm.py", RM_ROWS)):
         for i, row in enumerate(rows):

@@ -1,3 +1,5 @@
+import dataclasses
+import gc
 import json
 import math
 import os
@@ -281,19 +283,77 @@ def test_sampler_draws_from_the_learning_distribution_and_does_not_depend_on_bat
     prompts = sample_prompts(5)
     width = max(map(len, prompts))
     query, qmask = ppo.pad_left(prompts, width, TOK.pad_token_id)
-    gens = lambda: [torch.Generator().manual_seed(100 + i) for i in range(5)]  # noqa: E731
-    raw = ppo.generate(policy, query, qmask, gens(), args, TOK.eos_token_id, TOK.pad_token_id)
-    drawn, steps = replayed_samples(policy, query, qmask, raw, range(100, 105), args.temperature, TOK.eos_token_id)
+    seeds = torch.arange(100, 105)
+    raw = ppo.generate(policy, query, qmask, seeds, args, TOK.eos_token_id, TOK.pad_token_id)
+    drawn, steps = replayed_samples(policy, query, qmask, raw, seeds, args.temperature, TOK.eos_token_id)
     assert torch.equal(drawn, raw[:, :steps])  # each token: argmax of the learning forward's logits + its noise
     responses, mask = ppo.truncate_after_stop(raw, TOK.eos_token_id, TOK.pad_token_id)
     # each prompt alone (no padding, other batch) samples the same response: streams are per episode
     for i in range(5):
         q = torch.tensor([prompts[i]])
-        alone = ppo.generate(policy, q, torch.ones_like(q, dtype=torch.bool), [gens()[i]], args, TOK.eos_token_id,
+        alone = ppo.generate(policy, q, torch.ones_like(q, dtype=torch.bool), seeds[i:i + 1], args, TOK.eos_token_id,
                              TOK.pad_token_id)
         alone, alone_mask = ppo.truncate_after_stop(alone, TOK.eos_token_id, TOK.pad_token_id)
         assert alone[0][alone_mask[0]].tolist() == responses[i][mask[i]].tolist()
 
+
+
+def test_sampling_noise_is_gumbel_per_episode_and_step_whatever_the_batch():
+    """Counter-based noise: an episode's row is the same alone or in any batch; its values, mapped back to uniforms,
+    fill 64 bins evenly (chi-square), with the Gumbel's mean and variance, and no correlation between neighbouring
+    tokens of the vocabulary, consecutive steps or consecutive episodes' seeds."""
+    seeds = torch.tensor([common.seed_of(1, "sampling", e) for e in range(64)])
+    noise = ppo.sampling_noise(seeds, 3, 5000, "cpu")
+    assert noise.dtype == torch.float32 and noise.shape == (64, 5000) and torch.isfinite(noise).all()
+    for i in (0, 17, 63):
+        assert torch.equal(ppo.sampling_noise(seeds[i:i + 1], 3, 5000, "cpu")[0], noise[i])
+        assert torch.equal(ppo.sampling_noise(seeds[[i, 5, 2]], torch.tensor(3), 5000, "cpu")[0], noise[i])
+    assert not torch.equal(ppo.sampling_noise(seeds, 4, 5000, "cpu"), noise)
+    u = torch.exp(-torch.exp(-noise.double())).flatten()  # the Gumbel's distribution function: uniform
+    assert 0 < u.min() and u.max() < 1
+    counts = torch.histc(u, bins=64, min=0, max=1)
+    expected = len(u) / 64
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 120, chi2  # 63 degrees of freedom: P(chi2 > 120) < 1e-4
+    assert abs(noise.double().mean() - 0.5772) < 0.01 and abs(noise.double().var() - math.pi ** 2 / 6) < 0.03
+    z = (u - 0.5).view(64, 5000)
+    later = ppo.sampling_noise(seeds, 4, 5000, "cpu").double()
+    for a, b in ((z[:, 1:], z[:, :-1]), (z[1:], z[:-1]),
+                 (z, torch.exp(-torch.exp(-later)) - 0.5)):
+        corr = (a * b).mean() / (a.std() * b.std())
+        assert abs(corr) < 0.01, corr  # (n = 320k: the std of a null correlation is 0.0018)
+
+
+def test_compiled_decode_samples_the_plain_decodes_tokens(monkeypatch):
+    """--compile (torch.compile of the one-token step over the static cache; on a CPU no CUDA graph) gives the plain
+    path's raw output in float32, every row stopping before STOP_CHECK_EVERY tokens (the tokens sampled after it
+    padded), on prompts of varied lengths, twice in a row (the cache reset and reused, not compiled again)."""
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)  # scalar C++ kernels: compiled in half the
+    # time
+    policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=20).eval()
+    args = ppo.Args(temperature=0.7, response_length=20, max_prompt_length=16)
+    widths = []
+    for first in (0, 6):  # the second rollout's prompts of another width: compiled once all the same
+        if first:
+            monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        prompts = [p[:len(p) - first // 3] for p in sample_prompts(6, seed=1 + first)]
+        query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
+        widths.append(query.shape[1])
+        seeds = torch.arange(first, first + 6)
+        plain = ppo.generate(policy, query, qmask, seeds, args, TOK.eos_token_id, TOK.pad_token_id)
+        compiled = ppo.generate(policy, query, qmask, seeds, dataclasses.replace(args, compile=True),
+                                TOK.eos_token_id, TOK.pad_token_id)
+        assert torch.equal(compiled, plain), (compiled, plain)
+        assert (plain == TOK.eos_token_id).any(1).all() and (plain[:, -1] == TOK.pad_token_id).all()  # (all stop)
+    assert widths[0] != widths[1] and max(widths) <= 16
+    assert len(ppo.DECODES) == 1 and ppo.DECODES[policy].cache_length == 16 + 20
+    del policy
+    gc.collect()
+    assert len(ppo.DECODES) == 0  # (the model is not kept alive, nor its cache)
+    cut = ppo.padded_after_all_stopped(torch.tensor([[5, 2, 7, 7], [2, 7, 7, 7]]), 2, 0)
+    assert cut.tolist() == [[5, 2, 0, 0], [2, 7, 0, 0]]
 
 # --- training runs ----------------------------------------------------------------------------------------------------
 
@@ -443,8 +503,7 @@ def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, rew
     query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
     golds = {}
     for name, model in (("trained", trained), ("initial", initial)):
-        gens = [torch.Generator().manual_seed(i) for i in range(48)]
-        r = ppo.generate(model, query, qmask, gens, ppo.Args(), TOK.eos_token_id, TOK.pad_token_id)
+        r = ppo.generate(model, query, qmask, torch.arange(48), ppo.Args(), TOK.eos_token_id, TOK.pad_token_id)
         r, m = ppo.truncate_after_stop(r, TOK.eos_token_id, TOK.pad_token_id)
         golds[name] = np.mean([common.gold_reward(TOK.decode(q[qm]), TOK.decode(x[k & (x != TOK.eos_token_id)]))
                                for q, qm, x, k in zip(query, qmask, r, m)])
@@ -593,6 +652,7 @@ def test_ptx_loss_of_a_left_padded_batch_is_the_mean_over_real_transitions():
     (["--learning_rate", "-1"], "--learning_rate -1.0: must be a finite number >= 0"),
     (["--ptx_coef", "0.5"], "--ptx_coef 0.5 needs --ptx_dataset_name"),
     (["--reward_fn", "nonexistent_module_xyz:f"], "--reward_fn nonexistent_module_xyz:f: cannot import"),
+    (["--compile", "--fsdp"], "--compile compiles the decode of a whole model; --fsdp shards it: drop one of them"),
     (["--advantage_estimator", "grpo", "--num_samples_per_prompt", "1"], "--num_samples_per_prompt 1: "
      "--advantage_estimator grpo compares each response with the others to its prompt; it needs at least 2"),
 ])

@@ -195,14 +195,14 @@ def test_no_query_attends_to_nothing_and_real_tokens_are_unchanged(family, famil
 
 def test_default_lengths_fit_a_short_position_table_and_given_ones_are_refused(family_dir, tmp_path, capsys):
     """rm.py's default --max_length 512 and ppo.py's default --max_prompt_length 256 on a model with a learned
-    position table of 256: the defaults are clamped with a line saying so, and the runs finish; a length the user
+    position table of 256: the defaults are fitted to it, with a line saying so, and the runs finish; a length the user
     gives beyond the table is refused (tests/test_families.py)."""
     from test_families import preference_rows, write_jsonl
 
     data = write_jsonl(tmp_path / "d.jsonl", preference_rows("gpt2", 40))
     rm.main(rm.Args(model_name_or_path=family_dir("gpt2"), dataset_name=data, max_steps=2,
                     per_device_train_batch_size=4, num_evals=1, output_dir=str(tmp_path / "rm")))
-    assert "--max_length: 256, not the default 512" in capsys.readouterr().out
+    assert "--max_length 256, --max_prompt_length 192" in capsys.readouterr().out  # (fill_defaults says so)
     saved = json.load(open(tmp_path / "rm" / "eval_results.json"))["args"]
     assert (saved["max_length"], saved["max_prompt_length"]) == (256, 192)
     ppo.main(ppo.Args(sft_model_path=family_dir("gpt2"), reward_fn="common:gold_rewards", total_episodes=8,
@@ -297,7 +297,7 @@ def test_calibration_error_is_of_the_probability_the_loss_models_with_its_margin
 def test_a_mixture_is_evaluated_per_dataset_as_each_dataset_alone_and_overall():
     model = rm.RewardModel(rm.load_reward_model(rm.Args(), TOK)[0]).eval()
     rows = [dict(r, _source="m", _row=i, _dataset="ab"[i % 2]) for i, r in enumerate(common.embedded_pairs(24, 3))]
-    pairs, _, _ = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=64, max_prompt_length=32))
+    pairs, _ = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=64, max_prompt_length=32))
     args = rm.Args(padding_free=False)
     evaluate = lambda pairs: rm.evaluate(model, pairs, args, 0, torch.device("cpu"), 0, 1)[0]  # noqa: E731
     both = evaluate(pairs)

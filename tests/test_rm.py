@@ -109,11 +109,14 @@ def test_the_probability_the_loss_models_the_pair_loss_alone_and_a_head_of_std_0
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_config(common.embedded_model_config("embedded-llama", 40, 1))
-    assert rm.reward_head(model, rm.Args(head_init_std=0.0), new_head=True).score.weight.abs().sum() == 0
-    assert 0.05 < rm.reward_head(model, rm.Args(), new_head=True).score.weight.std() < 0.2  # 1 / sqrt(65)
+    rm.new_head(model, rm.fill_defaults(rm.Args(head_init_std=0.0), model).head_init_std)
+    assert model.score.weight.abs().sum() == 0
+    rm.new_head(model, rm.fill_defaults(rm.Args(), model).head_init_std)
+    assert 0.05 < model.score.weight.std() < 0.2  # 1 / sqrt(65)
     for name, epochs in (("embedded-llama", 3), ("someone/pretrained", 1)):
-        assert rm.schedule(rm.Args(model_name_or_path=name), 64, 8, rank=0)[1] == 8 * epochs
-    assert rm.schedule(rm.Args(model_name_or_path="someone/pretrained", num_train_epochs=2.0), 64, 8, rank=0)[1] == 16
+        assert rm.schedule(rm.fill_defaults(rm.Args(model_name_or_path=name), model), 64, 8, rank=0)[1] == 8 * epochs
+    args = rm.fill_defaults(rm.Args(model_name_or_path="someone/pretrained", num_train_epochs=2.0), model)
+    assert rm.schedule(args, 64, 8, rank=0)[1] == 16 and args.learning_rate == 1e-5
 
 
 def test_the_loss_and_its_gradient_are_exact_at_any_reward_gap():
@@ -152,10 +155,11 @@ def test_fused_forward_equals_separate_unpadded_forwards(arch):
     model = tiny_reward_model(arch)
     pairs = random_pairs(6, seed=1)
     with torch.no_grad():
-        ids, mask, _ = rm.collate(pairs, TOK.pad_token_id)
+        ids, mask = rm.collate(pairs, TOK.pad_token_id)
         fused = model(ids, mask)
-        ids_left, mask_left, _ = rm.collate(pairs, TOK.pad_token_id, padding_side="left")
-        left = model(ids_left, mask_left)
+        shift = (1 - mask).sum(1, keepdim=True)  # each row's padding moved to its left: last_token_index reads either
+        index = (torch.arange(ids.shape[1]) - shift) % ids.shape[1]
+        left = model(ids.gather(1, index), mask.gather(1, index))
         separate = [model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]), dtype=torch.long))
                     for k in ("chosen", "rejected") for p in pairs]
     assert torch.allclose(fused, torch.cat(separate), atol=1e-5)
@@ -164,9 +168,10 @@ def test_fused_forward_equals_separate_unpadded_forwards(arch):
 
 def test_new_head_init_std_and_dropout_off():
     args = rm.Args(model_name_or_path="embedded-llama", head_init_std=0.5)
-    hf, _ = rm.load_reward_model(args, TOK)
+    hf, _, _ = rm.load_reward_model(args, TOK)
     assert hf.score.weight.std().item() == pytest.approx(0.5, rel=0.2)
-    default, _ = rm.load_reward_model(rm.Args(), TOK)
+    default, _, filled = rm.load_reward_model(rm.Args(), TOK)
+    assert filled.head_init_std == pytest.approx(1 / math.sqrt(64 + 1))
     assert default.score.weight.std().item() == pytest.approx(1 / math.sqrt(64 + 1), rel=0.2)
     assert all(m.p == 0 for m in default.modules() if isinstance(m, torch.nn.Dropout))
 
@@ -186,8 +191,8 @@ def test_explicit_implicit_and_conversational_formats_give_the_same_ids():
     rows = [{"prompt": prompt, "chosen": chosen, "rejected": rejected},
             {"chosen": prompt + chosen, "rejected": prompt + rejected}, conv]
     rows = [dict(r, _source="mem", _row=i) for i, r in enumerate(rows)]
-    pairs, truncated, dropped = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=512, max_prompt_length=384))
-    assert (truncated, dropped) == (0, 0)
+    pairs, counts = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=512, max_prompt_length=384))
+    assert not counts and len(pairs) == 3
     eos = TOK.eos_token_id
     for p in pairs[:2]:
         assert p["prompt"] == ids_of(prompt)
@@ -212,20 +217,40 @@ def test_implicit_prompt_extraction_on_real_hh_rlhf(hh_path):
         assert common.shared_prefix_split(row["chosen"], row["rejected"])[0].startswith(row["chosen"][:final_turn])
 
 
-def test_truncation_keeps_prompt_end_and_bos_and_caps_responses():
+def test_truncation_cuts_the_prompt_never_a_response_and_drops_what_does_not_fit():
     prompt, chosen, rejected = [2, 10, 11, 12, 13, 14], [20, 21, 22, 3], [30, 3]
-    p, c, r, cut = rm.truncate_pair(prompt, chosen, rejected, max_length=7, max_prompt_length=4, bos_id=2)
-    assert p == [2, 12, 13, 14] and c == [20, 21, 22] and r == [30, 3] and cut
-    p, c, r, cut = rm.truncate_pair(prompt[1:], chosen, rejected, max_length=7, max_prompt_length=4, bos_id=2)
-    assert p == [11, 12, 13, 14] and c == [20, 21, 22]
-    assert rm.truncate_pair([5], [6, 3], [7, 3], 10, 5) == ([5], [6, 3], [7, 3], False)
+    # a pair past max_length: the prompt keeps its end and BOS, as many tokens as the longer response leaves
+    assert rm.truncate_pair(prompt, chosen, rejected, 8, 3, bos_id=2) == ([2, 12, 13, 14], None)
+    assert rm.truncate_pair(prompt[1:], chosen, rejected, 8, 3, bos_id=2) == ([11, 12, 13, 14], None)
+    assert rm.truncate_pair([5], [6, 3], [7, 3], 10, 5) == ([5], None)
     # the prompt is cut only where the pair would not fit, and only by what the longer response needs
-    assert rm.truncate_pair(prompt, [20, 3], [30], 8, 4, bos_id=2) == (prompt, [20, 3], [30], False)
-    assert rm.truncate_pair(prompt, [20, 3], [30], 7, 4, bos_id=2) == ([2, 11, 12, 13, 14], [20, 3], [30], True)
-    # a pair whose responses are identical after truncation carries no preference: dropped and counted
-    rows = [{"prompt": "User:", "chosen": " cat dog red", "rejected": " cat dog blue", "_source": "m", "_row": 0}]
-    pairs, truncated, dropped = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=3, max_prompt_length=1))
-    assert (len(pairs), truncated, dropped) == (0, 1, 1)
+    assert rm.truncate_pair(prompt, [20, 3], [30], 8, 4, bos_id=2) == (prompt, None)
+    assert rm.truncate_pair(prompt, [20, 3], [30], 7, 4, bos_id=2) == ([2, 11, 12, 13, 14], None)
+    # past max_length even with the prompt at max_prompt_length: dropped, not read mid-response
+    assert rm.truncate_pair(prompt, chosen, rejected, 7, 4, bos_id=2) == (None, "too long")
+    assert rm.truncate_pair([5], list(range(9)), [7, 3], 8, 4) == (None, "too long")
+    assert rm.truncate_pair([5, 6], [7, 3], [7, 3], 99, 4) == (None, "identical")
+
+
+def test_a_pair_past_max_length_is_dropped_whole_and_every_kept_response_ends_with_its_eos(tmp_path):
+    """No response is cut: every training and eval pair keeps both responses whole, up to their EOS, so a reward is
+    read where rm.py trains it to be read; pairs that do not fit with the prompt at --max_prompt_length are dropped and
+    counted, and over half of them dropped stops the run in one line naming --max_length."""
+    rng = random.Random(0)
+    rows = [{"prompt": "User: tell me about animals Assistant:", "chosen": " cat" * rng.randrange(1, 12),
+             "rejected": " dog" * rng.randrange(1, 4)} for _ in range(60)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    args = rm.Args(dataset_name=data, max_length=16, max_prompt_length=6)
+    train, evals, _ = rm.load_data(args, TOK, 0)
+    kept = train + evals
+    eos = TOK.eos_token_id
+    assert 0 < len(kept) < 60 and all(p["chosen"][-1] == eos and p["rejected"][-1] == eos for p in kept)
+    assert all(len(p["prompt"]) + max(len(p["chosen"]), len(p["rejected"])) <= 16 for p in kept)
+    fits = sum(min(len(ids_of(r["prompt"])), 6) + max(len(ids_of(r[k])) for k in ("chosen", "rejected")) + 1 <= 16
+               for r in rows)  # (+ 1: the EOS each response ends with)
+    assert len(kept) == fits
+    with pytest.raises(common.UserError, match="training pairs do not fit --max_length 10 with the prompt cut"):
+        rm.load_data(rm.Args(dataset_name=data, max_length=10, max_prompt_length=6), TOK, 0)
 
 
 @pytest.mark.parametrize("content,expected", [
@@ -303,9 +328,9 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     rows = common.embedded_pairs(16, seed=common.EMBEDDED_SPLITS["validation"])  # the first eval pairs
-    pairs, _, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)], tok,
-                                    rm.Args(max_length=512, max_prompt_length=384))
-    ids, mask, _ = rm.collate(pairs, tok.pad_token_id)
+    pairs, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)], tok,
+                                 rm.Args(max_length=512, max_prompt_length=384))
+    ids, mask = rm.collate(pairs, tok.pad_token_id)
     with torch.no_grad():
         ours = rm.RewardModel(hf)(ids, mask)
         plain = hf(input_ids=ids, attention_mask=mask).logits.squeeze(-1)  # transformers' own pooling
@@ -317,7 +342,7 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
 
 def test_reward_normalization_is_fitted_on_the_training_pairs_not_the_eval_pairs(tmp_path, small_pairs_file):
     """reward_shift and reward_scale are the mean and std of the saved model's rewards over the training pairs (all of
-    them here: fewer than rm.NORMALIZATION_PAIRS), computed again here from the saved model, in the padded batch."""
+    them here: fewer than 2048), computed again here from the saved model, in the padded batch."""
     from transformers import AutoModelForSequenceClassification
 
     out = tmp_path / "rm"
@@ -326,7 +351,7 @@ def test_reward_normalization_is_fitted_on_the_training_pairs_not_the_eval_pairs
     results = json.load(open(out / "eval_results.json"))
     train, _, _ = rm.load_data(rm.Args(dataset_name=small_pairs_file, max_length=128, max_prompt_length=96), TOK, 0)
     hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
-    ids, mask, _ = rm.collate(train, TOK.pad_token_id)
+    ids, mask = rm.collate(train, TOK.pad_token_id)
     with torch.no_grad():
         rewards = rm.RewardModel(hf)(ids, mask)
     assert hf.config.reward_shift == pytest.approx(rewards.mean().item(), abs=1e-4)
@@ -536,24 +561,54 @@ def test_checkpoint_write_is_atomic(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002", "step_00000003"]
 
 
-@pytest.mark.parametrize("schedule", ["linear", "cosine", "constant", "constant_with_warmup"])
-def test_every_lr_schedule_runs(tmp_path, small_pairs_file, schedule):
-    m = rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=4, warmup_steps=1, lr_scheduler_type=schedule,
-                        output_dir=str(tmp_path), num_evals=1, logging_steps=1))
+@pytest.mark.parametrize("schedule", list(rm.Args.__annotations__["lr_scheduler_type"].__args__))
+def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_file, schedule, capsys):
+    """Every transformers SchedulerType: those stepped by a metric are refused before anything is read; the others
+    run, each step logging the rate it used; polynomial decays linearly to --lr_end, the cosine_*min_lr ones end there
+    too; the run records the learning rate filled in for the model (1e-3 for the embedded ones)."""
+    args = rm.Args(dataset_name=small_pairs_file, max_steps=5, warmup_steps=1, lr_scheduler_type=schedule, lr_end=1e-4,
+                   output_dir=str(tmp_path), num_evals=1, logging_steps=1)
+    from transformers import SchedulerType
+
+    assert {s.value for s in SchedulerType} == set(rm.Args.__annotations__["lr_scheduler_type"].__args__)
+    if schedule in rm.METRIC_DRIVEN:
+        with pytest.raises(common.UserError, match=f"--lr_scheduler_type {schedule}: sets the rate from a metric"):
+            rm.main(args)
+        assert not os.path.exists(tmp_path / "metrics.jsonl")
+        return
+    m = rm.main(args)
     lrs = [x["lr"] for x in read_metrics(tmp_path) if "lr" in x]
-    assert len(lrs) == 4 and m["eval/accuracy"] > 0
-    if schedule == "linear":  # each step's logged rate is the one it used: warm-up from 0, then down to 0 at step 5
-        assert lrs == pytest.approx([0, 1e-3, 2e-3 / 3, 1e-3 / 3])
-    if schedule.startswith("constant"):
+    assert len(lrs) == 5 and m["eval/accuracy"] > 0 and lrs[0] == {"constant": 1e-3, "cosine_warmup_with_min_lr": 1e-3,
+                                                                 "warmup_stable_decay": 1e-4}.get(schedule, 0)
+    assert json.load(open(tmp_path / "eval_results.json"))["args"]["learning_rate"] == 1e-3
+    assert "defaults for this model: --learning_rate 0.001, --num_train_epochs 3" in capsys.readouterr().out
+    if schedule == "linear":  # each step's logged rate is the one it used: warm-up from 0, then down to 0 at step 6
+        assert lrs == pytest.approx([0, 1e-3, 7.5e-4, 5e-4, 2.5e-4])
+    if schedule == "polynomial":  # power 1: linear from 1e-3 after warm-up down to --lr_end at step 6
+        assert lrs == pytest.approx([0, 1e-3, 1e-4 + 0.75 * 9e-4, 1e-4 + 0.5 * 9e-4, 1e-4 + 0.25 * 9e-4])
+    if schedule == "cosine_warmup_with_min_lr":  # (its warm-up starts at 1 / warm-up steps; it ends at --lr_end)
+        assert lrs[-1] == pytest.approx(1e-4)
+    if schedule == "cosine_with_min_lr":
+        assert lrs[-1] == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(0.75 * math.pi)), rel=0.05)
+    if schedule == "warmup_stable_decay":  # stable, then the last fifth (one step here) decays from 1e-3
+        assert lrs[1:] == pytest.approx([1e-3] * 4)
+    elif schedule.startswith("constant"):
         assert lrs[-1] == pytest.approx(1e-3)
     else:
         assert lrs[-1] < 1e-3
 
 
+def test_lr_end_not_below_the_learning_rate_is_refused_in_one_line(tmp_path, small_pairs_file):
+    with pytest.raises(common.UserError, match="--lr_scheduler_type polynomial: lr_end"):
+        rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=2, lr_scheduler_type="polynomial", lr_end=1e-3,
+                        output_dir=str(tmp_path)))
+
+
 def test_help_and_wandb_offline(tmp_path, small_pairs_file):
     proc = run_script(["rm.py", "--help"], env={"COLUMNS": "200"})
     assert "--center_rewards_coefficient" in proc.stdout
-    assert "Fraction of training pairs held out" in proc.stdout
+    assert "this fraction held out, by whole prompts" in proc.stdout and "--lr_end" in proc.stdout
+    assert "warmup_stable_decay" in proc.stdout  # every schedule transformers has
     run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--track", "--output_dir",
                 str(tmp_path)], env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb"))
@@ -581,28 +636,28 @@ def shared_prefix_pairs(n, seed):
 @pytest.mark.parametrize("pad_id", [0, 3])  # 3 is the EOS id: pad == eos
 def test_padded_packed_and_prefix_shared_rewards_and_gradients_agree(arch, pad_id, monkeypatch):
     model, padded_model = tiny_reward_model(arch, seed=2), tiny_reward_model(arch, seed=2)
-    assert "one row, attention per block of pairs" in rm.choose_layout(model, rm.Args(), TOK.vocab_size)[1]
+    args, layout = rm.choose_layout(model, rm.Args(padding_free=True), TOK.vocab_size)
+    assert "one row, attention per block of pairs" in layout and args.padding_free
     pairs = shared_prefix_pairs(12, seed=4)
-    batches = {"padded right": rm.collate(pairs, pad_id)[:2] + (None, None, None),
-               "padded left": rm.collate(pairs, pad_id, padding_side="left")[:2] + (None, None, None),
-               "prefix-shared + packed": rm.pack_segments(pairs)}
+    batches = {"padded": rm.model_inputs(pairs, pad_id, rm.Args()),
+               "prefix-shared + packed": rm.model_inputs(pairs, pad_id, args)}
     for block_tokens in (1, 10**6):  # every pair a block alone; the whole row one block
         monkeypatch.setattr(rm, "BLOCK_TOKENS", block_tokens)
-        batches[f"prefix-shared + packed, blocks of {block_tokens}"] = rm.pack_segments(pairs)
-    assert len(batches["prefix-shared + packed, blocks of 1"][-1].blocks) == len(pairs)
-    assert len(batches[f"prefix-shared + packed, blocks of {10**6}"][-1].blocks) == 1
-    assert batches["prefix-shared + packed"][0].numel() == \
+        batches[f"prefix-shared + packed, blocks of {block_tokens}"] = rm.model_inputs(pairs, pad_id, args)
+    assert len(batches["prefix-shared + packed, blocks of 1"]["packed"].blocks) == len(pairs)
+    assert len(batches[f"prefix-shared + packed, blocks of {10**6}"]["packed"].blocks) == 1
+    assert batches["prefix-shared + packed"]["input_ids"].numel() == \
         sum(len(p["prompt"]) + len(p["chosen"]) + len(p["rejected"]) for p in pairs)  # no padding at all
     results = {}
     for name, inputs in batches.items():
         m = padded_model if name.startswith("padded") else model  # a packed model takes packed rows only
         m.zero_grad()
-        rewards = m(*inputs)
+        rewards = m(**inputs)
         rc, rr = rewards.chunk(2)
         rm.preference_loss(rc, rr, torch.zeros(len(pairs))).mean().backward()
         grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
         results[name] = (rewards.detach(), grads)
-    ref_rewards, ref_grads = results["padded right"]
+    ref_rewards, ref_grads = results["padded"]
     for name, (rewards, grads) in results.items():
         assert torch.allclose(rewards, ref_rewards, atol=1e-4), name
         assert torch.allclose(grads, ref_grads, atol=1e-4, rtol=1e-3), name
@@ -611,10 +666,11 @@ def test_padded_packed_and_prefix_shared_rewards_and_gradients_agree(arch, pad_i
 def test_prefix_shared_mask_hides_chosen_from_rejected_and_blocks_hold_whole_pairs(monkeypatch):
     pair = {"prompt": [30, 31], "chosen": [40, 3], "rejected": [50, 51, 3], "margin": 0.0}
     monkeypatch.setattr(rm, "BLOCK_TOKENS", 15)  # two pairs of 7 tokens fit, the third starts a block
-    ids, no_mask, positions, read, segments = rm.pack_segments([pair, pair, pair])
-    assert no_mask is None  # attention is kept inside each sequence by segment_attention, not by the model's mask
+    inputs = rm.model_inputs([pair, pair, pair], 0, rm.Args(padding_free=True))
+    ids, segments = inputs["input_ids"], inputs["packed"]
+    assert "attention_mask" not in inputs  # attention is kept inside each sequence by segment_attention
     assert ids[0].tolist() == [30, 31, 40, 3, 50, 51, 3] * 3
-    assert positions[0].tolist() == [0, 1, 2, 3, 2, 3, 4] * 3  # rejected continues from the prompt's end
+    assert segments.position.tolist() == [0, 1, 2, 3, 2, 3, 4] * 3  # rejected continues from the prompt's end
     assert segments.blocks == [(0, 14), (14, 21)]
     m = segments.mask(0, None, "cpu").int()
     assert m[4].tolist() == [1, 1, 0, 0, 1, 0, 0] + [0] * 7  # first rejected token: prompt and itself only
@@ -624,7 +680,7 @@ def test_prefix_shared_mask_hides_chosen_from_rejected_and_blocks_hold_whole_pai
     window = segments.mask(0, 2, "cpu").int()  # a sliding window of 2 positions: i - j < 2
     assert window[6].tolist() == [0, 0, 0, 0, 0, 1, 1] + [0] * 7
     assert window[4].tolist() == [0, 1, 0, 0, 1, 0, 0] + [0] * 7  # position 2 sees the prompt's position 1
-    assert read.T.tolist() == [[0, 3], [0, 10], [0, 17], [0, 6], [0, 13], [0, 20]]  # chosen rewards, then rejected
+    assert segments.read.tolist() == [3, 10, 17, 6, 13, 20]  # chosen rewards, then rejected
 
 
 def test_gradient_checkpointing_recomputes_attention_per_block():
@@ -632,11 +688,11 @@ def test_gradient_checkpointing_recomputes_attention_per_block():
     grads = []
     for checkpointing in (False, True):
         model = tiny_reward_model("embedded-llama", seed=2)
-        rm.choose_layout(model, rm.Args(), TOK.vocab_size)
+        args = rm.choose_layout(model, rm.Args(padding_free=True), TOK.vocab_size)[0]
         if checkpointing:  # the backward pass re-runs each layer's forward: it must see the segments again
             model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-        rc, rr = model(*rm.pack_segments(pairs)).chunk(2)
+        rc, rr = model(**rm.model_inputs(pairs, 0, args)).chunk(2)
         rm.preference_loss(rc, rr, torch.zeros(len(pairs))).mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-5)
@@ -661,17 +717,16 @@ def test_packed_attention_honours_sliding_windows_softcapping_and_gqa(config_nam
     pairs = shared_prefix_pairs(12, seed=7)
     assert max(len(p["prompt"]) + len(p["chosen"]) for p in pairs) > 5
     with torch.no_grad():
-        padded = model(*rm.collate(pairs, 0)[:2])
+        padded = model(*rm.collate(pairs, 0))
         alone = torch.cat([model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
                                                                               dtype=torch.long))
                            for k in ("chosen", "rejected") for p in pairs])
-        without_window = without_window(*rm.collate(pairs, 0)[:2])
-    args, layout = rm.choose_layout(model, rm.Args(), TOK.vocab_size)
+        without_window = without_window(*rm.collate(pairs, 0))
+    args, layout = rm.choose_layout(model, rm.Args(padding_free=True), TOK.vocab_size)
     assert "one row" in layout
     with torch.no_grad():
-        packed = model(*rm.pack_segments(pairs))
-        calls = rm.pack_segments(pairs)[-1]
-        model(*rm.pack_segments(pairs)[:4], calls)
+        inputs = rm.model_inputs(pairs, 0, args)
+        packed, calls = model(**inputs), inputs["packed"]
     assert calls.calls == rm.declared_windows(config) and 5 in calls.calls  # each layer's own window reached it
     assert torch.allclose(padded, alone, atol=1e-5)
     assert torch.allclose(packed, alone, atol=1e-5)
@@ -698,20 +753,40 @@ def test_packed_gqa_attention_on_cuda_never_gives_sdpa_a_mask_with_grouped_heads
     assert rm.sdpa_takes_groups_with_mask(torch.device("cpu"))
     assert not rm.sdpa_takes_groups_with_mask(torch.device("cuda", 0))
     with torch.no_grad():
-        grouped = model(*rm.pack_segments(pairs))
+        grouped = model(**rm.model_inputs(pairs, 0, rm.Args(padding_free=True)))
         assert calls and all(c == (True, True, False) for c in calls)  # on a CPU: grouped heads beside the mask
         calls.clear()
         monkeypatch.setattr(rm, "sdpa_takes_groups_with_mask", lambda device: False)
-        repeated = model(*rm.pack_segments(pairs))
+        repeated = model(**rm.model_inputs(pairs, 0, rm.Args(padding_free=True)))
     assert calls and all(c == (True, False, True) for c in calls)  # CUDA's choice: never both
     assert torch.allclose(repeated, grouped, atol=1e-6)
 
 
 def test_a_model_whose_attention_cannot_be_packed_keeps_the_padded_batch(monkeypatch):
     model = tiny_reward_model("embedded-llama")
-    monkeypatch.setattr(rm.RewardModel, "forward", lambda self, *a: torch.zeros(len(a[0]) if a[1] is not None else 8))
-    args, layout = rm.choose_layout(model, rm.Args(), TOK.vocab_size)  # no layer called segment_attention
+    monkeypatch.setattr(rm.RewardModel, "forward", lambda self, input_ids, attention_mask=None, packed=None:
+                        torch.zeros(len(input_ids) if packed is None else len(packed.read)))
+    args, layout = rm.choose_layout(model, rm.Args(padding_free=True), TOK.vocab_size)  # no segment_attention call
     assert not args.padding_free and layout.startswith("padded: its layers called segment_attention with windows []")
+    assert model.hf.config._attn_implementation != "rm_segments"
+
+
+@pytest.mark.parametrize("error", [TypeError, RuntimeError, ValueError])
+def test_any_failure_of_the_packed_check_keeps_the_padded_batch_and_says_why(error, monkeypatch):
+    """A base model that takes no extra keyword, layers that do not pass it on, a head of another size: whatever the
+    packed forward raises, --padding_free falls back to the padded batch, the reason in the start-up line."""
+    model = tiny_reward_model("embedded-llama")
+    forward = model.hf.base_model.forward
+
+    def strict(input_ids=None, position_ids=None, rm_segments=None, **kwargs):
+        if rm_segments is not None:
+            raise error("forward() got an unexpected keyword argument 'rm_segments'")
+        return forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+
+    monkeypatch.setattr(model.hf.base_model, "forward", strict)
+    args, layout = rm.choose_layout(model, rm.Args(padding_free=True), TOK.vocab_size)
+    assert not args.padding_free and layout == f"padded: its forward fails on a packed row ({error.__name__}: " \
+        "forward() got an unexpected keyword argument 'rm_segments')"
     assert model.hf.config._attn_implementation != "rm_segments"
 
 
@@ -719,12 +794,13 @@ def test_training_curves_of_all_modes_agree(tmp_path, small_pairs_file):
     base = ["--dataset_name", small_pairs_file, "--max_steps", "8", "--logging_steps", "1", "--num_evals", "1",
             "--per_device_train_batch_size", "8"]
     curves = {}
-    for name, flags in {"padded": ["--no_padding_free"], "default": []}.items():
+    for name, flags in {"default": [], "packed": ["--padding_free"]}.items():
         args = tyro_args(base + flags + ["--output_dir", str(tmp_path / name)])
         rm.main(args)
         curves[name] = [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
-    assert len(curves["padded"]) == 8
-    assert np.allclose(curves["default"], curves["padded"], atol=1e-4), (curves["default"], curves["padded"])
+        assert json.load(open(tmp_path / name / "eval_results.json"))["args"]["padding_free"] == (name == "packed")
+    assert len(curves["default"]) == 8
+    assert np.allclose(curves["packed"], curves["default"], atol=1e-4), (curves["packed"], curves["default"])
 
 
 def tyro_args(argv):
@@ -907,6 +983,7 @@ def test_local_folders_in_every_layout_load_with_their_splits(tmp_path):
         assert len(train) == n_train, name
         assert (len(test) if test is not None else None) == n_test, name
         assert train[3]["chosen"] == " cat dog dog dog", name
+        assert set(common.split_names(str(tmp_path / name))) == ({"train", "test"} if n_test else {"train"}), name
     (tmp_path / "split_files" / "runs" / "rm").mkdir(parents=True)  # a run's outputs inside the data folder
     (tmp_path / "split_files" / "runs" / "rm" / "eval_results.json").write_text('{"accuracy": 0.5}')
     assert len(common.load_rows(str(tmp_path / "split_files"), split="test")) == 6
@@ -934,8 +1011,8 @@ def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path)
     hf = AutoModelForSequenceClassification.from_pretrained(reward_model_path).eval()
     rows = [{"prompt": scope["prompt"], "chosen": scope["responses"][0], "rejected": scope["responses"][1],
              "_source": "m", "_row": 0}]
-    pairs, _, _ = rm.tokenize_pairs(rows, scope["tokenizer"], rm.Args(max_length=512, max_prompt_length=384))
-    ids, mask, _ = rm.collate(pairs, scope["tokenizer"].pad_token_id)
+    pairs, _ = rm.tokenize_pairs(rows, scope["tokenizer"], rm.Args(max_length=512, max_prompt_length=384))
+    ids, mask = rm.collate(pairs, scope["tokenizer"].pad_token_id)
     with torch.no_grad():
         trained = (rm.RewardModel(hf)(ids, mask) - hf.config.reward_shift) / hf.config.reward_scale
     assert torch.allclose(scope["rewards"], trained, atol=1e-5)
