@@ -81,7 +81,7 @@ def run_ranks(jobs, folder, check=True):
     path = os.path.join(folder, "jobs.json")
     with open(path, "w") as f:
         json.dump(jobs, f)
-    proc = run_script(["tests/faults.py", path], nproc=2, check=False, timeout=300 + 120 * len(jobs))
+    proc = run_script(["tests/faults.py", path], nproc=2, check=False, timeout=600 * len(jobs))
     ended = [json.load(open(f"{path}.rank{r}")) if os.path.exists(f"{path}.rank{r}") else [] for r in (0, 1)]
     errors = [next((e[j] for e in ended if j < len(e) and e[j]), None if all(j < len(e) for e in ended) else
                    f"not run (torchrun: {proc.returncode}):\n{proc.stderr[-3000:]}") for j in range(len(jobs))]
