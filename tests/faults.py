@@ -1,7 +1,5 @@
 """Run rm.py or ppo.py as its command line does (`python tests/faults.py rm.py --flags...`, alone or under torchrun),
-or the command lines in a JSON file one after the other in the same processes (`tests/faults.py JOBS.json`: a launch
-costs each rank seconds of imports; conftest.run_ranks), with what a test needs set by environment variables; the
-scripts hold nothing of it:
+with what a test needs set by environment variables; the scripts hold nothing of it:
   STOP_AFTER_SAVE=N  every rank stops (exit code 3) right after the checkpoint of step N, as a killed job would;
   TRACE=PATH         each rank appends what it trains to PATH.rank<R>, one JSON line per step (ppo.py: the indices of
                      the episodes it rolls out; rm.py: the pairs of its micro-batches, as token ids);
@@ -12,9 +10,7 @@ import errno
 import json
 import os
 import sys
-import traceback
 
-import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,7 +18,7 @@ import common  # noqa: E402
 import ppo  # noqa: E402
 import rm  # noqa: E402
 
-rank = os.environ.get("RANK", "0")
+script, rank = {"rm.py": rm, "ppo.py": ppo}[os.path.basename(sys.argv[1])], os.environ.get("RANK", "0")
 
 
 def patch(owner, name, wrap):
@@ -64,32 +60,4 @@ if os.environ.get("FULL_DISK_AT_END") == rank:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
     PreTrainedModel.save_pretrained = full_disk_at_end
 
-
-
-def run_jobs(path):
-    """Each job ([script, *flags]) in turn; what each ended with (null, or its error) goes to PATH.rank<R>. After a
-    UserError (every rank's, at once) the next job starts; after any other error this rank leaves at once, with the
-    job's error written, so that torchrun ends the other (which may be waiting in a collective)."""
-    errors, fatal = [], False
-    for name, *flags in json.load(open(path)):
-        script = {"rm.py": rm, "ppo.py": ppo}[name]
-        try:
-            script.main(tyro.cli(script.Args, args=flags, use_underscores=True))
-            errors.append(None)
-        except BaseException as e:
-            errors.append(f"{name} {' '.join(flags)}:\n{traceback.format_exc()[-3000:]}")
-            fatal = not isinstance(e, common.UserError)
-            if torch.distributed.is_initialized() and not fatal:
-                torch.distributed.destroy_process_group()
-        with open(f"{path}.rank{rank}", "w") as f:
-            json.dump(errors, f)
-        if fatal:
-            sys.stderr.flush()
-            os._exit(1)
-
-
-if sys.argv[1].endswith(".json"):
-    common.exit_on_user_error(run_jobs, sys.argv[1])
-else:
-    script = {"rm.py": rm, "ppo.py": ppo}[os.path.basename(sys.argv[1])]
-    common.exit_on_user_error(script.main, tyro.cli(script.Args, args=sys.argv[2:], use_underscores=True))
+common.exit_on_user_error(script.main, tyro.cli(script.Args, args=sys.argv[2:], use_underscores=True))

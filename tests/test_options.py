@@ -156,8 +156,8 @@ def rm_row(row, folder, small_pairs_file, family_dir):
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory, reward_model_path, sft_folder, small_pairs_file, family_dir):
-    """Every row: 1 rank in this process, the 2-rank rows of both scripts in one torchrun launch (a launch costs each
-    rank seconds of imports). {(script, row index): (output_dir, the first error of its runs or None)}."""
+    """Every row's runs: 1 rank in this process (a process costs seconds of imports), 2 ranks under torchrun.
+    {(script, row index): (output_dir, the first error of its runs or None)}."""
     import torch._inductor.config
 
     with pytest.MonkeyPatch.context() as patch:  # --compile: scalar C++ kernels, here and under torchrun: half the time

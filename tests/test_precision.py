@@ -55,7 +55,7 @@ def test_bf16_first_mini_batch_is_on_policy_and_the_kl_at_initialisation_is_zero
 
 @pytest.fixture(scope="module")
 def bf16_fsdp_runs(reward_model_path, tmp_path_factory):
-    """rm.py and ppo.py under FSDP2 --bf16 on 2 ranks (one launch), spied on: ppo.py's largest |new - old| log-prob at
+    """rm.py and ppo.py under FSDP2 --bf16 on 2 ranks (a launch each), spied on: ppo.py's largest |new - old| log-prob at
     each policy-loss call; the dtypes of Float32Linear's weights when it computed (each script's)."""
     tmp = tmp_path_factory.mktemp("bf16_fsdp")
     driver = tmp / "spied.py"
@@ -70,21 +70,23 @@ def bf16_fsdp_runs(reward_model_path, tmp_path_factory):
         "    seen.add(str(self.weight.dtype))\n"
         "    return linear(self, x)\n"
         "ppo.policy_loss, common.Float32Linear.forward = spy_loss, spy_linear\n"
-        f"rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp / 'rm')!r}, fsdp=True, bf16=True, "
-        "max_steps=2, per_device_train_batch_size=4, num_evals=1))\n"
-        "seen_rm, seen = sorted(seen), set()\n"
-        f"ppo.main(ppo.Args(reward_model_path={reward_model_path!r}, output_dir={str(tmp / 'ppo')!r}, fsdp=True, "
+        "if sys.argv[1] == 'rm':\n"
+        f"    rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp / 'rm')!r}, fsdp=True, "
+        "bf16=True, max_steps=2, per_device_train_batch_size=4, num_evals=1))\n"
+        "else:\n"
+        f"    ppo.main(ppo.Args(reward_model_path={reward_model_path!r}, output_dir={str(tmp / 'ppo')!r}, fsdp=True, "
         "total_episodes=16, per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1, bf16=True))\n"
-        f"json.dump(dict(calls=calls, rm=seen_rm, ppo=sorted(seen)), open({str(tmp)!r} + '/spied' + os.environ['RANK'], "
+        f"json.dump(dict(calls=calls, seen=sorted(seen)), open({str(tmp)!r} + f'/{{sys.argv[1]}}' + os.environ['RANK'], "
         "'w'))\n")
-    run_script([str(driver)], nproc=2)
-    return tmp, [json.load(open(tmp / f"spied{r}")) for r in (0, 1)]
+    for script in ("rm", "ppo"):  # one run per launch, as from the command line
+        run_script([str(driver), script], nproc=2)
+    return tmp, [{s: json.load(open(tmp / f"{s}{r}")) for s in ("rm", "ppo")} for r in (0, 1)]
 
 
 def test_bf16_fsdp_on_two_ranks_first_mini_batch_is_on_policy(bf16_fsdp_runs):
     """The same under FSDP2 on 2 ranks: the reference is sharded as the policy is, so it computes as the policy does."""
     for spied in bf16_fsdp_runs[1]:
-        assert spied["calls"][0] == 0.0 and spied["calls"][1] > 0, spied  # one forward per mini-batch per rank
+        assert spied["ppo"]["calls"][0] == 0.0 and spied["ppo"]["calls"][1] > 0, spied  # a forward per mini-batch
     assert read_metrics(bf16_fsdp_runs[0] / "ppo")[0]["objective/kl"] == 0.0
 
 
@@ -92,7 +94,7 @@ def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(bf16_fsdp_run
     """Under FSDP --bf16 the root gathers its parameters in bfloat16; the scalar heads (rm.py's, ppo.py's reward model
     and critic) are their own units gathered in float32, so Float32Linear computes from float32 weights."""
     for spied in bf16_fsdp_runs[1]:
-        assert spied["rm"] == spied["ppo"] == ["torch.float32"], spied
+        assert spied["rm"]["seen"] == spied["ppo"]["seen"] == ["torch.float32"], spied
 
 
 def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_path, small_pairs_file):
