@@ -21,6 +21,7 @@ import traceback
 import warnings
 
 import torch
+import torch.distributed.nn  # noqa: F401 (before any process group: see leave_together)
 import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -49,7 +50,12 @@ LEFT = []  # the process groups of runs that have ended, held until the process 
 
 def leave_together():
     """The end of a run on several ranks: every rank waits for the others, then the process group is destroyed but
-    held (DDP's reducer releasing it would join gloo's threads, which can wait an hour on a peer already gone)."""
+    held (DDP's reducer releasing it would join gloo's threads, which can wait an hour on a peer already gone).
+    A group's threads end only when nothing holds it: torch.distributed.nn binds the group that exists when it is
+    first imported (torch._dynamo imports it, with the first optimizer) as its functions' default argument, so this
+    file imports it before any group. Else a process that ends through the interpreter's teardown, with gloo's
+    threads still releasing the tensors of the last collectives, can abort (SIGABRT, "terminate called without an
+    active exception"); the command line under torchrun leaves with os._exit (exit_on_user_error)."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         LEFT.append(torch.distributed.group.WORLD)

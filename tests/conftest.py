@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import subprocess
@@ -11,6 +12,10 @@ sys.path.insert(0, ROOT)
 HH_PATH = os.path.join(ROOT, "..", "shared", "data", "hh-rlhf-harmless-base", "test.jsonl.gz")
 
 import common  # noqa: E402
+
+# One intra-op thread, as each rank of a subprocess has (OMP_NUM_THREADS=1): tiny models gain nothing from a second,
+# and on busy cores its waits at every parallel region made in-process runs many times slower.
+torch.set_num_threads(1)
 
 
 def save_checkpoint(output_dir, step, state, keep=2):
@@ -36,15 +41,50 @@ def read_checkpoint(path):
     return out
 
 
-def run_script(args, nproc=1, check=True, env=None):
+def run_script(args, nproc=1, check=True, env=None, timeout=600):
     """Run a script as a user would: `python X.py` for one process, `torchrun` for several. Returns the process."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                                                      str(nproc), "--master_port", str(29500 + os.getpid() % 1000)]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
-    proc = subprocess.run(launcher + args, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=600)
+    proc = subprocess.run(launcher + args, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc
+
+
+def run_main(args, check=True):
+    """`python rm.py|ppo.py ARGS` in this process, through the command line's own entry point (flags parsed by tyro,
+    main under exit_on_user_error), its output captured: the same run without a process's seconds of imports."""
+    import contextlib
+    import io
+
+    import tyro
+
+    import ppo
+    import rm
+
+    module, out, err = {"rm.py": rm, "ppo.py": ppo}[args[0]], io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            common.exit_on_user_error(module.main, tyro.cli(module.Args, args=args[1:], use_underscores=True))
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    if check and code:
+        raise AssertionError(f"{' '.join(args)} failed ({code}):\n{err.getvalue()[-3000:]}")
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def run_ranks(jobs, folder, check=True):
+    """Command lines ([script, *flags] each) on 2 ranks, one torchrun launch each, one after the other (each a
+    process of its own: a group created again in one process under torchrun can meet the last one's addresses in
+    torchrun's store). Returns the last process and each job's error (None: it ran)."""
+    procs = [run_script(job, nproc=2, check=False) for job in jobs]
+    errors = [f"{' '.join(job)} failed ({p.returncode}):\n{p.stderr[-3000:]}" if p.returncode else None
+              for job, p in zip(jobs, procs)]
+    if check and any(errors):
+        raise AssertionError("\n".join(e for e in errors if e))
+    return procs[-1], errors
 
 
 def read_metrics(output_dir):
@@ -83,8 +123,8 @@ def hh_path():
 def reward_model_path(tmp_path_factory, small_pairs_file):
     """A small reward model trained by rm.py on the embedded task (a short run: enough signal for PPO to follow)."""
     out = tmp_path_factory.mktemp("rm")
-    run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size", "16",
-                "--num_evals", "1", "--output_dir", str(out)])
+    run_main(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size", "16",
+              "--num_evals", "1", "--output_dir", str(out)])
     return str(out)
 
 

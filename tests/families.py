@@ -22,8 +22,7 @@ PHI3 = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n
         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 # name: (tokenizer style, special tokens, BOS added by the post-processor, chat template, config, extra specials)
-FAMILIES = {
-    "llama": ("metaspace", dict(bos="<s>", eos="</s>", unk="<unk>"), True, LLAMA2, "LlamaConfig", []),
+FAMILIES = {"llama": ("metaspace", dict(bos="<s>", eos="</s>", unk="<unk>"), True, LLAMA2, "LlamaConfig", []),
     "llama3": ("bytelevel", dict(bos="<|begin_of_text|>", eos="<|eot_id|>"), True, LLAMA3, "LlamaConfig",
                ["<|start_header_id|>", "<|end_header_id|>"]),
     "qwen2": ("bytelevel", dict(eos="<|im_end|>", pad="<|endoftext|>"), False, CHATML, "Qwen2Config", ["<|im_start|>"]),

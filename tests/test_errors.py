@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import tyro
-from conftest import ROOT, read_checkpoint, run_script, save_checkpoint
+from conftest import ROOT, read_checkpoint, run_main, run_script, save_checkpoint
 
 import common
 import rm
@@ -22,8 +22,8 @@ import rm
 @pytest.fixture(scope="session")
 def saved_run(tmp_path_factory, small_pairs_file):
     out = tmp_path_factory.mktemp("saved") / "run"
-    run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--num_evals", "1", "--save_steps",
-                "1", "--output_dir", str(out)])
+    run_main(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--num_evals", "1", "--save_steps", "1",
+              "--output_dir", str(out)])
     return out
 
 
@@ -86,8 +86,7 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_line_and_leaves_earlier_work_intact(case, tmp_path, saved_run, small_pairs_file,
-                                                               capsys):
+def test_bad_input_is_one_line_and_leaves_earlier_work_intact(case, tmp_path, saved_run, small_pairs_file, capsys):
     flags, files, expected = CASES[case]
     for name, content in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -135,8 +134,7 @@ def test_byte_order_mark_is_accepted(tmp_path, compressed):
     assert os.path.exists(tmp_path / "out" / "model.safetensors")
 
 
-def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, small_pairs_file,
-                                                                              monkeypatch):
+def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, small_pairs_file, monkeypatch):
     calls = {"n": 0}
     real_loss = rm.preference_loss
 
@@ -156,8 +154,7 @@ def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tm
     assert not os.path.exists(tmp_path / "model.safetensors")  # no final model from a diverged run
 
 
-def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, saved_run, small_pairs_file,
-                                                                 monkeypatch):
+def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, saved_run, small_pairs_file, monkeypatch):
     """A new run into a folder holding a finished one (--overwrite_output_dir), stopped half-way: the earlier run's
     model and results stay byte for byte, metrics.jsonl is the new run's (the earlier checkpoints are gone: --resume
     must not continue the earlier run)."""

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import assert_saved_models_equal, read_metrics, replayed_samples, run_script
+from conftest import assert_saved_models_equal, read_metrics, replayed_samples, run_main, run_ranks
 from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, WINDOW, WINDOWED, save_family  # noqa: F401
 
 import common
@@ -286,8 +286,8 @@ def test_two_ranks_equal_one_process_on_an_eager_decoder_and_an_encoder(family, 
     base = ["rm.py", "--model_name_or_path", family_dir(family), "--dataset_name", data, "--max_steps", "3",
             "--logging_steps", "1", "--num_evals", "1", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
             "--max_length", "64", "--max_prompt_length", "32", "--padding_free"]
-    run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
-    proc = run_script(base + ["--output_dir", str(tmp_path / "ddp")], nproc=2)
+    run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
+    proc, _ = run_ranks([base + ["--output_dir", str(tmp_path / "ddp")]], tmp_path)
     assert "batch layout: " + ("padded" if family in PADDED_FAMILIES else "prefix-shared + packed") in proc.stdout
     one, ddp = ([m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("one", "ddp"))
     for key in ("train/loss", "train/grad_norm"):
@@ -379,10 +379,10 @@ def test_fsdp_ranks_fill_their_shards_from_rank_0s_copy_of_saved_models(family, 
     ppo_base = ["ppo.py", "--sft_model_path", family_dir(family), "--reward_model_path", trained_rm(family),
                 "--total_episodes", "16", "--per_device_train_batch_size", "4", "--num_mini_batches", "1",
                 "--response_length", "6", "--max_prompt_length", "32", "--learning_rate", "1e-3"]
+    run_ranks([b + ["--fsdp", "--output_dir", str(tmp_path / f"{b[0][:-3]}-fsdp")] for b in (rm_base, ppo_base)], tmp_path)
     for script, base, auto in (("rm", rm_base, "AutoModelForSequenceClassification"),
                                ("ppo", ppo_base, "AutoModelForCausalLM")):
-        run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / f"{script}-one")])
-        run_script(base + ["--fsdp", "--output_dir", str(tmp_path / f"{script}-fsdp")], nproc=2)
+        run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / f"{script}-one")])
         one, fsdp = (read_metrics(tmp_path / f"{script}-{k}") for k in ("one", "fsdp"))
         keys = ("train/loss", "train/grad_norm") if script == "rm" else ("objective/scores", "loss/policy",
                                                                          "loss/value", "policy/grad_norm")

@@ -121,14 +121,14 @@ def test_bin_weights_are_loaded_as_safetensors_are(tmp_path):
 def test_ppo_critic_from_the_policy_on_two_sharded_ranks_trains_as_one_process(tmp_path):
     """ppo.py's critic from the policy's backbone (a copy of rank 0's model, of the other ranks' skeletons) and a new
     head rank 0 draws: 2 FSDP ranks train as 1 process does."""
-    from conftest import read_metrics, run_script
+    from conftest import read_metrics, run_main, run_ranks
 
     path = saved(tmp_path, "llama3")
     base = ["ppo.py", "--sft_model_path", path, "--reward_fn", "common:gold_rewards", "--critic_init", "policy",
             "--total_episodes", "16", "--per_device_train_batch_size", "4", "--num_mini_batches", "1",
             "--response_length", "6", "--max_prompt_length", "32", "--learning_rate", "1e-3"]
-    run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
-    run_script(base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")], nproc=2)
+    run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
+    run_ranks([base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")]], tmp_path)
     one, fsdp = (read_metrics(tmp_path / k) for k in ("one", "fsdp"))
     for key in ("objective/scores", "loss/policy", "loss/value", "policy/grad_norm"):
         assert [m[key] for m in one if key in m] == pytest.approx([m[key] for m in fsdp if key in m], abs=1e-5,

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import assert_saved_models_equal, read_checkpoint, read_metrics, run_script
+from conftest import assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks
 from families import DECODERS, FAMILIES
 from test_families import preference_rows, tokenized_pairs, write_jsonl
 
@@ -206,9 +206,9 @@ RM_SHORT = ["--max_steps", "6", "--logging_steps", "1", "--num_evals", "1", "--p
 
 def test_rm_lora_trains_only_adapters_and_head_and_two_ranks_equal_one(tmp_path, small_pairs_file):
     base = ["rm.py", "--dataset_name", small_pairs_file, *RM_SHORT]
-    run_script(base + ["--gradient_accumulation_steps", "2", "--save_steps", "5", "--output_dir", str(tmp_path / "one")])
-    run_script(base + ["--output_dir", str(tmp_path / "ddp")], nproc=2)
-    run_script(base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")], nproc=2)
+    run_main(base + ["--gradient_accumulation_steps", "2", "--save_steps", "5", "--output_dir", str(tmp_path / "one")])
+    run_ranks([base + ["--output_dir", str(tmp_path / "ddp")], base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")]
+               ], tmp_path)
     runs = {k: [m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("one", "ddp", "fsdp")}
     for key in ("train/loss", "train/grad_norm"):
         one = [m[key] for m in runs["one"]]
@@ -231,8 +231,9 @@ PPO_TINY = ["--total_episodes", "32", "--per_device_train_batch_size", "4", "--n
 
 def test_ppo_lora_two_ranks_equal_one_and_under_fsdp_bf16_the_adapters_stay_float32(tmp_path, reward_model_path):
     base = ["ppo.py", "--reward_model_path", reward_model_path, *PPO_TINY]
-    run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
-    run_script(base + ["--output_dir", str(tmp_path / "ddp")], nproc=2)
+    run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
+    run_ranks([base + ["--output_dir", str(tmp_path / "ddp")],
+               base + ["--fsdp", "--bf16", "--save_steps", "1", "--output_dir", str(tmp_path / "bf16")]], tmp_path)
     runs = {k: read_metrics(tmp_path / k) for k in ("one", "ddp")}
     assert abs(runs["one"][0]["objective/kl"]) < 1e-5  # the reference is the policy with its adapter (B = 0) off
     for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/approxkl", "policy/grad_norm"):
@@ -241,7 +242,6 @@ def test_ppo_lora_two_ranks_equal_one_and_under_fsdp_bf16_the_adapters_stay_floa
     assert runs["one"][-1]["objective/kl"] != 0  # the policy moved
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForCausalLM")
 
-    run_script(base + ["--fsdp", "--bf16", "--save_steps", "1", "--output_dir", str(tmp_path / "bf16")], nproc=2)
     ckpt = read_checkpoint(common.latest_checkpoint(str(tmp_path / "bf16")))
     dtypes = {("lora_" in k or "modules_to_save" in k): v.dtype for k, v in ckpt["model"].items()
               if v.is_floating_point() and "layers" in k or "score" in k}
@@ -268,8 +268,7 @@ def test_ppo_lora_bf16_holds_every_frozen_weight_in_bfloat16_and_trains_in_float
     assert {p.dtype for n, p in critic.named_parameters() if ".score." in n} == {torch.float32}
 
 
-def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_reward_model(reward_model_path,
-                                                                                           tmp_path):
+def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_reward_model(reward_model_path, tmp_path):
     """With LoRA and the critic initialised from the reward model, the scores come from the critic with its adapter
     (and its value-head copy) switched off: they must equal the reward model's own normalized rewards, however far the
     critic has trained."""

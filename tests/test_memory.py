@@ -19,8 +19,7 @@ import memory_plan as mp  # noqa: E402
 
 GB = 1e9
 # The anchor (Huang et al. 2024): Pythia 6.9B, and a Llama 3 8B shape; parameter counts as their model cards give them.
-SHAPES = {
-    "pythia-6.9b": (dict(model_type="gpt_neox", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+SHAPES = {"pythia-6.9b": (dict(model_type="gpt_neox", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                          intermediate_size=16384, vocab_size=50432, rotary_pct=0.25, max_position_embeddings=2048,
                          tie_word_embeddings=False), 6.857e9),
     "llama-3-8b": (dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -223,21 +222,25 @@ def test_pythia_7b_rollout_and_learning_peaks(tmp_path):
     assert peaks["rollout"] == pytest.approx(51 * GB, rel=0.02) and 85 * GB < peaks["learning"] < 100 * GB
 
 
-def test_the_command_line_plans_from_config_files_and_exits_2_naming_the_flags_that_fit(tmp_path):
+def test_the_command_line_plans_from_config_files_and_exits_2_naming_the_flags_that_fit(tmp_path, capsys):
     """`python benchmarks/memory_plan.py ppo|rm --world_size 8 --gpu_memory_gb 80 ...` from config.json files (no
     weight, tokenizer or GPU): Pythia 6.9B PPO at 16 x (256 + 512) tokens per GPU under --fsdp --bf16 exits 2 naming
     --gradient_checkpointing, and 0 with it; rm.py's replicas in bfloat16 exit 2 naming --fsdp. Bad input: one line on
     stderr, exit 2."""
     policy, reward = saved_pair(tmp_path, "pythia-6.9b")
 
-    def plan(*argv):
-        proc = run_script(["benchmarks/memory_plan.py", *argv], check=False)
-        return proc.returncode, proc.stdout, proc.stderr.strip().splitlines()
+    def plan(*argv, process=False):  # as a user runs it (a process), or its main in this process
+        if process:
+            proc = run_script(["benchmarks/memory_plan.py", *argv], check=False)
+            return proc.returncode, proc.stdout, proc.stderr.strip().splitlines()
+        capsys.readouterr()
+        code, (out, err) = mp.main(list(argv)), capsys.readouterr()
+        return code, out, err.strip().splitlines()
 
     gpus = ["--world_size", "8", "--gpu_memory_gb", "80"]
     ppo_flags = ["--sft_model_path", policy, "--reward_model_path", reward, "--fsdp", "--bf16", "--num_mini_batches",
                  "1", "--per_device_train_batch_size", "16", "--max_prompt_length", "256", "--response_length", "512"]
-    code, out, err = plan("ppo", *gpus, *ppo_flags)
+    code, out, err = plan("ppo", *gpus, *ppo_flags, process=True)
     assert code == 2 and "learning peak" in out and "does not fit" in out and len(err) == 1, err
     assert err[0].startswith("error: the learning phase needs 9") and err[0].endswith("pass --gradient_checkpointing")
     code, out, err = plan("ppo.py", *ppo_flags, "--gradient_checkpointing", *gpus)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 import pytest
 import torch
 from allpairspy import AllPairs
-from conftest import read_metrics, run_script, save_checkpoint
+from conftest import read_metrics, run_main, run_ranks, save_checkpoint
 from test_families import preference_rows, write_jsonl
 
 import common
@@ -92,23 +92,17 @@ def flags(args, defaults):
     return out
 
 
-def run(script, args, ranks, out, first=None):
-    """The script in this process (1 rank) or under torchrun (2), twice with --resume where asked: the first run, to the
-    shorter total `first`, leaves a checkpoint after its first update; the second resumes from it to the whole total.
-    With --overwrite_output_dir the (first) run replaces an earlier finished run, of whose checkpoints none is left."""
+def runs(script, args, out, first=None):
+    """The script's command lines for a row: twice with --resume where asked (the first run, to the shorter total
+    `first`, leaves a checkpoint after its first update; the second resumes from it to the whole total). With
+    --overwrite_output_dir the (first) run replaces an earlier finished run, of whose checkpoints none is left."""
     if args["overwrite_output_dir"]:
         save_checkpoint(out, 99, {"step": 99})
         with open(os.path.join(out, "metrics.jsonl"), "w") as f:
             f.write(json.dumps({"step": 99}) + "\n")
-    runs = [dict(args, resume=False, save_steps=1, **first), dict(args, resume=True, overwrite_output_dir=False)] \
+    each = [dict(args, resume=False, save_steps=1, **first), dict(args, resume=True, overwrite_output_dir=False)] \
         if args.pop("resume") else [args]
-    for a in runs:
-        if ranks == 1:
-            (ppo if script == "ppo.py" else rm).main((ppo.Args if script == "ppo.py" else rm.Args)(**a,
-                                                                                                  output_dir=out))
-        else:
-            run_script([script, *flags(a, ppo.Args if script == "ppo.py" else rm.Args), "--output_dir", out], nproc=2)
-    assert not os.path.exists(os.path.join(out, "checkpoints", "step_00000099"))
+    return [[script, *flags(a, ppo.Args if script == "ppo.py" else rm.Args), "--output_dir", out] for a in each]
 
 
 def assert_finite_metrics(out):
@@ -125,14 +119,8 @@ def sft_folder(tmp_path_factory):
     return str(out)
 
 
-@pytest.mark.parametrize("row", PPO_ROWS, ids=[f"ppo{i}" for i in range(len(PPO_ROWS))])
-def test_ppo_runs_with_every_pair_of_options(row, tmp_path, reward_model_path, sft_folder, monkeypatch):
-    import torch._inductor.config
-    from transformers import AutoModelForCausalLM
-
-    if row["compile"]:  # scalar C++ kernels, here and under torchrun: compiled in half the time
-        monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)
-        monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
+def ppo_row(row, reward_model_path, sft_folder):
+    """A row of PPO_ROWS as (ranks, ppo.py's arguments, the first of two runs' if it resumes, its number of updates)."""
     row = dict(row)
     ranks, reward, policy = row.pop("ranks"), row.pop("reward"), row.pop("policy")
     if row["advantage_estimator"] == "dr_grpo":
@@ -147,30 +135,81 @@ def test_ppo_runs_with_every_pair_of_options(row, tmp_path, reward_model_path, s
                 ptx_dataset_name="embedded" if row["ptx_coef"] else None)
     if policy == "folder":
         args["learning_rate"] = 3e-4
-    run("ppo.py", args, ranks, str(tmp_path), first=dict(total_episodes=batch * 2))
-    assert_finite_metrics(tmp_path)
-    assert len(read_metrics(tmp_path)) == updates
-    model = AutoModelForCausalLM.from_pretrained(tmp_path)
-    ids = torch.tensor([[2, 4, 5, 6]])
-    assert torch.isfinite(model(input_ids=ids).logits).all()
+    return ranks, args, dict(total_episodes=batch * 2), updates
 
 
-@pytest.mark.parametrize("row", RM_ROWS, ids=[f"rm{i}" for i in range(len(RM_ROWS))])
-def test_rm_runs_with_every_pair_of_options(row, tmp_path, small_pairs_file, family_dir):
-    from transformers import AutoModelForSequenceClassification
-
+def rm_row(row, folder, small_pairs_file, family_dir):
+    """A row of RM_ROWS as (ranks, rm.py's arguments, the first of two runs' if it resumes)."""
     row = dict(row)
     ranks, model = row.pop("ranks"), row.pop("model")
     args = dict(row, max_steps=4 if row["resume"] else 2, per_device_train_batch_size=4, num_evals=1, logging_steps=1,
                 max_length=64, max_prompt_length=32)
     if model == "folder":  # a tiny Llama stored in bfloat16, with its own tokenizer and chat-formatted pairs
         args.update(model_name_or_path=family_dir("llama"), learning_rate=1e-3,
-                    dataset_name=write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 80)))
+                    dataset_name=write_jsonl(folder / "pairs.jsonl", preference_rows("llama", 80)))
     else:
         args.update(dataset_name=small_pairs_file)
-    run("rm.py", args, ranks, str(tmp_path / "out"), first=dict(max_steps=2))
-    assert_finite_metrics(tmp_path / "out")
-    results = json.load(open(tmp_path / "out" / "eval_results.json"))
+    return ranks, args, dict(max_steps=2)
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory, reward_model_path, sft_folder, small_pairs_file, family_dir):
+    """Every row's runs: 1 rank in this process (a process costs seconds of imports), 2 ranks under torchrun.
+    {(script, row index): (output_dir, the first error of its runs or None)}."""
+    import torch._inductor.config
+
+    with pytest.MonkeyPatch.context() as patch:  # --compile: scalar C++ kernels, here and under torchrun: half the time
+        patch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)
+        patch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
+        return run_rows(tmp_path_factory, reward_model_path, sft_folder, small_pairs_file, family_dir)
+
+
+def run_rows(tmp_path_factory, reward_model_path, sft_folder, small_pairs_file, family_dir):
+    jobs, errors = {}, {}
+    for script, rows in (("ppo.py", PPO_ROWS), ("rm.py", RM_ROWS)):
+        for i, row in enumerate(rows):
+            out = tmp_path_factory.mktemp(f"{script[:-3]}{i}-")
+            _, args, first, *_ = ppo_row(row, reward_model_path, sft_folder) if script == "ppo.py" else \
+                rm_row(row, out, small_pairs_file, family_dir)
+            jobs[script, i] = row["ranks"], str(out / "out"), runs(script, args, str(out / "out"), first)
+    for key, (ranks, _, each) in jobs.items():
+        try:
+            [run_main(argv) for argv in each if ranks == 1]
+        except Exception as e:  # (this row fails; the others still run)
+            errors[key] = repr(e)
+    two = [key for key, (ranks, _, _) in jobs.items() if ranks == 2]
+    failed = iter(run_ranks([argv for key in two for argv in jobs[key][2]], str(tmp_path_factory.mktemp("jobs")),
+                            check=False)[1])
+    errors.update({key: next((e for e in [next(failed) for _ in jobs[key][2]] if e), None) for key in two})
+    return {key: (out, errors.get(key)) for key, (_, out, _) in jobs.items()}
+
+
+def output_of(run):
+    out, error = run
+    assert error is None, error
+    assert not os.path.exists(os.path.join(out, "checkpoints", "step_00000099"))
+    return out
+
+
+@pytest.mark.parametrize("i", range(len(PPO_ROWS)), ids=[f"ppo{i}" for i in range(len(PPO_ROWS))])
+def test_ppo_runs_with_every_pair_of_options(i, ran, reward_model_path, sft_folder):
+    from transformers import AutoModelForCausalLM
+
+    out = output_of(ran["ppo.py", i])
+    assert_finite_metrics(out)
+    assert len(read_metrics(out)) == ppo_row(PPO_ROWS[i], reward_model_path, sft_folder)[3]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([[2, 4, 5, 6]])
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+@pytest.mark.parametrize("i", range(len(RM_ROWS)), ids=[f"rm{i}" for i in range(len(RM_ROWS))])
+def test_rm_runs_with_every_pair_of_options(i, ran):
+    from transformers import AutoModelForSequenceClassification
+
+    out = output_of(ran["rm.py", i])
+    assert_finite_metrics(out)
+    results = json.load(open(os.path.join(out, "eval_results.json")))
     assert 0 <= results["accuracy"] <= 1 and math.isfinite(results["loss"])
-    saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
+    saved = AutoModelForSequenceClassification.from_pretrained(out)
     assert torch.isfinite(saved(input_ids=torch.tensor([[2, 4, 5, 6, 3]])).logits).all()

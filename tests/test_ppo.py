@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 import tyro
-from conftest import ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, replayed_samples, run_script
+from conftest import (ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, replayed_samples, run_main,
+                      run_ranks, run_script)
 
 import common
 import ppo
@@ -374,11 +375,10 @@ def test_two_process_ddp_and_fsdp_match_one_process(estimator, tmp_path, reward_
     # --loss_aggregation says), so every split is one run.
     base = base + ["--ptx_coef", "0.1", "--ptx_dataset_name", "embedded"]
     # (8 x 1 against 4 x 2 accumulation in one process: also on every decoder family, in test_families.py)
-    run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
-    run_script(base + ["--output_dir", str(tmp_path / "ddp")], nproc=2)
+    run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
     # (FSDP as 2 x 2 accumulation x 2 ranks: it reduce-scatters every micro-batch's gradients)
-    run_script(base + ["--fsdp", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-                       "--output_dir", str(tmp_path / "fsdp")], nproc=2)
+    run_ranks([base + ["--output_dir", str(tmp_path / "ddp")], base + ["--fsdp", "--per_device_train_batch_size", "2",
+               "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "fsdp")]], tmp_path)
     runs = {k: read_metrics(tmp_path / k) for k in ("one", "ddp", "fsdp")}
     assert len(runs["one"]) == 4
     critic = ("loss/value",) if estimator == "gae" else ("loss/kl",)
@@ -402,7 +402,7 @@ def test_a_killed_rank_ends_the_job_and_its_sharded_checkpoint_resumes_on_one_pr
     ends as the uninterrupted one-process run does."""
     base = ["ppo.py", "--reward_model_path", reward_model_path, *TINY, "--total_episodes", "128", "--save_steps", "2"]
     one = ["--gradient_accumulation_steps", "2"]
-    run_script(base + one + ["--output_dir", str(tmp_path / "one")])
+    run_main(base + one + ["--output_dir", str(tmp_path / "one")])
     cut = tmp_path / "cut"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                 str(29500 + (os.getpid() + 7) % 1000)]
@@ -422,7 +422,7 @@ def test_a_killed_rank_ends_the_job_and_its_sharded_checkpoint_resumes_on_one_pr
     assert job.returncode != 0 and time.time() - killed < 60
     assert not os.path.exists(cut / "model.safetensors")
 
-    run_script(base + one + ["--resume", "--output_dir", str(cut)])
+    run_main(base + one + ["--resume", "--output_dir", str(cut)])
     runs = {k: read_metrics(tmp_path / k) for k in ("one", "cut")}
     assert [m["step"] for m in runs["cut"]] == list(range(1, 9))
     for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/grad_norm"):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, read_metrics, run_script
+from conftest import ROOT, read_metrics, run_main, run_script
 from families import DECODERS
 
 import common
@@ -53,40 +53,60 @@ def test_bf16_first_mini_batch_is_on_policy_and_the_kl_at_initialisation_is_zero
     assert m["objective/kl"] == 0.0 and np.isfinite(m["loss/policy"])
 
 
-def test_bf16_fsdp_on_two_ranks_first_mini_batch_is_on_policy(reward_model_path, tmp_path):
-    """The same under FSDP2 on 2 ranks: the reference is sharded as the policy is, so it computes as the policy does."""
-    driver = tmp_path / "first_ratio.py"
-    driver.write_text(
-        "import json, sys, torch.distributed as dist\n"
+@pytest.fixture(scope="module")
+def bf16_fsdp_runs(reward_model_path, tmp_path_factory):
+    """rm.py and ppo.py under FSDP2 --bf16 on 2 ranks (a launch each), spied on: ppo.py's largest |new - old| log-prob at
+    each policy-loss call; the dtypes of Float32Linear's weights when it computed (each script's)."""
+    tmp = tmp_path_factory.mktemp("bf16_fsdp")
+    driver = tmp / "spied.py"
+    driver.write_text("import json, os, sys\n"
         f"sys.path.insert(0, {ROOT!r})\n"
-        "import ppo\n"
-        "calls, real = [], ppo.policy_loss\n"
-        "def spy(new, old, adv, *a, **k):\n"
+        "import common, ppo, rm\n"
+        "calls, seen, loss, linear = [], set(), ppo.policy_loss, common.Float32Linear.forward\n"
+        "def spy_loss(new, old, adv, *a, **k):\n"
         "    calls.append(((new - old).abs() * (adv != 0)).max().item())\n"
-        "    return real(new, old, adv, *a, **k)\n"
-        "ppo.policy_loss = spy\n"
-        f"ppo.main(ppo.Args(reward_model_path={reward_model_path!r}, output_dir={str(tmp_path / 'out')!r}, fsdp=True, "
+        "    return loss(new, old, adv, *a, **k)\n"
+        "def spy_linear(self, x):\n"
+        "    seen.add(str(self.weight.dtype))\n"
+        "    return linear(self, x)\n"
+        "ppo.policy_loss, common.Float32Linear.forward = spy_loss, spy_linear\n"
+        "if sys.argv[1] == 'rm':\n"
+        f"    rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp / 'rm')!r}, fsdp=True, "
+        "bf16=True, max_steps=2, per_device_train_batch_size=4, num_evals=1))\n"
+        "else:\n"
+        f"    ppo.main(ppo.Args(reward_model_path={reward_model_path!r}, output_dir={str(tmp / 'ppo')!r}, fsdp=True, "
         "total_episodes=16, per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1, bf16=True))\n"
-        f"json.dump(calls, open({str(tmp_path)!r} + '/calls' + __import__('os').environ['RANK'], 'w'))\n")
-    run_script([str(driver)], nproc=2)
-    for r in (0, 1):
-        calls = json.load(open(tmp_path / f"calls{r}"))
-        assert calls[0] == 0.0 and calls[1] > 0, calls  # one forward per mini-batch per rank under FSDP
-    assert read_metrics(tmp_path / "out")[0]["objective/kl"] == 0.0
+        f"json.dump(dict(calls=calls, seen=sorted(seen)), open({str(tmp)!r} + f'/{{sys.argv[1]}}' + os.environ['RANK'], "
+        "'w'))\n")
+    for script in ("rm", "ppo"):  # one run per launch, as from the command line
+        run_script([str(driver), script], nproc=2)
+    return tmp, [{s: json.load(open(tmp / f"{s}{r}")) for s in ("rm", "ppo")} for r in (0, 1)]
 
 
-@pytest.mark.parametrize("lora", [0, 4])
-def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(lora, reward_model_path, tmp_path):
+def test_bf16_fsdp_on_two_ranks_first_mini_batch_is_on_policy(bf16_fsdp_runs):
+    """The same under FSDP2 on 2 ranks: the reference is sharded as the policy is, so it computes as the policy does."""
+    for spied in bf16_fsdp_runs[1]:
+        assert spied["ppo"]["calls"][0] == 0.0 and spied["ppo"]["calls"][1] > 0, spied  # a forward per mini-batch
+    assert read_metrics(bf16_fsdp_runs[0] / "ppo")[0]["objective/kl"] == 0.0
+
+
+def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(bf16_fsdp_runs):
     """Under FSDP --bf16 the root gathers its parameters in bfloat16; the scalar heads (rm.py's, ppo.py's reward model
-    and critic) are their own units gathered in float32, so Float32Linear computes from float32 weights. With LoRA too,
-    where peft wraps the critic's head (its trained copy and, as the reward model, its original) and every other frozen
-    weight is held in bfloat16: from the critic's and from the policy's backbone."""
+    and critic) are their own units gathered in float32, so Float32Linear computes from float32 weights."""
+    for spied in bf16_fsdp_runs[1]:
+        assert spied["rm"]["seen"] == spied["ppo"]["seen"] == ["torch.float32"], spied
+
+
+def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16_with_lora(reward_model_path, tmp_path):
+    """The same with LoRA, where peft wraps the heads (the critic's trained copy and, as the reward model, its
+    original; rm.py's) and every other frozen weight is held in bfloat16: critics from the reward model and from the
+    policy's backbone, and rm.py's head."""
     ppo_run = ("ppo.main(ppo.Args(reward_model_path={rm!r}, output_dir={out!r}, fsdp=True, bf16=True, total_episodes=16, "
                "per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1, lora_r={lora}, critic_init={init!r}))")
+    lora = 4
     runs = {"ppo": ppo_run.format(rm=reward_model_path, out=str(tmp_path / "ppo"), lora=lora, init="auto")}
-    if lora:
-        runs["ppo_policy_critic"] = ppo_run.format(rm=reward_model_path, out=str(tmp_path / "ppo2"), lora=lora,
-                                                   init="policy")
+    runs["ppo_policy_critic"] = ppo_run.format(rm=reward_model_path, out=str(tmp_path / "ppo2"), lora=lora,
+                                               init="policy")
     runs["rm"] = (f"rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp_path / 'rm')!r}, "
                   f"fsdp=True, bf16=True, max_steps=2, per_device_train_batch_size=4, num_evals=1, lora_r={lora}))")
     for name, call in runs.items():  # (one run per process, as from the command line)
@@ -116,8 +136,8 @@ def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_pa
     for precision in ("fp32", "bf16"):
         flags = ["--bf16"] if precision == "bf16" else []
         out = tmp_path / precision
-        run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size",
-                    "16", "--num_evals", "1", "--output_dir", str(out / "rm"), *flags])
+        run_main(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size",
+                  "16", "--num_evals", "1", "--output_dir", str(out / "rm"), *flags])
         history = ppo.main(ppo.Args(reward_model_path=str(out / "rm"), output_dir=str(out / "ppo"),
                                     total_episodes=384, sample_every=100, bf16=precision == "bf16"))
         results[precision] = (json.load(open(out / "rm" / "eval_results.json"))["accuracy"],

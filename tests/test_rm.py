@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import tyro
-from conftest import (ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, run_script,
+from conftest import (ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks, run_script,
                       save_checkpoint)
 from test_errors import snapshot
 from test_families import write_jsonl
@@ -288,9 +288,9 @@ SHORT = ["--max_steps", "6", "--logging_steps", "1", "--num_evals", "2", "--warm
 
 def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, small_pairs_file):
     base = ["rm.py", "--dataset_name", small_pairs_file, *SHORT, "--per_device_train_batch_size", "4"]
-    run_script(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
-    run_script(base + ["--output_dir", str(tmp_path / "ddp")], nproc=2)
-    run_script(base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")], nproc=2)
+    run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
+    run_ranks([base + ["--output_dir", str(tmp_path / "ddp")], base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")]
+               ], tmp_path)
     runs = {k: [m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("one", "ddp", "fsdp")}
     assert [m["step"] for m in runs["one"]] == list(range(1, 7))
     for key in ("train/loss", "train/accuracy", "train/grad_norm"):
@@ -533,7 +533,8 @@ def _save_and_resume_random_streams(rank, folder):
     batch = types.SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=1)  # x 2 ranks
     common.resume_training(model, optimizer, scheduler, folder, batch, world=2)
     assert torch.equal(torch.get_rng_state(), saved[0]) and random.getstate() == saved[1]
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # gloo's threads gone (a process ending with them alive can die of SIGABRT)
+    assert not [t for t in os.listdir("/proc/self/task") if "gloo" in open(f"/proc/self/task/{t}/comm").read()]
 
 
 def test_each_rank_resumes_its_own_random_streams(tmp_path):
