@@ -1701,7 +1701,7 @@ def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
     logits = model(input_ids=query, attention_mask=mask, past_key_values=decode.start(mask, position[:, -1:], seeds),
                    use_cache=True, position_ids=position, **last_only).logits[:, -1].float() / args.temperature
     tokens = [(logits + sampling_noise(seeds, 0, logits.shape[-1], logits.device)).argmax(-1)]
-    done = tokens[0] == stop_id
+    done = torch.zeros(len(query), dtype=torch.bool, device=query.device) | (tokens[0] == stop_id)  # (None: never)
     for t in range(1, args.response_length):
         if t % STOP_CHECK_EVERY == 0 and done.all():
             break

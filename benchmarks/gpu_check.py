@@ -306,8 +306,8 @@ def check_decode_profile(device, quick):
     parted = (a != b).int().cumsum(1).gt(0)  # from the first token where a row's two samples differ
     mask = torch.ones_like(a, dtype=torch.long)
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
-        logprob = {k: ppo.policy_forward(policy, torch.cat([query, t], 1), torch.cat([qmask.long(), mask], 1), prompt,
-                                         1.0, entropy=False)[0].mean().item() for k, t in tokens.items()}
+        logprob = {k: ppo.response_logprobs(policy, torch.cat([query, t], 1), torch.cat([qmask.long(), mask], 1),
+                                            prompt, 1.0)[0].mean().item() for k, t in tokens.items()}
     result["same_samples"] = {"tokens_equal": round((a == b).float().mean().item(), 4),
                               "rows_equal": round((~parted[:, -1]).float().mean().item(), 4),
                               "tokens_before_rows_part": round((~parted).float().sum(1).mean().item(), 1),
