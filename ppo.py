@@ -658,16 +658,17 @@ def main(args):
 # --- Checks and sizes, before anything is loaded or written. ---------------------------------------------------------
 def check_args(args):
     """Every size and range, and every model and dataset found, before anything is loaded or written."""
+    from transformers import get_scheduler
+
     for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                  "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every", "kl_horizon",
                  "num_samples_per_prompt"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
+        if (value := getattr(args, name)) is not None and value < 1:
+            raise common.UserError(f"--{name} {value}: must be at least 1")
     for name in ("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
                  "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples",
                  "missing_eos_penalty", "lora_r", "lora_alpha"):
-        value = getattr(args, name)
-        if value is not None and not (value >= 0 and math.isfinite(value)):
+        if (value := getattr(args, name)) is not None and not (value >= 0 and math.isfinite(value)):
             raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
@@ -684,7 +685,14 @@ def check_args(args):
         raise common.UserError(f"--target_kl {args.target_kl}: must be above 0")
     if args.missing_eos_penalty is not None and args.stop_token == "none":
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
-    check_schedule(args.lr_scheduler_type)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    try:  # the schedule built and stepped as the run does: once per update, no metric, no arguments of its own
+        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=2)
+        optimizer.step()
+        scheduler.step()
+    except (ValueError, TypeError) as e:
+        raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: {common.first_line(e)} (ppo.py steps "
+                               "the schedule once per update, with no metric and no arguments of its own)") from None
     if args.compile and args.fsdp:
         raise common.UserError("--compile compiles the decode of a whole model; --fsdp shards it: drop one of them")
     if args.offload_inference_models and not args.fsdp:
@@ -698,21 +706,6 @@ def check_args(args):
                              (args.ptx_dataset_name if args.ptx_coef > 0 else None, "--ptx_dataset_name", "dataset")):
         if name is not None:
             common.check_source(name, flag, kind)
-
-
-def check_schedule(name):
-    """--lr_scheduler_type: transformers' schedule of that name, built and stepped as the run does (once per update, no
-    metric, no arguments of its own); one that cannot be (or no schedule) is refused in one line."""
-    from transformers import get_scheduler
-
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
-    try:
-        scheduler = get_scheduler(name, optimizer, num_warmup_steps=0, num_training_steps=2)
-        optimizer.step()
-        scheduler.step()
-    except (ValueError, TypeError) as e:
-        raise common.UserError(f"--lr_scheduler_type {name}: {common.first_line(e)} (ppo.py steps the schedule "
-                               "once per update, with no metric and no arguments of its own)") from None
 
 
 @dataclass
@@ -834,9 +827,8 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
 
 
 def load_policy(args, tokenizer, on_meta=False):
-    """The initial policy: a causal LM, or a peft adapter folder merged into its base (the reference is then the SFT
-    adapter's model), its output layer computing in float32 (output_layer_in_float32). on_meta: no weight read
-    (common.load_model)."""
+    """The initial policy (a causal LM, or a peft adapter folder merged into its base), dropout off, its output layer
+    computing in float32 (output_layer_in_float32). on_meta: no weight read (common.load_model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.sft_model_path.startswith("embedded-"):
@@ -850,9 +842,8 @@ def load_policy(args, tokenizer, on_meta=False):
 
 
 def output_layer_in_float32(model):
-    """The causal LM, its output layer (an nn.Linear) computing in float32 whatever autocast asks
-    (common.Float32Linear, as the scalar heads): model(...).logits are float32, and the transforms the model applies
-    after the layer (Gemma's softcapping, Cohere's logit scale) too. A tied layer keeps its weight, the embedding's."""
+    """The causal LM, its output layer (an nn.Linear) computing in float32 whatever autocast asks (Float32Linear):
+    model(...).logits are float32, and so the transforms after the layer. A tied layer keeps the embedding's weight."""
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear:
         head.__class__ = common.Float32Linear
@@ -870,9 +861,9 @@ class Models:
 
 
 def build_models(args, tokenizer, device, rank, world):
-    """The policy and critic (trained; DDP or FSDP), the frozen reference and the reward. Under FSDP on several ranks
-    rank 0 loads each model whole, the others build it on the meta device, until sharded (parallelize). Every length
-    within the learned position tables of the models that read the policy's tokens."""
+    """The policy and critic (trained; DDP or FSDP), the frozen reference and the reward (under FSDP only rank 0 reads
+    weights: parallelize), every length checked against the position tables of the models that read the policy's
+    tokens."""
     on_meta = args.fsdp and world > 1 and rank != 0
     reward = load_reward(args, tokenizer, on_meta)
     critic_init = args.critic_init if args.advantage_estimator == "gae" else None  # the others have no critic
@@ -885,12 +876,10 @@ def build_models(args, tokenizer, device, rank, world):
     policy_hf = load_policy(args, tokenizer, on_meta)
     if args.blocked_logits:  # (its own output_logits: the model's logits, checked)
         common.agreed(lambda: on_meta or check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
-    readers = [policy_hf] + ([reward.model.hf] if reward.model is not None and reward.tokenizer is None else [])
     length = args.max_prompt_length + args.response_length
-    for model in readers:
+    for model in [policy_hf] + ([reward.model.hf] if reward.reads_policy_tokens else []):
         common.check_position_table(model, length, f"--max_prompt_length + --response_length ({length})")
-    critic_hf = critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward) if critic_init \
-        else None
+    critic_hf = critic_init and critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
     lora = None
     if args.lora_r:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
         dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -900,18 +889,16 @@ def build_models(args, tokenizer, device, rank, world):
         if critic_init == "reward":  # the reward model is the critic with its adapter off: no second copy
             reward = dataclasses.replace(reward, model=None, in_critic=critic_lora.disable_adapter)
     if reward.model is not None:  # sharded first, so that rank 0 holds at most three models whole
-        reward.model = parallelize(reward.model, args, device, reward.model.hf.config.num_hidden_layers, frozen=True)
+        reward.model = parallelize(reward.model, args, device, frozen=True)
     if not lora:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
-        ref_policy = parallelize(copy.deepcopy(policy_hf).eval().requires_grad_(False), args, device,
-                                 policy_hf.config.num_hidden_layers, frozen=True)
+        ref_policy = parallelize(copy.deepcopy(policy_hf).eval().requires_grad_(False), args, device, frozen=True)
     if args.gradient_checkpointing:  # (in training mode only: sampling keeps its KV cache)
         for model in (policy_hf, critic_hf):
             if model is not None:
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    policy = parallelize(policy_hf, args, device, policy_hf.config.num_hidden_layers)
+    policy = parallelize(policy_hf, args, device)
     offset = reward.shift / reward.scale if critic_init == "reward" else 0.0
-    critic = None if critic_hf is None else parallelize(Critic(critic_hf, offset), args, device,
-                                                         critic_hf.config.num_hidden_layers)
+    critic = None if critic_hf is None else parallelize(Critic(critic_hf, offset), args, device)
     if rank == 0:
         n_trained = sum(p.numel() for m in (policy, critic) if m is not None for p in m.parameters() if p.requires_grad)
         sources = [f"model {args.reward_model_path or 'runs/rm'}" + ("" if reward.reads_policy_tokens else
@@ -926,13 +913,12 @@ def build_optimizer(policy, critic, args, num_updates):
     """AdamW over the trainable parameters of policy and critic, each at its own learning rate, and the schedule."""
     from transformers import get_scheduler
 
-    lr = args.learning_rate
-    models = {"policy": (policy, lr), "critic": (critic, args.critic_learning_rate)}
-    models = {name: (model, rate) for name, (model, rate) in models.items() if model is not None}
+    models = {name: (model, rate) for name, model, rate in (("policy", policy, args.learning_rate),
+                                                            ("critic", critic, args.critic_learning_rate))
+              if model is not None}
     optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rate}
-                                   for model, rate in models.values()],
-                                  lr=lr, eps=1e-5, weight_decay=args.weight_decay, fused=True)  # (lr: the
-    # polynomial schedule reads its start from the optimizer's default)
+                                   for model, rate in models.values()], lr=args.learning_rate, eps=1e-5,
+                                  weight_decay=args.weight_decay, fused=True)  # (lr: the polynomial schedule's start)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_updates)
     return torch.nn.ModuleDict({name: model for name, (model, _) in models.items()}), optimizer, scheduler
 
@@ -1141,11 +1127,9 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
     """The rows' episodes in the reward model's own tokens (another vocabulary, an encoder), made as rm.py makes a
     pair: the prompt as the policy saw it (its BOS the reward model's), the response decoded in context (word
     boundaries kept), ended with the reward model's end token where the policy stopped (always, for an encoder)."""
-    lead = tokenizer.decode(common.special_affixes(tokenizer)[0])
-    prompts, texts, stopped = [], [], []
-    context = batch.context_length
-    query, query_mask = batch.query_response[rows, :context], batch.attention_mask[rows, :context]
-    for q, qm, r, m in zip(query.cpu(), query_mask.bool().cpu(), batch.responses[rows].cpu(), batch.mask[rows].cpu()):
+    lead, prompts, texts, stopped = tokenizer.decode(common.special_affixes(tokenizer)[0]), [], [], []
+    query, query_mask = (t[rows, :batch.context_length].cpu() for t in (batch.query_response, batch.attention_mask))
+    for q, qm, r, m in zip(query, query_mask.bool(), batch.responses[rows].cpu(), batch.mask[rows].cpu()):
         p_ids, r_ids = q[qm].tolist(), r[m].tolist()
         stopped.append(stop_id is not None and bool(r_ids) and r_ids[-1] == stop_id)
         r_ids = r_ids[:-1] if stopped[-1] else r_ids
@@ -1155,8 +1139,8 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
         prompts.append(p_text[len(lead):] if lead and p_text.startswith(lead) else p_text)
     rm_tokenizer, encoder = reward.tokenizer, not hasattr(reward.model.hf, "score")
     bos_id, table = common.leading_id(rm_tokenizer), common.position_table(reward.model.hf)
-    r_ids = [r if s or encoder else r[:-1] for r, s in zip(common.tokenize_responses(rm_tokenizer, prompts, texts),
-                                                           stopped)]
+    r_ids = common.tokenize_responses(rm_tokenizer, prompts, texts)
+    r_ids = [r if s or encoder else r[:-1] for r, s in zip(r_ids, stopped)]
     # within the reward model's position table (its tokens may be more than the policy's): the prompt cut further, its
     # end and BOS kept, as rm.py cuts a prompt; a response longer than the whole table (never in practice) its start
     seqs = [truncate_prompt(p, min(args.max_prompt_length, max((table or 1 << 62) - len(r), 1)), bos_id) + r
@@ -1173,8 +1157,7 @@ def gold_scores(args, prompts, responses, device):
     return torch.full((len(responses),), float("nan"), device=device)
 
 
-# --- The sampler's noise: each episode its own stream (seeded by its index), so samples depend neither on the batch
-# they are in nor on the number of ranks. ------------------------------------------------------------------------------
+# --- The sampler: each episode its own noise (seeded by its index, whatever the batch or ranks), its cache. ----------
 def sampling_noise(seeds, step, vocab_size, device):
     """Gumbel(0, 1) noise (rows, vocab_size) for token `step` of each row's episode. Counter-based (as Salmon et al.
     2011): entry (b, v) is a hash of (seeds[b], step, v) alone, so an episode draws the same noise in any batch, on
@@ -1198,12 +1181,10 @@ def sampling_noise(seeds, step, vocab_size, device):
     return -torch.log(-torch.log((bits.double() + 0.5) / 2 ** 32)).float()
 
 
-# --- The sampler's cache, and what a model's forward takes. -----------------------------------------------------------
 class ComputeDtypeCache(StaticCache):
-    """transformers' StaticCache with keys and values held in the dtype attention computes in. Under bfloat16 autocast
-    over float32 weights, a rotary family's keys leave the rotary embedding in float32 while its values are bfloat16;
-    StaticCache sizes both buffers from the keys, then refuses the values. Attention casts both to bfloat16 anyway (its
-    matrix products are on autocast's list), so holding them there changes no number."""
+    """transformers' StaticCache, keys and values held in the dtype attention computes in (under bfloat16 autocast a
+    rotary family's keys are float32, its values bfloat16: StaticCache sizes both from the keys, then refuses the
+    values). Attention casts both to bfloat16 anyway (autocast's list), so this changes no number."""
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         kind = key_states.device.type
@@ -1247,9 +1228,8 @@ class OptimizerStep:  # one mini-batch of a PPO epoch, as this rank runs it
 
 
 def ptx_backward(policy, ptx, step, index, args, rank, world, pad_id, backward):
-    """PPO-ptx's gradient for one optimizer step: as many pretraining sequences as the mini-batch has episodes, in
-    order through the text by the step's global index (the same on any rank count, after a resume), this rank's
-    share, the loss divided by all of their tokens. Returns this rank's share of that mean."""
+    """PPO-ptx's gradient for one optimizer step: as many pretraining sequences as the mini-batch has episodes, taken
+    in order by the step's global index (any rank count, any resume), divided by all their tokens; this rank's share."""
     update, epoch, mb = index
     first = ((update * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb) * len(step.rows)
     seqs = [ptx[i % len(ptx)] for i in range(first, first + len(step.rows))]
@@ -1275,9 +1255,8 @@ def sync_gradients(models, last, fsdp):
 
 
 def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
-    """Policy's and critic's gradients clipped together (0: not clipped), the step, the gradients cleared. Returns each
-    model's gradient norm before clipping ({"policy/grad_norm": ..., "critic/grad_norm": ...}). A norm that is not
-    finite stops the run before the step (the last checkpoint stays good)."""
+    """Policy's and critic's gradients clipped together (0: not clipped), the step, the gradients cleared; each model's
+    norm before clipping returned. A norm that is not finite stops the run before the step (the checkpoint good)."""
     def full(norm):  # (FSDP: a DTensor, each rank's shards' part)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
@@ -1316,10 +1295,9 @@ def setup_distributed():
     return rank, world, device
 
 
-def parallelize(model, args, device, num_layers, frozen=False):
-    """DDP, or FSDP2 with one unit per transformer block, the input embeddings, the output layer (output_layer_unit)
-    and the scalar head, filled with rank 0's weights (common.shard_from_rank0). A frozen model: sharded too under FSDP
-    (so it computes as the trained ones do; on the host with --offload_inference_models), a replica under DDP."""
+def parallelize(model, args, device, frozen=False):
+    """DDP, or FSDP2 (a unit per transformer block, the input embeddings, float32_head) filled with rank 0's weights. A
+    frozen model: sharded too under FSDP (on the host with --offload_inference_models), a replica under DDP."""
     host = frozen and args.offload_inference_models and device.type == "cuda"
     if not dist.is_initialized() or (frozen and not args.fsdp):
         return model.to(device)
@@ -1329,17 +1307,17 @@ def parallelize(model, args, device, num_layers, frozen=False):
         # bf16 is compute only: the sharded parameters, and so the optimizer's steps, stay in their own dtype
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
             MixedPrecisionPolicy()
+        offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
 
         def shard(model):
-            head = output_layer_unit(model) or scalar_head_unit(model)  # (a critic's, a reward model's)
+            hf, head = next(m for m in model.modules() if hasattr(m, "get_input_embeddings")), float32_head(model)
             in_float32 = {id(p) for p in head.parameters()} if head is not None else set()
             if frozen and args.bf16:  # gathered in bfloat16 to compute: held so, the same numbers at half the memory
                 for p in model.parameters():  # (parameters only: RoPE's buffers stay float32)
                     if id(p) not in in_float32:
                         p.data = p.data.to(torch.bfloat16)
-            offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
-            blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers)
-            for block in blocks:
+            for block in next(m for m in model.modules()
+                              if isinstance(m, torch.nn.ModuleList) and len(m) == hf.config.num_hidden_layers):
                 fully_shard(block, mp_policy=mp, **offload)
             common.shard_input_embeddings(model, fully_shard, mp_policy=mp, **offload)
             if head is not None:  # gathered in float32, its inputs cast to it: the logits, values, rewards in float32
@@ -1360,29 +1338,17 @@ def heads_in_float32(model):
     return model
 
 
-def scalar_head_unit(model):
-    """The critic's or reward model's scalar head (common.Float32Linear), or peft's wrapper of it (LoRA: its trained
-    copy and its original, the reward model with the adapter off), to be its own FSDP unit gathered in float32; None
-    for a model without one."""
+def float32_head(model):
+    """The head that is its own FSDP unit gathered in float32, or None: a scalar head (Float32Linear, or peft's wrapper
+    of it), or a causal LM's untied float32 output layer (gathered only while it computes the logits, its gradient
+    reduce-scattered at once: not a vocabulary x hidden weight held whole with the root)."""
     hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
-    head = getattr(hf, "score", None)
-    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)] if head is not None else []
-    return head if linears and all(isinstance(m, common.Float32Linear) for m in linears) else None
-
-
-def output_layer_unit(model):
-    """A causal LM's output layer as its own FSDP unit, held in float32: gathered only while it computes the logits, its
-    gradient reduce-scattered at once (not a vocabulary x hidden weight held whole with the root). None for a layer
-    tied to the input embeddings, not a plain nn.Linear, or held in bfloat16 (LoRA's frozen base)."""
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
-        return None
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear) or head.weight.dtype != torch.float32 or \
-            head.weight is model.get_input_embeddings().weight:
-        return None
-    return head
+    if (score := getattr(hf, "score", None)) is not None:
+        linears = [m for m in score.modules() if isinstance(m, torch.nn.Linear)]
+        return score if linears and all(isinstance(m, common.Float32Linear) for m in linears) else None
+    head = hf.get_output_embeddings()
+    untied = isinstance(head, torch.nn.Linear) and head.weight is not hf.get_input_embeddings().weight
+    return head if untied and head.weight.dtype == torch.float32 else None
 
 
 @contextlib.contextmanager
@@ -1394,13 +1360,11 @@ def gathered_once(model, enabled):
         return
     model.set_reshard_after_forward(False)
     try:
-        yield
+        with resharded([model]):
+            yield
     finally:
         model.set_reshard_after_forward(True)
         model.set_reshard_after_forward(False, recurse=False)  # FSDP's own setting for the root
-        for module in model.modules():
-            if hasattr(module, "set_reshard_after_forward"):  # every FSDP unit
-                module.reshard()
 
 
 def unwrap(model):
@@ -1417,8 +1381,7 @@ def all_gather_cat(t):
 
 def all_gather_rollout(batch):
     """Every rank's rows of the rollout batch, in rank order."""
-    return dataclasses.replace(batch, **{f.name: all_gather_cat(getattr(batch, f.name)) for f in
-                                         dataclasses.fields(batch) if torch.is_tensor(getattr(batch, f.name))})
+    return dataclasses.replace(batch, **{k: all_gather_cat(v) for k, v in vars(batch).items() if torch.is_tensor(v)})
 
 
 def all_reduce(t, op=None):
@@ -1451,19 +1414,19 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
     """The update's metrics to every log; every --sample_every updates, and at the last, a table of samples."""
     logger, samples_file = logs
     logger.log(m)
+    gold = "gold/mean" in m
     bar.set_postfix(score=f"{m['objective/scores']:.3f}", kl=f"{m['objective/kl']:.3f}",
-                    **({"gold": f"{m['gold/mean']:.3f}"} if "gold/mean" in m else {}))
+                    **({"gold": f"{m['gold/mean']:.3f}"} if gold else {}))
     if (m["step"] - 1) % args.sample_every and not last:
         return
     bar.write(common.format_metrics(m))
     c = batch.context_length
     for i in range(min(args.num_samples, len(batch.scores))):
-        row = {"step": m["step"], "prompt": tokenizer.decode(batch.query_response[i, :c][batch.attention_mask[i, :c]
-                                                                                          .bool()]),
-               "response": tokenizer.decode(batch.responses[i][batch.mask[i]]), "score": batch.scores[i].item(),
-               **({"gold": batch.gold[i].item()} if "gold/mean" in m else {})}
-        bar.write(f"  {row['prompt'][-60:]!r} -> {row['response'][:80]!r}  score {row['score']:.3f}"
-                  + (f"  gold {row['gold']:.3f}" if "gold" in row else ""))
+        prompt = tokenizer.decode(batch.query_response[i, :c][batch.attention_mask[i, :c].bool()])
+        row = {"step": m["step"], "prompt": prompt, "response": tokenizer.decode(batch.responses[i][batch.mask[i]]),
+               "score": batch.scores[i].item(), **({"gold": batch.gold[i].item()} if gold else {})}
+        bar.write(f"  {prompt[-60:]!r} -> {row['response'][:80]!r}  score {row['score']:.3f}"
+                  + (f"  gold {row['gold']:.3f}" if gold else ""))
         samples_file.write(json.dumps(row) + "\n")
     samples_file.flush()
 
@@ -1495,11 +1458,11 @@ def timing_metrics(times, batch_size, qr_mask, args):
 
 def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank):
     """The final policy in transformers' format (LoRA: merged, the adapter in output_dir/adapter), its tokenizer, the
-    curves and a summary; the logs closed."""
+    curves, the first and last 5 updates' means of proxy score, KL and gold score; the logs closed."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    policy_sd = get_model_state_dict(trainable["policy"], options=StateDictOptions(full_state_dict=True,
-                                                                                   cpu_offload=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    policy_sd = get_model_state_dict(trainable["policy"], options=options)
     if rank != 0:
         return
     if lora is not None:
@@ -1507,27 +1470,29 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
         policy_sd = policy_hf.state_dict()
     common.save_pretrained_atomic(policy_hf, tokenizer, args.output_dir, state_dict=policy_sd)
     plot_curves(history, os.path.join(args.output_dir, "curves.png"))
-    summary = summarize(history)
+    summary = {}
+    for key, name in {"objective/scores": "proxy", "objective/kl": "kl", "gold/mean": "gold",
+                      "gold/std": "gold_std"}.items():
+        if xs := [h[key] for h in history if key in h]:
+            summary[f"{name}_first"], summary[f"{name}_last"] = (sum(p) / len(p) for p in (xs[:5], xs[-5:]))
     common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
                              {**summary, "args": dataclasses.asdict(args)})
-    logs[0].close()
-    logs[1].close()
+    for log in logs:
+        log.close()
     print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
 
 
 def plot_curves(history, path):
     """Proxy and gold score and KL against episodes, and the scores against sqrt(KL): the axis on which Gao et al. 2022
     show the gold score rising, then falling (reward model overoptimization)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     episodes, kl = [h["episodes"] for h in history], [h["objective/kl"] for h in history]
     scores = {"proxy": [h["objective/scores"] for h in history]}
     if any("gold/mean" in h for h in history):
         scores["gold"] = [h.get("gold/mean", float("nan")) for h in history]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig = Figure(figsize=(15, 4))
+    axes = fig.subplots(1, 3)
     for name, ys in scores.items():
         axes[0].plot(episodes, ys, label=name)
         axes[2].plot([max(k, 0.0) ** 0.5 for k in kl], ys, ".", alpha=0.5, label=name)
@@ -1539,26 +1504,15 @@ def plot_curves(history, path):
     common.save_figure(fig, path)
 
 
-def summarize(history, window=5):
-    """First and last `window` updates' averages of the proxy score, KL and (embedded task) gold score."""
-    out = {}
-    for key, name in (("objective/scores", "proxy"), ("objective/kl", "kl"), ("gold/mean", "gold"),
-                      ("gold/std", "gold_std")):
-        if xs := [h[key] for h in history if key in h]:
-            out[f"{name}_first"], out[f"{name}_last"] = sum(xs[:window]) / len(xs[:window]), sum(xs[-window:]) / len(
-                xs[-window:])
-    return out
-
-
 # --- Opt-in: length grouping (--group_by_length). Rows of similar length run as one trimmed forward: less padding,
 # the same numbers (tests/test_ppo.py checks a run against the plain path). -------------------------------------------
 GROUP_OVERHEAD_TOKENS = 64  # the cost of one more forward and backward, in tokens (~30 on 2 CPU cores; more on GPUs)
 
 
 def length_groups(prompt_lengths, response_lengths, overhead=None):
-    """A batch's rows in groups of similar length, each to run as its own trimmed forward: rows sorted by length, each
-    joining the group before it unless the padding that adds costs more than one more call. A group's width is its
-    longest prompt plus its longest response (prompts left-padded, responses right-padded)."""
+    """A batch's rows in groups of similar length, each one trimmed forward: rows sorted by length, each joining the
+    group before it unless the padding that adds (a group's width: longest prompt + longest response) costs more than
+    one more call."""
     overhead = GROUP_OVERHEAD_TOKENS if overhead is None else overhead
     p, r = prompt_lengths.tolist(), response_lengths.tolist()
     groups, longest = [], (0, 0)
@@ -1573,23 +1527,19 @@ def length_groups(prompt_lengths, response_lengths, overhead=None):
     return [torch.tensor(g) for g in groups]
 
 
-def trimmed(batch, rows):
-    """A MicroBatch of rows less the columns that are padding in all of them (position ids come from the mask, so the
-    real tokens' outputs are unchanged)."""
-    mask, context = batch.attention_mask[rows], batch.context_length
-    real = mask.bool().any(0)
-    first = min(int(real.int().argmax()), context - 1)
-    last = max(len(real) - int(real.flip(0).int().argmax()), context + 1)
-    return MicroBatch(rows, batch.query_response[rows][:, first:last], mask[:, first:last], context - first,
-                      last - context)
-
-
 def length_grouped(batch, rows, micro):
-    """micro_batches under --group_by_length: each micro-batch's rows (micro of them, in order) as length_groups, each
-    one trimmed forward."""
-    prompt_lengths, response_lengths = batch.attention_mask[:, :batch.context_length].sum(1), batch.mask.sum(1)
-    return [trimmed(batch, r[g.to(r.device)]) for r in rows.split(micro)
-            for g in length_groups(prompt_lengths[r], response_lengths[r])]
+    """micro_batches under --group_by_length: each micro-batch's rows as length_groups, each one forward less the
+    columns all padding in its rows (position ids come from the mask: the real tokens' outputs are unchanged)."""
+    context, out = batch.context_length, []
+    prompt_lengths, response_lengths = batch.attention_mask[:, :context].sum(1), batch.mask.sum(1)
+    for r in rows.split(micro):
+        for group in (r[g.to(r.device)] for g in length_groups(prompt_lengths[r], response_lengths[r])):
+            real = batch.attention_mask[group].bool().any(0)
+            first = min(int(real.int().argmax()), context - 1)
+            last = max(len(real) - int(real.flip(0).int().argmax()), context + 1)
+            out.append(MicroBatch(group, batch.query_response[group][:, first:last],
+                                  batch.attention_mask[group][:, first:last], context - first, last - context))
+    return out
 
 
 # --- Opt-in: the output layer in bounded memory (--blocked_logits). Response logits in checkpointed blocks, whatever
@@ -1599,9 +1549,8 @@ LOGIT_BLOCK = 2 ** 25  # elements (128 MB in float32) of one block of response l
 
 def output_logits(model, hidden, temperature=1.0):
     """A causal LM's logits / temperature in float32 from the hidden states its output layer reads, whatever the
-    autocast and the weights' dtype: the layer, then the transforms families apply after it (Gemma's softcapping,
-    Cohere's logit scale, Granite's scaling; check_output_logits confirms the model's own logits at start-up). Where
-    all is linear, the hidden states are divided instead: (h / T) W = (h W) / T, hidden- rather than vocabulary-wide."""
+    autocast and dtype: the layer, then the families' transforms (Gemma's softcapping, Cohere's logit scale, Granite's
+    scaling; check_output_logits confirms them). All linear: (h / T) W = (h W) / T, hidden- not vocabulary-wide."""
     head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
     linear = cap is None and getattr(head, "bias", None) is None
     with torch.autocast(hidden.device.type, enabled=False):
@@ -1626,28 +1575,24 @@ def head_inputs(model, **inputs):
         captured.append(args[0])
         return (args[0][:, :0],) + args[1:]
 
-    handle = unwrap(model).get_output_embeddings().register_forward_pre_hook(capture)
-    try:
+    with unwrap(model).get_output_embeddings().register_forward_pre_hook(capture):
         model(**inputs)
-    finally:
-        handle.remove()
     return captured[0]
 
 
 def blocked_response_logprobs(policy, query_response, mask, context_length, temperature, entropy=False,
                               entropy_grad=True):
-    """response_logprobs in memory bounded by the micro-batch whatever the vocabulary: only the positions that predict
-    a response token go through the output layer (head_inputs, logits_to_keep), and their logits are made in blocks
-    of LOGIT_BLOCK elements, each recomputed in the backward pass (Chen et al. 2016), so a micro-batch's logits (16 x
-    128 x 152k floats: 1.2 GB) are never held whole."""
+    """response_logprobs in memory bounded whatever the vocabulary: the positions predicting a response token through
+    the output layer (head_inputs) in blocks of LOGIT_BLOCK elements, each recomputed in the backward pass (Chen et
+    al. 2016), so a micro-batch's logits (16 x 128 x 152k floats: 1.2 GB) are never held whole."""
     from torch.utils.checkpoint import checkpoint
 
-    position = (mask.cumsum(1) - 1).clamp(min=0)
-    predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 .. T-1
-    only_kept = {"logits_to_keep": predicting} if takes_argument(type(unwrap(policy)), "logits_to_keep") else {}
-    hidden = head_inputs(policy, input_ids=query_response, attention_mask=mask, position_ids=position, use_cache=False,
-                         **only_kept)[:, -predicting:-1]  # ... less the last, which predicts nothing
-    targets, model = query_response[:, context_length:], unwrap(policy)
+    # positions context_length - 1 .. T - 1 predict a response token, but for the last, which predicts nothing
+    model, predicting = unwrap(policy), query_response.shape[1] - context_length + 1
+    only_kept = {"logits_to_keep": predicting} if takes_argument(type(model), "logits_to_keep") else {}
+    hidden = head_inputs(policy, input_ids=query_response, attention_mask=mask, use_cache=False,
+                         position_ids=(mask.cumsum(1) - 1).clamp(min=0), **only_kept)[:, -predicting:-1]
+    targets = query_response[:, context_length:]
 
     def block(h, y):  # float32 throughout: logits, log-softmax and entropy
         logp_all = torch.log_softmax(output_logits(model, h, temperature), -1)
@@ -1658,13 +1603,12 @@ def blocked_response_logprobs(policy, query_response, mask, context_length, temp
                 torch.autocast(h.device.type, enabled=False):  # (vecdot is on autocast's bfloat16 list)
             return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all)  # -sum p log p, no V-wide temporary
 
-    n = hidden.shape[1]
     step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
-    recompute = torch.is_grad_enabled() and step < n  # (one block: computed directly)
-    parts = [checkpoint(block, hidden[:, s:s + step], targets[:, s:s + step], use_reentrant=False) if recompute
-             else block(hidden[:, s:s + step], targets[:, s:s + step]) for s in range(0, n, step)]
+    recompute = torch.is_grad_enabled() and step < hidden.shape[1]  # (one block: computed directly)
+    run = functools.partial(checkpoint, block, use_reentrant=False) if recompute else block
+    parts = [run(hidden[:, s:s + step], targets[:, s:s + step]) for s in range(0, hidden.shape[1], step)]
     logprobs, entropies = (torch.cat(t, 1) for t in zip(*parts))
-    return (logprobs, entropies) if entropy else (logprobs, None)
+    return logprobs, entropies if entropy else None
 
 
 @torch.no_grad()
@@ -1690,68 +1634,48 @@ DECODES = weakref.WeakKeyDictionary()  # a model -> its CompiledDecode (which ho
 @torch.no_grad()
 def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
     """generate's tokens, each after the first from CompiledDecode's step; whether every row has stopped read every
-    STOP_CHECK_EVERY tokens (not each token: a read waits for the device), the tokens after that padded as generate
-    pads them (padded_after_all_stopped). Not under FSDP (check_args refuses it)."""
-    model = unwrap(model)
-    decode = compiled_decode(model, query, args)
+    STOP_CHECK_EVERY tokens (a read waits for the device), the tokens after padded as generate pads them (not FSDP)."""
+    model, kind = unwrap(model), query.device.type
+    # the rows and --max_prompt_length + --response_length columns, every rollout's: compiled (its graph recorded) once
+    key = (len(query), max(query.shape[1], args.max_prompt_length or 0) + args.response_length, args.temperature,
+           torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
+    if (decode := DECODES.get(model)) is None or decode.key != key:
+        decode = DECODES[model] = CompiledDecode(model, key)
+    decode.cache.reset()
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
     mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
         -1, decode.cache_length - query.shape[1])], 1)
     last_only = {"logits_to_keep": 1} if takes_argument(type(model), "logits_to_keep") else {}
-    logits = model(input_ids=query, attention_mask=mask, past_key_values=decode.start(mask, position[:, -1:], seeds),
-                   use_cache=True, position_ids=position, **last_only).logits[:, -1].float() / args.temperature
+    logits = model(input_ids=query, attention_mask=mask, past_key_values=decode.cache, use_cache=True,
+                   position_ids=position, **last_only).logits[:, -1].float() / args.temperature
     tokens = [(logits + sampling_noise(seeds, 0, logits.shape[-1], logits.device)).argmax(-1)]
     done = torch.zeros(len(query), dtype=torch.bool, device=query.device) | (tokens[0] == stop_id)  # (None: never)
+    step = torch.zeros((), dtype=torch.long, device=query.device)  # (the index: on device)
+    position = position[:, -1:].contiguous()  # (strides too the same for every rollout)
     for t in range(1, args.response_length):
         if t % STOP_CHECK_EVERY == 0 and done.all():
             break
-        tokens.append(decode.step(model, tokens[-1], t))
+        step.fill_(t)
+        torch.compiler.cudagraph_mark_step_begin()
+        tokens.append(decode.step(model, tokens[-1], step, position, mask, seeds).clone())  # (a graph's output:
+        # overwritten when it replays next)
         done |= tokens[-1] == stop_id
     responses = padded_after_all_stopped(torch.stack(tokens, 1), stop_id, pad_id)
     return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
 
 
-def compiled_decode(model, query, args):
-    """The model's CompiledDecode for this rollout's shape: the rows and --max_prompt_length + --response_length
-    columns, the same for every rollout of a run, so the step is compiled (and its CUDA graph recorded) once."""
-    kind = query.device.type
-    key = (len(query), max(query.shape[1], args.max_prompt_length or 0) + args.response_length, args.temperature,
-           torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
-    if (decode := DECODES.get(model)) is None or decode.key != key:
-        decode = DECODES[model] = CompiledDecode(model, key)
-    return decode
-
-
 class CompiledDecode:
-    """generate's one-token step (the forward over the KV cache, the float32 logits / temperature, sampling_noise,
-    argmax) through torch.compile(mode="reduce-overhead"), the gpt-fast recipe. It guarantees: the same function of the
-    same inputs as generate's plain step (in float32 on a CPU the same tokens; tests/test_ppo.py); fixed shapes (a
-    static cache of cache_length columns, kept for the run and reset for each rollout; the cache position and the step
-    index held on the device), so one compilation and, on a GPU, one CUDA graph replayed per token, with no host sync
-    and sampling on the device. The graph reads the model's weights where they are (the optimizer updates them in
-    place); its memory pool holds one step's intermediates."""
+    """generate's one-token step through torch.compile(mode="reduce-overhead") (gpt-fast): the same function of the
+    same inputs as the plain step (in float32 on a CPU the same tokens), on fixed shapes (a static cache of
+    cache_length columns; the step index on the device): one compilation and, on a GPU, one CUDA graph replayed per
+    token, no host sync, reading the weights where they are. It holds no reference to the model."""
 
     def __init__(self, model, key):
         self.key, self.cache_length, self.temperature = key, key[1], key[2]
         self.cache = ComputeDtypeCache(config=model.config, max_cache_len=self.cache_length)
-        self.compiled = torch.compile(self.forward, mode="reduce-overhead", dynamic=False)
+        self.step = torch.compile(self.forward, mode="reduce-overhead", dynamic=False)
 
-    def start(self, mask, position, seeds):
-        """A rollout's prompt inputs (the mask of cache_length columns, the prompt's last positions, the episodes'
-        seeds); returns the cache, emptied, for the prefill."""
-        self.cache.reset()
-        self.inputs = (position.contiguous(), mask, seeds)  # (strides too the same for every rollout)
-        self.t = torch.zeros((), dtype=torch.long, device=mask.device)
-        return self.cache
-
-    def step(self, model, token, t):
-        """Token t from token t - 1 (B,)."""
-        self.t.fill_(t)
-        torch.compiler.cudagraph_mark_step_begin()
-        return self.compiled(model, token, self.t, *self.inputs).clone()  # (a graph's output: overwritten when it
-        # replays next)
-
-    def forward(self, model, token, t, position, mask, seeds):
+    def forward(self, model, token, t, position, mask, seeds):  # token t from token t - 1 (B,)
         logits = model(input_ids=token[:, None], attention_mask=mask, past_key_values=self.cache, use_cache=True,
                        position_ids=position + t).logits[:, -1].float() / self.temperature
         return (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
