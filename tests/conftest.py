@@ -76,15 +76,20 @@ def run_main(args, check=True):
 
 
 def run_ranks(jobs, folder, check=True):
-    """Command lines ([script, *flags] each) on 2 ranks, one torchrun launch each, one after the other (each a
-    process of its own: a group created again in one process under torchrun can meet the last one's addresses in
-    torchrun's store). Returns the last process and each job's error (None: it ran)."""
-    procs = [run_script(job, nproc=2, check=False) for job in jobs]
-    errors = [f"{' '.join(job)} failed ({p.returncode}):\n{p.stderr[-3000:]}" if p.returncode else None
-              for job, p in zip(jobs, procs)]
+    """Command lines ([script, *flags] each) on 2 ranks of one torchrun launch, one after the other (tests/jobs.py: a
+    launch costs seconds of imports). Returns the launch's process and each job's error (None: every rank exited 0)."""
+    import tempfile
+
+    os.makedirs(folder, exist_ok=True)
+    folder = tempfile.mkdtemp(dir=folder, prefix="codes-")
+    proc = run_script(["tests/jobs.py", str(folder), json.dumps(jobs)], nproc=2, check=False)
+    codes = [[open(p).read() if os.path.exists(p := os.path.join(folder, f"{i}.{r}")) else "none" for r in (0, 1)]
+             for i in range(len(jobs))]
+    errors = [None if c == ["0", "0"] else f"{' '.join(job)} failed (exit codes {c}):\n{proc.stderr[-3000:]}"
+              for job, c in zip(jobs, codes)]
     if check and any(errors):
         raise AssertionError("\n".join(e for e in errors if e))
-    return procs[-1], errors
+    return proc, errors
 
 
 def read_metrics(output_dir):
