@@ -367,18 +367,28 @@ ESTIMATORS = {  # the default, and two critic-free estimators with the KL in the
                 "constant"]}
 
 
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory, reward_model_path):
+    """Each estimator's run with ptx: the same rollout batch of 16 and mini-batches of 8, split three ways: 4 x 2
+    accumulation in one process, 4 x 2 ranks under DDP, 2 x 2 accumulation x 2 ranks under FSDP (it reduce-scatters
+    every micro-batch's gradients); the 2-rank runs in one launch. Losses are averages over the whole mini-batch
+    (weighted per token as --loss_aggregation says), so every split is one run. (8 x 1 against 4 x 2 accumulation in
+    one process: also on every decoder family, in test_families.py.)"""
+    root, jobs = tmp_path_factory.mktemp("split"), []
+    for estimator, flags in ESTIMATORS.items():
+        base = ["ppo.py", "--reward_model_path", reward_model_path, *TINY, *flags, "--ptx_coef", "0.1",
+                "--ptx_dataset_name", "embedded"]
+        run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(root / estimator / "one")])
+        jobs += [base + ["--output_dir", str(root / estimator / "ddp")], base + [
+            "--fsdp", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--output_dir",
+            str(root / estimator / "fsdp")]]
+    run_ranks(jobs, root)
+    return root
+
+
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
-def test_two_process_ddp_and_fsdp_match_one_process(estimator, tmp_path, reward_model_path):
-    base = ["ppo.py", "--reward_model_path", reward_model_path, *TINY, *ESTIMATORS[estimator]]
-    # The same rollout batch of 16 and mini-batches of 8, split three ways: 4 x 2 accumulation in one process, 4 x 2
-    # ranks (DDP and FSDP), with ptx. Losses are averages over the whole mini-batch (weighted per token as
-    # --loss_aggregation says), so every split is one run.
-    base = base + ["--ptx_coef", "0.1", "--ptx_dataset_name", "embedded"]
-    # (8 x 1 against 4 x 2 accumulation in one process: also on every decoder family, in test_families.py)
-    run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
-    # (FSDP as 2 x 2 accumulation x 2 ranks: it reduce-scatters every micro-batch's gradients)
-    run_ranks([base + ["--output_dir", str(tmp_path / "ddp")], base + ["--fsdp", "--per_device_train_batch_size", "2",
-               "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "fsdp")]], tmp_path)
+def test_two_process_ddp_and_fsdp_match_one_process(estimator, split_runs):
+    tmp_path = split_runs / estimator
     runs = {k: read_metrics(tmp_path / k) for k in ("one", "ddp", "fsdp")}
     assert len(runs["one"]) == 4
     critic = ("loss/value",) if estimator == "gae" else ("loss/kl",)
