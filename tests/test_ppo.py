@@ -621,7 +621,7 @@ def test_neox_policy_with_chat_template_prompts_and_ptx(tmp_path, reward_model_p
         for _ in range(64):
             topic = rng.choice(list(common.TOPICS))
             f.write(json.dumps({"messages": [{"role": "user", "content": f"tell me about {topic}"}]}) + "\n")
-    run_script(["ppo.py", "--sft_model_path", "embedded-neox", "--reward_model_path", reward_model_path,
+    run_main(["ppo.py", "--sft_model_path", "embedded-neox", "--reward_model_path", reward_model_path,
                 "--dataset_name", str(prompts), "--critic_init", "policy", "--ptx_coef", "0.1", "--ptx_dataset_name",
                 "embedded", "--kl_estimator", "k3", "--missing_eos_penalty", "1.0", *TINY,
                 "--output_dir", str(tmp_path / "out")])
@@ -643,7 +643,7 @@ def test_missing_eos_penalty_lowers_scores_by_penalty_times_missing_rate(tmp_pat
 def test_missing_reward_model_and_unknown_stop_token_are_clear_errors(tmp_path, reward_model_path):
     proc = run_script(["ppo.py", "--reward_model_path", str(tmp_path / "nothing")], check=False)
     assert proc.returncode == 2 and "python rm.py --output_dir" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script(["ppo.py", "--reward_model_path", reward_model_path, "--stop_token", "<nope>"], check=False)
+    proc = run_main(["ppo.py", "--reward_model_path", reward_model_path, "--stop_token", "<nope>"], check=False)
     assert proc.returncode == 2 and "--stop_token '<nope>' is not a token" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
@@ -679,8 +679,8 @@ def test_a_response_length_that_fills_the_position_table_is_refused_in_one_line(
      "--advantage_estimator grpo compares each response with the others to its prompt; it needs at least 2"),
 ])
 def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, flags, expected):
-    out = tmp_path / "out"
-    proc = run_script(["ppo.py", "--output_dir", str(out), *flags], check=False)
+    out = tmp_path / "out"  # (the first in a process as a user runs it; the others through its entry point, here)
+    proc = (run_script if "0" in flags else run_main)(["ppo.py", "--output_dir", str(out), *flags], check=False)
     assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
 
