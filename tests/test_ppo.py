@@ -196,15 +196,7 @@ def test_kl_in_the_loss_stays_finite_when_padding_is_improbable(tmp_path, monkey
     assert len(history) == 2 and all(math.isfinite(x) for x in losses), losses
 
 
-def test_an_unknown_kl_estimator_is_refused_not_read_as_k3():
-    a, b = torch.zeros(2, 3), torch.ones(2, 3)
-    assert torch.equal(ppo.kl_per_token(a, b, "k1"), a - b)
-    for estimator in (None, "k2", "K3"):
-        with pytest.raises(ValueError, match="unknown KL estimator"):
-            ppo.kl_per_token(a, b, estimator)
-
-
-def test_kl_estimators_are_unbiased_for_known_distributions():
+def test_kl_estimators_are_unbiased_for_known_distributions_and_an_unknown_one_is_refused():
     p = torch.tensor([0.5, 0.3, 0.2])
     q = torch.tensor([0.2, 0.3, 0.5])
     exact = (p * (p / q).log()).sum().item()
@@ -216,6 +208,9 @@ def test_kl_estimators_are_unbiased_for_known_distributions():
     assert (k3 >= 0).all()
     r = (lq - lp)
     assert torch.allclose(k3, r.exp() - 1 - r)
+    for estimator in (None, "k2", "K3"):  # not read as k3
+        with pytest.raises(ValueError, match="unknown KL estimator"):
+            ppo.kl_per_token(lp, lq, estimator)
 
 
 def test_adaptive_kl_controller():
@@ -772,17 +767,9 @@ def test_a_reward_function_that_raises_mid_run_leaves_a_folder_that_resume_conti
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
 
 
-def test_gold_reward_function_and_separate_critic_learning_rate(tmp_path):
-    history = ppo.main(ppo.Args(reward_fn="common:gold_rewards", critic_learning_rate=1e-4, total_episodes=64,
-                                output_dir=str(tmp_path)))
-    metrics = read_metrics(tmp_path)
-    assert all(m["objective/scores"] == pytest.approx(m["gold/mean"], abs=1e-5) for m in metrics)  # truth is the reward
-    assert len(history) == 2 and os.path.getsize(tmp_path / "curves.png") > 10_000
-
-
 def test_the_critic_scores_in_evaluation_mode_and_learns_in_training_mode(tmp_path, monkeypatch):
     """score() reads the values with the critic in evaluation mode after every update, as the policy samples in it;
-    learn() trains both in training mode."""
+    learn() trains both in training mode. (With the gold reward, the critic at its own learning rate.)"""
     modes, real_score, real_learn = [], ppo.score, ppo.learn
 
     def score(critic, *args, **kwargs):
@@ -795,8 +782,11 @@ def test_the_critic_scores_in_evaluation_mode_and_learns_in_training_mode(tmp_pa
 
     monkeypatch.setattr(ppo, "score", score)
     monkeypatch.setattr(ppo, "learn", learn)
-    ppo.main(ppo.Args(reward_fn="common:gold_rewards", total_episodes=96, output_dir=str(tmp_path)))
+    history = ppo.main(ppo.Args(reward_fn="common:gold_rewards", critic_learning_rate=1e-4, total_episodes=96,
+                                output_dir=str(tmp_path)))
     assert modes == [("score", False), ("learn", True)] * 3
+    assert all(m["objective/scores"] == pytest.approx(m["gold/mean"], abs=1e-5) for m in read_metrics(tmp_path))
+    assert len(history) == 3 and os.path.getsize(tmp_path / "curves.png") > 10_000
 
 
 def test_seed_streams_are_independent_across_seeds():
@@ -822,12 +812,15 @@ def test_stop_token_none_logs_no_eos_rate_and_refuses_a_missing_eos_penalty(tmp_
                           output_dir=str(tmp_path / "x")))
 
 
-def test_an_empty_prompt_without_bos_is_named(tmp_path):
+def test_an_empty_prompt_without_bos_is_named(tmp_path, monkeypatch):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "User: tell me about animals Assistant:"}\n{"prompt": ""}\n')
     assert common.leading_id(TOK) is None  # the embedded tokenizer adds no BOS
     with pytest.raises(common.UserError, match=r"prompts.jsonl: line 2: the prompt is empty and .* adds no BOS"):
         ppo.load_prompts(ppo.Args(dataset_name=str(path), max_prompt_length=256), TOK)
+    monkeypatch.setattr(common, "embedded_prompt", lambda rng: "")
+    with pytest.raises(common.UserError, match=r"^embedded: row 0: the prompt is empty"):
+        ppo.load_prompts(ppo.Args(max_prompt_length=256), TOK)
 
 
 def test_blocked_logits_give_the_plain_paths_log_probs_entropies_and_gradients(monkeypatch):
@@ -866,12 +859,6 @@ def test_a_model_whose_output_transform_is_unknown_is_named_before_training(monk
     monkeypatch.setattr(ppo, "output_logits", lambda m, h, t=1.0: m.get_output_embeddings()(h) * 2)
     with pytest.raises(common.UserError, match="does not reproduce this model's logits .* add it there"):
         ppo.check_output_logits(policy, "--sft_model_path", "embedded-llama")
-
-
-def test_an_empty_embedded_prompt_is_named_too(monkeypatch):
-    monkeypatch.setattr(common, "embedded_prompt", lambda rng: "")
-    with pytest.raises(common.UserError, match=r"^embedded: row 0: the prompt is empty"):
-        ppo.load_prompts(ppo.Args(max_prompt_length=256), TOK)
 
 
 def test_total_episodes_that_are_not_whole_rollout_batches_are_said(monkeypatch, capsys, tmp_path):
@@ -927,20 +914,15 @@ def test_grad_norms_are_each_models_own_before_clipping_averaged_over_the_update
     trainable["policy"].weight.grad, trainable["critic"].weight.grad = torch.tensor([[3.0]]), torch.tensor([[4.0]])
     norms = ppo.clip_and_step(trainable, optimizer, 1.0, 0, torch.tensor(0.0))
     assert norms == {"policy/grad_norm": pytest.approx(3.0), "critic/grad_norm": pytest.approx(4.0)}
-    seen, real = [], ppo.clip_and_step
+    seen, real, leading, real_leading = [], ppo.clip_and_step, [], common.leading_id
     monkeypatch.setattr(ppo, "clip_and_step", lambda *a: seen.append(real(*a)) or seen[-1])
+    monkeypatch.setattr(common, "leading_id", lambda tokenizer: leading.append(1) or real_leading(tokenizer))
     ppo.main(ppo.Args(reward_fn="common:gold_rewards", total_episodes=32, output_dir=str(tmp_path)))
     m = read_metrics(tmp_path)[0]
+    assert len(leading) == 1  # the prompts' leading token: found once per run
     assert len(seen) == 8 and len({s["policy/grad_norm"] for s in seen}) == 8
     for name in ("policy/grad_norm", "critic/grad_norm"):
         assert m[name] == pytest.approx(sum(s[name] for s in seen) / len(seen), rel=1e-6)
-
-
-def test_the_prompts_leading_token_is_found_once_per_run(tmp_path, monkeypatch):
-    calls, real = [], common.leading_id
-    monkeypatch.setattr(common, "leading_id", lambda tokenizer: calls.append(1) or real(tokenizer))
-    ppo.main(ppo.Args(reward_fn="common:gold_rewards", total_episodes=32, num_ppo_epochs=1, output_dir=str(tmp_path)))
-    assert len(calls) == 1
 
 
 def test_an_unknown_embedded_model_names_the_flag_that_named_it(tmp_path):
