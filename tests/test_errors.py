@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-import tyro
 from conftest import ROOT, read_checkpoint, run_main, run_script, save_checkpoint
 
 import common
@@ -79,6 +78,9 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
     "string row": ([], {"d.jsonl": '"just text"\n'}, "d.jsonl: line 1: a JSON str is not a row"),
     "text margin": ([], {"d.jsonl": GOOD + "\n" + GOOD[:-1] + ', "margin": "high"}\n'},
                     "d.jsonl: line 2: field 'margin' is 'high'; expected a finite number"),
+    "int field": ([], {"bad.jsonl": '{"chosen": " cat", "rejected": 5}\n'}, "bad.jsonl: line 1: field 'rejected' is int"),
+    "invalid JSON, gzipped": ([], {"bad.jsonl.gz": gzip.compress(b'{"chosen": " a", "rejected": " b"}\n{not json\n')},
+                              "bad.jsonl.gz: line 2: not valid JSON"),
     "unknown role": ([], {"d.jsonl": '{"chosen": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": '
                           '"a"}], "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": '
                           '"b"}]}\n'}, "d.jsonl: line 1: field 'chosen', message 1: role 'wizard' is not one of"),
@@ -86,7 +88,7 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_line_and_leaves_earlier_work_intact(case, tmp_path, saved_run, small_pairs_file, capsys):
+def test_bad_input_is_one_line_and_leaves_earlier_work_intact(case, tmp_path, saved_run, small_pairs_file):
     flags, files, expected = CASES[case]
     for name, content in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -98,16 +100,11 @@ def test_bad_input_is_one_line_and_leaves_earlier_work_intact(case, tmp_path, sa
     before = snapshot(out)
     # --overwrite_output_dir: the earlier run is replaced only once training starts, never by a run that stops before
     argv = ["--dataset_name", data, "--output_dir", str(out), "--overwrite_output_dir", *flags]
-    if case == "zero batch":  # as a user runs it: a process of its own
-        proc = run_script(["rm.py", *argv], check=False)
-        code, stderr = proc.returncode, proc.stderr
-    else:  # in this process (a process costs seconds of imports): the same entry point, main under exit_on_user_error
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_:
-            common.exit_on_user_error(rm.main, tyro.cli(rm.Args, args=argv, use_underscores=True))
-        code, stderr = exit_.value.code, capsys.readouterr().err
+    # one case as a user runs it, a process of its own; the others through the same entry point in this process
+    proc = (run_script if case == "zero batch" else run_main)(["rm.py", *argv], check=False)
+    stderr = proc.stderr
     lines = stderr.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
     assert snapshot(out) == before
 
@@ -134,16 +131,18 @@ def test_byte_order_mark_is_accepted(tmp_path, compressed):
     assert os.path.exists(tmp_path / "out" / "model.safetensors")
 
 
-def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, small_pairs_file, monkeypatch):
-    calls = {"n": 0}
-    real_loss = rm.preference_loss
+def poison_loss(monkeypatch, call):
+    """rm.py's preference loss made NaN at its `call`-th call."""
+    calls, real_loss = [], rm.preference_loss
 
     def poisoned(*a, **k):
-        calls["n"] += 1
-        loss = real_loss(*a, **k)
-        return loss * float("nan") if calls["n"] == 5 else loss
-
+        calls.append(1)
+        return real_loss(*a, **k) * (float("nan") if len(calls) == call else 1.0)
     monkeypatch.setattr(rm, "preference_loss", poisoned)
+
+
+def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, small_pairs_file, monkeypatch):
+    poison_loss(monkeypatch, 5)
     with pytest.raises(common.UserError, match=r"step 5: the gradient norm is nan .*--resume continues"):
         rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=8, save_steps=2, num_evals=1,
                         per_device_train_batch_size=8, output_dir=str(tmp_path)))
@@ -161,14 +160,7 @@ def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, save
     out = tmp_path / "out"
     shutil.copytree(saved_run, out)
     before = snapshot(out)
-    real_loss = rm.preference_loss
-    calls = {"n": 0}
-
-    def poisoned(*a, **k):
-        calls["n"] += 1
-        return real_loss(*a, **k) * (float("nan") if calls["n"] == 3 else 1.0)
-
-    monkeypatch.setattr(rm, "preference_loss", poisoned)
+    poison_loss(monkeypatch, 3)
     with pytest.raises(common.UserError, match="step 3: the gradient norm is nan"):
         rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=4, logging_steps=1, num_evals=1,
                         per_device_train_batch_size=8, output_dir=str(out), overwrite_output_dir=True))
@@ -309,9 +301,10 @@ def test_data_the_tokenizer_does_not_cover_stops_both_scripts_before_training(hh
     ("ppo", ["--dataset_name", "no_such_prompts.jsonl"], "--dataset_name no_such_prompts.jsonl"),
     ("ppo", ["--ptx_coef", "0.1", "--ptx_dataset_name", "someone/no-such-text"], "--ptx_dataset_name someone/"),
     ("rm", ["--model_name_or_path", "someone/no-such-model"], "--model_name_or_path someone/no-such-model"),
+    ("rm", ["--dataset_name", "nope.jsonl"], "--dataset_name nope.jsonl"),
     ("rm", ["--dataset_mixer_list", "embedded", "100", "someone/no-such-pairs", "1.0"], "someone/no-such-pairs"),
 ])
-def test_every_model_and_dataset_is_found_before_any_model_loads(script, flags, named, tmp_path, monkeypatch, capsys):
+def test_every_model_and_dataset_is_found_before_any_model_loads(script, flags, named, tmp_path, monkeypatch):
     """With the hub off (HF_HUB_OFFLINE, as here), a name that is neither a local path nor in the hub cache is one
     line naming it once, before any model loads (not half a minute of retries, nor a dataset missed for minutes)."""
     import huggingface_hub
@@ -324,12 +317,9 @@ def test_every_model_and_dataset_is_found_before_any_model_loads(script, flags, 
                         lambda *a, **k: pytest.fail("a model was loaded before the names were found"))
     flags = flags + (["--reward_fn", "common:gold_rewards"] if script == "ppo" and "runs/rm-missing" not in flags
                      else [])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        common.exit_on_user_error(module.main, tyro.cli(module.Args, args=flags + ["--output_dir", str(tmp_path)],
-                                                        use_underscores=True))
-    stderr = capsys.readouterr().err
-    assert exit_.value.code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    proc = run_main([f"{script}.py", *flags, "--output_dir", str(tmp_path)], check=False)
+    stderr = proc.stderr
+    assert proc.returncode == 2 and len(stderr.strip().splitlines()) == 1, stderr
     assert named in stderr and stderr.count(named.split()[-1]) == 1 and "no such file or folder" in stderr, stderr
 
 

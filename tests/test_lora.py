@@ -2,6 +2,7 @@
 adapters and heads train, and runs split over ranks or resumed equal one uninterrupted process."""
 
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -13,6 +14,7 @@ import torch
 from conftest import assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks
 from families import DECODERS, FAMILIES
 from test_families import preference_rows, tokenized_pairs, write_jsonl
+from test_rm import killed_after_checkpoint, no_timings
 
 import common
 import ppo
@@ -29,6 +31,18 @@ def perturb_adapters(model, seed=0):
         for name, p in model.named_parameters():
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def sft_adapter(family_dir, path, targets=None, task="CAUSAL_LM"):
+    """An SFT model as a peft LoRA adapter folder: on the tiny Llama, perturbed as if trained, saved at path."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32),
+                             LoraConfig(r=4, target_modules=targets or ["q_proj", "v_proj"], task_type=task))
+    perturb_adapters(adapter, seed=1)
+    adapter.save_pretrained(path)
+    return adapter
 
 
 def policy_logprobs(model, tokenizer, n=3):
@@ -88,15 +102,12 @@ def test_reference_is_the_initial_policy_with_the_adapter_off_and_the_merged_pol
 def test_an_sft_adapter_as_the_initial_policy_is_the_reference_not_its_base(family_dir, tmp_path):
     """A policy given as a peft adapter folder starts from the adapter's model: merged at load, so the new adapter's
     switched-off state (the reference) is the SFT model, not the base it was trained from."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base_path = family_dir("llama")
     tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=base_path))
-    sft = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
-                         LoraConfig(r=4, target_modules="all-linear"))
-    perturb_adapters(sft, seed=1)
-    sft.save_pretrained(tmp_path / "sft")
+    sft = sft_adapter(family_dir, tmp_path / "sft", "all-linear", None)
     sft_logprobs = policy_logprobs(sft.eval(), tokenizer)
     base_logprobs = policy_logprobs(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), tokenizer)
     assert not torch.allclose(sft_logprobs, base_logprobs, atol=1e-3)
@@ -115,18 +126,13 @@ def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_document
     """A causal-LM (SFT) adapter folder as --model_name_or_path: the reward model's backbone is the SFT model (the
     adapter merged into its base), and its head is new, drawn with --head_init_std; an adapter without a head's
     weights gets a new head too, and rm.py's own adapters keep theirs (test below)."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base_path = family_dir("llama")
-    ids = torch.tensor([[1, 5, 9, 12, 30]])
+    ids, base = torch.tensor([[1, 5, 9, 12, 30]]), AutoModelForCausalLM.from_pretrained(family_dir("llama"))
     with torch.no_grad():
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).base_model(input_ids=ids)[0]
+        base = base.float().base_model(input_ids=ids)[0]
     for task in ("CAUSAL_LM", None):  # an SFT adapter; one of no task type (peft's default), which holds no head
-        adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
-                                 LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type=task))
-        perturb_adapters(adapter, seed=1)
-        adapter.save_pretrained(tmp_path / str(task))
+        adapter = sft_adapter(family_dir, tmp_path / str(task), task=task)
         args = rm.Args(model_name_or_path=str(tmp_path / str(task)), head_init_std=3.0)
         hf, _, _ = rm.load_reward_model(args, rm.load_tokenizer(args.model_name_or_path))
         with torch.no_grad():
@@ -140,13 +146,9 @@ def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_document
 def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapters(lora_r, family_dir, tmp_path):
     """An SFT adapter folder (peft, CAUSAL_LM) as --model_name_or_path trains like any start: merged into its base,
     every weight trained with --lora_r 0 (peft loads an adapter frozen), new adapters and the head with --lora_r."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
-    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32),
-                             LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    perturb_adapters(adapter, seed=1)
-    adapter.save_pretrained(tmp_path / "sft")
+    adapter = sft_adapter(family_dir, tmp_path / "sft")
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 40))
     rm.main(rm.Args(model_name_or_path=str(tmp_path / "sft"), dataset_name=data, output_dir=str(tmp_path / "rm"),
                     lora_r=lora_r, max_steps=3, per_device_train_batch_size=4, num_evals=1, learning_rate=1e-2,
@@ -162,13 +164,8 @@ def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapter
 def test_ppo_refuses_a_reward_model_without_a_trained_head(family_dir, tmp_path):
     """A causal LM, or an SFT adapter, as --reward_model_path: transformers would give it a head drawn at random (a
     reward of noise, trained on without a word); ppo.py stops in one line instead."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     sft = family_dir("llama")
-    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(sft), LoraConfig(r=4, target_modules=["q_proj"],
-                                                                                   task_type="CAUSAL_LM"))
-    adapter.save_pretrained(tmp_path / "adapter")
+    sft_adapter(family_dir, tmp_path / "adapter")
     tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=sft))
     for path in (sft, str(tmp_path / "adapter")):
         with pytest.raises(common.UserError, match="not a reward model"):
@@ -306,28 +303,13 @@ def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_re
 @pytest.mark.parametrize("script", ["rm", "ppo"])
 def test_lora_resume_after_interruption_reproduces_uninterrupted_run(script, tmp_path, small_pairs_file,
                                                                     reward_model_path, monkeypatch):
-    if script == "rm":
-        main, args, crash_at = rm.main, rm.Args(dataset_name=small_pairs_file, max_steps=6, logging_steps=1,
-                                               num_evals=2, save_steps=2, per_device_train_batch_size=8, **LORA), 4
-    else:
-        main, args, crash_at = ppo.main, ppo.Args(reward_model_path=reward_model_path, total_episodes=48,
-                                                 per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2,
-                                                 response_length=8, save_steps=2, **LORA), 4
-    main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "full")}))
-    real_save = common.commit_checkpoint
-
-    def save_then_crash(root, name, state, keep=2):
-        real_save(root, name, state, keep)
-        if state["step"] == crash_at:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(common, "commit_checkpoint", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "cut")}))
-    monkeypatch.setattr(common, "commit_checkpoint", real_save)
-    main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "cut"), "resume": True}))
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
-                        for m in ms]
-    assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))
+    main, args = (rm.main, rm.Args(dataset_name=small_pairs_file, max_steps=6, logging_steps=1, num_evals=2,
+                                   save_steps=2, per_device_train_batch_size=8, **LORA)) if script == "rm" else \
+        (ppo.main, ppo.Args(reward_model_path=reward_model_path, total_episodes=48, per_device_train_batch_size=4,
+                            num_mini_batches=2, num_ppo_epochs=2, response_length=8, save_steps=2, **LORA))
+    main(dataclasses.replace(args, output_dir=str(tmp_path / "full")))
+    killed_after_checkpoint(main, dataclasses.replace(args, output_dir=str(tmp_path / "cut")), 4, monkeypatch)
+    main(dataclasses.replace(args, output_dir=str(tmp_path / "cut"), resume=True))
+    assert no_timings(read_metrics(tmp_path / "cut")) == no_timings(read_metrics(tmp_path / "full"))
     auto = "AutoModelForSequenceClassification" if script == "rm" else "AutoModelForCausalLM"
     assert_saved_models_equal([tmp_path / "cut", tmp_path / "full"], auto)

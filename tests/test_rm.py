@@ -14,7 +14,6 @@ import types
 import numpy as np
 import pytest
 import torch
-import tyro
 from conftest import (ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks, run_script,
                       save_checkpoint)
 from test_errors import snapshot
@@ -89,16 +88,12 @@ def test_rm_and_ppo_state_the_same_conventions():
     assert torch.allclose(rewards[0], models[0].score(hidden[torch.arange(4), last]).squeeze(-1), atol=1e-6)
 
 
-def test_preference_losses_match_formulas():
+def test_the_loss_its_probability_and_the_evaluation_losses_match_formulas():
+    """The loss is log(1 + exp(-(r_c - r_r - margin))); ECE's probability is exp(-loss) = sigmoid(r_c - r_r - margin);
+    the evaluation reports the pair loss beside the loss with its centering term."""
     rc, rr, m = torch.tensor([1.0, -2.0, 0.3, 5.0]), torch.tensor([0.5, 1.0, 0.3, -5.0]), torch.tensor([0.0, 0.5, 1, 2])
     expected = [math.log(1 + math.exp(-(c - r - mm))) for c, r, mm in zip(rc.tolist(), rr.tolist(), m.tolist())]
     assert torch.allclose(rm.preference_loss(rc, rr, m), torch.tensor(expected), atol=1e-6)
-
-
-def test_the_probability_the_loss_models_the_pair_loss_alone_and_a_head_of_std_0():
-    """ECE's probability is exp(-loss) = sigmoid(r_c - r_r - margin); the evaluation reports the pair
-    loss beside the loss with its centering term; --head_init_std 0 is a head of zeros, not the default std; epochs default by the model."""
-    rc, rr, m = torch.tensor([1.0, -2.0, 0.3, 5.0]), torch.tensor([0.5, 1.0, 0.3, -5.0]), torch.tensor([0.0, 0.5, 1, 2])
     logistic = [1 / (1 + math.exp(-(c - r - mm))) for c, r, mm in zip(rc.tolist(), rr.tolist(), m.tolist())]
     assert torch.allclose(torch.exp(-rm.preference_loss(rc, rr, m)), torch.tensor(logistic), atol=1e-6)
     pairs = [{"chosen": [1], "rejected": [2], "gold": None}] * 4
@@ -107,17 +102,6 @@ def test_the_probability_the_loss_models_the_pair_loss_alone_and_a_head_of_std_0
     pair = -sum(math.log(p) for p in logistic) / 4
     assert metrics["eval/preference_loss"] == pytest.approx(pair, rel=1e-6)
     assert metrics["eval/loss"] == pytest.approx(pair + 0.5 * ((rc + rr) ** 2).mean().item(), rel=1e-6)
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_config(common.embedded_model_config("embedded-llama", 40, 1))
-    rm.new_head(model, rm.fill_defaults(rm.Args(head_init_std=0.0), model).head_init_std)
-    assert model.score.weight.abs().sum() == 0
-    rm.new_head(model, rm.fill_defaults(rm.Args(), model).head_init_std)
-    assert 0.05 < model.score.weight.std() < 0.2  # 1 / sqrt(65)
-    for name, epochs in (("embedded-llama", 3), ("someone/pretrained", 1)):
-        assert rm.schedule(rm.fill_defaults(rm.Args(model_name_or_path=name), model), 64, 8, rank=0)[1] == 8 * epochs
-    args = rm.fill_defaults(rm.Args(model_name_or_path="someone/pretrained", num_train_epochs=2.0), model)
-    assert rm.schedule(args, 64, 8, rank=0)[1] == 16 and args.learning_rate == 1e-5
 
 
 def test_the_loss_and_its_gradient_are_exact_at_any_reward_gap():
@@ -167,7 +151,9 @@ def test_fused_forward_equals_separate_unpadded_forwards(arch):
     assert torch.allclose(left, fused, atol=1e-5)
 
 
-def test_new_head_init_std_and_dropout_off():
+def test_new_head_init_std_dropout_off_and_defaults_by_model():
+    """--head_init_std 0 is a head of zeros, the default 1 / sqrt(hidden + 1); dropout off; epochs and learning rate
+    default by the model."""
     args = rm.Args(model_name_or_path="embedded-llama", head_init_std=0.5)
     hf, _, _ = rm.load_reward_model(args, TOK)
     assert hf.score.weight.std().item() == pytest.approx(0.5, rel=0.2)
@@ -175,6 +161,17 @@ def test_new_head_init_std_and_dropout_off():
     assert filled.head_init_std == pytest.approx(1 / math.sqrt(64 + 1))
     assert default.score.weight.std().item() == pytest.approx(1 / math.sqrt(64 + 1), rel=0.2)
     assert all(m.p == 0 for m in default.modules() if isinstance(m, torch.nn.Dropout))
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_config(common.embedded_model_config("embedded-llama", 40, 1))
+    rm.new_head(model, rm.fill_defaults(rm.Args(head_init_std=0.0), model).head_init_std)
+    assert model.score.weight.abs().sum() == 0
+    rm.new_head(model, rm.fill_defaults(rm.Args(), model).head_init_std)
+    assert 0.05 < model.score.weight.std() < 0.2  # 1 / sqrt(65)
+    for name, epochs in (("embedded-llama", 3), ("someone/pretrained", 1)):
+        assert rm.schedule(rm.fill_defaults(rm.Args(model_name_or_path=name), model), 64, 8, rank=0)[1] == 8 * epochs
+    args = rm.fill_defaults(rm.Args(model_name_or_path="someone/pretrained", num_train_epochs=2.0), model)
+    assert rm.schedule(args, 64, 8, rank=0)[1] == 16 and args.learning_rate == 1e-5
 
 
 # --- data -----------------------------------------------------------------------------------------------------------
@@ -254,33 +251,6 @@ def test_a_pair_past_max_length_is_dropped_whole_and_every_kept_response_ends_wi
         rm.load_data(rm.Args(dataset_name=data, max_length=10, max_prompt_length=6), TOK, 0)
 
 
-@pytest.mark.parametrize("content,expected", [
-    ('{"chosen": " cat"}\n', "bad.jsonl: line 1: field 'rejected' is missing"),
-    ('{"chosen": " cat", "rejected": " dog"}\n{"chosen": " cat", "rejected": " dog", "margin": "x"}\n',
-     "bad.jsonl: line 2: field 'margin' is 'x'"),
-    ('{"chosen": " cat", "rejected": 5}\n', "bad.jsonl: line 1: field 'rejected' is int"),
-])
-def test_bad_rows_give_one_line_error_naming_file_row_field(tmp_path, content, expected):
-    (tmp_path / "bad.jsonl").write_text(content)
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("saved work")
-    proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "bad.jsonl"), "--output_dir", str(out)], check=False)
-    assert proc.returncode == 2
-    assert expected in proc.stderr and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    assert (out / "keep.txt").read_text() == "saved work"
-
-
-def test_invalid_json_line_and_missing_file_exit_2(tmp_path):
-    bad = tmp_path / "bad.jsonl.gz"
-    with gzip.open(bad, "wt") as f:
-        f.write('{"chosen": " a", "rejected": " b"}\n{not json\n')
-    proc = run_script(["rm.py", "--dataset_name", str(bad), "--output_dir", str(tmp_path / "o")], check=False)
-    assert proc.returncode == 2 and "line 2: not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "nope.jsonl")], check=False)
-    assert proc.returncode == 2 and "nope.jsonl: no such file or folder" in proc.stderr
-
-
 # --- training runs ----------------------------------------------------------------------------------------------------
 
 SHORT = ["--max_steps", "6", "--logging_steps", "1", "--num_evals", "2", "--warmup_steps", "2"]
@@ -319,8 +289,8 @@ def test_embedded_gold_reward_counts_a_word_said_again_zero():
 def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     out = tmp_path / "rm"
     # the default task and model, a shorter schedule (the full default run is measured in README)
-    run_script(["rm.py", "--output_dir", str(out), "--max_steps", "1200", "--num_evals", "1",
-                "--per_device_train_batch_size", "32"])
+    run_main(["rm.py", "--output_dir", str(out), "--max_steps", "1200", "--num_evals", "1",
+              "--per_device_train_batch_size", "32"])
     results = json.load(open(out / "eval_results.json"))
     assert results["accuracy_vs_bayes"] >= 0.95, results
 
@@ -361,29 +331,35 @@ def test_reward_normalization_is_fitted_on_the_training_pairs_not_the_eval_pairs
     assert abs(results["reward_shift"] - results["reward_mean"]) > 1e-3  # the eval pairs' mean is another number
 
 
-def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_pairs_file, monkeypatch):
-    args = dict(dataset_name=small_pairs_file, max_steps=8, logging_steps=1, num_evals=4, save_steps=3,
-                per_device_train_batch_size=8)
-    rm.main(rm.Args(output_dir=str(tmp_path / "full"), **args))
+def no_timings(metrics):
+    """A run's logged metrics less its timings and memory peaks (which a resumed run may log otherwise)."""
+    return [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))} for m in metrics]
 
+
+def killed_after_checkpoint(main, args, step, monkeypatch):
+    """main(args), the job killed right after its checkpoint of `step` is written."""
     real_save = common.commit_checkpoint
 
     def save_then_crash(root, name, state, keep=2):
         real_save(root, name, state, keep)
-        if state["step"] == 6:
-            raise KeyboardInterrupt  # the job is killed right after its second checkpoint
+        if state["step"] == step:
+            raise KeyboardInterrupt
 
     monkeypatch.setattr(common, "commit_checkpoint", save_then_crash)
     with pytest.raises(KeyboardInterrupt):
-        rm.main(rm.Args(output_dir=str(tmp_path / "cut"), **args))
+        main(args)
     monkeypatch.setattr(common, "commit_checkpoint", real_save)
+
+
+def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_pairs_file, monkeypatch):
+    args = dict(dataset_name=small_pairs_file, max_steps=8, logging_steps=1, num_evals=4, save_steps=3,
+                per_device_train_batch_size=8)
+    rm.main(rm.Args(output_dir=str(tmp_path / "full"), **args))
+    killed_after_checkpoint(rm.main, rm.Args(output_dir=str(tmp_path / "cut"), **args), 6, monkeypatch)
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["latest", "step_00000003", "step_00000006"]
     shutil.copytree(tmp_path / "cut", tmp_path / "short")
     rm.main(rm.Args(output_dir=str(tmp_path / "cut"), resume=True, **args))
-
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
-                        for m in ms]
-    assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))
+    assert no_timings(read_metrics(tmp_path / "cut")) == no_timings(read_metrics(tmp_path / "full"))
     assert json.load(open(tmp_path / "cut" / "eval_results.json"))["loss"] == \
         json.load(open(tmp_path / "full" / "eval_results.json"))["loss"]
 
@@ -399,7 +375,7 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_
     assert "accuracy" in json.load(open(tmp_path / "short" / "eval_results.json"))
 
 
-def test_a_finished_run_is_replaced_only_when_asked(tmp_path, small_pairs_file, capsys, monkeypatch):
+def test_a_finished_run_is_replaced_only_when_asked(tmp_path, small_pairs_file, monkeypatch):
     """The same command twice into one --output_dir: the second stops before loading anything, in one line naming
     --resume, --overwrite_output_dir and another folder, and the first run's files stay byte for byte. --resume then
     says the run is complete and changes nothing; --overwrite_output_dir trains afresh (the earlier checkpoints gone);
@@ -407,28 +383,23 @@ def test_a_finished_run_is_replaced_only_when_asked(tmp_path, small_pairs_file, 
     out = tmp_path / "run"
     argv = ["--dataset_name", small_pairs_file, "--max_steps", "3", "--num_evals", "1", "--save_steps", "2"]
 
-    def run(*flags, folder=out):
-        capsys.readouterr()
-        common.exit_on_user_error(rm.main, tyro.cli(rm.Args, args=[*argv, "--output_dir", str(folder), *flags],
-                                                    use_underscores=True))
-        return capsys.readouterr()
+    def run(*flags, folder=out, check=True):
+        return run_main(["rm.py", *argv, "--output_dir", str(folder), *flags], check=check)
 
     run()
     before = snapshot(out)
     real_load = rm.load_tokenizer
     monkeypatch.setattr(rm, "load_tokenizer", lambda name: pytest.fail("loaded before refusing"))
-    with pytest.raises(SystemExit) as exit_:
-        run()
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert all(word in err for word in ("holds a finished run", "--resume", "--overwrite_output_dir", "another "
-                                                                                                     "--output_dir"))
+    proc = run(check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert all(word in proc.stderr for word in ("holds a finished run", "--resume", "--overwrite_output_dir",
+                                                "another --output_dir"))
     monkeypatch.setattr(rm, "load_tokenizer", real_load)
-    assert "the run is complete (step 3 of 3); nothing to do" in run("--resume").out
+    assert "the run is complete (step 3 of 3); nothing to do" in run("--resume").stdout
     assert snapshot(out) == before
-    assert "final eval accuracy" in run("--overwrite_output_dir").out
+    assert "final eval accuracy" in run("--overwrite_output_dir").stdout
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_00000002"]  # no step_00000002_1 beside it
-    printed = run("--resume", folder=tmp_path / "new").out
+    printed = run("--resume", folder=tmp_path / "new").stdout
     assert f"--resume: no checkpoint in {tmp_path / 'new'}; starting from the first step" in printed
     assert [m["step"] for m in read_metrics(tmp_path / "new") if "train/loss" in m] == [3]
 
@@ -453,9 +424,7 @@ def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path,
     assert "--resume" in stderr.strip().splitlines()[-1] and not (cut / "model.safetensors").exists()
     rm.main(rm.Args(output_dir=str(cut), resume=True, **args))
     rm.main(rm.Args(output_dir=str(tmp_path / "full"), **args))
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
-                        for m in ms]
-    assert strip(read_metrics(cut)) == strip(read_metrics(tmp_path / "full"))
+    assert no_timings(read_metrics(cut)) == no_timings(read_metrics(tmp_path / "full"))
     assert_saved_models_equal([cut, tmp_path / "full"], "AutoModelForSequenceClassification")
 
 
@@ -565,8 +534,8 @@ def test_checkpoint_write_is_atomic(tmp_path):
 @pytest.mark.parametrize("schedule", list(rm.Args.__annotations__["lr_scheduler_type"].__args__))
 def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_file, schedule, capsys):
     """Every transformers SchedulerType: those stepped by a metric are refused before anything is read; the others
-    run, each step logging the rate it used; polynomial decays linearly to --lr_end, the cosine_*min_lr ones end there
-    too; the run records the learning rate filled in for the model (1e-3 for the embedded ones)."""
+    run, each step logging the rate it used; polynomial decays linearly to --lr_end (refused at or above the rate), the
+    cosine_*min_lr ones end there too; the run records the learning rate filled in for the model."""
     args = rm.Args(dataset_name=small_pairs_file, max_steps=5, warmup_steps=1, lr_scheduler_type=schedule, lr_end=1e-4,
                    output_dir=str(tmp_path), num_evals=1, logging_steps=1)
     from transformers import SchedulerType
@@ -587,6 +556,9 @@ def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_
         assert lrs == pytest.approx([0, 1e-3, 7.5e-4, 5e-4, 2.5e-4])
     if schedule == "polynomial":  # power 1: linear from 1e-3 after warm-up down to --lr_end at step 6
         assert lrs == pytest.approx([0, 1e-3, 1e-4 + 0.75 * 9e-4, 1e-4 + 0.5 * 9e-4, 1e-4 + 0.25 * 9e-4])
+        with pytest.raises(common.UserError, match="--lr_scheduler_type polynomial: lr_end"):  # not below the rate
+            rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=2, lr_scheduler_type="polynomial", lr_end=1e-3,
+                            output_dir=str(tmp_path / "refused")))
     if schedule == "cosine_warmup_with_min_lr":  # (its warm-up starts at 1 / warm-up steps; it ends at --lr_end)
         assert lrs[-1] == pytest.approx(1e-4)
     if schedule == "cosine_with_min_lr":
@@ -597,12 +569,6 @@ def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_
         assert lrs[-1] == pytest.approx(1e-3)
     else:
         assert lrs[-1] < 1e-3
-
-
-def test_lr_end_not_below_the_learning_rate_is_refused_in_one_line(tmp_path, small_pairs_file):
-    with pytest.raises(common.UserError, match="--lr_scheduler_type polynomial: lr_end"):
-        rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=2, lr_scheduler_type="polynomial", lr_end=1e-3,
-                        output_dir=str(tmp_path)))
 
 
 def test_help_and_wandb_offline(tmp_path, small_pairs_file):
@@ -791,33 +757,23 @@ def test_any_failure_of_the_packed_check_keeps_the_padded_batch_and_says_why(err
     assert model.hf.config._attn_implementation != "rm_segments"
 
 
-def test_training_curves_of_all_modes_agree(tmp_path, small_pairs_file):
-    base = ["--dataset_name", small_pairs_file, "--max_steps", "8", "--logging_steps", "1", "--num_evals", "1",
-            "--per_device_train_batch_size", "8"]
-    curves = {}
-    for name, flags in {"default": [], "packed": ["--padding_free"]}.items():
-        args = tyro_args(base + flags + ["--output_dir", str(tmp_path / name)])
-        rm.main(args)
-        curves[name] = [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
+def test_packed_checkpointed_and_bf16_training_curves_track_the_plain_run(tmp_path, small_pairs_file):
+    """--padding_free and --gradient_checkpointing change no loss (recomputation, packing); --bf16 stays near."""
+    def curve(name, *flags):
+        run_main(["rm.py", "--dataset_name", small_pairs_file, "--logging_steps", "1", "--num_evals", "1", *flags,
+                  "--output_dir", str(tmp_path / name)])
         assert json.load(open(tmp_path / name / "eval_results.json"))["args"]["padding_free"] == (name == "packed")
-    assert len(curves["default"]) == 8
-    assert np.allclose(curves["packed"], curves["default"], atol=1e-4), (curves["packed"], curves["default"])
+        return [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
 
-
-def tyro_args(argv):
-    import tyro
-
-    return tyro.cli(rm.Args, args=argv, use_underscores=True)
-
-
-def test_gradient_checkpointing_and_bf16_track_the_fp32_run(tmp_path, small_pairs_file):
-    base = ["--dataset_name", small_pairs_file, "--max_steps", "4", "--logging_steps", "1", "--num_evals", "1"]
-    curves = {}
-    for name, flags in {"fp32": [], "checkpointed": ["--gradient_checkpointing"], "bf16": ["--bf16"]}.items():
-        rm.main(tyro_args(base + flags + ["--output_dir", str(tmp_path / name)]))
-        curves[name] = [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
-    assert np.allclose(curves["checkpointed"], curves["fp32"], atol=1e-5)  # recomputation changes nothing
-    assert np.allclose(curves["bf16"], curves["fp32"], atol=0.05) and curves["bf16"] != curves["fp32"]
+    eight = ["--max_steps", "8", "--per_device_train_batch_size", "8"]
+    default, packed = curve("default", *eight), curve("packed", *eight, "--padding_free")
+    assert len(default) == 8
+    assert np.allclose(packed, default, atol=1e-4), (packed, default)
+    fp32, checkpointed = curve("fp32", "--max_steps", "4"), curve("checkpointed", "--max_steps", "4",
+                                                                   "--gradient_checkpointing")
+    bf16 = curve("bf16", "--max_steps", "4", "--bf16")
+    assert np.allclose(checkpointed, fp32, atol=1e-5)
+    assert np.allclose(bf16, fp32, atol=0.05) and bf16 != fp32
 
 
 def test_dataset_mixer_takes_fractions_and_counts(tmp_path):
@@ -903,8 +859,8 @@ def test_evaluation_with_fewer_pairs_than_ranks(tmp_path, small_pairs_file):
     shutil.copy(small_pairs_file, data / "train.jsonl")
     with open(small_pairs_file) as f, open(data / "test.jsonl", "w") as g:
         g.write(f.readline())
-    run_script(["rm.py", "--dataset_name", str(data), "--max_steps", "2", "--num_evals", "1", "--output_dir",
-                str(tmp_path / "out")], nproc=2)
+    run_ranks([["rm.py", "--dataset_name", str(data), "--max_steps", "2", "--num_evals", "1", "--output_dir",
+                str(tmp_path / "out")]], tmp_path)
     assert json.load(open(tmp_path / "out" / "eval_results.json"))["accuracy"] in (0.0, 1.0)
 
 
@@ -922,8 +878,8 @@ def test_eval_only_reproduces_the_final_evaluation_of_training(tmp_path, small_p
     for split, part in zip(("train", "test"), rm.hold_out_by_prompt(rows, 0.1, 1, TOK)):  # rm.py's hold-out (seed 1)
         with open(held_out / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n" for r in part)
-    proc = run_script(["rm.py", "--eval_only", "--model_name_or_path", str(train_dir), "--dataset_name",
-                       str(held_out), "--output_dir", str(tmp_path / "eval")])
+    proc = run_main(["rm.py", "--eval_only", "--model_name_or_path", str(train_dir), "--dataset_name",
+                     str(held_out), "--output_dir", str(tmp_path / "eval")])
     assert "evaluated" in proc.stdout
     evaluated = json.load(open(tmp_path / "eval" / "eval_results.json"))
     for key in ("accuracy", "loss", "reward_gap", "calibration_error", "length_correlation"):
@@ -992,8 +948,8 @@ def test_local_folders_in_every_layout_load_with_their_splits(tmp_path):
     lines = bad.read_text().splitlines()
     lines[4] = '{"chosen": " cat", "rejected": 7}'
     bad.write_text("\n".join(lines) + "\n")
-    proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "split_files"), "--output_dir", str(tmp_path / "o")],
-                      check=False)
+    proc = run_main(["rm.py", "--dataset_name", str(tmp_path / "split_files"), "--output_dir", str(tmp_path / "o")],
+                    check=False)
     assert proc.returncode == 2 and f"{bad}: line 5: field 'rejected' is int" in proc.stderr, proc.stderr
 
 
