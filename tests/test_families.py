@@ -69,9 +69,10 @@ def tokenized_pairs(family, tokenizer, n=6):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_packed_layout_gives_the_padded_rewards_and_gradients(family, family_dir):
+def test_packed_layout_gives_the_padded_rewards_and_gradients_and_no_dropout_anywhere(family, family_dir):
     """--padding_free on every family: packed where its start-up check passes, and then the padded batch's rewards and
-    gradients (each sequence alone's rewards); padded, and why, where it cannot."""
+    gradients (each sequence alone's rewards); padded, and why, where it cannot. No dropout anywhere: the training
+    forward equals the evaluation forward (reward model and policy)."""
     model, tokenizer, args = reward_model_of(family_dir(family), padding_free=True)
     padded_model = reward_model_of(family_dir(family))[0]
     assert model.hf.dtype == torch.float32  # trained in float32 whatever the stored dtype
@@ -82,34 +83,25 @@ def test_packed_layout_gives_the_padded_rewards_and_gradients(family, family_dir
     if family in WINDOWED:
         assert max(len(p["prompt"]) + len(p["chosen"]) for p in pairs) > WINDOW  # the window matters here
     pad = tokenizer.pad_token_id
+    with torch.no_grad():
+        padded_inputs = rm.model_inputs(pairs, pad, rm.Args())
+        assert torch.equal(padded_model.train()(**padded_inputs), padded_model.eval()(**padded_inputs))
+        alone = torch.cat([padded_model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
+                                                                                     dtype=torch.long))
+                           for k in ("chosen", "rejected") for p in pairs])  # each sequence alone: no padding, packing
     results = {}
-    for name, m, inputs in (("padded", padded_model, rm.model_inputs(pairs, pad, rm.Args())),
+    for name, m, inputs in (("padded", padded_model, padded_inputs),
                             ("packed", model, rm.model_inputs(pairs, pad, chosen_args))):
         m.train()
         rewards = m(**inputs)
         rc, rr = rewards.chunk(2)
         rm.preference_loss(rc, rr, torch.zeros(len(pairs))).mean().backward()
         results[name] = rewards.detach(), torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
-    with torch.no_grad():  # each sequence alone: no padding, no packing
-        alone = torch.cat([padded_model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
-                                                                                     dtype=torch.long))
-                           for k in ("chosen", "rejected") for p in pairs])
     assert torch.allclose(results["padded"][0], alone, atol=1e-5)
     assert torch.allclose(results["packed"][0], alone, atol=1e-5)
     assert torch.allclose(results["packed"][1], results["padded"][1], atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_no_dropout_anywhere_training_forward_equals_evaluation_forward(family, family_dir):
-    path = family_dir(family)
-    model, tokenizer, args = reward_model_of(path)
-    pairs = tokenized_pairs(family, tokenizer)
-    inputs = rm.model_inputs(pairs, tokenizer.pad_token_id, args)  # (the default: padded)
-    with torch.no_grad():
-        train, evaluation = model.train()(**inputs), model.eval()(**inputs)
-    assert torch.equal(train, evaluation)
     if family in DECODERS:
-        policy = ppo.load_policy(ppo.Args(sft_model_path=path), tokenizer)
+        policy = ppo.load_policy(ppo.Args(sft_model_path=family_dir(family)), tokenizer)
         ids = torch.tensor([pairs[0]["prompt"] + pairs[0]["chosen"]])
         with torch.no_grad():
             assert torch.equal(policy.train()(input_ids=ids).logits, policy.eval()(input_ids=ids).logits)
@@ -186,25 +178,33 @@ def test_saved_reward_model_reloads_with_transformers_and_gives_the_training_rew
     assert ours[len(evals):].mean().item() == pytest.approx(results["rejected_reward"], abs=1e-4)
 
 
+def whole_and_micro_batches(base, tmp_path, monkeypatch, **speed_paths):
+    """ppo.py's first update's metrics: one micro-batch of 8, and 4 micro-batches of 2, each cut into as many length
+    groups as there are lengths (--group_by_length), with the other speed paths given."""
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
+    monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
+                      gradient_accumulation_steps=4, group_by_length=True, **speed_paths, **base))
+    return read_metrics(tmp_path / "whole")[0], read_metrics(tmp_path / "micro")[0]
+
+
+def ppo_base(family, family_dir, trained_rm, **kw):
+    return dict(sft_model_path=family_dir(family), reward_model_path=trained_rm(family), total_episodes=8,
+                num_mini_batches=1, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, sample_every=1,
+                max_prompt_length=32, **kw)
+
+
 @pytest.mark.parametrize("family", DECODERS)
 def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(family, family_dir, trained_rm,
                                                                             tmp_path, monkeypatch):
-    """The plain path, one micro-batch of 8, against the opt-in speed paths: 4 micro-batches of 2 each cut into as
-    many length groups as there are lengths (--group_by_length), their logits one position at a time
-    (--blocked_logits): the same update."""
-    base = dict(sft_model_path=family_dir(family), reward_model_path=trained_rm(family), total_episodes=8,
-                num_mini_batches=1, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, sample_every=1,
-                max_prompt_length=32)
-    ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
-    monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
-    monkeypatch.setattr(ppo, "LOGIT_BLOCK", 1)  # and logits one position at a time, recomputed in the backward pass
-    ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
-                      gradient_accumulation_steps=4, group_by_length=True, blocked_logits=True, **base))
-    whole, micro = read_metrics(tmp_path / "whole")[0], read_metrics(tmp_path / "micro")[0]
+    """The plain path against the opt-in speed paths (length groups, and logits one position at a time, recomputed
+    in the backward pass: --blocked_logits): the same update."""
+    monkeypatch.setattr(ppo, "LOGIT_BLOCK", 1)
+    whole, micro = whole_and_micro_batches(ppo_base(family, family_dir, trained_rm), tmp_path, monkeypatch,
+                                           blocked_logits=True)
     for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/entropy", "policy/grad_norm"):
         assert whole[key] == pytest.approx(micro[key], abs=1e-5, rel=1e-5), key
     assert whole["policy/approxkl"] > 0  # the second epoch saw a changed policy
-
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "whole")  # the saved policy loads
@@ -213,22 +213,15 @@ def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(fam
 @pytest.mark.parametrize("family", DECODERS)
 def test_critic_free_estimators_on_every_decoder_family_are_independent_of_the_micro_batch_split(
         family, family_dir, trained_rm, tmp_path, monkeypatch):
-    """The critic-free estimators, the KL's two places and the three loss averages, spread over the families: one
-    micro-batch of 8 against 4 micro-batches of 2 in one length group per length (--group_by_length), the same
-    update; no critic."""
+    """The critic-free estimators, the KL's two places and the three loss averages, spread over the families: the
+    same update in one micro-batch and in length groups; no critic."""
     i = DECODERS.index(family)
     estimator = [dict(advantage_estimator="rloo"), dict(advantage_estimator="grpo"),
                  dict(advantage_estimator="reinforce_pp", num_samples_per_prompt=2),
                  dict(advantage_estimator="grpo", scale_rewards=False)][i % 4]
-    base = dict(sft_model_path=family_dir(family), reward_model_path=trained_rm(family), total_episodes=8,
-                num_mini_batches=1, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, sample_every=1,
-                max_prompt_length=32, kl_penalty=["loss", "reward"][i % 2],
-                loss_aggregation=["sequence_mean", "constant", "token_mean"][i % 3], **estimator)
-    ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
-    monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
-    ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
-                      gradient_accumulation_steps=4, group_by_length=True, **base))
-    whole, micro = read_metrics(tmp_path / "whole")[0], read_metrics(tmp_path / "micro")[0]
+    base = ppo_base(family, family_dir, trained_rm, kl_penalty=["loss", "reward"][i % 2],
+                    loss_aggregation=["sequence_mean", "constant", "token_mean"][i % 3], **estimator)
+    whole, micro = whole_and_micro_batches(base, tmp_path, monkeypatch)
     kl = ("loss/kl",) if base["kl_penalty"] == "loss" else ()
     for key in ("objective/scores", "objective/kl", "loss/policy", "policy/entropy", "policy/grad_norm", *kl):
         assert whole[key] == pytest.approx(micro[key], abs=1e-5, rel=1e-5), key
