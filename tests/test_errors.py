@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from conftest import ROOT, read_checkpoint, run_main, run_script, save_checkpoint
+from test_families import write_jsonl
 
 import common
 import rm
@@ -44,7 +45,7 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
     "no room for responses": (["--max_prompt_length", "600"], {}, "--max_prompt_length 600 must be below --max_length"),
     "missing model": (["--model_name_or_path", "./no_such_model"], {}, "--model_name_or_path ./no_such_model: no such"),
     "lora target": (["--lora_r", "4", "--lora_target_modules", "no_such_layer"], {},
-                    "--lora_target_modules no_such_layer: peft cannot put LoRA adapters on LlamaForSequenceClassification"),
+                    "--lora_target_modules no_such_layer: peft cannot put LoRA adapters on LlamaForSequence"),
     "message without role": ([], {"d.jsonl": GOOD + '\n{"chosen": [{"content": "x"}], "rejected": [{"role": '
                                   '"assistant", "content": "y"}]}\n'},
                              "d.jsonl: line 2: field 'chosen', message 0: expected {'role': text"),
@@ -78,7 +79,7 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
     "string row": ([], {"d.jsonl": '"just text"\n'}, "d.jsonl: line 1: a JSON str is not a row"),
     "text margin": ([], {"d.jsonl": GOOD + "\n" + GOOD[:-1] + ', "margin": "high"}\n'},
                     "d.jsonl: line 2: field 'margin' is 'high'; expected a finite number"),
-    "int field": ([], {"bad.jsonl": '{"chosen": " cat", "rejected": 5}\n'}, "bad.jsonl: line 1: field 'rejected' is int"),
+    "int field": ([], {"d.jsonl": '{"chosen": " cat", "rejected": 5}\n'}, "d.jsonl: line 1: field 'rejected' is int"),
     "invalid JSON, gzipped": ([], {"bad.jsonl.gz": gzip.compress(b'{"chosen": " a", "rejected": " b"}\n{not json\n')},
                               "bad.jsonl.gz: line 2: not valid JSON"),
     "unknown role": ([], {"d.jsonl": '{"chosen": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": '
@@ -238,16 +239,16 @@ def test_a_new_save_leaves_no_weight_file_of_an_older_one(tmp_path):
     common.save_pretrained_atomic(model, tok, str(tmp_path))  # one file
     assert os.path.exists(tmp_path / "model.safetensors")
     common.save_pretrained_atomic(model, tok, str(tmp_path), max_shard_size="100KB")  # sharded, with an index
-    assert not os.path.exists(tmp_path / "model.safetensors") and os.path.exists(tmp_path / "model.safetensors.index.json")
+    assert not os.path.exists(tmp_path / "model.safetensors")
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
     reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in reloaded.state_dict().items())
 
 
 def test_eval_only_reads_a_folder_with_a_test_split_alone_and_mixtures_with_some_gold(tmp_path, saved_run):
     (tmp_path / "data").mkdir()
-    with open(tmp_path / "data" / "test.jsonl", "w") as f:
-        for r in common.embedded_pairs(40, seed=9):
-            f.write(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n")
+    write_jsonl(tmp_path / "data" / "test.jsonl", [{k: r[k] for k in ("prompt", "chosen", "rejected")}
+                                                   for r in common.embedded_pairs(40, seed=9)])
     ev = rm.main(rm.Args(model_name_or_path=str(saved_run), dataset_name=str(tmp_path / "data"), eval_only=True,
                          output_dir=str(tmp_path / "eval")))
     assert json.load(open(tmp_path / "eval" / "eval_results.json"))["num_pairs"] == 40 and "eval/accuracy" in ev
@@ -325,10 +326,12 @@ def test_every_model_and_dataset_is_found_before_any_model_loads(script, flags, 
 
 def test_help_is_printed_once_under_torchrun_the_methods_options_first():
     """tyro's own help, from each field's docstring: once under torchrun, the method's options first."""
-    proc = run_script(["rm.py", "--help"], nproc=2, env={"COLUMNS": "80"})
+    proc = run_script(["rm.py", "--help"], nproc=2, env={"COLUMNS": "200"})
     assert proc.stdout.count("usage: rm.py") == 1, proc.stdout[-2000:]
     assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--center_rewards_coefficient", "--head_init_std"]
-    assert "Weight of mean((r_c + r_r)^2)" in proc.stdout
+    assert "Weight of mean((r_c + r_r)^2)" in proc.stdout and "--lr_end" in proc.stdout
+    assert "this fraction held out, by whole prompts" in proc.stdout
+    assert "warmup_stable_decay" in proc.stdout  # every schedule transformers has
     proc = run_script(["ppo.py", "--help"], env={"COLUMNS": "80"})
     assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--advantage_estimator", "--num_samples_per_prompt"]
 
@@ -359,7 +362,8 @@ def test_nodes_that_do_not_share_the_output_folder_stop_before_training(tmp_path
         agents.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
              "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(29500 + os.getpid() % 1000),
-             os.path.join(ROOT, "rm.py"), "--dataset_name", small_pairs_file, "--max_steps", "4", "--output_dir", "out"],
+             os.path.join(ROOT, "rm.py"), "--dataset_name", small_pairs_file, "--max_steps", "4",
+             "--output_dir", "out"],
             cwd=tmp_path / f"node{node}", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, OMP_NUM_THREADS="1")))
     errors = [agent.communicate(timeout=120)[1] for agent in agents]
@@ -378,9 +382,10 @@ def test_a_check_failed_on_one_rank_ends_every_rank_with_its_message(tmp_path):
     fn.write_text("import os\n\ndef reward(prompts, responses):\n"
                   "    return [float('nan') if os.environ['RANK'] == '1' else 1.0 for _ in prompts]\n")
     started = time.time()
-    proc = run_script(["ppo.py", "--reward_fn", f"{fn}:reward", "--total_episodes", "8", "--per_device_train_batch_size", "2",
-                       "--num_mini_batches", "1", "--response_length", "8",
-                       "--output_dir", str(tmp_path / "out")], nproc=2, check=False)
+    proc = run_script(["ppo.py", "--reward_fn", f"{fn}:reward", "--total_episodes", "8",
+                       "--per_device_train_batch_size", "2", "--num_mini_batches", "1", "--response_length", "8",
+                       "--output_dir", str(tmp_path / "out")],
+                      nproc=2, check=False)
     assert time.time() - started < 60 and proc.returncode != 0
     assert proc.stderr.count(f"error: --reward_fn {fn}:reward returned nan; it must return one finite number") == 2
 

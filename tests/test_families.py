@@ -310,8 +310,8 @@ def test_a_checkpoint_stored_in_bfloat16_trains_exactly_as_its_float32_copy(fami
     AutoTokenizer.from_pretrained(stored).save_pretrained(as_float32)
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 64))
     for name, path in (("bf16", stored), ("fp32", as_float32)):
-        rm.main(rm.Args(model_name_or_path=path, dataset_name=data, output_dir=str(tmp_path / f"rm-{name}"), max_steps=3,
-                        per_device_train_batch_size=8, learning_rate=1e-5, num_evals=1, max_length=64,
+        rm.main(rm.Args(model_name_or_path=path, dataset_name=data, output_dir=str(tmp_path / f"rm-{name}"),
+                        max_steps=3, per_device_train_batch_size=8, learning_rate=1e-5, num_evals=1, max_length=64,
                         max_prompt_length=32))
         ppo.main(ppo.Args(sft_model_path=path, reward_model_path=trained_rm("llama"), total_episodes=8,
                           per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2, response_length=6,
@@ -372,7 +372,8 @@ def test_fsdp_ranks_fill_their_shards_from_rank_0s_copy_of_saved_models(family, 
     ppo_base = ["ppo.py", "--sft_model_path", family_dir(family), "--reward_model_path", trained_rm(family),
                 "--total_episodes", "16", "--per_device_train_batch_size", "4", "--num_mini_batches", "1",
                 "--response_length", "6", "--max_prompt_length", "32", "--learning_rate", "1e-3"]
-    run_ranks([b + ["--fsdp", "--output_dir", str(tmp_path / f"{b[0][:-3]}-fsdp")] for b in (rm_base, ppo_base)], tmp_path)
+    run_ranks([b + ["--fsdp", "--output_dir", str(tmp_path / f"{b[0][:-3]}-fsdp")] for b in (rm_base, ppo_base)],
+              tmp_path)
     for script, base, auto in (("rm", rm_base, "AutoModelForSequenceClassification"),
                                ("ppo", ppo_base, "AutoModelForCausalLM")):
         run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / f"{script}-one")])

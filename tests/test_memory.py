@@ -121,7 +121,8 @@ def test_the_plan_states_the_host_memory_loading_takes(tmp_path):
         assert mp.table(rows, world).splitlines()[-1] == (
             f"  host memory while loading: up to {every / 1e9:.1f} GB on each rank, its replicas built in float32")
     lora = dataclasses.replace(args, lora_r=8)  # bfloat16 bases: the reward model, the policy, the critic copied
-    adapted = [mp.shape(path, kind, None, mp.lora_of(lora))[0] for path, kind in ((policy, "causal"), (reward, "reward"))]
+    adapted = [mp.shape(path, kind, None, mp.lora_of(lora))[0]
+               for path, kind in ((policy, "causal"), (reward, "reward"))]
     assert f": {(mp.shape(reward, 'reward')[0] + sum(adapted)) * 2 / 1e9:.1f} GB on rank 0" in mp.table(
         mp.plan("ppo", lora, 8), 8)
 
@@ -168,10 +169,8 @@ def saved_bytes(fn, params):
 
 @pytest.mark.parametrize("family", ["llama", "neox"])
 def test_planned_activations_are_what_autograd_saves(tmp_path, family):
-    """ppo.py's learning forward (response_logprobs) of a micro-batch on a model of the family widened to 256: the plan's
-    activations row against the bytes autograd keeps, in float32 and bfloat16 autocast, with and without activation
-    checkpointing (then one block is recomputed at a time, the difference of the two forwards over the blocks, and its
-    gradients take as much)."""
+    """ppo.py's learning forward of a micro-batch (a model of the family widened to 256): the plan's activations row
+    against the bytes autograd keeps, in float32 and bfloat16 autocast, with and without activation checkpointing."""
     from families import build_config, build_tokenizer
     from transformers import AutoModelForCausalLM
 

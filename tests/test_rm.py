@@ -446,7 +446,8 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(capsys):
         common.stop_on_signals(False)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers from before, back
     err = capsys.readouterr().err
-    assert exit_.value.code == 130 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("stopped at once")
+    assert exit_.value.code == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("stopped at once")
 
 
 def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tmp_path, small_pairs_file):
@@ -571,11 +572,7 @@ def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_
         assert lrs[-1] < 1e-3
 
 
-def test_help_and_wandb_offline(tmp_path, small_pairs_file):
-    proc = run_script(["rm.py", "--help"], env={"COLUMNS": "200"})
-    assert "--center_rewards_coefficient" in proc.stdout
-    assert "this fraction held out, by whole prompts" in proc.stdout and "--lr_end" in proc.stdout
-    assert "warmup_stable_decay" in proc.stdout  # every schedule transformers has
+def test_wandb_offline(tmp_path, small_pairs_file):
     run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--track", "--output_dir",
                 str(tmp_path)], env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb"))
@@ -778,9 +775,7 @@ def test_packed_checkpointed_and_bf16_training_curves_track_the_plain_run(tmp_pa
 
 def test_dataset_mixer_takes_fractions_and_counts(tmp_path):
     for name, n in (("a.jsonl", 40), ("b.jsonl", 30)):
-        with open(tmp_path / name, "w") as f:
-            for i in range(n):
-                f.write(json.dumps({"chosen": f" {name} {i}", "rejected": " x"}) + "\n")
+        write_jsonl(tmp_path / name, [{"chosen": f" {name} {i}", "rejected": " x"} for i in range(n)])
     rows = [r for name, weight in rm.mixture([str(tmp_path / "a.jsonl"), "0.5", str(tmp_path / "b.jsonl"), "12"])
             for r in rm.take_share(common.load_rows(name), weight, seed=0)]
     sources = [os.path.basename(r["_source"]) for r in rows]
@@ -818,14 +813,10 @@ def test_each_mixed_dataset_is_evaluated_on_its_split_or_its_own_held_out_pairs(
     with_split = tmp_path / "with_split"
     with_split.mkdir()
     for split, n in (("train", 40), ("test", 7)):
-        with open(with_split / f"{split}.jsonl", "w") as f:
-            for i in range(n):
-                f.write(json.dumps({"prompt": "User:", "chosen": f" cat {split}", "rejected": " dog"}) + "\n")
-    alone = tmp_path / "alone.jsonl"
-    with open(alone, "w") as f:
-        for i in range(50):
-            f.write(json.dumps({"prompt": "User:", "chosen": " red", "rejected": " blue"}) + "\n")
-    args = rm.Args(dataset_mixer_list=[str(with_split), "1.0", str(alone), "1.0"], eval_holdout=0.2,
+        write_jsonl(with_split / f"{split}.jsonl",
+                    [{"prompt": "User:", "chosen": f" cat {split}", "rejected": " dog"}] * n)
+    alone = write_jsonl(tmp_path / "alone.jsonl", [{"prompt": "User:", "chosen": " red", "rejected": " blue"}] * 50)
+    args = rm.Args(dataset_mixer_list=[str(with_split), "1.0", alone, "1.0"], eval_holdout=0.2,
                    max_length=64, max_prompt_length=32)
     train, evals, _ = rm.load_data(args, TOK, 0)
     red, cat = TOK.convert_tokens_to_ids("red"), TOK.convert_tokens_to_ids("cat")
@@ -876,8 +867,7 @@ def test_eval_only_reproduces_the_final_evaluation_of_training(tmp_path, small_p
     held_out.mkdir()
     rows = common.load_rows(small_pairs_file)
     for split, part in zip(("train", "test"), rm.hold_out_by_prompt(rows, 0.1, 1, TOK)):  # rm.py's hold-out (seed 1)
-        with open(held_out / f"{split}.jsonl", "w") as f:
-            f.writelines(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n" for r in part)
+        write_jsonl(held_out / f"{split}.jsonl", [{k: v for k, v in r.items() if not k.startswith("_")} for r in part])
     proc = run_main(["rm.py", "--eval_only", "--model_name_or_path", str(train_dir), "--dataset_name",
                      str(held_out), "--output_dir", str(tmp_path / "eval")])
     assert "evaluated" in proc.stdout
