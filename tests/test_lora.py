@@ -197,31 +197,6 @@ def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike
 
 # --- training runs ----------------------------------------------------------------------------------------------------
 
-RM_SHORT = ["--max_steps", "6", "--logging_steps", "1", "--num_evals", "1", "--per_device_train_batch_size", "4",
-            "--lora_r", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
-
-
-def test_rm_lora_trains_only_adapters_and_head_and_two_ranks_equal_one(tmp_path, small_pairs_file):
-    base = ["rm.py", "--dataset_name", small_pairs_file, *RM_SHORT]
-    run_main(base + ["--gradient_accumulation_steps", "2", "--save_steps", "5", "--output_dir", str(tmp_path / "one")])
-    run_ranks([base + ["--output_dir", str(tmp_path / "ddp")], base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")]
-               ], tmp_path)
-    runs = {k: [m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("one", "ddp", "fsdp")}
-    for key in ("train/loss", "train/grad_norm"):
-        one = [m[key] for m in runs["one"]]
-        for k in ("ddp", "fsdp"):
-            assert np.allclose([m[key] for m in runs[k]], one, atol=1e-5, rtol=0), (key, k)
-    assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForSequenceClassification")
-
-    tokenizer = rm.load_tokenizer("embedded-llama")
-    initial, _, _ = rm.load_reward_model(rm.Args(seed=1, lora_r=4, lora_alpha=8.0), tokenizer)
-    trained = read_checkpoint(common.latest_checkpoint(str(tmp_path / "one")))["model"]
-    moved = {k.removeprefix("hf.") for k, v in trained.items() if not torch.equal(v, initial.state_dict()[
-        k.removeprefix("hf.")])}
-    assert moved and all("lora_" in k or "modules_to_save" in k for k in moved), moved
-    assert any("lora_B" in k for k in moved) and any("modules_to_save" in k for k in moved)
-
-
 PPO_TINY = ["--total_episodes", "32", "--per_device_train_batch_size", "4", "--num_mini_batches", "2",
             "--num_ppo_epochs", "2", "--response_length", "8", "--lora_r", "4", "--lora_alpha", "8"]
 

@@ -253,14 +253,27 @@ def test_a_pair_past_max_length_is_dropped_whole_and_every_kept_response_ends_wi
 
 # --- training runs ----------------------------------------------------------------------------------------------------
 
-SHORT = ["--max_steps", "6", "--logging_steps", "1", "--num_evals", "2", "--warmup_steps", "2"]
-
-
-def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, small_pairs_file):
-    base = ["rm.py", "--dataset_name", small_pairs_file, *SHORT, "--per_device_train_batch_size", "4"]
-    run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
-    run_ranks([base + ["--output_dir", str(tmp_path / "ddp")], base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")]
-               ], tmp_path)
+def test_two_process_ddp_and_fsdp_match_one_process_in_full_and_with_lora(tmp_path, small_pairs_file):
+    """2 ranks (DDP, FSDP2) train as 1 process accumulating their micro-batches, in full and with LoRA (where only the
+    adapters and the head move); each rank's memory peak is logged once; 2 ranks evaluate a single pair."""
+    full = ["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "6", "--logging_steps", "1", "--num_evals", "2",
+            "--warmup_steps", "2", "--per_device_train_batch_size", "4"]
+    lora = ["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "6", "--logging_steps", "1", "--num_evals",
+            "1", "--per_device_train_batch_size", "4", "--lora_r", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
+    one_pair = tmp_path / "one_pair"  # an eval split of one pair: fewer pairs than ranks
+    one_pair.mkdir()
+    shutil.copy(small_pairs_file, one_pair / "train.jsonl")
+    with open(small_pairs_file) as f, open(one_pair / "test.jsonl", "w") as g:
+        g.write(f.readline())
+    run_main(full + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
+    run_main(lora + ["--gradient_accumulation_steps", "2", "--save_steps", "5", "--output_dir", str(tmp_path / "lora")])
+    run_ranks([full + ["--output_dir", str(tmp_path / "ddp")],
+               full + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")],
+               lora + ["--output_dir", str(tmp_path / "lora-ddp")],
+               lora + ["--fsdp", "--output_dir", str(tmp_path / "lora-fsdp")],
+               ["rm.py", "--dataset_name", str(one_pair), "--max_steps", "2", "--num_evals", "1", "--output_dir",
+                str(tmp_path / "one_pair_out")]], tmp_path)
+    assert json.load(open(tmp_path / "one_pair_out" / "eval_results.json"))["accuracy"] in (0.0, 1.0)
     runs = {k: [m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("one", "ddp", "fsdp")}
     assert [m["step"] for m in runs["one"]] == list(range(1, 7))
     for key in ("train/loss", "train/accuracy", "train/grad_norm"):
@@ -276,6 +289,17 @@ def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, small_pairs_file):
         assert [m for m in run[0] if m.startswith("memory/")] == ranks and all(run[0][m] > 0.1 for m in ranks)
         assert not any(m.startswith("memory/") for later in run[1:] for m in later)
 
+    runs = {k: [m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("lora", "lora-ddp", "lora-fsdp")}
+    for key in ("train/loss", "train/grad_norm"):
+        for k in ("lora-ddp", "lora-fsdp"):
+            assert np.allclose([m[key] for m in runs[k]], [m[key] for m in runs["lora"]], atol=1e-5, rtol=0), (key, k)
+    assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForSequenceClassification")
+    initial, _, _ = rm.load_reward_model(rm.Args(seed=1, lora_r=4, lora_alpha=8.0), rm.load_tokenizer("embedded-llama"))
+    trained = read_checkpoint(common.latest_checkpoint(str(tmp_path / "lora")))["model"]
+    moved = {k.removeprefix("hf.") for k, v in trained.items()
+             if not torch.equal(v, initial.state_dict()[k.removeprefix("hf.")])}
+    assert moved and all("lora_" in k or "modules_to_save" in k for k in moved), moved
+    assert any("lora_B" in k for k in moved) and any("modules_to_save" in k for k in moved)
 
 
 def test_embedded_gold_reward_counts_a_word_said_again_zero():
@@ -842,17 +866,6 @@ def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(
     assert in_eval[files[2]] / len(evals) < 2 * in_train[files[2]] / len(train) and in_eval[files[2]] > 0
     assert in_eval[files[0]] == in_eval[files[1]] > 0  # a held-out prompt takes its pairs out of both copies
     assert set(eval_sets) == set(files) and "held out by prompt" in eval_sets[files[2]]
-
-
-def test_evaluation_with_fewer_pairs_than_ranks(tmp_path, small_pairs_file):
-    data = tmp_path / "data"
-    data.mkdir()
-    shutil.copy(small_pairs_file, data / "train.jsonl")
-    with open(small_pairs_file) as f, open(data / "test.jsonl", "w") as g:
-        g.write(f.readline())
-    run_ranks([["rm.py", "--dataset_name", str(data), "--max_steps", "2", "--num_evals", "1", "--output_dir",
-                str(tmp_path / "out")]], tmp_path)
-    assert json.load(open(tmp_path / "out" / "eval_results.json"))["accuracy"] in (0.0, 1.0)
 
 
 def test_eval_only_reproduces_the_final_evaluation_of_training(tmp_path, small_pairs_file):
