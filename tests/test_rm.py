@@ -42,24 +42,20 @@ def random_pairs(n, seed, margin=0.0):
 # --- the math -------------------------------------------------------------------------------------------------------
 
 
-def test_last_token_index_right_left_and_pad_equals_eos():
-    eos = 3
-    # right padding, left padding, and pad id == eos id with a real trailing EOS: only the mask can tell them apart
-    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
-    ids = torch.tensor([[5, 6, eos, eos, eos], [eos, eos, 5, 6, eos], [5, eos, 6, eos, eos], [5, 6, 7, 8, eos]])
-    assert rm.last_token_index(mask).tolist() == [2, 4, 3, 4]
-    naive_first_pad = (ids == eos).int().argmax(1) - 1  # what pad-id search would return for row 0
-    assert naive_first_pad[0].item() == 1  # ... which is the wrong token, hence the mask
-
-
 def test_rm_and_ppo_state_the_same_conventions():
     """Each script states its own method; where they share one, they agree: a long prompt's truncation, where a
-    sequence's reward is read and what it reads there, dropout off."""
+    sequence's reward is read (the last real token, by the mask) and what it reads there, dropout off."""
     import copy
 
     import ppo
     from transformers import AutoModelForSequenceClassification, GPT2Config
 
+    eos = 3  # right padding, left padding, and pad id == eos id with a real trailing EOS: only the mask tells them apart
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    ids = torch.tensor([[5, 6, eos, eos, eos], [eos, eos, 5, 6, eos], [5, eos, 6, eos, eos], [5, 6, 7, 8, eos]])
+    assert rm.last_token_index(mask).tolist() == [2, 4, 3, 4]
+    naive_first_pad = (ids == eos).int().argmax(1) - 1  # what pad-id search would return for row 0
+    assert naive_first_pad[0].item() == 1  # ... which is the wrong token, hence the mask
     rng = random.Random(0)
     for _ in range(300):
         ids = [rng.randrange(1, 50) for _ in range(rng.randrange(0, 30))]
@@ -89,8 +85,9 @@ def test_rm_and_ppo_state_the_same_conventions():
 
 
 def test_the_loss_its_probability_and_the_evaluation_losses_match_formulas():
-    """The loss is log(1 + exp(-(r_c - r_r - margin))); ECE's probability is exp(-loss) = sigmoid(r_c - r_r - margin);
-    the evaluation reports the pair loss beside the loss with its centering term."""
+    """The loss is log(1 + exp(-(r_c - r_r - margin))) (ColossalChat's LogExpLoss), it and its gradient exact in
+    float32 even where exp overflows; ECE's probability is exp(-loss) = sigmoid(r_c - r_r - margin); the evaluation
+    reports the pair loss beside the loss with its centering term; ECE and Pearson's r as computed directly."""
     rc, rr, m = torch.tensor([1.0, -2.0, 0.3, 5.0]), torch.tensor([0.5, 1.0, 0.3, -5.0]), torch.tensor([0.0, 0.5, 1, 2])
     expected = [math.log(1 + math.exp(-(c - r - mm))) for c, r, mm in zip(rc.tolist(), rr.tolist(), m.tolist())]
     assert torch.allclose(rm.preference_loss(rc, rr, m), torch.tensor(expected), atol=1e-6)
@@ -102,11 +99,6 @@ def test_the_loss_its_probability_and_the_evaluation_losses_match_formulas():
     pair = -sum(math.log(p) for p in logistic) / 4
     assert metrics["eval/preference_loss"] == pytest.approx(pair, rel=1e-6)
     assert metrics["eval/loss"] == pytest.approx(pair + 0.5 * ((rc + rr) ** 2).mean().item(), rel=1e-6)
-
-
-def test_the_loss_and_its_gradient_are_exact_at_any_reward_gap():
-    """log(1 + exp(r_r - r_c + margin)) (ColossalChat's LogExpLoss, the same function) and its gradient, computed in
-    float64, match the float32 loss even where exp overflows float32."""
     gap = torch.cat([torch.linspace(-150, 150, 301), torch.tensor([-1e4, 88.5, 1e4])])
     r_chosen = gap.clone().requires_grad_()
     loss = rm.preference_loss(r_chosen, torch.zeros_like(gap), torch.full_like(gap, 0.5))
@@ -115,9 +107,6 @@ def test_the_loss_and_its_gradient_are_exact_at_any_reward_gap():
     assert torch.isfinite(loss).all() and torch.isfinite(r_chosen.grad).all()
     assert torch.allclose(loss.double(), torch.nn.functional.softplus(x), rtol=1e-6, atol=1e-6)
     assert torch.allclose(r_chosen.grad.double(), -torch.sigmoid(x), rtol=1e-6, atol=1e-6)
-
-
-def test_calibration_error_and_pearson_against_direct_computation():
     rng = np.random.default_rng(0)
     p = rng.uniform(0, 1, 500)
     both_p, both_y = np.concatenate([p, 1 - p]), np.concatenate([np.ones(500), np.zeros(500)])
@@ -333,26 +322,6 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     rc, rr = ours.chunk(2)
     assert (rc > rr).float().mean() > 0.6
     assert hf.config.reward_shift == pytest.approx(results["reward_shift"]) and hf.config.reward_scale == 1.0
-
-
-def test_reward_normalization_is_fitted_on_the_training_pairs_not_the_eval_pairs(tmp_path, small_pairs_file):
-    """reward_shift and reward_scale are the mean and std of the saved model's rewards over the training pairs (all of
-    them here: fewer than 2048), computed again here from the saved model, in the padded batch."""
-    from transformers import AutoModelForSequenceClassification
-
-    out = tmp_path / "rm"
-    rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=6, num_evals=1, output_dir=str(out),
-                    reward_normalization="shift_scale"))
-    results = json.load(open(out / "eval_results.json"))
-    train, _, _ = rm.load_data(rm.Args(dataset_name=small_pairs_file, max_length=128, max_prompt_length=96), TOK, 0)
-    hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
-    ids, mask = rm.collate(train, TOK.pad_token_id)
-    with torch.no_grad():
-        rewards = rm.RewardModel(hf)(ids, mask)
-    assert hf.config.reward_shift == pytest.approx(rewards.mean().item(), abs=1e-4)
-    assert hf.config.reward_scale == pytest.approx(rewards.std().item(), rel=1e-4)
-    assert results["reward_normalization_fitted_on"] == f"{len(train)} training pairs"
-    assert abs(results["reward_shift"] - results["reward_mean"]) > 1e-3  # the eval pairs' mean is another number
 
 
 def no_timings(metrics):
@@ -596,13 +565,6 @@ def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_
         assert lrs[-1] < 1e-3
 
 
-def test_wandb_offline(tmp_path, small_pairs_file):
-    run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--track", "--output_dir",
-                str(tmp_path)], env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
-    assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb"))
-    shutil.rmtree(tmp_path / "wandb")
-
-
 # --- padding-free and prefix-shared batches ---------------------------------------------------------------------------
 
 
@@ -750,19 +712,11 @@ def test_packed_gqa_attention_on_cuda_never_gives_sdpa_a_mask_with_grouped_heads
     assert torch.allclose(repeated, grouped, atol=1e-6)
 
 
-def test_a_model_whose_attention_cannot_be_packed_keeps_the_padded_batch(monkeypatch):
-    model = tiny_reward_model("embedded-llama")
-    monkeypatch.setattr(rm.RewardModel, "forward", lambda self, input_ids, attention_mask=None, packed=None:
-                        torch.zeros(len(input_ids) if packed is None else len(packed.read)))
-    args, layout = rm.choose_layout(model, rm.Args(padding_free=True), TOK.vocab_size)  # no segment_attention call
-    assert not args.padding_free and layout.startswith("padded: its layers called segment_attention with windows []")
-    assert model.hf.config._attn_implementation != "rm_segments"
-
-
-@pytest.mark.parametrize("error", [TypeError, RuntimeError, ValueError])
-def test_any_failure_of_the_packed_check_keeps_the_padded_batch_and_says_why(error, monkeypatch):
-    """A base model that takes no extra keyword, layers that do not pass it on, a head of another size: whatever the
-    packed forward raises, --padding_free falls back to the padded batch, the reason in the start-up line."""
+@pytest.mark.parametrize("error", [None, TypeError, RuntimeError, ValueError])
+def test_a_model_whose_attention_cannot_be_packed_keeps_the_padded_batch_and_says_why(error, monkeypatch):
+    """Layers that never call segment_attention (None); a base model that takes no extra keyword, layers that do not
+    pass it on, a head of another size: whatever the packed forward raises, --padding_free falls back to the padded
+    batch, the reason in the start-up line."""
     model = tiny_reward_model("embedded-llama")
     forward = model.hf.base_model.forward
 
@@ -771,11 +725,18 @@ def test_any_failure_of_the_packed_check_keeps_the_padded_batch_and_says_why(err
             raise error("forward() got an unexpected keyword argument 'rm_segments'")
         return forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
 
-    monkeypatch.setattr(model.hf.base_model, "forward", strict)
+    if error is None:
+        monkeypatch.setattr(rm.RewardModel, "forward", lambda self, input_ids, attention_mask=None, packed=None:
+                            torch.zeros(len(input_ids) if packed is None else len(packed.read)))
+    else:
+        monkeypatch.setattr(model.hf.base_model, "forward", strict)
     args, layout = rm.choose_layout(model, rm.Args(padding_free=True), TOK.vocab_size)
-    assert not args.padding_free and layout == f"padded: its forward fails on a packed row ({error.__name__}: " \
-        "forward() got an unexpected keyword argument 'rm_segments')"
-    assert model.hf.config._attn_implementation != "rm_segments"
+    assert not args.padding_free and model.hf.config._attn_implementation != "rm_segments"
+    if error is None:
+        assert layout.startswith("padded: its layers called segment_attention with windows []"), layout
+    else:
+        assert layout == f"padded: its forward fails on a packed row ({error.__name__}: " \
+            "forward() got an unexpected keyword argument 'rm_segments')"
 
 
 def test_packed_checkpointed_and_bf16_training_curves_track_the_plain_run(tmp_path, small_pairs_file):
@@ -868,14 +829,25 @@ def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(
     assert set(eval_sets) == set(files) and "held out by prompt" in eval_sets[files[2]]
 
 
-def test_eval_only_reproduces_the_final_evaluation_of_training(tmp_path, small_pairs_file):
-    """A saved model evaluated on its own held-out pairs gives the numbers training reported; and a plain
-    transformers sequence-classification model (no rm.py config keys) is evaluated too."""
+def test_normalization_is_fitted_on_the_training_pairs_and_eval_only_reproduces_training(tmp_path, small_pairs_file):
+    """reward_shift and reward_scale are the mean and std of the saved model's rewards over the training pairs (all of
+    them here: fewer than 2048), computed again here in the padded batch. The saved model evaluated (--eval_only) on
+    its own held-out pairs gives the numbers training reported, and so does a plain transformers classifier."""
     from transformers import AutoModelForSequenceClassification
 
     train_dir = tmp_path / "trained"
-    rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=6, num_evals=1, output_dir=str(train_dir)))
+    rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=6, num_evals=1, output_dir=str(train_dir),
+                    reward_normalization="shift_scale"))
     trained = json.load(open(train_dir / "eval_results.json"))
+    train, _, _ = rm.load_data(rm.Args(dataset_name=small_pairs_file, max_length=128, max_prompt_length=96), TOK, 0)
+    hf = AutoModelForSequenceClassification.from_pretrained(train_dir).eval()
+    with torch.no_grad():
+        rewards = rm.RewardModel(hf)(*rm.collate(train, TOK.pad_token_id))
+    assert hf.config.reward_shift == pytest.approx(rewards.mean().item(), abs=1e-4)
+    assert hf.config.reward_scale == pytest.approx(rewards.std().item(), rel=1e-4)
+    assert trained["reward_normalization_fitted_on"] == f"{len(train)} training pairs"
+    assert abs(trained["reward_shift"] - trained["reward_mean"]) > 1e-3  # the eval pairs' mean is another number
+
     held_out = tmp_path / "held_out"  # the same held-out pairs, as an eval split of their own
     held_out.mkdir()
     rows = common.load_rows(small_pairs_file)
@@ -889,23 +861,24 @@ def test_eval_only_reproduces_the_final_evaluation_of_training(tmp_path, small_p
         assert evaluated[key] == pytest.approx(trained[key], abs=1e-5), key
     assert evaluated["normalized_reward_mean"] == pytest.approx(
         (trained["reward_mean"] - trained["reward_shift"]) / trained["reward_scale"], abs=1e-5)
-    plain = tmp_path / "plain"
-    model = AutoModelForSequenceClassification.from_pretrained(train_dir)
-    del model.config.reward_shift, model.config.reward_scale
-    model.save_pretrained(plain)
-    TOK.save_pretrained(plain)
-    rm.main(rm.Args(eval_only=True, model_name_or_path=str(plain), dataset_name=str(held_out),
+    del hf.config.reward_shift, hf.config.reward_scale
+    hf.save_pretrained(tmp_path / "plain")
+    TOK.save_pretrained(tmp_path / "plain")
+    rm.main(rm.Args(eval_only=True, model_name_or_path=str(tmp_path / "plain"), dataset_name=str(held_out),
                     output_dir=str(tmp_path / "eval_plain")))
     assert json.load(open(tmp_path / "eval_plain" / "eval_results.json"))["accuracy"] == evaluated["accuracy"]
 
 
-def test_tensorboard_events_hold_the_logged_metrics(tmp_path, small_pairs_file):
+def test_tensorboard_events_hold_the_logged_metrics_and_wandb_runs_offline(tmp_path, small_pairs_file):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--track", "--output_dir",
+                str(tmp_path / "wandb_run")], env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb"))
     rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=3, logging_steps=1, num_evals=1, tensorboard=True,
-                    output_dir=str(tmp_path)))
-    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
-    logged = [m for m in read_metrics(tmp_path) if "train/loss" in m]
+                    output_dir=str(tmp_path / "tb_run")))
+    events = EventAccumulator(str(tmp_path / "tb_run" / "tensorboard")).Reload()
+    logged = [m for m in read_metrics(tmp_path / "tb_run") if "train/loss" in m]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([m["train/loss"] for m in logged])
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
     assert "eval/accuracy" in events.Tags()["scalars"]
