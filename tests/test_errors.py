@@ -155,9 +155,8 @@ def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tm
 
 
 def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, saved_run, small_pairs_file, monkeypatch):
-    """A new run into a folder holding a finished one (--overwrite_output_dir), stopped half-way: the earlier run's
-    model and results stay byte for byte, metrics.jsonl is the new run's (the earlier checkpoints are gone: --resume
-    must not continue the earlier run)."""
+    """A new run stopped half-way into a finished run's folder: the earlier model and results stay byte for byte, its
+    checkpoints are gone (--resume must not continue it)."""
     out = tmp_path / "out"
     shutil.copytree(saved_run, out)
     before = snapshot(out)
@@ -263,8 +262,7 @@ def test_eval_only_reads_a_folder_with_a_test_split_alone_and_mixtures_with_some
 
 
 def test_a_tokenizer_loaded_as_the_wrong_class_is_named_before_any_pair_is_dropped(tmp_path):
-    """transformers' AutoTokenizer loads a word-level tokenizer saved beside a Qwen2 config as Qwen2Tokenizer, which
-    turns every text into no tokens: without a check, every pair would be dropped as identical."""
+    """A tokenizer AutoTokenizer loads as the wrong class (no tokens for any text) is named before every pair drops."""
     from transformers import AutoTokenizer, Qwen2Config
 
     common.embedded_tokenizer().save_pretrained(tmp_path)
@@ -277,8 +275,7 @@ def test_a_tokenizer_loaded_as_the_wrong_class_is_named_before_any_pair_is_dropp
 
 
 def test_data_the_tokenizer_does_not_cover_stops_both_scripts_before_training(hh_path, tmp_path):
-    """English data on the embedded model is 95% <unk>: trained on, it gives chance accuracy and exits 0. A tokenizer
-    that covers it but for a few characters (the tests' 400-token WordPiece, 4% unknown) is not stopped."""
+    """Data 95% <unk> (chance accuracy, exit 0) stops both scripts; a tokenizer 4% unknown is not stopped."""
     import ppo
     from families import build_tokenizer
 
@@ -306,8 +303,7 @@ def test_data_the_tokenizer_does_not_cover_stops_both_scripts_before_training(hh
     ("rm", ["--dataset_mixer_list", "embedded", "100", "someone/no-such-pairs", "1.0"], "someone/no-such-pairs"),
 ])
 def test_every_model_and_dataset_is_found_before_any_model_loads(script, flags, named, tmp_path, monkeypatch):
-    """With the hub off (HF_HUB_OFFLINE, as here), a name that is neither a local path nor in the hub cache is one
-    line naming it once, before any model loads (not half a minute of retries, nor a dataset missed for minutes)."""
+    """Offline, a name neither a local path nor in the hub cache is one line naming it once, before any model loads."""
     import huggingface_hub
 
     import ppo
@@ -337,8 +333,7 @@ def test_help_is_printed_once_under_torchrun_the_methods_options_first():
 
 
 def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_reported(family_dir, tmp_path):
-    """A causal LM as rm.py's starting point: its new score head (missing from the checkpoint) and its unused LM head
-    are what the script means, said in one line; a backbone weight missing from the checkpoint is still reported."""
+    """A causal LM as rm.py's start: its new head and unused LM head in one line; a missing backbone weight reported."""
     from safetensors.torch import load_file, save_file
 
     source = tmp_path / "lm"
@@ -354,8 +349,7 @@ def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_re
 
 
 def test_nodes_that_do_not_share_the_output_folder_stop_before_training(tmp_path, small_pairs_file):
-    """Two torchrun agents (--nnodes 2) started in different folders with a relative --output_dir: each node would
-    write its own shards; both stop at start-up with one line, within a minute."""
+    """Nodes in different folders with a relative --output_dir both stop at start-up with one line, within a minute."""
     started, agents = time.time(), []
     for node in (0, 1):
         os.makedirs(tmp_path / f"node{node}")
@@ -376,8 +370,7 @@ def test_nodes_that_do_not_share_the_output_folder_stop_before_training(tmp_path
 
 
 def test_a_check_failed_on_one_rank_ends_every_rank_with_its_message(tmp_path):
-    """The reward function fails on rank 1 alone: both ranks stop with its message (rank 0 does not wait in a
-    collective for rank 1, which across nodes would last the process group's timeout)."""
+    """A reward function failing on rank 1 alone ends both ranks with its message (no wait in a collective)."""
     fn = tmp_path / "rank_reward.py"
     fn.write_text("import os\n\ndef reward(prompts, responses):\n"
                   "    return [float('nan') if os.environ['RANK'] == '1' else 1.0 for _ in prompts]\n")
@@ -391,8 +384,8 @@ def test_a_check_failed_on_one_rank_ends_every_rank_with_its_message(tmp_path):
 
 
 def test_a_full_disk_on_one_rank_during_a_sharded_checkpoint_is_one_line_on_every_rank(tmp_path, small_pairs_file):
-    """Rank 1's checkpoint writer fails (ENOSPC) at step 4 of a run resumed from step 2: every rank stops with one
-    line, the partial checkpoint is removed, and step 2's stays whole and `latest`."""
+    """Rank 1's checkpoint writer fails (ENOSPC): every rank stops with one line, the partial checkpoint removed, the
+    last one whole and `latest`."""
     base = ["tests/faults.py", "rm.py", "--dataset_name", small_pairs_file, "--max_steps", "6", "--save_steps", "2",
             "--num_evals", "1", "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path)]
     assert run_script(base, nproc=2, check=False, env=dict(STOP_AFTER_SAVE="2")).returncode != 0
@@ -405,8 +398,7 @@ def test_a_full_disk_on_one_rank_during_a_sharded_checkpoint_is_one_line_on_ever
 
 @pytest.mark.parametrize("script", ["rm.py", "ppo.py"])
 def test_a_full_disk_at_the_final_save_is_one_line_on_every_rank(tmp_path, small_pairs_file, script):
-    """Rank 0's final save_pretrained fails as on a full disk: both ranks stop with its one line (rank 1 does not
-    wait for a rank that has failed), and nothing half-written is left in the output folder."""
+    """Rank 0's final save fails (ENOSPC): both ranks stop with its one line, nothing half-written left."""
     flags = (["--dataset_name", small_pairs_file, "--max_steps", "2", "--num_evals", "1",
               "--per_device_train_batch_size", "4"] if script == "rm.py" else
              ["--reward_fn", "common:gold_rewards", "--total_episodes", "8", "--per_device_train_batch_size", "2",
@@ -421,8 +413,7 @@ def test_a_full_disk_at_the_final_save_is_one_line_on_every_rank(tmp_path, small
 
 
 def test_a_dataset_prepared_in_datasets_own_cache_is_found_offline(tmp_path, monkeypatch):
-    """Offline clusters prepare a hub dataset once with `datasets` and read it from its cache: the name check finds it
-    there (the folder `datasets` names it by) and still refuses a name that is in neither cache."""
+    """A hub dataset prepared in `datasets`' own cache is found offline; a name in neither cache is refused."""
     import huggingface_hub
     from datasets import config
 

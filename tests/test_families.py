@@ -70,9 +70,8 @@ def tokenized_pairs(family, tokenizer, n=6):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_packed_layout_gives_the_padded_rewards_and_gradients_and_no_dropout_anywhere(family, family_dir):
-    """--padding_free on every family: packed where its start-up check passes, and then the padded batch's rewards and
-    gradients (each sequence alone's rewards); padded, and why, where it cannot. No dropout anywhere: the training
-    forward equals the evaluation forward (reward model and policy)."""
+    """--padding_free on every family: packed where its start-up check passes, then the padded batch's rewards and
+    gradients (each sequence alone's rewards), else padded; no dropout anywhere (reward model and policy)."""
     model, tokenizer, args = reward_model_of(family_dir(family), padding_free=True)
     padded_model = reward_model_of(family_dir(family))[0]
     assert model.hf.dtype == torch.float32  # trained in float32 whatever the stored dtype
@@ -109,8 +108,7 @@ def test_packed_layout_gives_the_padded_rewards_and_gradients_and_no_dropout_any
 
 @pytest.mark.parametrize("family", DECODERS)
 def test_sampler_draws_from_the_learning_forwards_distribution(family, family_dir):
-    """The KV-cached decode samples from the distribution the learning forward computes: each drawn token is the
-    argmax of the whole-sequence forward's logits plus the episode's Gumbel noise."""
+    """The KV-cached decode draws the argmax of the whole-sequence forward's logits plus the episode's Gumbel noise."""
     args = ppo.Args(sft_model_path=family_dir(family), response_length=6, temperature=0.8)
     tokenizer = ppo.load_tokenizer(args)
     policy = ppo.load_policy(args, tokenizer).eval()
@@ -126,8 +124,7 @@ def test_sampler_draws_from_the_learning_forwards_distribution(family, family_di
 
 @pytest.mark.parametrize("family", DECODERS)
 def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(family, family_dir, tmp_path):
-    """rm.py and ppo.py tokenize and truncate a prompt the same way, and rm.py's response ends at the policy's stop
-    token (once, with nothing after it: chat templates write text after their end-of-turn token)."""
+    """rm.py and ppo.py cut a prompt alike; rm.py's response ends at the policy's stop token, once, nothing after it."""
     path = family_dir(family)
     rows = preference_rows(family, 8, seed=4)
     # cut (keeping the leading BOS; rm.py cuts a prompt only where the pair does not fit --max_length, to what the
@@ -179,8 +176,7 @@ def test_saved_reward_model_reloads_with_transformers_and_gives_the_training_rew
 
 
 def whole_and_micro_batches(base, tmp_path, monkeypatch, **speed_paths):
-    """ppo.py's first update's metrics: one micro-batch of 8, and 4 micro-batches of 2, each cut into as many length
-    groups as there are lengths (--group_by_length), with the other speed paths given."""
+    """ppo.py's first update's metrics: one micro-batch of 8; 4 of 2 in length groups (and the speed paths given)."""
     ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
     monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
     ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
@@ -197,8 +193,7 @@ def ppo_base(family, family_dir, trained_rm, **kw):
 @pytest.mark.parametrize("family", DECODERS)
 def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(family, family_dir, trained_rm,
                                                                             tmp_path, monkeypatch):
-    """The plain path against the opt-in speed paths (length groups, and logits one position at a time, recomputed
-    in the backward pass: --blocked_logits): the same update."""
+    """The plain path and the speed paths (length groups, --blocked_logits one position at a time): the same update."""
     monkeypatch.setattr(ppo, "LOGIT_BLOCK", 1)
     whole, micro = whole_and_micro_batches(ppo_base(family, family_dir, trained_rm), tmp_path, monkeypatch,
                                            blocked_logits=True)
@@ -213,8 +208,7 @@ def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(fam
 @pytest.mark.parametrize("family", DECODERS)
 def test_critic_free_estimators_on_every_decoder_family_are_independent_of_the_micro_batch_split(
         family, family_dir, trained_rm, tmp_path, monkeypatch):
-    """The critic-free estimators, the KL's two places and the three loss averages, spread over the families: the
-    same update in one micro-batch and in length groups; no critic."""
+    """The critic-free estimators, KL places and loss averages over the families: the same update in length groups."""
     i = DECODERS.index(family)
     estimator = [dict(advantage_estimator="rloo"), dict(advantage_estimator="grpo"),
                  dict(advantage_estimator="reinforce_pp", num_samples_per_prompt=2),
@@ -231,8 +225,7 @@ def test_critic_free_estimators_on_every_decoder_family_are_independent_of_the_m
 @pytest.mark.parametrize("reward_family", ["llama", "bert", "deberta"])
 def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(reward_family, family_dir, trained_rm,
                                                                           tmp_path):
-    """A GPT-2-tokenized policy, a reward model with another vocabulary (or an encoder): the tokens the reward model
-    reads are exactly those rm.py makes from the same prompt and response text, and PPO runs end to end."""
+    """A reward model of another vocabulary (or an encoder) reads exactly rm.py's tokens of the same text; PPO runs."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     policy_path, rm_path = family_dir("gpt2"), trained_rm(reward_family)
@@ -300,8 +293,8 @@ def test_a_role_the_chat_template_drops_is_named_not_silently_lost():
 
 
 def test_a_checkpoint_stored_in_bfloat16_trains_exactly_as_its_float32_copy(family_dir, trained_rm, tmp_path):
-    """Weights and optimizer state are float32 whatever the stored dtype: the same values stored in bfloat16 and in
-    float32 train to the same models, in rm.py and ppo.py (in bfloat16, lr-sized updates would round away)."""
+    """Training is in float32 whatever the stored dtype: bfloat16 and float32 copies train to the same models, in both
+    scripts (in bfloat16, lr-sized updates would round away)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     stored = family_dir("llama")
@@ -330,8 +323,7 @@ def test_a_checkpoint_stored_in_bfloat16_trains_exactly_as_its_float32_copy(fami
 
 
 def test_a_text_prompt_before_message_responses_is_one_prompt_in_both_scripts(family_dir, tmp_path):
-    """rm.py renders a text prompt before message responses as the user's turn; ppo.py samples from that same prompt
-    (not the raw text), so the policy continues what the reward model was trained on."""
+    """A text prompt before message responses is the user's turn in rm.py and the prompt ppo.py samples from."""
     path = family_dir("llama3")
     rows = [{"prompt": "tell me about foods", "chosen": [{"role": "assistant", "content": "rice"}],
              "rejected": [{"role": "assistant", "content": "owl"}]}]
@@ -360,9 +352,7 @@ def test_lengths_beyond_a_learned_position_table_are_refused_at_the_start(family
 # unit of its own in ppo.py), RoPE buffers
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])
 def test_fsdp_ranks_fill_their_shards_from_rank_0s_copy_of_saved_models(family, family_dir, trained_rm, tmp_path):
-    """Under --fsdp only rank 0 reads a saved model's weights (the other ranks build skeletons on the meta device)
-    and broadcasts them into every rank's shards: 2 ranks then train as 1 process does, rm.py from a saved causal
-    LM, ppo.py from a saved policy and reward model."""
+    """Under --fsdp only rank 0 reads saved weights and broadcasts them into the shards: 2 ranks train as 1 process."""
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(family, 64))
     rm_base = ["rm.py", "--model_name_or_path", family_dir(family), "--dataset_name", data, "--max_steps", "2",
                "--per_device_train_batch_size", "4", "--num_evals", "1", "--max_length", "64", "--max_prompt_length",

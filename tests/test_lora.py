@@ -24,8 +24,7 @@ LORA = dict(lora_r=4, lora_alpha=8.0)
 
 
 def perturb_adapters(model, seed=0):
-    """LoRA's B starts at zero (the adapted model is the base): give every adapter and head copy other values, so that
-    a merge or a switched-off adapter that is wrong shows."""
+    """Every adapter and head copy moved off its start (LoRA's B starts at 0): a wrong merge or switch shows."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -54,8 +53,11 @@ def policy_logprobs(model, tokenizer, n=3):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_merged_reward_model_loads_without_peft_and_gives_the_adapted_rewards(family, family_dir, tmp_path):
-    from transformers import AutoModelForSequenceClassification
+def test_merged_saves_load_without_peft_and_the_reference_is_the_policy_with_its_adapter_off(family, family_dir,
+                                                                                            tmp_path):
+    """Only adapters and head train; a merged reward model or policy gives the adapted model's numbers; the reference
+    is the initial policy, the adapter off."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     args = rm.Args(model_name_or_path=family_dir(family), padding_free=False, **LORA)
     tokenizer = rm.load_tokenizer(args.model_name_or_path)
@@ -70,18 +72,13 @@ def test_merged_reward_model_loads_without_peft_and_gives_the_adapted_rewards(fa
         perturb_adapters(hf)
         adapted = rm.RewardModel(hf)(ids, mask)
     assert not torch.allclose(adapted, before, atol=1e-3)
-    rm.save_reward_model(hf, lora, hf.state_dict(), tokenizer, str(tmp_path), 0.0, 1.0)
-    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    rm.save_reward_model(hf, lora, hf.state_dict(), tokenizer, str(tmp_path / "rm"), 0.0, 1.0)
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
     with torch.no_grad():
         assert torch.allclose(rm.RewardModel(merged)(ids, mask), adapted, atol=1e-4, rtol=1e-4)
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
-
-
-@pytest.mark.parametrize("family", DECODERS)
-def test_reference_is_the_initial_policy_with_the_adapter_off_and_the_merged_policy_the_adapted_one(
-        family, family_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
-
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "rm" / "adapter"))
+    if family not in DECODERS:
+        return
     args = ppo.Args(sft_model_path=family_dir(family), **LORA)
     tokenizer = ppo.load_tokenizer(args)
     policy = ppo.load_policy(args, tokenizer).eval()
@@ -93,15 +90,15 @@ def test_reference_is_the_initial_policy_with_the_adapter_off_and_the_merged_pol
     assert not torch.allclose(adapted, initial, atol=1e-3)
     with lora.disable_adapter():
         assert torch.equal(policy_logprobs(policy, tokenizer), initial)
-    common.save_lora(policy, lora, policy.state_dict(), tokenizer, str(tmp_path)).save_pretrained(tmp_path)
-    assert os.path.exists(tmp_path / "adapter" / "adapter_model.safetensors")
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    policy_dir = str(tmp_path / "policy")
+    common.save_lora(policy, lora, policy.state_dict(), tokenizer, policy_dir).save_pretrained(policy_dir)
+    assert os.path.exists(tmp_path / "policy" / "adapter" / "adapter_model.safetensors")
+    reloaded = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
     assert torch.allclose(policy_logprobs(reloaded, tokenizer), adapted, atol=1e-4)
 
 
 def test_an_sft_adapter_as_the_initial_policy_is_the_reference_not_its_base(family_dir, tmp_path):
-    """A policy given as a peft adapter folder starts from the adapter's model: merged at load, so the new adapter's
-    switched-off state (the reference) is the SFT model, not the base it was trained from."""
+    """A policy given as an adapter folder is merged at load: the reference is the SFT model, not its base."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -123,9 +120,8 @@ def test_an_sft_adapter_as_the_initial_policy_is_the_reference_not_its_base(fami
 
 
 def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_documented(family_dir, tmp_path):
-    """A causal-LM (SFT) adapter folder as --model_name_or_path: the reward model's backbone is the SFT model (the
-    adapter merged into its base), and its head is new, drawn with --head_init_std; an adapter without a head's
-    weights gets a new head too, and rm.py's own adapters keep theirs (test below)."""
+    """An SFT adapter folder (with a task type or none) starts a reward model: the adapter merged into its base, a new
+    head drawn with --head_init_std."""
     from transformers import AutoModelForCausalLM
 
     ids, base = torch.tensor([[1, 5, 9, 12, 30]]), AutoModelForCausalLM.from_pretrained(family_dir("llama"))
@@ -144,8 +140,7 @@ def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_document
 
 @pytest.mark.parametrize("lora_r", [0, 4])
 def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapters(lora_r, family_dir, tmp_path):
-    """An SFT adapter folder (peft, CAUSAL_LM) as --model_name_or_path trains like any start: merged into its base,
-    every weight trained with --lora_r 0 (peft loads an adapter frozen), new adapters and the head with --lora_r."""
+    """An SFT adapter folder trains merged: every weight with --lora_r 0 (peft loads it frozen), new adapters else."""
     from transformers import AutoModelForSequenceClassification
 
     adapter = sft_adapter(family_dir, tmp_path / "sft")
@@ -162,8 +157,7 @@ def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapter
 
 
 def test_ppo_refuses_a_reward_model_without_a_trained_head(family_dir, tmp_path):
-    """A causal LM, or an SFT adapter, as --reward_model_path: transformers would give it a head drawn at random (a
-    reward of noise, trained on without a word); ppo.py stops in one line instead."""
+    """A causal LM or an SFT adapter as --reward_model_path (a random head) is refused in one line."""
     sft = family_dir("llama")
     sft_adapter(family_dir, tmp_path / "adapter")
     tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=sft))
@@ -241,9 +235,8 @@ def test_ppo_lora_bf16_holds_every_frozen_weight_in_bfloat16_and_trains_in_float
 
 
 def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_reward_model(reward_model_path, tmp_path):
-    """With LoRA and the critic initialised from the reward model, the scores come from the critic with its adapter
-    (and its value-head copy) switched off: they must equal the reward model's own normalized rewards, however far the
-    critic has trained."""
+    """With LoRA and a critic from the reward model, scores read from the critic with its adapter off equal the reward
+    model's normalized rewards, however far the critic has trained."""
     shutil.copytree(reward_model_path, tmp_path / "rm")
     config = json.load(open(tmp_path / "rm" / "config.json"))
     json.dump(dict(config, reward_scale=2.5), open(tmp_path / "rm" / "config.json", "w"))  # shift_scale's normalization

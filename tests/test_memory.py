@@ -26,7 +26,6 @@ SHAPES = {"pythia-6.9b": (dict(model_type="gpt_neox", hidden_size=4096, num_hidd
                         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
                         max_position_embeddings=8192, tie_word_embeddings=False), 8.030e9),
 }
-PREFIX = {"pythia-6.9b": "GPTNeoX", "llama-3-8b": "Llama"}
 
 
 def states(rows):
@@ -46,8 +45,9 @@ def saved_config(folder, shape, architecture):
 
 def saved_pair(tmp_path, shape):
     """(policy, reward model) folders of that shape, config.json only."""
-    return (saved_config(tmp_path / "policy", shape, f"{PREFIX[shape]}ForCausalLM"),
-            saved_config(tmp_path / "reward", shape, f"{PREFIX[shape]}ForSequenceClassification"))
+    prefix = {"pythia-6.9b": "GPTNeoX", "llama-3-8b": "Llama"}[shape]
+    return (saved_config(tmp_path / "policy", shape, f"{prefix}ForCausalLM"),
+            saved_config(tmp_path / "reward", shape, f"{prefix}ForSequenceClassification"))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -78,9 +78,8 @@ def test_7b_plans_fit_one_8_gpu_node_with_fsdp_and_bf16(tmp_path, shape):
 
 
 def test_offloaded_shards_are_off_the_gpu_and_a_replica_is_never_offloaded(tmp_path):
-    """--offload_inference_models: under FSDP on several ranks the frozen models' shards live in host memory and take
-    no GPU memory between uses (a GPU the plan fits only so is not refused); under DDP, or on one rank, the flag holds
-    nothing on the host (a replica stays on the GPU)."""
+    """--offload_inference_models: under FSDP on several ranks the frozen models' shards live in host memory (a GPU
+    the plan fits only so is not refused); under DDP, or on one rank, a replica stays on the GPU."""
     policy, reward = saved_pair(tmp_path, "pythia-6.9b")
     args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True)
     offload = dataclasses.replace(args, offload_inference_models=True)
@@ -103,9 +102,8 @@ def test_offloaded_shards_are_off_the_gpu_and_a_replica_is_never_offloaded(tmp_p
 
 
 def test_the_plan_states_the_host_memory_loading_takes(tmp_path):
-    """Under FSDP on several ranks rank 0 builds each model whole in float32, three at most at once (ppo.py: reward
-    model, policy and critic; then the reference copied from the policy): Pythia 6.9B, 81.5 GB; under DDP or in one
-    process every rank builds its replicas (all of them count)."""
+    """Under FSDP on several ranks rank 0 builds each model whole in float32, three at most at once (Pythia 6.9B:
+    81.5 GB); under DDP or in one process every rank builds all its replicas."""
     policy, reward = saved_pair(tmp_path, "pythia-6.9b")
     args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True)
     three = (2 * mp.shape(policy, "causal")[0] + mp.shape(reward, "reward")[0]) * 4
@@ -128,8 +126,7 @@ def test_the_plan_states_the_host_memory_loading_takes(tmp_path):
 
 
 def test_plan_is_what_the_scripts_hold_on_2_ranks(tmp_path, reward_model_path):
-    """Built as ppo.py and rm.py build them, after one optimizer step: each model's weights, gradients and AdamW
-    state on each of 2 ranks, as the plan says (FSDP: a half each, frozen models in bfloat16; DDP: a replica)."""
+    """Built as the scripts build them, after one optimizer step: each model's states on each of 2 ranks as planned."""
     runs = [["ppo", ["--reward_model_path", reward_model_path, "--fsdp", "--bf16"]],
             ["ppo", ["--reward_model_path", reward_model_path, "--advantage_estimator", "grpo", "--lora_r", "4",
                      "--bf16"]],
@@ -149,9 +146,8 @@ def test_plan_is_what_the_scripts_hold_on_2_ranks(tmp_path, reward_model_path):
 
 
 def saved_bytes(fn, params):
-    """What autograd keeps of fn()'s forward for its backward: the bytes of every distinct storage a
-    saved_tensors_hooks pack is handed, less the parameters and their casts (autocast's copies: states, not
-    activations)."""
+    """What autograd keeps of fn()'s forward for its backward: the bytes of every distinct storage saved, less the
+    parameters and their casts (autocast's copies: states, not activations)."""
     ids, seen = {p.untyped_storage().data_ptr() for p in params}, {}
 
     def pack(t):
@@ -206,8 +202,7 @@ def test_planned_activations_are_what_autograd_saves(tmp_path, family):
 
 def test_pythia_7b_rollout_and_learning_peaks(tmp_path):
     """Pythia 6.9B PPO on 8 ranks, --fsdp --bf16, 16 prompts x (256 + 512) tokens per GPU: the rollout holds the
-    policy gathered in bfloat16 (its output layer in float32) and a KV cache beside the states; learning without
-    checkpointing holds the policy's activations and does not fit 80 GB."""
+    gathered policy and a KV cache beside the states; learning without checkpointing does not fit 80 GB."""
     policy, reward = saved_pair(tmp_path, "pythia-6.9b")
     rows = mp.plan("ppo", ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True,
                                    num_mini_batches=1, per_device_train_batch_size=16, max_prompt_length=256,
@@ -222,10 +217,8 @@ def test_pythia_7b_rollout_and_learning_peaks(tmp_path):
 
 
 def test_the_command_line_plans_from_config_files_and_exits_2_naming_the_flags_that_fit(tmp_path, capsys):
-    """`python benchmarks/memory_plan.py ppo|rm --world_size 8 --gpu_memory_gb 80 ...` from config.json files (no
-    weight, tokenizer or GPU): Pythia 6.9B PPO at 16 x (256 + 512) tokens per GPU under --fsdp --bf16 exits 2 naming
-    --gradient_checkpointing, and 0 with it; rm.py's replicas in bfloat16 exit 2 naming --fsdp. Bad input: one line on
-    stderr, exit 2."""
+    """`python benchmarks/memory_plan.py ppo|rm ...` from config.json files alone: a plan that does not fit exits 2
+    naming the flag that makes it fit, one that fits 0; bad input is one line on stderr, exit 2."""
     policy, reward = saved_pair(tmp_path, "pythia-6.9b")
 
     def plan(*argv, process=False):  # as a user runs it (a process), or its main in this process

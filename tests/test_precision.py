@@ -21,8 +21,7 @@ TOK = common.embedded_tokenizer()
 
 
 def first_mini_batch_spy(monkeypatch, loss="policy_loss"):
-    """Record, for each call of the loss (policy_loss: new and old log-probs; value_loss: new values and the values
-    its clip is centred on), the largest |new - old|."""
+    """Record the largest |new - old| of each call of the loss (log-probs; value_loss: values and its clip's centre)."""
     calls, real = [], getattr(ppo, loss)
 
     def spy(new, old, third, *a, **k):  # (third: the advantages or returns, 0 exactly on padding only)
@@ -39,11 +38,9 @@ FIRST_UPDATE = dict(total_episodes=16, per_device_train_batch_size=4, gradient_a
 @pytest.mark.parametrize("lora", [0, 4])
 def test_bf16_first_mini_batch_is_on_policy_and_the_kl_at_initialisation_is_zero(lora, reward_model_path, tmp_path,
                                                                                  monkeypatch):
-    """Under bfloat16 the sampling decode and the learning forward round differently; the old log-probs are
-    recomputed on the first epoch's own partition, so its first mini-batch's ratio is exactly 1 (clip fraction 0) and
-    the reference equals the policy at initialisation (KL 0). The values the value clip is centred on are the
-    learning forward's too (the scoring phase's forward runs on other groups). Full fine-tuning with the KV cache in
-    bfloat16 (it crashed at the first rollout), and LoRA with its frozen base held in bfloat16."""
+    """Under bfloat16 decode and learning forward round differently: the old log-probs and values are recomputed on the
+    first epoch's own partition, so its first mini-batch's ratio is exactly 1 and the KL at initialisation 0, full
+    fine-tuning (the KV cache in bfloat16) and LoRA (its frozen base in bfloat16)."""
     calls, value_calls = first_mini_batch_spy(monkeypatch), first_mini_batch_spy(monkeypatch, "value_loss")
     ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(tmp_path), lora_r=lora, **FIRST_UPDATE))
     steps_per_mini_batch = len(calls) // 2
@@ -73,9 +70,8 @@ json.dump(dict(calls=calls, seen=sorted(seen)), open(sys.argv[3] + os.environ["R
 
 @pytest.fixture(scope="module")
 def bf16_fsdp_runs(reward_model_path, tmp_path_factory):
-    """rm.py and ppo.py under FSDP2 --bf16 on 2 ranks (a launch each, as from the command line), spied on: ppo.py's
-    largest |new - old| log-prob at each policy-loss call; the dtypes of Float32Linear's weights when it computed.
-    With LoRA too, where peft wraps the heads and every other frozen weight is held in bfloat16."""
+    """rm.py and ppo.py under FSDP2 --bf16 on 2 ranks, full and LoRA (a launch each), spied on: ppo.py's largest
+    |new - old| log-prob at each policy-loss call; the weights' dtypes each Float32Linear computed from."""
     tmp = tmp_path_factory.mktemp("bf16_fsdp")
     (tmp / "spied.py").write_text(SPIED.format(root=ROOT))
     rm_run = dict(dataset_mixer_list=["embedded", "64"], fsdp=True, bf16=True, max_steps=2,
@@ -99,9 +95,8 @@ def test_bf16_fsdp_on_two_ranks_first_mini_batch_is_on_policy(bf16_fsdp_runs):
 
 
 def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(bf16_fsdp_runs):
-    """Under FSDP --bf16 the root gathers its parameters in bfloat16; the scalar heads (rm.py's, ppo.py's reward model
-    and critic) and the policy's output layer are their own units gathered in float32, so Float32Linear computes from
-    float32 weights; with LoRA the heads too (critics from the reward model and from the policy's backbone)."""
+    """Under FSDP --bf16 the scalar heads (and the policy's output layer) are their own units gathered in float32, not
+    the root's bfloat16; with LoRA (peft wrapping the heads) too."""
     for spied in bf16_fsdp_runs[1]:
         for run, kinds in (("rm0", ("head",)), ("ppo0", ("head", "output layer")), ("rm4", ("head",)),
                            ("ppo4", ("head",)), ("ppo4_policy_critic", ("head",))):
@@ -109,8 +104,7 @@ def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(bf16_fsdp_run
 
 
 def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_path, small_pairs_file):
-    """rm.py and ppo.py --bf16 on the embedded task against the same runs in float32: held-out accuracy within 3
-    points, and PPO's gold score improving by as much as float32's within noise."""
+    """--bf16 against float32: rm.py's accuracy within 3 points, ppo.py's gold score gain within noise."""
     results = {}
     for precision in ("fp32", "bf16"):
         flags = ["--bf16"] if precision == "bf16" else []
@@ -128,8 +122,8 @@ def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_pa
 
 
 def test_scalar_heads_logits_and_entropy_are_float32_under_bf16_autocast():
-    """Rewards, values, log-probs and entropies computed under bfloat16 autocast equal the formulas computed in float32
-    on the same hidden states: no bfloat16 rounding of a reward (ties) or of the output layer."""
+    """Rewards, values, log-probs and entropies under bfloat16 autocast equal their float32 formulas on the same hidden
+    states: no bfloat16 rounding of a reward (ties) or of the output layer."""
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
@@ -179,8 +173,8 @@ def test_critic_initialised_from_the_reward_model_starts_at_the_normalized_rewar
 
 @pytest.mark.parametrize("family", DECODERS)
 def test_no_query_attends_to_nothing_and_real_tokens_are_unchanged(family, family_dir, monkeypatch):
-    """A left-padded batch (ppo.py's prompts): every query row of every SDPA mask sees at least one key (a fully
-    masked row gives NaN on some CUDA kernels), and the real tokens' logits are those of transformers' own mask."""
+    """Left padding: every SDPA mask row sees a key (a fully masked row is NaN on some CUDA kernels); real tokens'
+    logits are those of transformers' own mask."""
     from transformers import AutoModelForCausalLM
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -209,9 +203,7 @@ def test_no_query_attends_to_nothing_and_real_tokens_are_unchanged(family, famil
 
 
 def test_default_lengths_fit_a_short_position_table_and_given_ones_are_refused(family_dir, tmp_path, capsys):
-    """rm.py's default --max_length 512 and ppo.py's default --max_prompt_length 256 on a model with a learned
-    position table of 256: the defaults are fitted to it, with a line saying so, and the runs finish; a length the user
-    gives beyond the table is refused (tests/test_families.py)."""
+    """Default lengths beyond a learned position table of 256 are fitted to it, said and recorded; the runs finish."""
     data = write_jsonl(tmp_path / "d.jsonl", preference_rows("gpt2", 40))
     rm.main(rm.Args(model_name_or_path=family_dir("gpt2"), dataset_name=data, max_steps=2,
                     per_device_train_batch_size=4, num_evals=1, output_dir=str(tmp_path / "rm")))
@@ -226,8 +218,7 @@ def test_default_lengths_fit_a_short_position_table_and_given_ones_are_refused(f
 
 
 def test_layout_check_runs_once_on_rank_0_in_the_runs_precision(monkeypatch):
-    """rm.py's packed-layout check: one forward pair, on rank 0 only (the other ranks take its verdict), under the
-    run's autocast."""
+    """The packed-layout check: one forward pair on rank 0 only (the others take its verdict), in the run's autocast."""
     from transformers import AutoModelForSequenceClassification
 
     model = rm.RewardModel(AutoModelForSequenceClassification.from_config(
@@ -247,8 +238,8 @@ def test_layout_check_runs_once_on_rank_0_in_the_runs_precision(monkeypatch):
 
 
 def test_evaluation_holds_out_whole_prompts_uses_validation_and_whole_eval_splits(tmp_path, capsys):
-    """Several pairs per prompt: no prompt in both the training and the held-out pairs. A dataset whose held-out
-    split is `validation` is evaluated on it (said in a line). The mixture's weight cuts training pairs only."""
+    """Held-out pairs share no prompt with training; a `validation` split is evaluated on, said; a weight cuts training
+    pairs only."""
     rng = random.Random(0)
     words = [w for w in common.WORDS if w != "gold"]
     rows = [{"prompt": f"User: tell me about {t} such as {w} Assistant:", "chosen": f" {rng.choice(words)}",
@@ -311,9 +302,8 @@ def test_evaluation_loss_calibration_and_per_dataset_numbers_match_formulas():
 
 
 def test_gpu_check_runs_every_section_at_tiny_shapes(tmp_path):
-    """benchmarks/gpu_check.py, which a lent GPU runs in minutes of scarce device time, at --quick shapes on the CPU:
-    every section but the scripts' (seconds here) ends without error, packed rewards equal padded ones in float32, no
-    NaN, and the first ratio is 1 and the KL at initialisation 0."""
+    """benchmarks/gpu_check.py (scarce device time) at --quick shapes on the CPU: every section runs, packed equals
+    padded, no NaN, the first ratio 1 and the KL at initialisation 0."""
     sections = ["attention", "packed", "logprobs", "shapes", "rm_shapes", "decode_profile"]
     run_script(["benchmarks/gpu_check.py", "--quick", "--out", str(tmp_path), "--sections", *sections])
     report = json.load(open(tmp_path / "report.json"))

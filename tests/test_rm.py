@@ -50,7 +50,7 @@ def test_rm_and_ppo_state_the_same_conventions():
     import ppo
     from transformers import AutoModelForSequenceClassification, GPT2Config
 
-    eos = 3  # right padding, left padding, and pad id == eos id with a real trailing EOS: only the mask tells them apart
+    eos = 3  # right padding, left padding, and pad id == eos id with a real final EOS: only the mask tells them apart
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
     ids = torch.tensor([[5, 6, eos, eos, eos], [eos, eos, 5, 6, eos], [5, eos, 6, eos, eos], [5, 6, 7, 8, eos]])
     assert rm.last_token_index(mask).tolist() == [2, 4, 3, 4]
@@ -85,9 +85,8 @@ def test_rm_and_ppo_state_the_same_conventions():
 
 
 def test_the_loss_its_probability_and_the_evaluation_losses_match_formulas():
-    """The loss is log(1 + exp(-(r_c - r_r - margin))) (ColossalChat's LogExpLoss), it and its gradient exact in
-    float32 even where exp overflows; ECE's probability is exp(-loss) = sigmoid(r_c - r_r - margin); the evaluation
-    reports the pair loss beside the loss with its centering term; ECE and Pearson's r as computed directly."""
+    """The loss log(1 + exp(-(r_c - r_r - margin))) and its gradient, exact even where exp overflows float32; its
+    probability, ECE, Pearson's r and the evaluation's losses (with the centering term) as written out here."""
     rc, rr, m = torch.tensor([1.0, -2.0, 0.3, 5.0]), torch.tensor([0.5, 1.0, 0.3, -5.0]), torch.tensor([0.0, 0.5, 1, 2])
     expected = [math.log(1 + math.exp(-(c - r - mm))) for c, r, mm in zip(rc.tolist(), rr.tolist(), m.tolist())]
     assert torch.allclose(rm.preference_loss(rc, rr, m), torch.tensor(expected), atol=1e-6)
@@ -141,8 +140,7 @@ def test_fused_forward_equals_separate_unpadded_forwards(arch):
 
 
 def test_new_head_init_std_dropout_off_and_defaults_by_model():
-    """--head_init_std 0 is a head of zeros, the default 1 / sqrt(hidden + 1); dropout off; epochs and learning rate
-    default by the model."""
+    """--head_init_std (0: zeros; None: 1 / sqrt(hidden + 1)), dropout off, epochs and learning rate by the model."""
     args = rm.Args(model_name_or_path="embedded-llama", head_init_std=0.5)
     hf, _, _ = rm.load_reward_model(args, TOK)
     assert hf.score.weight.std().item() == pytest.approx(0.5, rel=0.2)
@@ -220,9 +218,8 @@ def test_truncation_cuts_the_prompt_never_a_response_and_drops_what_does_not_fit
 
 
 def test_a_pair_past_max_length_is_dropped_whole_and_every_kept_response_ends_with_its_eos(tmp_path):
-    """No response is cut: every training and eval pair keeps both responses whole, up to their EOS, so a reward is
-    read where rm.py trains it to be read; pairs that do not fit with the prompt at --max_prompt_length are dropped and
-    counted, and over half of them dropped stops the run in one line naming --max_length."""
+    """No response is cut (its reward is read at its EOS): a pair that does not fit with the prompt cut is dropped, and
+    over half of them dropped stops the run in one line naming --max_length."""
     rng = random.Random(0)
     rows = [{"prompt": "User: tell me about animals Assistant:", "chosen": " cat" * rng.randrange(1, 12),
              "rejected": " dog" * rng.randrange(1, 4)} for _ in range(60)]
@@ -369,10 +366,8 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_
 
 
 def test_a_finished_run_is_replaced_only_when_asked(tmp_path, small_pairs_file, monkeypatch):
-    """The same command twice into one --output_dir: the second stops before loading anything, in one line naming
-    --resume, --overwrite_output_dir and another folder, and the first run's files stay byte for byte. --resume then
-    says the run is complete and changes nothing; --overwrite_output_dir trains afresh (the earlier checkpoints gone);
-    --resume into an empty folder says there is nothing to resume and trains."""
+    """A second run into a finished run's folder stops before loading anything, in one line, the files left byte for
+    byte; --resume then does nothing, --overwrite_output_dir trains afresh, --resume into an empty folder trains."""
     out = tmp_path / "run"
     argv = ["--dataset_name", small_pairs_file, "--max_steps", "3", "--num_evals", "1", "--save_steps", "2"]
 
@@ -398,8 +393,8 @@ def test_a_finished_run_is_replaced_only_when_asked(tmp_path, small_pairs_file, 
 
 
 def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path, small_pairs_file):
-    """Ctrl-C during training: the run ends after the step under way with a checkpoint, one line saying how to resume,
-    exit code 130 and no traceback; --resume then ends as the uninterrupted run does."""
+    """Ctrl-C: a checkpoint after the step under way, one line saying how to resume, exit code 130; --resume then
+    ends as the uninterrupted run does."""
     args = dict(dataset_name=small_pairs_file, max_steps=30, logging_steps=1, num_evals=2,
                 per_device_train_batch_size=8)
     flags = [f for k, v in args.items() for f in (f"--{k}", str(v))]
@@ -422,8 +417,7 @@ def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path,
 
 
 def test_a_second_ctrl_c_stops_at_once_without_a_traceback(capsys):
-    """The first SIGINT only asks for a stop at the next step boundary; the second interrupts whatever runs, and the
-    scripts' entry point ends it with one line and exit code 130."""
+    """The first SIGINT asks for a stop at the next step; the second stops at once, one line, exit code 130."""
     def train():
         common.stop_on_signals()
         os.kill(os.getpid(), signal.SIGINT)
@@ -444,10 +438,8 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(capsys):
 
 
 def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tmp_path, small_pairs_file):
-    """Global batch 16: 2 ranks x 8 cut after 4 steps, resumed on 1 rank (8 x 2 accumulation); 1 rank cut, resumed on
-    2: every pair of the epoch trained once, in the uninterrupted run's order, the schedule continued (the
-    uninterrupted run's learning rate at each step), the logged steps rising by one across the cut. Another global
-    batch stops before any step, naming the flags that keep the saved one."""
+    """Global batch 16, cut on 2 ranks and resumed on 1 and the reverse: every pair trained once in the uninterrupted
+    order, its learning rates and steps continued; another global batch is refused, naming the flags that keep it."""
     base = ["tests/faults.py", "rm.py", "--dataset_name", small_pairs_file, "--num_train_epochs", "1",
             "--logging_steps", "1", "--num_evals", "1", "--warmup_ratio", "0.2", "--per_device_train_batch_size", "8"]
     one = ["--gradient_accumulation_steps", "2"]
@@ -501,8 +493,7 @@ def _save_and_resume_random_streams(rank, folder):
 
 
 def test_each_rank_resumes_its_own_random_streams(tmp_path):
-    """2 ranks, each with its own random streams, save and resume: each gets its own back; one process resuming the
-    same checkpoint gets rank 0's."""
+    """Each of 2 ranks resumes its own random streams; one process resuming the checkpoint gets rank 0's."""
     torch.multiprocessing.spawn(_save_and_resume_random_streams, args=(str(tmp_path),), nprocs=2)
     torch.manual_seed(10)
     rank0 = torch.get_rng_state()
@@ -527,9 +518,8 @@ def test_checkpoint_write_is_atomic(tmp_path):
 
 @pytest.mark.parametrize("schedule", list(rm.Args.__annotations__["lr_scheduler_type"].__args__))
 def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_file, schedule, capsys):
-    """Every transformers SchedulerType: those stepped by a metric are refused before anything is read; the others
-    run, each step logging the rate it used; polynomial decays linearly to --lr_end (refused at or above the rate), the
-    cosine_*min_lr ones end there too; the run records the learning rate filled in for the model."""
+    """Every transformers SchedulerType runs, logging the rate each step used (those stepped by a metric, and an
+    --lr_end not below the rate, refused in one line); the run records the rate filled in for the model."""
     args = rm.Args(dataset_name=small_pairs_file, max_steps=5, warmup_steps=1, lr_scheduler_type=schedule, lr_end=1e-4,
                    output_dir=str(tmp_path), num_evals=1, logging_steps=1)
     from transformers import SchedulerType
@@ -684,8 +674,8 @@ def test_packed_attention_honours_sliding_windows_softcapping_and_gqa(config_nam
 
 
 def test_packed_gqa_attention_on_cuda_never_gives_sdpa_a_mask_with_grouped_heads(monkeypatch):
-    """On CUDA a boolean mask with enable_gqa can fall to the math kernel: there (the decision forced on this CPU)
-    keys and values are repeated per query head instead, and the rewards are the grouped computation's."""
+    """On CUDA (forced here) a boolean mask never goes with enable_gqa (it can fall to the math kernel): keys and
+    values are repeated per query head instead, the same rewards."""
     from transformers import AutoModelForSequenceClassification, MistralConfig
 
     config = MistralConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -714,9 +704,8 @@ def test_packed_gqa_attention_on_cuda_never_gives_sdpa_a_mask_with_grouped_heads
 
 @pytest.mark.parametrize("error", [None, TypeError, RuntimeError, ValueError])
 def test_a_model_whose_attention_cannot_be_packed_keeps_the_padded_batch_and_says_why(error, monkeypatch):
-    """Layers that never call segment_attention (None); a base model that takes no extra keyword, layers that do not
-    pass it on, a head of another size: whatever the packed forward raises, --padding_free falls back to the padded
-    batch, the reason in the start-up line."""
+    """Layers that never call segment_attention (None), or a packed forward that raises: --padding_free falls back to
+    the padded batch, the reason in the start-up line."""
     model = tiny_reward_model("embedded-llama")
     forward = model.hf.base_model.forward
 
@@ -810,8 +799,7 @@ def test_each_mixed_dataset_is_evaluated_on_its_split_or_its_own_held_out_pairs(
 
 
 def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(tmp_path):
-    """Two datasets that share pairs: a prompt held out of one is trained on in neither. A dataset weighted 0.05 gives
-    evaluation about its share of the training mixture, not a tenth of all its rows."""
+    """A prompt held out of one dataset is trained on in none; a dataset weighted 0.05 gets its share of evaluation."""
     rng = random.Random(0)
     shared = [{"prompt": f"User: tell me about {t} such as {w} Assistant:", "chosen": f" {rng.choice(common.WORDS)}",
                "rejected": " gold"} for t in common.TOPICS for w in common.TOPICS[t] for _ in range(3)]
@@ -830,9 +818,8 @@ def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(
 
 
 def test_normalization_is_fitted_on_the_training_pairs_and_eval_only_reproduces_training(tmp_path, small_pairs_file):
-    """reward_shift and reward_scale are the mean and std of the saved model's rewards over the training pairs (all of
-    them here: fewer than 2048), computed again here in the padded batch. The saved model evaluated (--eval_only) on
-    its own held-out pairs gives the numbers training reported, and so does a plain transformers classifier."""
+    """reward_shift and reward_scale are the saved model's rewards' mean and std on the training pairs; --eval_only on
+    its held-out pairs gives training's numbers, for a plain transformers classifier too."""
     from transformers import AutoModelForSequenceClassification
 
     train_dir = tmp_path / "trained"
@@ -930,8 +917,7 @@ def test_local_folders_in_every_layout_load_with_their_splits(tmp_path):
 
 
 def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path):
-    """The snippet imports common.py: the README says it runs from the repository's folder, and it does, pasted into
-    a fresh Python there."""
+    """The README's snippet, pasted into a fresh Python in the repository's folder (as it says), scores as trained."""
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     before, after = readme.split("<!-- scoring snippet -->")
     assert "run\nfrom this repository's folder" in before[-400:]
@@ -952,8 +938,7 @@ def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path)
 
 
 def test_num_evals_is_the_number_of_evaluations(tmp_path, small_pairs_file, capsys):
-    """7 steps and 5 evaluations: 5 (not 4, at every ceil(7 / 5) = 2 steps and the last); more than the steps: one
-    per step, said in one line."""
+    """7 steps, 5 evaluations: 5, the last at the end; more than the steps: one per step, said in one line."""
     for max_steps, num_evals, expected in ((7, 5, 5), (3, 5, 3)):
         rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=max_steps, num_evals=num_evals, logging_steps=100,
                         per_device_train_batch_size=8, output_dir=str(tmp_path / str(max_steps))))
