@@ -10,12 +10,17 @@ import subprocess
 import sys
 import time
 
+import huggingface_hub
 import pytest
 import torch
 from conftest import ROOT, read_checkpoint, run_main, run_script, save_checkpoint
+from families import build_tokenizer
+from safetensors.torch import load_file, save_file
 from test_families import write_jsonl
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
 
 import common
+import ppo
 import rm
 
 
@@ -142,7 +147,15 @@ def poison_loss(monkeypatch, call):
     monkeypatch.setattr(rm, "preference_loss", poisoned)
 
 
-def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, small_pairs_file, monkeypatch):
+def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, small_pairs_file,
+                                                                             reward_model_path, monkeypatch):
+    """rm.py and ppo.py: a NaN or infinite gradient stops the run in one line, no final model saved."""
+    real_loss = ppo.policy_loss
+    monkeypatch.setattr(ppo, "policy_loss", lambda *a, **k: (lambda loss, stats: (loss * float("inf"), stats))(
+        *real_loss(*a, **k)))
+    with pytest.raises(common.UserError, match=r"update 1: the gradient norm is (nan|inf) .*lower --learning_rate"):
+        ppo.main(ppo.Args(reward_model_path=reward_model_path, total_episodes=32, output_dir=str(tmp_path / "ppo")))
+    assert not os.path.exists(tmp_path / "ppo" / "model.safetensors")
     poison_loss(monkeypatch, 5)
     with pytest.raises(common.UserError, match=r"step 5: the gradient norm is nan .*--resume continues"):
         rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=8, save_steps=2, num_evals=1,
@@ -170,7 +183,15 @@ def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, save
     assert [json.loads(line)["step"] for line in after["metrics.jsonl"].splitlines()] == [1, 2]
 
 
-def test_checkpoints_of_an_earlier_run_never_take_the_place_of_latest(tmp_path):
+def test_checkpoints_are_atomic_never_an_earlier_runs_latest_never_run_code_and_a_full_disk_is_one_line(
+        tmp_path, monkeypatch):
+    save_checkpoint(str(tmp_path / "a"), 1, {"step": 1})
+    os.makedirs(tmp_path / "a" / "checkpoints" / "step_00000002.tmp")  # a crash mid-write leaves only a .tmp directory
+    assert common.load_latest_checkpoint(str(tmp_path / "a"))["step"] == 1
+    save_checkpoint(str(tmp_path / "a"), 2, {"step": 2})
+    save_checkpoint(str(tmp_path / "a"), 3, {"step": 3})
+    assert common.load_latest_checkpoint(str(tmp_path / "a"))["step"] == 3
+    assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == ["latest", "step_00000002", "step_00000003"]
     for step in (7, 8):  # an earlier run into the same folder reached step 8
         save_checkpoint(str(tmp_path), step, {"step": step, "run": "old"})
     for step in (2, 4, 6, 8):
@@ -179,19 +200,26 @@ def test_checkpoints_of_an_earlier_run_never_take_the_place_of_latest(tmp_path):
         assert latest == {"step": step, "run": "new"}
     assert len([d for d in os.listdir(tmp_path / "checkpoints") if d.startswith("step_")]) == 2
 
+    shutil.rmtree("/tmp/rlhf-crafted-checkpoint-ran", ignore_errors=True)
+    save_checkpoint(str(tmp_path / "code"), 2, {"step": 2, "payload": _RunsCode()})
+    with pytest.raises(Exception, match="Weights only load failed"):
+        common.load_latest_checkpoint(str(tmp_path / "code"))
+    assert not os.path.exists("/tmp/rlhf-crafted-checkpoint-ran")
 
-def test_non_finite_ppo_gradient_stops_the_run(tmp_path, reward_model_path, monkeypatch):
-    import ppo
-
-    real_loss = ppo.policy_loss
-    monkeypatch.setattr(ppo, "policy_loss", lambda *a, **k: (lambda loss, stats: (loss * float("inf"), stats))(
-        *real_loss(*a, **k)))
-    with pytest.raises(common.UserError, match=r"update 1: the gradient norm is (nan|inf) .*lower --learning_rate"):
-        ppo.main(ppo.Args(reward_model_path=reward_model_path, total_episodes=32, output_dir=str(tmp_path)))
-    assert not os.path.exists(tmp_path / "model.safetensors")
+    disk = tmp_path / "disk"
+    save_checkpoint(str(disk), 2, {"step": 2, "w": torch.zeros(4)})
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("unexpected pos 64")))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(common.UserError, match=r"checkpoints: no room to save \(0 MB needed, 0 MB free\); the "
+                                               r"partial files were removed"):
+        save_checkpoint(str(disk), 4, {"step": 4, "w": torch.zeros(10**4)})
+    assert sorted(os.listdir(disk / "checkpoints")) == ["latest", "step_00000002"]  # no step_00000004.tmp
+    monkeypatch.undo()
+    assert common.load_latest_checkpoint(str(disk))["step"] == 2
 
 
 def test_numbers_in_text_cells_are_numbers_and_sharegpt_roles_are_mapped(tmp_path):
+    """Margins in text cells are numbers; ShareGPT roles are mapped; a role the chat template drops is named."""
     (tmp_path / "d.csv").write_text('prompt,chosen,rejected,margin\nUser:, cat, dog,"0.5"\nUser:, red, owl,\n')
     (tmp_path / "d.jsonl").write_text(GOOD[:-1] + ', "margin": " 2.5 "}\n')
     args = rm.Args(max_length=64, max_prompt_length=32)
@@ -203,18 +231,13 @@ def test_numbers_in_text_cells_are_numbers_and_sharegpt_roles_are_mapped(tmp_pat
     mapped = {k: [dict(m, role={"human": "user", "gpt": "assistant"}[m["role"]]) for m in v] for k, v in row.items()}
     tok = common.embedded_tokenizer()
     assert common.split_pair(row, tok, "x") == common.split_pair(mapped, tok, "x")
-
-
-def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_partial_files(tmp_path, monkeypatch):
-    save_checkpoint(str(tmp_path), 2, {"step": 2, "w": torch.zeros(4)})
-    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("unexpected pos 64")))
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
-    with pytest.raises(common.UserError, match=r"checkpoints: no room to save \(0 MB needed, 0 MB free\); the "
-                                               r"partial files were removed"):
-        save_checkpoint(str(tmp_path), 4, {"step": 4, "w": torch.zeros(10**4)})
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002"]  # no step_00000004.tmp
-    monkeypatch.undo()
-    assert common.load_latest_checkpoint(str(tmp_path))["step"] == 2
+    tokenizer = build_tokenizer("llama")  # a role the chat template drops (Llama 2's: user and assistant turns only)
+    row = {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+           "rejected": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "b"}]}
+    with pytest.raises(common.UserError, match="d.jsonl: line 2: field 'rejected', message 1: role 'narrator' is not"):
+        common.split_pair(row, tokenizer, "d.jsonl: line 2")
+    row["rejected"][1]["role"] = "assistant"
+    assert common.split_pair(row, tokenizer, "d.jsonl: line 2")[1:] == (" a </s>", " b </s>")
 
 
 class _RunsCode:
@@ -222,17 +245,7 @@ class _RunsCode:
         return (os.mkdir, ("/tmp/rlhf-crafted-checkpoint-ran",))
 
 
-def test_resume_never_runs_code_from_a_checkpoint(tmp_path):
-    shutil.rmtree("/tmp/rlhf-crafted-checkpoint-ran", ignore_errors=True)
-    save_checkpoint(str(tmp_path), 2, {"step": 2, "payload": _RunsCode()})
-    with pytest.raises(Exception, match="Weights only load failed"):
-        common.load_latest_checkpoint(str(tmp_path))
-    assert not os.path.exists("/tmp/rlhf-crafted-checkpoint-ran")
-
-
 def test_a_new_save_leaves_no_weight_file_of_an_older_one(tmp_path):
-    from transformers import AutoModelForSequenceClassification
-
     tok = common.embedded_tokenizer()
     model = AutoModelForSequenceClassification.from_config(common.embedded_model_config("embedded-llama", len(tok), 1))
     common.save_pretrained_atomic(model, tok, str(tmp_path))  # one file
@@ -263,8 +276,6 @@ def test_eval_only_reads_a_folder_with_a_test_split_alone_and_mixtures_with_some
 
 def test_a_tokenizer_loaded_as_the_wrong_class_is_named_before_any_pair_is_dropped(tmp_path):
     """A tokenizer AutoTokenizer loads as the wrong class (no tokens for any text) is named before every pair drops."""
-    from transformers import AutoTokenizer, Qwen2Config
-
     common.embedded_tokenizer().save_pretrained(tmp_path)
     Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=2).save_pretrained(tmp_path)
@@ -276,9 +287,6 @@ def test_a_tokenizer_loaded_as_the_wrong_class_is_named_before_any_pair_is_dropp
 
 def test_data_the_tokenizer_does_not_cover_stops_both_scripts_before_training(hh_path, tmp_path):
     """Data 95% <unk> (chance accuracy, exit 0) stops both scripts; a tokenizer 4% unknown is not stopped."""
-    import ppo
-    from families import build_tokenizer
-
     unknown = r"test.jsonl.gz: 9\d% of its tokens are <unk> to embedded-llama's tokenizer, which does not cover this " \
               r"data; pass {} a model whose tokenizer does"
     with pytest.raises(common.UserError, match=unknown.format("--model_name_or_path")):
@@ -304,10 +312,6 @@ def test_data_the_tokenizer_does_not_cover_stops_both_scripts_before_training(hh
 ])
 def test_every_model_and_dataset_is_found_before_any_model_loads(script, flags, named, tmp_path, monkeypatch):
     """Offline, a name neither a local path nor in the hub cache is one line naming it once, before any model loads."""
-    import huggingface_hub
-
-    import ppo
-
     module = {"ppo": ppo, "rm": rm}[script]
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)
     monkeypatch.setattr(module, "build_models" if script == "ppo" else "load_reward_model",
@@ -334,8 +338,6 @@ def test_help_is_printed_once_under_torchrun_the_methods_options_first():
 
 def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_reported(family_dir, tmp_path):
     """A causal LM as rm.py's start: its new head and unused LM head in one line; a missing backbone weight reported."""
-    from safetensors.torch import load_file, save_file
-
     source = tmp_path / "lm"
     shutil.copytree(family_dir("llama"), source)
     weights = load_file(source / "model.safetensors")
@@ -414,7 +416,6 @@ def test_a_full_disk_at_the_final_save_is_one_line_on_every_rank(tmp_path, small
 
 def test_a_dataset_prepared_in_datasets_own_cache_is_found_offline(tmp_path, monkeypatch):
     """A hub dataset prepared in `datasets`' own cache is found offline; a name in neither cache is refused."""
-    import huggingface_hub
     from datasets import config
 
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import assert_saved_models_equal, read_metrics, replayed_samples, run_main, run_ranks
 from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, WINDOW, WINDOWED, save_family  # noqa: F401
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import common
 import ppo
@@ -157,8 +158,6 @@ def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(fa
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_saved_reward_model_reloads_with_transformers_and_gives_the_training_rewards(family, trained_rm):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     path = trained_rm(family)
     results = json.load(open(os.path.join(path, "eval_results.json")))
     hf = AutoModelForSequenceClassification.from_pretrained(path).eval()
@@ -200,8 +199,6 @@ def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(fam
     for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/entropy", "policy/grad_norm"):
         assert whole[key] == pytest.approx(micro[key], abs=1e-5, rel=1e-5), key
     assert whole["policy/approxkl"] > 0  # the second epoch saw a changed policy
-    from transformers import AutoModelForCausalLM
-
     AutoModelForCausalLM.from_pretrained(tmp_path / "whole")  # the saved policy loads
 
 
@@ -226,8 +223,6 @@ def test_critic_free_estimators_on_every_decoder_family_are_independent_of_the_m
 def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(reward_family, family_dir, trained_rm,
                                                                           tmp_path):
     """A reward model of another vocabulary (or an encoder) reads exactly rm.py's tokens of the same text; PPO runs."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     policy_path, rm_path = family_dir("gpt2"), trained_rm(reward_family)
     args = ppo.Args(sft_model_path=policy_path, reward_model_path=rm_path, max_prompt_length=32)
     tokenizer = ppo.load_tokenizer(args)
@@ -280,23 +275,9 @@ def test_two_ranks_equal_one_process_on_an_eager_decoder_and_an_encoder(family, 
         assert np.allclose([m[key] for m in one], [m[key] for m in ddp], atol=1e-5), key
 
 
-def test_a_role_the_chat_template_drops_is_named_not_silently_lost():
-    from families import build_tokenizer
-
-    tokenizer = build_tokenizer("llama")  # the Llama 2 template renders user and assistant turns only
-    row = {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
-           "rejected": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "b"}]}
-    with pytest.raises(common.UserError, match="d.jsonl: line 2: field 'rejected', message 1: role 'narrator' is not"):
-        common.split_pair(row, tokenizer, "d.jsonl: line 2")
-    row["rejected"][1]["role"] = "assistant"
-    assert common.split_pair(row, tokenizer, "d.jsonl: line 2")[1:] == (" a </s>", " b </s>")
-
-
 def test_a_checkpoint_stored_in_bfloat16_trains_exactly_as_its_float32_copy(family_dir, trained_rm, tmp_path):
     """Training is in float32 whatever the stored dtype: bfloat16 and float32 copies train to the same models, in both
     scripts (in bfloat16, lr-sized updates would round away)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     stored = family_dir("llama")
     as_float32 = str(tmp_path / "float32")
     AutoModelForCausalLM.from_pretrained(stored, dtype=torch.float32).save_pretrained(as_float32)

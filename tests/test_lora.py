@@ -13,8 +13,10 @@ import pytest
 import torch
 from conftest import assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks
 from families import DECODERS, FAMILIES
+from peft import LoraConfig, PeftModel, get_peft_model
 from test_families import preference_rows, tokenized_pairs, write_jsonl
 from test_rm import killed_after_checkpoint, no_timings
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import common
 import ppo
@@ -34,9 +36,6 @@ def perturb_adapters(model, seed=0):
 
 def sft_adapter(family_dir, path, targets=None, task="CAUSAL_LM"):
     """An SFT model as a peft LoRA adapter folder: on the tiny Llama, perturbed as if trained, saved at path."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32),
                              LoraConfig(r=4, target_modules=targets or ["q_proj", "v_proj"], task_type=task))
     perturb_adapters(adapter, seed=1)
@@ -57,8 +56,6 @@ def test_merged_saves_load_without_peft_and_the_reference_is_the_policy_with_its
                                                                                             tmp_path):
     """Only adapters and head train; a merged reward model or policy gives the adapted model's numbers; the reference
     is the initial policy, the adapter off."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     args = rm.Args(model_name_or_path=family_dir(family), padding_free=False, **LORA)
     tokenizer = rm.load_tokenizer(args.model_name_or_path)
     hf, lora, _ = rm.load_reward_model(args, tokenizer)
@@ -99,9 +96,6 @@ def test_merged_saves_load_without_peft_and_the_reference_is_the_policy_with_its
 
 def test_an_sft_adapter_as_the_initial_policy_is_the_reference_not_its_base(family_dir, tmp_path):
     """A policy given as an adapter folder is merged at load: the reference is the SFT model, not its base."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     base_path = family_dir("llama")
     tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=base_path))
     sft = sft_adapter(family_dir, tmp_path / "sft", "all-linear", None)
@@ -122,8 +116,6 @@ def test_an_sft_adapter_as_the_initial_policy_is_the_reference_not_its_base(fami
 def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_documented(family_dir, tmp_path):
     """An SFT adapter folder (with a task type or none) starts a reward model: the adapter merged into its base, a new
     head drawn with --head_init_std."""
-    from transformers import AutoModelForCausalLM
-
     ids, base = torch.tensor([[1, 5, 9, 12, 30]]), AutoModelForCausalLM.from_pretrained(family_dir("llama"))
     with torch.no_grad():
         base = base.float().base_model(input_ids=ids)[0]
@@ -141,8 +133,6 @@ def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_document
 @pytest.mark.parametrize("lora_r", [0, 4])
 def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapters(lora_r, family_dir, tmp_path):
     """An SFT adapter folder trains merged: every weight with --lora_r 0 (peft loads it frozen), new adapters else."""
-    from transformers import AutoModelForSequenceClassification
-
     adapter = sft_adapter(family_dir, tmp_path / "sft")
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 40))
     rm.main(rm.Args(model_name_or_path=str(tmp_path / "sft"), dataset_name=data, output_dir=str(tmp_path / "rm"),

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, run_script
+from families import build_config, build_tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import ppo
 import rm
@@ -35,8 +37,6 @@ def states(rows):
 
 def saved_config(folder, shape, architecture):
     """A model folder holding a config.json and no weights."""
-    from transformers import AutoConfig
-
     fields = dict(SHAPES[shape][0])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields, architectures=[architecture], num_labels=1)
     config.save_pretrained(folder)
@@ -77,7 +77,7 @@ def test_7b_plans_fit_one_8_gpu_node_with_fsdp_and_bf16(tmp_path, shape):
     assert mp.refusal("ppo", args, 8, 80 * GB) is None
 
 
-def test_offloaded_shards_are_off_the_gpu_and_a_replica_is_never_offloaded(tmp_path):
+def test_offloaded_shards_are_off_the_gpu_a_replica_never_and_the_plan_states_the_host_memory_loading_takes(tmp_path):
     """--offload_inference_models: under FSDP on several ranks the frozen models' shards live in host memory (a GPU
     the plan fits only so is not refused); under DDP, or on one rank, a replica stays on the GPU."""
     policy, reward = saved_pair(tmp_path, "pythia-6.9b")
@@ -100,12 +100,8 @@ def test_offloaded_shards_are_off_the_gpu_and_a_replica_is_never_offloaded(tmp_p
         on, off = mp.plan("ppo", a, world), mp.plan("ppo", dataclasses.replace(a, offload_inference_models=True), world)
         assert off == on and not any(m.on_host for m in off if isinstance(m, mp.Planned))
 
-
-def test_the_plan_states_the_host_memory_loading_takes(tmp_path):
-    """Under FSDP on several ranks rank 0 builds each model whole in float32, three at most at once (Pythia 6.9B:
-    81.5 GB); under DDP or in one process every rank builds all its replicas."""
-    policy, reward = saved_pair(tmp_path, "pythia-6.9b")
-    args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True)
+    # Loading: under FSDP rank 0 builds each model whole in float32, three at most at once (81.5 GB); under DDP or in
+    # one process every rank builds all its replicas
     three = (2 * mp.shape(policy, "causal")[0] + mp.shape(reward, "reward")[0]) * 4
     assert three == pytest.approx(81.5e9, rel=1e-3)
     assert mp.table(mp.plan("ppo", args, 8), 8).splitlines()[-1] == (
@@ -167,9 +163,6 @@ def saved_bytes(fn, params):
 def test_planned_activations_are_what_autograd_saves(tmp_path, family):
     """ppo.py's learning forward of a micro-batch (a model of the family widened to 256): the plan's activations row
     against the bytes autograd keeps, in float32 and bfloat16 autocast, with and without activation checkpointing."""
-    from families import build_config, build_tokenizer
-    from transformers import AutoModelForCausalLM
-
     config = build_config(family, build_tokenizer(family))
     config.update(dict(hidden_size=256, intermediate_size=688 if family == "llama" else 1024, num_attention_heads=8,
                        hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=512))
@@ -200,9 +193,11 @@ def test_planned_activations_are_what_autograd_saves(tmp_path, family):
         model.activation_checkpointing_disable()
 
 
-def test_pythia_7b_rollout_and_learning_peaks(tmp_path):
+def test_pythia_7b_peaks_and_the_command_line_exits_2_naming_the_flags_that_fit(tmp_path, capsys):
     """Pythia 6.9B PPO on 8 ranks, --fsdp --bf16, 16 prompts x (256 + 512) tokens per GPU: the rollout holds the
-    gathered policy and a KV cache beside the states; learning without checkpointing does not fit 80 GB."""
+    gathered policy and a KV cache beside the states; learning without checkpointing does not fit 80 GB.
+    `python benchmarks/memory_plan.py ppo|rm ...` from config.json files alone: a plan that does not fit exits 2
+    naming the flag that makes it fit, one that fits 0; bad input is one line on stderr, exit 2."""
     policy, reward = saved_pair(tmp_path, "pythia-6.9b")
     rows = mp.plan("ppo", ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True,
                                    num_mini_batches=1, per_device_train_batch_size=16, max_prompt_length=256,
@@ -214,12 +209,6 @@ def test_pythia_7b_rollout_and_learning_peaks(tmp_path):
     assert 50 * GB < size["activations"] < 70 * GB  # ~34 bytes x hidden per token and layer (Korthikanti et al.)
     peaks = mp.peaks(rows)
     assert peaks["rollout"] == pytest.approx(51 * GB, rel=0.02) and 85 * GB < peaks["learning"] < 100 * GB
-
-
-def test_the_command_line_plans_from_config_files_and_exits_2_naming_the_flags_that_fit(tmp_path, capsys):
-    """`python benchmarks/memory_plan.py ppo|rm ...` from config.json files alone: a plan that does not fit exits 2
-    naming the flag that makes it fit, one that fits 0; bad input is one line on stderr, exit 2."""
-    policy, reward = saved_pair(tmp_path, "pythia-6.9b")
 
     def plan(*argv, process=False):  # as a user runs it (a process), or its main in this process
         if process:

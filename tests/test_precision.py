@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from conftest import ROOT, read_metrics, run_main, run_script
 from families import DECODERS
 from test_families import preference_rows, write_jsonl
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import common
 import ppo
@@ -124,8 +126,6 @@ def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_pa
 def test_scalar_heads_logits_and_entropy_are_float32_under_bf16_autocast():
     """Rewards, values, log-probs and entropies under bfloat16 autocast equal their float32 formulas on the same hidden
     states: no bfloat16 rounding of a reward (ties) or of the output layer."""
-    from transformers import AutoModelForSequenceClassification
-
     torch.manual_seed(0)
     reward_model = common.scalar_head_in_float32(AutoModelForSequenceClassification.from_config(
         common.embedded_model_config("embedded-llama", len(TOK), num_labels=1)))
@@ -175,9 +175,6 @@ def test_critic_initialised_from_the_reward_model_starts_at_the_normalized_rewar
 def test_no_query_attends_to_nothing_and_real_tokens_are_unchanged(family, family_dir, monkeypatch):
     """Left padding: every SDPA mask row sees a key (a fully masked row is NaN on some CUDA kernels); real tokens'
     logits are those of transformers' own mask."""
-    from transformers import AutoModelForCausalLM
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32).eval()
     ids = torch.randint(5, 50, (3, 10), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -219,8 +216,6 @@ def test_default_lengths_fit_a_short_position_table_and_given_ones_are_refused(f
 
 def test_layout_check_runs_once_on_rank_0_in_the_runs_precision(monkeypatch):
     """The packed-layout check: one forward pair on rank 0 only (the others take its verdict), in the run's autocast."""
-    from transformers import AutoModelForSequenceClassification
-
     model = rm.RewardModel(AutoModelForSequenceClassification.from_config(
         common.embedded_model_config("embedded-llama", len(TOK), num_labels=1)))
     seen, real = [], rm.RewardModel.forward

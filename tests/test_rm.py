@@ -1,4 +1,5 @@
 import collections
+import copy
 import gzip
 import json
 import math
@@ -14,12 +15,15 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import (ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks, run_script,
-                      save_checkpoint)
+import transformers
+from conftest import ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks, run_script
+from families import build_tokenizer
 from test_errors import snapshot
 from test_families import write_jsonl
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, MistralConfig, SchedulerType
 
 import common
+import ppo
 import rm
 
 TOK = common.embedded_tokenizer()
@@ -45,11 +49,6 @@ def random_pairs(n, seed, margin=0.0):
 def test_rm_and_ppo_state_the_same_conventions():
     """Each script states its own method; where they share one, they agree: a long prompt's truncation, where a
     sequence's reward is read (the last real token, by the mask) and what it reads there, dropout off."""
-    import copy
-
-    import ppo
-    from transformers import AutoModelForSequenceClassification, GPT2Config
-
     eos = 3  # right padding, left padding, and pad id == eos id with a real final EOS: only the mask tells them apart
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
     ids = torch.tensor([[5, 6, eos, eos, eos], [eos, eos, 5, 6, eos], [5, eos, 6, eos, eos], [5, 6, 7, 8, eos]])
@@ -148,8 +147,6 @@ def test_new_head_init_std_dropout_off_and_defaults_by_model():
     assert filled.head_init_std == pytest.approx(1 / math.sqrt(64 + 1))
     assert default.score.weight.std().item() == pytest.approx(1 / math.sqrt(64 + 1), rel=0.2)
     assert all(m.p == 0 for m in default.modules() if isinstance(m, torch.nn.Dropout))
-    from transformers import AutoModelForSequenceClassification
-
     model = AutoModelForSequenceClassification.from_config(common.embedded_model_config("embedded-llama", 40, 1))
     rm.new_head(model, rm.fill_defaults(rm.Args(head_init_std=0.0), model).head_init_std)
     assert model.score.weight.abs().sum() == 0
@@ -185,6 +182,9 @@ def test_explicit_implicit_and_conversational_formats_give_the_same_ids():
     conv_pair = pairs[2]  # rendered by the chat template: "user: ... assistant: cat dog "
     assert conv_pair["prompt"] == ids_of("user: tell me about animals assistant:")
     assert conv_pair["chosen"] == ids_of("cat dog") + [eos] and conv_pair["rejected"] == ids_of("red rice") + [eos]
+    text_prompt = dict(conv, prompt="tell me about animals")  # a text prompt before message responses: the user turn
+    assert common.split_pair(text_prompt, TOK, "m") == common.split_pair(conv, TOK, "m")
+    assert common.split_pair(text_prompt, TOK, "m")[0] == "user: tell me about animals assistant:"
 
 
 def test_implicit_prompt_extraction_on_real_hh_rlhf(hh_path):
@@ -304,8 +304,6 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     results = json.load(open(out / "eval_results.json"))
     assert results["accuracy_vs_bayes"] >= 0.95, results
 
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     rows = common.embedded_pairs(16, seed=common.EMBEDDED_SPLITS["validation"])  # the first eval pairs
@@ -356,8 +354,6 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_
     # resumed with a total the checkpoint (step 6) has already passed: no step to run; the checkpoint's model is
     # evaluated and saved, and the log closed
     rm.main(rm.Args(output_dir=str(tmp_path / "short"), resume=True, **dict(args, max_steps=5)))
-    from transformers import AutoModelForSequenceClassification
-
     saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "short").state_dict()
     at_6 = read_checkpoint(common.latest_checkpoint(tmp_path / "short"))["model"]
     assert all(torch.equal(saved[k.removeprefix("hf.")], v) for k, v in at_6.items())
@@ -472,8 +468,6 @@ def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tm
 
 
 def _save_and_resume_random_streams(rank, folder):
-    import random
-
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2)
     model = torch.nn.Linear(2, 2)
@@ -506,24 +500,12 @@ def test_each_rank_resumes_its_own_random_streams(tmp_path):
     assert torch.equal(torch.get_rng_state(), rank0)
 
 
-def test_checkpoint_write_is_atomic(tmp_path):
-    save_checkpoint(str(tmp_path), 1, {"step": 1})
-    os.makedirs(tmp_path / "checkpoints" / "step_00000002.tmp")  # a crash mid-write leaves only a .tmp directory
-    assert common.load_latest_checkpoint(str(tmp_path))["step"] == 1
-    save_checkpoint(str(tmp_path), 2, {"step": 2})
-    save_checkpoint(str(tmp_path), 3, {"step": 3})
-    assert common.load_latest_checkpoint(str(tmp_path))["step"] == 3
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002", "step_00000003"]
-
-
 @pytest.mark.parametrize("schedule", list(rm.Args.__annotations__["lr_scheduler_type"].__args__))
 def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_file, schedule, capsys):
     """Every transformers SchedulerType runs, logging the rate each step used (those stepped by a metric, and an
     --lr_end not below the rate, refused in one line); the run records the rate filled in for the model."""
     args = rm.Args(dataset_name=small_pairs_file, max_steps=5, warmup_steps=1, lr_scheduler_type=schedule, lr_end=1e-4,
                    output_dir=str(tmp_path), num_evals=1, logging_steps=1)
-    from transformers import SchedulerType
-
     assert {s.value for s in SchedulerType} == set(rm.Args.__annotations__["lr_scheduler_type"].__args__)
     if schedule in rm.METRIC_DRIVEN:
         with pytest.raises(common.UserError, match=f"--lr_scheduler_type {schedule}: sets the rate from a metric"):
@@ -640,9 +622,6 @@ def test_gradient_checkpointing_recomputes_attention_per_block():
 
 @pytest.mark.parametrize("config_name", ["MistralConfig", "Gemma2Config"])
 def test_packed_attention_honours_sliding_windows_softcapping_and_gqa(config_name):
-    import transformers
-    from transformers import AutoModelForSequenceClassification
-
     # a window of 5 tokens, shorter than most sequences; 2 key/value heads for 4 query heads; Gemma 2 alternates
     # windowed and full layers and squashes its attention logits (softcapping, set low here so that it matters)
     extra = dict(head_dim=8, attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"]) \
@@ -676,8 +655,6 @@ def test_packed_attention_honours_sliding_windows_softcapping_and_gqa(config_nam
 def test_packed_gqa_attention_on_cuda_never_gives_sdpa_a_mask_with_grouped_heads(monkeypatch):
     """On CUDA (forced here) a boolean mask never goes with enable_gqa (it can fall to the math kernel): keys and
     values are repeated per query head instead, the same rewards."""
-    from transformers import AutoModelForSequenceClassification, MistralConfig
-
     config = MistralConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
     torch.manual_seed(0)
@@ -747,7 +724,7 @@ def test_packed_checkpointed_and_bf16_training_curves_track_the_plain_run(tmp_pa
     assert np.allclose(bf16, fp32, atol=0.05) and bf16 != fp32
 
 
-def test_dataset_mixer_takes_fractions_and_counts(tmp_path):
+def test_dataset_mixer_takes_fractions_and_counts_and_evaluates_each_dataset_on_its_split_or_held_out_pairs(tmp_path):
     for name, n in (("a.jsonl", 40), ("b.jsonl", 30)):
         write_jsonl(tmp_path / name, [{"chosen": f" {name} {i}", "rejected": " x"} for i in range(n)])
     rows = [r for name, weight in rm.mixture([str(tmp_path / "a.jsonl"), "0.5", str(tmp_path / "b.jsonl"), "12"])
@@ -757,33 +734,7 @@ def test_dataset_mixer_takes_fractions_and_counts(tmp_path):
     assert all(r["chosen"] == f" {os.path.basename(r['_source'])} {r['_row']}" for r in rows)  # rows keep their number
     with pytest.raises(common.UserError, match="weight 'many' of"):
         rm.mixture([str(tmp_path / "a.jsonl"), "many"])
-
-
-def test_text_prompt_with_message_responses_is_the_user_turn():
-    row = {"prompt": "tell me about animals", "chosen": [{"role": "assistant", "content": "cat dog"}],
-           "rejected": [{"role": "assistant", "content": "red rice"}]}
-    messages = {"prompt": [{"role": "user", "content": "tell me about animals"}], "chosen": row["chosen"],
-                "rejected": row["rejected"]}
-    assert common.split_pair(row, TOK, "m") == common.split_pair(messages, TOK, "m")
-    assert common.split_pair(row, TOK, "m")[0] == "user: tell me about animals assistant:"
-    with pytest.raises(common.UserError, match="field 'chosen', message 0: expected"):
-        common.split_pair({"chosen": [{"content": "x"}], "rejected": [{"role": "user", "content": "y"}]}, TOK, "m")
-
-
-def test_prompts_never_end_with_the_separator_an_encoder_tokenizer_appends(tmp_path):
-    from families import build_tokenizer
-
-    for family in ("roberta", "bert", "deberta"):
-        tok = build_tokenizer(family)
-        prefix, suffix = common.special_affixes(tok)
-        assert prefix and suffix
-        [prompt] = common.tokenize_prompts(tok, ["User: tell me about animals Assistant:"])
-        assert prompt[:len(prefix)] == prefix and prompt[-1] not in suffix
-        [response] = common.tokenize_responses(tok, ["User: tell me"], [" cat dog"])
-        assert response[-1] == common.end_id(tok) and response.count(response[-1]) == 1
-
-
-def test_each_mixed_dataset_is_evaluated_on_its_split_or_its_own_held_out_pairs(tmp_path):
+    # each mixed dataset is evaluated on its own eval split, or on its own held-out pairs
     with_split = tmp_path / "with_split"
     with_split.mkdir()
     for split, n in (("train", 40), ("test", 7)):
@@ -796,6 +747,17 @@ def test_each_mixed_dataset_is_evaluated_on_its_split_or_its_own_held_out_pairs(
     red, cat = TOK.convert_tokens_to_ids("red"), TOK.convert_tokens_to_ids("cat")
     assert sum(p["chosen"][0] == red for p in evals) == 10 and sum(p["chosen"][0] == cat for p in evals) == 7
     assert len(train) == 40 + 40
+
+
+def test_prompts_never_end_with_the_separator_an_encoder_tokenizer_appends(tmp_path):
+    for family in ("roberta", "bert", "deberta"):
+        tok = build_tokenizer(family)
+        prefix, suffix = common.special_affixes(tok)
+        assert prefix and suffix
+        [prompt] = common.tokenize_prompts(tok, ["User: tell me about animals Assistant:"])
+        assert prompt[:len(prefix)] == prefix and prompt[-1] not in suffix
+        [response] = common.tokenize_responses(tok, ["User: tell me"], [" cat dog"])
+        assert response[-1] == common.end_id(tok) and response.count(response[-1]) == 1
 
 
 def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(tmp_path):
@@ -820,8 +782,6 @@ def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(
 def test_normalization_is_fitted_on_the_training_pairs_and_eval_only_reproduces_training(tmp_path, small_pairs_file):
     """reward_shift and reward_scale are the saved model's rewards' mean and std on the training pairs; --eval_only on
     its held-out pairs gives training's numbers, for a plain transformers classifier too."""
-    from transformers import AutoModelForSequenceClassification
-
     train_dir = tmp_path / "trained"
     rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=6, num_evals=1, output_dir=str(train_dir),
                     reward_normalization="shift_scale"))
@@ -925,8 +885,6 @@ def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path)
     run_script(["-c", snippet])
     scope = {}
     exec(snippet, scope)  # noqa: S102 - the README's own code, as a user would paste it
-    from transformers import AutoModelForSequenceClassification
-
     hf = AutoModelForSequenceClassification.from_pretrained(reward_model_path).eval()
     rows = [{"prompt": scope["prompt"], "chosen": scope["responses"][0], "rejected": scope["responses"][1],
              "_source": "m", "_row": 0}]
