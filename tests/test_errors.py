@@ -199,14 +199,12 @@ def test_checkpoints_are_atomic_never_an_earlier_runs_latest_never_run_code_and_
         latest = common.load_latest_checkpoint(str(tmp_path))
         assert latest == {"step": step, "run": "new"}
     assert len([d for d in os.listdir(tmp_path / "checkpoints") if d.startswith("step_")]) == 2
-
     shutil.rmtree("/tmp/rlhf-crafted-checkpoint-ran", ignore_errors=True)
     save_checkpoint(str(tmp_path / "code"), 2, {"step": 2, "payload": _RunsCode()})
     with pytest.raises(Exception, match="Weights only load failed"):
         common.load_latest_checkpoint(str(tmp_path / "code"))
     assert not os.path.exists("/tmp/rlhf-crafted-checkpoint-ran")
-
-    disk = tmp_path / "disk"
+    disk = tmp_path / "disk"  # a full disk: one line, no partial files
     save_checkpoint(str(disk), 2, {"step": 2, "w": torch.zeros(4)})
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("unexpected pos 64")))
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))

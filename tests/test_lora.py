@@ -115,7 +115,7 @@ def test_an_sft_adapter_as_the_initial_policy_is_the_reference_not_its_base(fami
 
 def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_documented(family_dir, tmp_path):
     """An SFT adapter folder (with a task type or none) starts a reward model: the adapter merged into its base, a new
-    head drawn with --head_init_std."""
+    head drawn with --head_init_std; ppo.py refuses it, or a causal LM, as a reward model (a random head)."""
     ids, base = torch.tensor([[1, 5, 9, 12, 30]]), AutoModelForCausalLM.from_pretrained(family_dir("llama"))
     with torch.no_grad():
         base = base.float().base_model(input_ids=ids)[0]
@@ -128,6 +128,10 @@ def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_document
             assert not torch.allclose(expected, base, atol=1e-3)
             assert torch.allclose(hf.eval().base_model(input_ids=ids).last_hidden_state, expected, atol=1e-5), task
         assert 1.5 < hf.score.weight.std().item() < 6, task  # --head_init_std, not transformers' 0.02
+    sft, tokenizer = family_dir("llama"), ppo.load_tokenizer(ppo.Args(sft_model_path=family_dir("llama")))
+    for path in (sft, str(tmp_path / "CAUSAL_LM")):  # as ppo.py's --reward_model_path: a random head, refused
+        with pytest.raises(common.UserError, match="not a reward model"):
+            ppo.load_reward(ppo.Args(sft_model_path=sft, reward_model_path=path), tokenizer)
 
 
 @pytest.mark.parametrize("lora_r", [0, 4])
@@ -144,16 +148,6 @@ def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapter
     moved = {k for k, v in start.items() if not torch.equal(saved[k][tuple(map(slice, v.shape))], v)}
     linear = {k for k in start if k.endswith("proj.weight")}
     assert moved == set(start) if not lora_r else moved == linear, sorted(set(start) ^ moved)
-
-
-def test_ppo_refuses_a_reward_model_without_a_trained_head(family_dir, tmp_path):
-    """A causal LM or an SFT adapter as --reward_model_path (a random head) is refused in one line."""
-    sft = family_dir("llama")
-    sft_adapter(family_dir, tmp_path / "adapter")
-    tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=sft))
-    for path in (sft, str(tmp_path / "adapter")):
-        with pytest.raises(common.UserError, match="not a reward model"):
-            ppo.load_reward(ppo.Args(sft_model_path=sft, reward_model_path=path), tokenizer)
 
 
 def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike(family_dir, tmp_path):

@@ -117,6 +117,12 @@ def test_the_loss_its_probability_and_the_evaluation_losses_match_formulas():
     assert rm.calibration_error(torch.tensor(p)) == pytest.approx(ece, abs=1e-9)
     x, y = rng.normal(size=100), rng.normal(size=100)
     assert rm.pearson(torch.tensor(x), torch.tensor(y)) == pytest.approx(np.corrcoef(x, y)[0, 1], abs=1e-9)
+    # the embedded task's gold reward: a word said again counts zero
+    v, prompt = common.WORD_VALUE, "User: tell me about animals such as cat Assistant:"
+    assert common.gold_reward(prompt, " cat red cat dog") == pytest.approx((v["cat"] + 1 + v["red"] + 0 + v["dog"] + 1)
+                                                                           / 4)
+    assert common.gold_reward(prompt, " cat cat cat cat <eos>") == pytest.approx((v["cat"] + 1) / 4)
+    assert common.gold_reward(prompt, " cat me") == pytest.approx((v["cat"] + 1 + common.NON_WORD_VALUE) / 2)
 
 
 # --- the model --------------------------------------------------------------------------------------------------------
@@ -165,7 +171,7 @@ def ids_of(text):
     return TOK(text, add_special_tokens=False)["input_ids"]
 
 
-def test_explicit_implicit_and_conversational_formats_give_the_same_ids():
+def test_explicit_implicit_and_conversational_formats_give_the_same_ids_and_encoders_their_separator_once():
     prompt, chosen, rejected = "User: tell me about animals Assistant:", " cat dog", " red rice"
     conv = {"prompt": [{"role": "user", "content": "tell me about animals"}],
             "chosen": [{"role": "assistant", "content": "cat dog"}],
@@ -185,6 +191,15 @@ def test_explicit_implicit_and_conversational_formats_give_the_same_ids():
     text_prompt = dict(conv, prompt="tell me about animals")  # a text prompt before message responses: the user turn
     assert common.split_pair(text_prompt, TOK, "m") == common.split_pair(conv, TOK, "m")
     assert common.split_pair(text_prompt, TOK, "m")[0] == "user: tell me about animals assistant:"
+    # an encoder's tokenizer: prompts never end with the separator it appends, responses end with one
+    for family in ("roberta", "bert", "deberta"):
+        tok = build_tokenizer(family)
+        prefix, suffix = common.special_affixes(tok)
+        assert prefix and suffix
+        [prompt] = common.tokenize_prompts(tok, ["User: tell me about animals Assistant:"])
+        assert prompt[:len(prefix)] == prefix and prompt[-1] not in suffix
+        [response] = common.tokenize_responses(tok, ["User: tell me"], [" cat dog"])
+        assert response[-1] == common.end_id(tok) and response.count(response[-1]) == 1
 
 
 def test_implicit_prompt_extraction_on_real_hh_rlhf(hh_path):
@@ -232,9 +247,7 @@ def test_a_pair_past_max_length_is_dropped_whole_and_every_kept_response_ends_wi
     assert all(len(p["prompt"]) + max(len(p["chosen"]), len(p["rejected"])) <= 16 for p in kept)
     fits = sum(min(len(ids_of(r["prompt"])), 6) + max(len(ids_of(r[k])) for k in ("chosen", "rejected")) + 1 <= 16
                for r in rows)  # (+ 1: the EOS each response ends with)
-    assert len(kept) == fits
-    with pytest.raises(common.UserError, match="training pairs do not fit --max_length 10 with the prompt cut"):
-        rm.load_data(rm.Args(dataset_name=data, max_length=10, max_prompt_length=6), TOK, 0)
+    assert len(kept) == fits  # (over half dropped stops the run: test_errors.py's CASES)
 
 
 # --- training runs ----------------------------------------------------------------------------------------------------
@@ -286,14 +299,6 @@ def test_two_process_ddp_and_fsdp_match_one_process_in_full_and_with_lora(tmp_pa
              if not torch.equal(v, initial.state_dict()[k.removeprefix("hf.")])}
     assert moved and all("lora_" in k or "modules_to_save" in k for k in moved), moved
     assert any("lora_B" in k for k in moved) and any("modules_to_save" in k for k in moved)
-
-
-def test_embedded_gold_reward_counts_a_word_said_again_zero():
-    v, prompt = common.WORD_VALUE, "User: tell me about animals such as cat Assistant:"
-    assert common.gold_reward(prompt, " cat red cat dog") == pytest.approx((v["cat"] + 1 + v["red"] + 0 + v["dog"] + 1)
-                                                                           / 4)
-    assert common.gold_reward(prompt, " cat cat cat cat <eos>") == pytest.approx((v["cat"] + 1) / 4)
-    assert common.gold_reward(prompt, " cat me") == pytest.approx((v["cat"] + 1 + common.NON_WORD_VALUE) / 2)
 
 
 def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
@@ -388,9 +393,9 @@ def test_a_finished_run_is_replaced_only_when_asked(tmp_path, small_pairs_file, 
     assert [m["step"] for m in read_metrics(tmp_path / "new") if "train/loss" in m] == [3]
 
 
-def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path, small_pairs_file):
+def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path, small_pairs_file, capsys):
     """Ctrl-C: a checkpoint after the step under way, one line saying how to resume, exit code 130; --resume then
-    ends as the uninterrupted run does."""
+    ends as the uninterrupted run does. A second Ctrl-C stops at once, in one line."""
     args = dict(dataset_name=small_pairs_file, max_steps=30, logging_steps=1, num_evals=2,
                 per_device_train_batch_size=8)
     flags = [f for k, v in args.items() for f in (f"--{k}", str(v))]
@@ -411,9 +416,7 @@ def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path,
     assert no_timings(read_metrics(cut)) == no_timings(read_metrics(tmp_path / "full"))
     assert_saved_models_equal([cut, tmp_path / "full"], "AutoModelForSequenceClassification")
 
-
-def test_a_second_ctrl_c_stops_at_once_without_a_traceback(capsys):
-    """The first SIGINT asks for a stop at the next step; the second stops at once, one line, exit code 130."""
+    # a second SIGINT stops at once (the first asks for a stop at the next step): one line, exit code 130
     def train():
         common.stop_on_signals()
         os.kill(os.getpid(), signal.SIGINT)
@@ -422,6 +425,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(capsys):
         time.sleep(5)
         pytest.fail("the second SIGINT did not stop the run")
 
+    capsys.readouterr()  # (the runs' output above)
     try:
         with pytest.raises(SystemExit) as exit_:
             common.exit_on_user_error(train)
@@ -749,17 +753,6 @@ def test_dataset_mixer_takes_fractions_and_counts_and_evaluates_each_dataset_on_
     assert len(train) == 40 + 40
 
 
-def test_prompts_never_end_with_the_separator_an_encoder_tokenizer_appends(tmp_path):
-    for family in ("roberta", "bert", "deberta"):
-        tok = build_tokenizer(family)
-        prefix, suffix = common.special_affixes(tok)
-        assert prefix and suffix
-        [prompt] = common.tokenize_prompts(tok, ["User: tell me about animals Assistant:"])
-        assert prompt[:len(prefix)] == prefix and prompt[-1] not in suffix
-        [response] = common.tokenize_responses(tok, ["User: tell me"], [" cat dog"])
-        assert response[-1] == common.end_id(tok) and response.count(response[-1]) == 1
-
-
 def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(tmp_path):
     """A prompt held out of one dataset is trained on in none; a dataset weighted 0.05 gets its share of evaluation."""
     rng = random.Random(0)
@@ -867,13 +860,6 @@ def test_local_folders_in_every_layout_load_with_their_splits(tmp_path):
     (tmp_path / "split_files" / "runs" / "rm").mkdir(parents=True)  # a run's outputs inside the data folder
     (tmp_path / "split_files" / "runs" / "rm" / "eval_results.json").write_text('{"accuracy": 0.5}')
     assert len(common.load_rows(str(tmp_path / "split_files"), split="test")) == 6
-    bad = tmp_path / "split_files" / "train.jsonl"
-    lines = bad.read_text().splitlines()
-    lines[4] = '{"chosen": " cat", "rejected": 7}'
-    bad.write_text("\n".join(lines) + "\n")
-    proc = run_main(["rm.py", "--dataset_name", str(tmp_path / "split_files"), "--output_dir", str(tmp_path / "o")],
-                    check=False)
-    assert proc.returncode == 2 and f"{bad}: line 5: field 'rejected' is int" in proc.stderr, proc.stderr
 
 
 def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path):
