@@ -159,12 +159,12 @@ def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tm
     poison_loss(monkeypatch, 5)
     with pytest.raises(common.UserError, match=r"step 5: the gradient norm is nan .*--resume continues"):
         rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=8, save_steps=2, num_evals=1,
-                        per_device_train_batch_size=8, output_dir=str(tmp_path)))
-    assert open(tmp_path / "checkpoints" / "latest").read() == "step_00000004"
-    state = common.load_latest_checkpoint(str(tmp_path))
-    weights = read_checkpoint(common.latest_checkpoint(str(tmp_path)))["model"]
+                        per_device_train_batch_size=8, output_dir=str(tmp_path / "rm")))
+    assert open(tmp_path / "rm" / "checkpoints" / "latest").read() == "step_00000004"
+    state = common.load_latest_checkpoint(str(tmp_path / "rm"))
+    weights = read_checkpoint(common.latest_checkpoint(str(tmp_path / "rm")))["model"]
     assert state["step"] == 4 and all(torch.isfinite(v).all() for v in weights.values())
-    assert not os.path.exists(tmp_path / "model.safetensors")  # no final model from a diverged run
+    assert not os.path.exists(tmp_path / "rm" / "model.safetensors")  # no final model from a diverged run
 
 
 def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, saved_run, small_pairs_file, monkeypatch):

@@ -88,7 +88,7 @@ def test_packed_layout_gives_the_padded_rewards_and_gradients_and_no_dropout_any
         assert torch.equal(padded_model.train()(**padded_inputs), padded_model.eval()(**padded_inputs))
         alone = torch.cat([padded_model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
                                                                                      dtype=torch.long))
-                           for k in ("chosen", "rejected") for p in pairs])  # each sequence alone: no padding, packing
+                           for k in ("chosen", "rejected") for p in pairs])  # each sequence alone, unpadded
     results = {}
     for name, m, inputs in (("padded", padded_model, padded_inputs),
                             ("packed", model, rm.model_inputs(pairs, pad, chosen_args))):
