@@ -814,7 +814,7 @@ def test_tensorboard_events_hold_the_logged_metrics_and_wandb_runs_offline(tmp_p
 
     run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--track", "--output_dir",
                 str(tmp_path / "wandb_run")], env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
-    assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb"))
+    assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb_run" / "wandb"))
     rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=3, logging_steps=1, num_evals=1, tensorboard=True,
                     output_dir=str(tmp_path / "tb_run")))
     events = EventAccumulator(str(tmp_path / "tb_run" / "tensorboard")).Reload()
