@@ -1,11 +1,6 @@
-"""Tiny models of the families researchers use, each saved with a tokenizer built locally in its family's style, so
-that the scripts load them by path through the real transformers code (no download).
-
-Tokenizer styles: byte-level BPE (GPT-2, Llama 3, Qwen2, GPT-NeoX, OPT, BLOOM, RoBERTa), SentencePiece-like
-Metaspace BPE with a BOS token (Llama 2, Mistral, Gemma, Phi-3, DeBERTa-v2), WordPiece with [CLS]/[SEP] (BERT).
-Special-token conventions: pad == eos or no pad at all (GPT-2, NeoX, Llama), BOS == EOS (GPT-2, OPT's </s> prefix),
-and chat templates that write the BOS as text (Llama 2/3, Gemma) or text after the end-of-turn token (ChatML, Gemma,
-Phi-3)."""
+"""Tiny models of the families researchers use, each saved with a tokenizer built locally in its family's style
+(byte-level BPE, Metaspace BPE with a BOS, WordPiece), special-token conventions (pad == eos or none, BOS == EOS) and
+chat template (the BOS written as text, text after the end-of-turn token), loaded by path through transformers."""
 
 import common
 
@@ -15,7 +10,8 @@ LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role']
           "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
           "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 GEMMA = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}"
-         "\n{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+         "\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+         "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 LLAMA2 = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + m['content'] + ' [/INST]' }}"
           "{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}")
 PHI3 = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"

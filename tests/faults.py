@@ -1,10 +1,7 @@
-"""Run rm.py or ppo.py as its command line does (`python tests/faults.py rm.py --flags...`, alone or under torchrun),
-with what a test needs set by environment variables; the scripts hold nothing of it:
-  STOP_AFTER_SAVE=N  every rank stops (exit code 3) right after the checkpoint of step N, as a killed job would;
-  TRACE=PATH         each rank appends what it trains to PATH.rank<R>, one JSON line per step (ppo.py: the indices of
-                     the episodes it rolls out; rm.py: the pairs of its micro-batches, as token ids);
-  FULL_DISK_RANK=R   rank R's checkpoint writer fails as on a full disk (OSError ENOSPC);
-  FULL_DISK_AT_END=R rank R's final save_pretrained fails so (under FSDP and DDP alike rank 0 writes the model)."""
+"""`python tests/faults.py rm.py|ppo.py --flags...` (alone or under torchrun): the script's command line, with faults
+set by environment variables: STOP_AFTER_SAVE=N (every rank exits 3 right after step N's checkpoint), TRACE=PATH (each
+rank appends the episodes or pairs of each step to PATH.rank<R>), FULL_DISK_RANK=R (rank R's checkpoint writer fails
+with ENOSPC), FULL_DISK_AT_END=R (rank R's final save_pretrained fails so)."""
 
 import errno
 import json

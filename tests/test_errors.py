@@ -10,12 +10,17 @@ import subprocess
 import sys
 import time
 
+import huggingface_hub
 import pytest
 import torch
-import tyro
 from conftest import ROOT, read_checkpoint, run_main, run_script, save_checkpoint
+from families import build_tokenizer
+from safetensors.torch import load_file, save_file
+from test_families import write_jsonl
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
 
 import common
+import ppo
 import rm
 
 
@@ -45,7 +50,7 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
     "no room for responses": (["--max_prompt_length", "600"], {}, "--max_prompt_length 600 must be below --max_length"),
     "missing model": (["--model_name_or_path", "./no_such_model"], {}, "--model_name_or_path ./no_such_model: no such"),
     "lora target": (["--lora_r", "4", "--lora_target_modules", "no_such_layer"], {},
-                    "--lora_target_modules no_such_layer: peft cannot put LoRA adapters on LlamaForSequenceClassification"),
+                    "--lora_target_modules no_such_layer: peft cannot put LoRA adapters on LlamaForSequence"),
     "message without role": ([], {"d.jsonl": GOOD + '\n{"chosen": [{"content": "x"}], "rejected": [{"role": '
                                   '"assistant", "content": "y"}]}\n'},
                              "d.jsonl: line 2: field 'chosen', message 0: expected {'role': text"),
@@ -79,6 +84,9 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
     "string row": ([], {"d.jsonl": '"just text"\n'}, "d.jsonl: line 1: a JSON str is not a row"),
     "text margin": ([], {"d.jsonl": GOOD + "\n" + GOOD[:-1] + ', "margin": "high"}\n'},
                     "d.jsonl: line 2: field 'margin' is 'high'; expected a finite number"),
+    "int field": ([], {"d.jsonl": '{"chosen": " cat", "rejected": 5}\n'}, "d.jsonl: line 1: field 'rejected' is int"),
+    "invalid JSON, gzipped": ([], {"bad.jsonl.gz": gzip.compress(b'{"chosen": " a", "rejected": " b"}\n{not json\n')},
+                              "bad.jsonl.gz: line 2: not valid JSON"),
     "unknown role": ([], {"d.jsonl": '{"chosen": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": '
                           '"a"}], "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": '
                           '"b"}]}\n'}, "d.jsonl: line 1: field 'chosen', message 1: role 'wizard' is not one of"),
@@ -86,7 +94,7 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_line_and_leaves_earlier_work_intact(case, tmp_path, saved_run, small_pairs_file, capsys):
+def test_bad_input_is_one_line_and_leaves_earlier_work_intact(case, tmp_path, saved_run, small_pairs_file):
     flags, files, expected = CASES[case]
     for name, content in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -98,16 +106,11 @@ def test_bad_input_is_one_line_and_leaves_earlier_work_intact(case, tmp_path, sa
     before = snapshot(out)
     # --overwrite_output_dir: the earlier run is replaced only once training starts, never by a run that stops before
     argv = ["--dataset_name", data, "--output_dir", str(out), "--overwrite_output_dir", *flags]
-    if case == "zero batch":  # as a user runs it: a process of its own
-        proc = run_script(["rm.py", *argv], check=False)
-        code, stderr = proc.returncode, proc.stderr
-    else:  # in this process (a process costs seconds of imports): the same entry point, main under exit_on_user_error
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_:
-            common.exit_on_user_error(rm.main, tyro.cli(rm.Args, args=argv, use_underscores=True))
-        code, stderr = exit_.value.code, capsys.readouterr().err
+    # one case as a user runs it, a process of its own; the others through the same entry point in this process
+    proc = (run_script if case == "zero batch" else run_main)(["rm.py", *argv], check=False)
+    stderr = proc.stderr
     lines = stderr.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
     assert snapshot(out) == before
 
@@ -134,41 +137,43 @@ def test_byte_order_mark_is_accepted(tmp_path, compressed):
     assert os.path.exists(tmp_path / "out" / "model.safetensors")
 
 
-def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, small_pairs_file, monkeypatch):
-    calls = {"n": 0}
-    real_loss = rm.preference_loss
+def poison_loss(monkeypatch, call):
+    """rm.py's preference loss made NaN at its `call`-th call."""
+    calls, real_loss = [], rm.preference_loss
 
     def poisoned(*a, **k):
-        calls["n"] += 1
-        loss = real_loss(*a, **k)
-        return loss * float("nan") if calls["n"] == 5 else loss
-
+        calls.append(1)
+        return real_loss(*a, **k) * (float("nan") if len(calls) == call else 1.0)
     monkeypatch.setattr(rm, "preference_loss", poisoned)
+
+
+def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, small_pairs_file,
+                                                                             reward_model_path, monkeypatch):
+    """rm.py and ppo.py: a NaN or infinite gradient stops the run in one line, no final model saved."""
+    real_loss = ppo.policy_loss
+    monkeypatch.setattr(ppo, "policy_loss", lambda *a, **k: (lambda loss, stats: (loss * float("inf"), stats))(
+        *real_loss(*a, **k)))
+    with pytest.raises(common.UserError, match=r"update 1: the gradient norm is (nan|inf) .*lower --learning_rate"):
+        ppo.main(ppo.Args(reward_model_path=reward_model_path, total_episodes=32, output_dir=str(tmp_path / "ppo")))
+    assert not os.path.exists(tmp_path / "ppo" / "model.safetensors")
+    poison_loss(monkeypatch, 5)
     with pytest.raises(common.UserError, match=r"step 5: the gradient norm is nan .*--resume continues"):
         rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=8, save_steps=2, num_evals=1,
-                        per_device_train_batch_size=8, output_dir=str(tmp_path)))
-    assert open(tmp_path / "checkpoints" / "latest").read() == "step_00000004"
-    state = common.load_latest_checkpoint(str(tmp_path))
-    weights = read_checkpoint(common.latest_checkpoint(str(tmp_path)))["model"]
+                        per_device_train_batch_size=8, output_dir=str(tmp_path / "rm")))
+    assert open(tmp_path / "rm" / "checkpoints" / "latest").read() == "step_00000004"
+    state = common.load_latest_checkpoint(str(tmp_path / "rm"))
+    weights = read_checkpoint(common.latest_checkpoint(str(tmp_path / "rm")))["model"]
     assert state["step"] == 4 and all(torch.isfinite(v).all() for v in weights.values())
-    assert not os.path.exists(tmp_path / "model.safetensors")  # no final model from a diverged run
+    assert not os.path.exists(tmp_path / "rm" / "model.safetensors")  # no final model from a diverged run
 
 
 def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, saved_run, small_pairs_file, monkeypatch):
-    """A new run into a folder holding a finished one (--overwrite_output_dir), stopped half-way: the earlier run's
-    model and results stay byte for byte, metrics.jsonl is the new run's (the earlier checkpoints are gone: --resume
-    must not continue the earlier run)."""
+    """A new run stopped half-way into a finished run's folder: the earlier model and results stay byte for byte, its
+    checkpoints are gone (--resume must not continue it)."""
     out = tmp_path / "out"
     shutil.copytree(saved_run, out)
     before = snapshot(out)
-    real_loss = rm.preference_loss
-    calls = {"n": 0}
-
-    def poisoned(*a, **k):
-        calls["n"] += 1
-        return real_loss(*a, **k) * (float("nan") if calls["n"] == 3 else 1.0)
-
-    monkeypatch.setattr(rm, "preference_loss", poisoned)
+    poison_loss(monkeypatch, 3)
     with pytest.raises(common.UserError, match="step 3: the gradient norm is nan"):
         rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=4, logging_steps=1, num_evals=1,
                         per_device_train_batch_size=8, output_dir=str(out), overwrite_output_dir=True))
@@ -178,7 +183,15 @@ def test_a_new_run_that_stops_leaves_the_earlier_runs_files_whole(tmp_path, save
     assert [json.loads(line)["step"] for line in after["metrics.jsonl"].splitlines()] == [1, 2]
 
 
-def test_checkpoints_of_an_earlier_run_never_take_the_place_of_latest(tmp_path):
+def test_checkpoints_are_atomic_never_an_earlier_runs_latest_never_run_code_and_a_full_disk_is_one_line(
+        tmp_path, monkeypatch):
+    save_checkpoint(str(tmp_path / "a"), 1, {"step": 1})
+    os.makedirs(tmp_path / "a" / "checkpoints" / "step_00000002.tmp")  # a crash mid-write leaves only a .tmp directory
+    assert common.load_latest_checkpoint(str(tmp_path / "a"))["step"] == 1
+    save_checkpoint(str(tmp_path / "a"), 2, {"step": 2})
+    save_checkpoint(str(tmp_path / "a"), 3, {"step": 3})
+    assert common.load_latest_checkpoint(str(tmp_path / "a"))["step"] == 3
+    assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == ["latest", "step_00000002", "step_00000003"]
     for step in (7, 8):  # an earlier run into the same folder reached step 8
         save_checkpoint(str(tmp_path), step, {"step": step, "run": "old"})
     for step in (2, 4, 6, 8):
@@ -186,20 +199,25 @@ def test_checkpoints_of_an_earlier_run_never_take_the_place_of_latest(tmp_path):
         latest = common.load_latest_checkpoint(str(tmp_path))
         assert latest == {"step": step, "run": "new"}
     assert len([d for d in os.listdir(tmp_path / "checkpoints") if d.startswith("step_")]) == 2
-
-
-def test_non_finite_ppo_gradient_stops_the_run(tmp_path, reward_model_path, monkeypatch):
-    import ppo
-
-    real_loss = ppo.policy_loss
-    monkeypatch.setattr(ppo, "policy_loss", lambda *a, **k: (lambda loss, stats: (loss * float("inf"), stats))(
-        *real_loss(*a, **k)))
-    with pytest.raises(common.UserError, match=r"update 1: the gradient norm is (nan|inf) .*lower --learning_rate"):
-        ppo.main(ppo.Args(reward_model_path=reward_model_path, total_episodes=32, output_dir=str(tmp_path)))
-    assert not os.path.exists(tmp_path / "model.safetensors")
+    shutil.rmtree("/tmp/rlhf-crafted-checkpoint-ran", ignore_errors=True)
+    save_checkpoint(str(tmp_path / "code"), 2, {"step": 2, "payload": _RunsCode()})
+    with pytest.raises(Exception, match="Weights only load failed"):
+        common.load_latest_checkpoint(str(tmp_path / "code"))
+    assert not os.path.exists("/tmp/rlhf-crafted-checkpoint-ran")
+    disk = tmp_path / "disk"  # a full disk: one line, no partial files
+    save_checkpoint(str(disk), 2, {"step": 2, "w": torch.zeros(4)})
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("unexpected pos 64")))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(common.UserError, match=r"checkpoints: no room to save \(0 MB needed, 0 MB free\); the "
+                                               r"partial files were removed"):
+        save_checkpoint(str(disk), 4, {"step": 4, "w": torch.zeros(10**4)})
+    assert sorted(os.listdir(disk / "checkpoints")) == ["latest", "step_00000002"]  # no step_00000004.tmp
+    monkeypatch.undo()
+    assert common.load_latest_checkpoint(str(disk))["step"] == 2
 
 
 def test_numbers_in_text_cells_are_numbers_and_sharegpt_roles_are_mapped(tmp_path):
+    """Margins in text cells are numbers; ShareGPT roles are mapped; a role the chat template drops is named."""
     (tmp_path / "d.csv").write_text('prompt,chosen,rejected,margin\nUser:, cat, dog,"0.5"\nUser:, red, owl,\n')
     (tmp_path / "d.jsonl").write_text(GOOD[:-1] + ', "margin": " 2.5 "}\n')
     args = rm.Args(max_length=64, max_prompt_length=32)
@@ -211,18 +229,13 @@ def test_numbers_in_text_cells_are_numbers_and_sharegpt_roles_are_mapped(tmp_pat
     mapped = {k: [dict(m, role={"human": "user", "gpt": "assistant"}[m["role"]]) for m in v] for k, v in row.items()}
     tok = common.embedded_tokenizer()
     assert common.split_pair(row, tok, "x") == common.split_pair(mapped, tok, "x")
-
-
-def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_partial_files(tmp_path, monkeypatch):
-    save_checkpoint(str(tmp_path), 2, {"step": 2, "w": torch.zeros(4)})
-    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("unexpected pos 64")))
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
-    with pytest.raises(common.UserError, match=r"checkpoints: no room to save \(0 MB needed, 0 MB free\); the "
-                                               r"partial files were removed"):
-        save_checkpoint(str(tmp_path), 4, {"step": 4, "w": torch.zeros(10**4)})
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002"]  # no step_00000004.tmp
-    monkeypatch.undo()
-    assert common.load_latest_checkpoint(str(tmp_path))["step"] == 2
+    tokenizer = build_tokenizer("llama")  # a role the chat template drops (Llama 2's: user and assistant turns only)
+    row = {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+           "rejected": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "b"}]}
+    with pytest.raises(common.UserError, match="d.jsonl: line 2: field 'rejected', message 1: role 'narrator' is not"):
+        common.split_pair(row, tokenizer, "d.jsonl: line 2")
+    row["rejected"][1]["role"] = "assistant"
+    assert common.split_pair(row, tokenizer, "d.jsonl: line 2")[1:] == (" a </s>", " b </s>")
 
 
 class _RunsCode:
@@ -230,32 +243,22 @@ class _RunsCode:
         return (os.mkdir, ("/tmp/rlhf-crafted-checkpoint-ran",))
 
 
-def test_resume_never_runs_code_from_a_checkpoint(tmp_path):
-    shutil.rmtree("/tmp/rlhf-crafted-checkpoint-ran", ignore_errors=True)
-    save_checkpoint(str(tmp_path), 2, {"step": 2, "payload": _RunsCode()})
-    with pytest.raises(Exception, match="Weights only load failed"):
-        common.load_latest_checkpoint(str(tmp_path))
-    assert not os.path.exists("/tmp/rlhf-crafted-checkpoint-ran")
-
-
 def test_a_new_save_leaves_no_weight_file_of_an_older_one(tmp_path):
-    from transformers import AutoModelForSequenceClassification
-
     tok = common.embedded_tokenizer()
     model = AutoModelForSequenceClassification.from_config(common.embedded_model_config("embedded-llama", len(tok), 1))
     common.save_pretrained_atomic(model, tok, str(tmp_path))  # one file
     assert os.path.exists(tmp_path / "model.safetensors")
     common.save_pretrained_atomic(model, tok, str(tmp_path), max_shard_size="100KB")  # sharded, with an index
-    assert not os.path.exists(tmp_path / "model.safetensors") and os.path.exists(tmp_path / "model.safetensors.index.json")
+    assert not os.path.exists(tmp_path / "model.safetensors")
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
     reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in reloaded.state_dict().items())
 
 
 def test_eval_only_reads_a_folder_with_a_test_split_alone_and_mixtures_with_some_gold(tmp_path, saved_run):
     (tmp_path / "data").mkdir()
-    with open(tmp_path / "data" / "test.jsonl", "w") as f:
-        for r in common.embedded_pairs(40, seed=9):
-            f.write(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n")
+    write_jsonl(tmp_path / "data" / "test.jsonl", [{k: r[k] for k in ("prompt", "chosen", "rejected")}
+                                                   for r in common.embedded_pairs(40, seed=9)])
     ev = rm.main(rm.Args(model_name_or_path=str(saved_run), dataset_name=str(tmp_path / "data"), eval_only=True,
                          output_dir=str(tmp_path / "eval")))
     assert json.load(open(tmp_path / "eval" / "eval_results.json"))["num_pairs"] == 40 and "eval/accuracy" in ev
@@ -270,10 +273,7 @@ def test_eval_only_reads_a_folder_with_a_test_split_alone_and_mixtures_with_some
 
 
 def test_a_tokenizer_loaded_as_the_wrong_class_is_named_before_any_pair_is_dropped(tmp_path):
-    """transformers' AutoTokenizer loads a word-level tokenizer saved beside a Qwen2 config as Qwen2Tokenizer, which
-    turns every text into no tokens: without a check, every pair would be dropped as identical."""
-    from transformers import AutoTokenizer, Qwen2Config
-
+    """A tokenizer AutoTokenizer loads as the wrong class (no tokens for any text) is named before every pair drops."""
     common.embedded_tokenizer().save_pretrained(tmp_path)
     Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=2).save_pretrained(tmp_path)
@@ -284,11 +284,7 @@ def test_a_tokenizer_loaded_as_the_wrong_class_is_named_before_any_pair_is_dropp
 
 
 def test_data_the_tokenizer_does_not_cover_stops_both_scripts_before_training(hh_path, tmp_path):
-    """English data on the embedded model is 95% <unk>: trained on, it gives chance accuracy and exits 0. A tokenizer
-    that covers it but for a few characters (the tests' 400-token WordPiece, 4% unknown) is not stopped."""
-    import ppo
-    from families import build_tokenizer
-
+    """Data 95% <unk> (chance accuracy, exit 0) stops both scripts; a tokenizer 4% unknown is not stopped."""
     unknown = r"test.jsonl.gz: 9\d% of its tokens are <unk> to embedded-llama's tokenizer, which does not cover this " \
               r"data; pass {} a model whose tokenizer does"
     with pytest.raises(common.UserError, match=unknown.format("--model_name_or_path")):
@@ -309,45 +305,37 @@ def test_data_the_tokenizer_does_not_cover_stops_both_scripts_before_training(hh
     ("ppo", ["--dataset_name", "no_such_prompts.jsonl"], "--dataset_name no_such_prompts.jsonl"),
     ("ppo", ["--ptx_coef", "0.1", "--ptx_dataset_name", "someone/no-such-text"], "--ptx_dataset_name someone/"),
     ("rm", ["--model_name_or_path", "someone/no-such-model"], "--model_name_or_path someone/no-such-model"),
+    ("rm", ["--dataset_name", "nope.jsonl"], "--dataset_name nope.jsonl"),
     ("rm", ["--dataset_mixer_list", "embedded", "100", "someone/no-such-pairs", "1.0"], "someone/no-such-pairs"),
 ])
-def test_every_model_and_dataset_is_found_before_any_model_loads(script, flags, named, tmp_path, monkeypatch, capsys):
-    """With the hub off (HF_HUB_OFFLINE, as here), a name that is neither a local path nor in the hub cache is one
-    line naming it once, before any model loads (not half a minute of retries, nor a dataset missed for minutes)."""
-    import huggingface_hub
-
-    import ppo
-
+def test_every_model_and_dataset_is_found_before_any_model_loads(script, flags, named, tmp_path, monkeypatch):
+    """Offline, a name neither a local path nor in the hub cache is one line naming it once, before any model loads."""
     module = {"ppo": ppo, "rm": rm}[script]
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)
     monkeypatch.setattr(module, "build_models" if script == "ppo" else "load_reward_model",
                         lambda *a, **k: pytest.fail("a model was loaded before the names were found"))
     flags = flags + (["--reward_fn", "common:gold_rewards"] if script == "ppo" and "runs/rm-missing" not in flags
                      else [])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        common.exit_on_user_error(module.main, tyro.cli(module.Args, args=flags + ["--output_dir", str(tmp_path)],
-                                                        use_underscores=True))
-    stderr = capsys.readouterr().err
-    assert exit_.value.code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    proc = run_main([f"{script}.py", *flags, "--output_dir", str(tmp_path)], check=False)
+    stderr = proc.stderr
+    assert proc.returncode == 2 and len(stderr.strip().splitlines()) == 1, stderr
     assert named in stderr and stderr.count(named.split()[-1]) == 1 and "no such file or folder" in stderr, stderr
 
 
 def test_help_is_printed_once_under_torchrun_the_methods_options_first():
     """tyro's own help, from each field's docstring: once under torchrun, the method's options first."""
-    proc = run_script(["rm.py", "--help"], nproc=2, env={"COLUMNS": "80"})
+    proc = run_script(["rm.py", "--help"], nproc=2, env={"COLUMNS": "200"})
     assert proc.stdout.count("usage: rm.py") == 1, proc.stdout[-2000:]
     assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--center_rewards_coefficient", "--head_init_std"]
-    assert "Weight of mean((r_c + r_r)^2)" in proc.stdout
+    assert "Weight of mean((r_c + r_r)^2)" in proc.stdout and "--lr_end" in proc.stdout
+    assert "this fraction held out, by whole prompts" in proc.stdout
+    assert "warmup_stable_decay" in proc.stdout  # every schedule transformers has
     proc = run_script(["ppo.py", "--help"], env={"COLUMNS": "80"})
     assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--advantage_estimator", "--num_samples_per_prompt"]
 
 
 def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_reported(family_dir, tmp_path):
-    """A causal LM as rm.py's starting point: its new score head (missing from the checkpoint) and its unused LM head
-    are what the script means, said in one line; a backbone weight missing from the checkpoint is still reported."""
-    from safetensors.torch import load_file, save_file
-
+    """A causal LM as rm.py's start: its new head and unused LM head in one line; a missing backbone weight reported."""
     source = tmp_path / "lm"
     shutil.copytree(family_dir("llama"), source)
     weights = load_file(source / "model.safetensors")
@@ -361,15 +349,15 @@ def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_re
 
 
 def test_nodes_that_do_not_share_the_output_folder_stop_before_training(tmp_path, small_pairs_file):
-    """Two torchrun agents (--nnodes 2) started in different folders with a relative --output_dir: each node would
-    write its own shards; both stop at start-up with one line, within a minute."""
+    """Nodes in different folders with a relative --output_dir both stop at start-up with one line, within a minute."""
     started, agents = time.time(), []
     for node in (0, 1):
         os.makedirs(tmp_path / f"node{node}")
         agents.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
              "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(29500 + os.getpid() % 1000),
-             os.path.join(ROOT, "rm.py"), "--dataset_name", small_pairs_file, "--max_steps", "4", "--output_dir", "out"],
+             os.path.join(ROOT, "rm.py"), "--dataset_name", small_pairs_file, "--max_steps", "4",
+             "--output_dir", "out"],
             cwd=tmp_path / f"node{node}", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, OMP_NUM_THREADS="1")))
     errors = [agent.communicate(timeout=120)[1] for agent in agents]
@@ -382,22 +370,22 @@ def test_nodes_that_do_not_share_the_output_folder_stop_before_training(tmp_path
 
 
 def test_a_check_failed_on_one_rank_ends_every_rank_with_its_message(tmp_path):
-    """The reward function fails on rank 1 alone: both ranks stop with its message (rank 0 does not wait in a
-    collective for rank 1, which across nodes would last the process group's timeout)."""
+    """A reward function failing on rank 1 alone ends both ranks with its message (no wait in a collective)."""
     fn = tmp_path / "rank_reward.py"
     fn.write_text("import os\n\ndef reward(prompts, responses):\n"
                   "    return [float('nan') if os.environ['RANK'] == '1' else 1.0 for _ in prompts]\n")
     started = time.time()
-    proc = run_script(["ppo.py", "--reward_fn", f"{fn}:reward", "--total_episodes", "8", "--per_device_train_batch_size", "2",
-                       "--num_mini_batches", "1", "--response_length", "8",
-                       "--output_dir", str(tmp_path / "out")], nproc=2, check=False)
+    proc = run_script(["ppo.py", "--reward_fn", f"{fn}:reward", "--total_episodes", "8",
+                       "--per_device_train_batch_size", "2", "--num_mini_batches", "1", "--response_length", "8",
+                       "--output_dir", str(tmp_path / "out")],
+                      nproc=2, check=False)
     assert time.time() - started < 60 and proc.returncode != 0
     assert proc.stderr.count(f"error: --reward_fn {fn}:reward returned nan; it must return one finite number") == 2
 
 
 def test_a_full_disk_on_one_rank_during_a_sharded_checkpoint_is_one_line_on_every_rank(tmp_path, small_pairs_file):
-    """Rank 1's checkpoint writer fails (ENOSPC) at step 4 of a run resumed from step 2: every rank stops with one
-    line, the partial checkpoint is removed, and step 2's stays whole and `latest`."""
+    """Rank 1's checkpoint writer fails (ENOSPC): every rank stops with one line, the partial checkpoint removed, the
+    last one whole and `latest`."""
     base = ["tests/faults.py", "rm.py", "--dataset_name", small_pairs_file, "--max_steps", "6", "--save_steps", "2",
             "--num_evals", "1", "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path)]
     assert run_script(base, nproc=2, check=False, env=dict(STOP_AFTER_SAVE="2")).returncode != 0
@@ -410,8 +398,7 @@ def test_a_full_disk_on_one_rank_during_a_sharded_checkpoint_is_one_line_on_ever
 
 @pytest.mark.parametrize("script", ["rm.py", "ppo.py"])
 def test_a_full_disk_at_the_final_save_is_one_line_on_every_rank(tmp_path, small_pairs_file, script):
-    """Rank 0's final save_pretrained fails as on a full disk: both ranks stop with its one line (rank 1 does not
-    wait for a rank that has failed), and nothing half-written is left in the output folder."""
+    """Rank 0's final save fails (ENOSPC): both ranks stop with its one line, nothing half-written left."""
     flags = (["--dataset_name", small_pairs_file, "--max_steps", "2", "--num_evals", "1",
               "--per_device_train_batch_size", "4"] if script == "rm.py" else
              ["--reward_fn", "common:gold_rewards", "--total_episodes", "8", "--per_device_train_batch_size", "2",
@@ -426,9 +413,7 @@ def test_a_full_disk_at_the_final_save_is_one_line_on_every_rank(tmp_path, small
 
 
 def test_a_dataset_prepared_in_datasets_own_cache_is_found_offline(tmp_path, monkeypatch):
-    """Offline clusters prepare a hub dataset once with `datasets` and read it from its cache: the name check finds it
-    there (the folder `datasets` names it by) and still refuses a name that is in neither cache."""
-    import huggingface_hub
+    """A hub dataset prepared in `datasets`' own cache is found offline; a name in neither cache is refused."""
     from datasets import config
 
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import assert_saved_models_equal, read_metrics, replayed_samples, run_main, run_ranks
 from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, WINDOW, WINDOWED, save_family  # noqa: F401
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import common
 import ppo
@@ -69,9 +70,9 @@ def tokenized_pairs(family, tokenizer, n=6):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_packed_layout_gives_the_padded_rewards_and_gradients(family, family_dir):
-    """--padding_free on every family: packed where its start-up check passes, and then the padded batch's rewards and
-    gradients (each sequence alone's rewards); padded, and why, where it cannot."""
+def test_packed_layout_gives_the_padded_rewards_and_gradients_and_no_dropout_anywhere(family, family_dir):
+    """--padding_free on every family: packed where its start-up check passes, then the padded batch's rewards and
+    gradients (each sequence alone's rewards), else padded; no dropout anywhere (reward model and policy)."""
     model, tokenizer, args = reward_model_of(family_dir(family), padding_free=True)
     padded_model = reward_model_of(family_dir(family))[0]
     assert model.hf.dtype == torch.float32  # trained in float32 whatever the stored dtype
@@ -82,34 +83,25 @@ def test_packed_layout_gives_the_padded_rewards_and_gradients(family, family_dir
     if family in WINDOWED:
         assert max(len(p["prompt"]) + len(p["chosen"]) for p in pairs) > WINDOW  # the window matters here
     pad = tokenizer.pad_token_id
+    with torch.no_grad():
+        padded_inputs = rm.model_inputs(pairs, pad, rm.Args())
+        assert torch.equal(padded_model.train()(**padded_inputs), padded_model.eval()(**padded_inputs))
+        alone = torch.cat([padded_model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
+                                                                                     dtype=torch.long))
+                           for k in ("chosen", "rejected") for p in pairs])  # each sequence alone, unpadded
     results = {}
-    for name, m, inputs in (("padded", padded_model, rm.model_inputs(pairs, pad, rm.Args())),
+    for name, m, inputs in (("padded", padded_model, padded_inputs),
                             ("packed", model, rm.model_inputs(pairs, pad, chosen_args))):
         m.train()
         rewards = m(**inputs)
         rc, rr = rewards.chunk(2)
         rm.preference_loss(rc, rr, torch.zeros(len(pairs))).mean().backward()
         results[name] = rewards.detach(), torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
-    with torch.no_grad():  # each sequence alone: no padding, no packing
-        alone = torch.cat([padded_model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
-                                                                                     dtype=torch.long))
-                           for k in ("chosen", "rejected") for p in pairs])
     assert torch.allclose(results["padded"][0], alone, atol=1e-5)
     assert torch.allclose(results["packed"][0], alone, atol=1e-5)
     assert torch.allclose(results["packed"][1], results["padded"][1], atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_no_dropout_anywhere_training_forward_equals_evaluation_forward(family, family_dir):
-    path = family_dir(family)
-    model, tokenizer, args = reward_model_of(path)
-    pairs = tokenized_pairs(family, tokenizer)
-    inputs = rm.model_inputs(pairs, tokenizer.pad_token_id, args)  # (the default: padded)
-    with torch.no_grad():
-        train, evaluation = model.train()(**inputs), model.eval()(**inputs)
-    assert torch.equal(train, evaluation)
     if family in DECODERS:
-        policy = ppo.load_policy(ppo.Args(sft_model_path=path), tokenizer)
+        policy = ppo.load_policy(ppo.Args(sft_model_path=family_dir(family)), tokenizer)
         ids = torch.tensor([pairs[0]["prompt"] + pairs[0]["chosen"]])
         with torch.no_grad():
             assert torch.equal(policy.train()(input_ids=ids).logits, policy.eval()(input_ids=ids).logits)
@@ -117,8 +109,7 @@ def test_no_dropout_anywhere_training_forward_equals_evaluation_forward(family, 
 
 @pytest.mark.parametrize("family", DECODERS)
 def test_sampler_draws_from_the_learning_forwards_distribution(family, family_dir):
-    """The KV-cached decode samples from the distribution the learning forward computes: each drawn token is the
-    argmax of the whole-sequence forward's logits plus the episode's Gumbel noise."""
+    """The KV-cached decode draws the argmax of the whole-sequence forward's logits plus the episode's Gumbel noise."""
     args = ppo.Args(sft_model_path=family_dir(family), response_length=6, temperature=0.8)
     tokenizer = ppo.load_tokenizer(args)
     policy = ppo.load_policy(args, tokenizer).eval()
@@ -134,8 +125,7 @@ def test_sampler_draws_from_the_learning_forwards_distribution(family, family_di
 
 @pytest.mark.parametrize("family", DECODERS)
 def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(family, family_dir, tmp_path):
-    """rm.py and ppo.py tokenize and truncate a prompt the same way, and rm.py's response ends at the policy's stop
-    token (once, with nothing after it: chat templates write text after their end-of-turn token)."""
+    """rm.py and ppo.py cut a prompt alike; rm.py's response ends at the policy's stop token, once, nothing after it."""
     path = family_dir(family)
     rows = preference_rows(family, 8, seed=4)
     # cut (keeping the leading BOS; rm.py cuts a prompt only where the pair does not fit --max_length, to what the
@@ -168,8 +158,6 @@ def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(fa
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_saved_reward_model_reloads_with_transformers_and_gives_the_training_rewards(family, trained_rm):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     path = trained_rm(family)
     results = json.load(open(os.path.join(path, "eval_results.json")))
     hf = AutoModelForSequenceClassification.from_pretrained(path).eval()
@@ -186,49 +174,45 @@ def test_saved_reward_model_reloads_with_transformers_and_gives_the_training_rew
     assert ours[len(evals):].mean().item() == pytest.approx(results["rejected_reward"], abs=1e-4)
 
 
+def whole_and_micro_batches(base, tmp_path, monkeypatch, **speed_paths):
+    """ppo.py's first update's metrics: one micro-batch of 8; 4 of 2 in length groups (and the speed paths given)."""
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
+    monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
+                      gradient_accumulation_steps=4, group_by_length=True, **speed_paths, **base))
+    return read_metrics(tmp_path / "whole")[0], read_metrics(tmp_path / "micro")[0]
+
+
+def ppo_base(family, family_dir, trained_rm, **kw):
+    return dict(sft_model_path=family_dir(family), reward_model_path=trained_rm(family), total_episodes=8,
+                num_mini_batches=1, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, sample_every=1,
+                max_prompt_length=32, **kw)
+
+
 @pytest.mark.parametrize("family", DECODERS)
 def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(family, family_dir, trained_rm,
                                                                             tmp_path, monkeypatch):
-    """The plain path, one micro-batch of 8, against the opt-in speed paths: 4 micro-batches of 2 each cut into as
-    many length groups as there are lengths (--group_by_length), their logits one position at a time
-    (--blocked_logits): the same update."""
-    base = dict(sft_model_path=family_dir(family), reward_model_path=trained_rm(family), total_episodes=8,
-                num_mini_batches=1, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, sample_every=1,
-                max_prompt_length=32)
-    ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
-    monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
-    monkeypatch.setattr(ppo, "LOGIT_BLOCK", 1)  # and logits one position at a time, recomputed in the backward pass
-    ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
-                      gradient_accumulation_steps=4, group_by_length=True, blocked_logits=True, **base))
-    whole, micro = read_metrics(tmp_path / "whole")[0], read_metrics(tmp_path / "micro")[0]
+    """The plain path and the speed paths (length groups, --blocked_logits one position at a time): the same update."""
+    monkeypatch.setattr(ppo, "LOGIT_BLOCK", 1)
+    whole, micro = whole_and_micro_batches(ppo_base(family, family_dir, trained_rm), tmp_path, monkeypatch,
+                                           blocked_logits=True)
     for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/entropy", "policy/grad_norm"):
         assert whole[key] == pytest.approx(micro[key], abs=1e-5, rel=1e-5), key
     assert whole["policy/approxkl"] > 0  # the second epoch saw a changed policy
-
-    from transformers import AutoModelForCausalLM
-
     AutoModelForCausalLM.from_pretrained(tmp_path / "whole")  # the saved policy loads
 
 
 @pytest.mark.parametrize("family", DECODERS)
 def test_critic_free_estimators_on_every_decoder_family_are_independent_of_the_micro_batch_split(
         family, family_dir, trained_rm, tmp_path, monkeypatch):
-    """The critic-free estimators, the KL's two places and the three loss averages, spread over the families: one
-    micro-batch of 8 against 4 micro-batches of 2 in one length group per length (--group_by_length), the same
-    update; no critic."""
+    """The critic-free estimators, KL places and loss averages over the families: the same update in length groups."""
     i = DECODERS.index(family)
     estimator = [dict(advantage_estimator="rloo"), dict(advantage_estimator="grpo"),
                  dict(advantage_estimator="reinforce_pp", num_samples_per_prompt=2),
                  dict(advantage_estimator="grpo", scale_rewards=False)][i % 4]
-    base = dict(sft_model_path=family_dir(family), reward_model_path=trained_rm(family), total_episodes=8,
-                num_mini_batches=1, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, sample_every=1,
-                max_prompt_length=32, kl_penalty=["loss", "reward"][i % 2],
-                loss_aggregation=["sequence_mean", "constant", "token_mean"][i % 3], **estimator)
-    ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
-    monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
-    ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
-                      gradient_accumulation_steps=4, group_by_length=True, **base))
-    whole, micro = read_metrics(tmp_path / "whole")[0], read_metrics(tmp_path / "micro")[0]
+    base = ppo_base(family, family_dir, trained_rm, kl_penalty=["loss", "reward"][i % 2],
+                    loss_aggregation=["sequence_mean", "constant", "token_mean"][i % 3], **estimator)
+    whole, micro = whole_and_micro_batches(base, tmp_path, monkeypatch)
     kl = ("loss/kl",) if base["kl_penalty"] == "loss" else ()
     for key in ("objective/scores", "objective/kl", "loss/policy", "policy/entropy", "policy/grad_norm", *kl):
         assert whole[key] == pytest.approx(micro[key], abs=1e-5, rel=1e-5), key
@@ -238,10 +222,7 @@ def test_critic_free_estimators_on_every_decoder_family_are_independent_of_the_m
 @pytest.mark.parametrize("reward_family", ["llama", "bert", "deberta"])
 def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(reward_family, family_dir, trained_rm,
                                                                           tmp_path):
-    """A GPT-2-tokenized policy, a reward model with another vocabulary (or an encoder): the tokens the reward model
-    reads are exactly those rm.py makes from the same prompt and response text, and PPO runs end to end."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
+    """A reward model of another vocabulary (or an encoder) reads exactly rm.py's tokens of the same text; PPO runs."""
     policy_path, rm_path = family_dir("gpt2"), trained_rm(reward_family)
     args = ppo.Args(sft_model_path=policy_path, reward_model_path=rm_path, max_prompt_length=32)
     tokenizer = ppo.load_tokenizer(args)
@@ -294,31 +275,17 @@ def test_two_ranks_equal_one_process_on_an_eager_decoder_and_an_encoder(family, 
         assert np.allclose([m[key] for m in one], [m[key] for m in ddp], atol=1e-5), key
 
 
-def test_a_role_the_chat_template_drops_is_named_not_silently_lost():
-    from families import build_tokenizer
-
-    tokenizer = build_tokenizer("llama")  # the Llama 2 template renders user and assistant turns only
-    row = {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
-           "rejected": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "b"}]}
-    with pytest.raises(common.UserError, match="d.jsonl: line 2: field 'rejected', message 1: role 'narrator' is not"):
-        common.split_pair(row, tokenizer, "d.jsonl: line 2")
-    row["rejected"][1]["role"] = "assistant"
-    assert common.split_pair(row, tokenizer, "d.jsonl: line 2")[1:] == (" a </s>", " b </s>")
-
-
 def test_a_checkpoint_stored_in_bfloat16_trains_exactly_as_its_float32_copy(family_dir, trained_rm, tmp_path):
-    """Weights and optimizer state are float32 whatever the stored dtype: the same values stored in bfloat16 and in
-    float32 train to the same models, in rm.py and ppo.py (in bfloat16, lr-sized updates would round away)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Training is in float32 whatever the stored dtype: bfloat16 and float32 copies train to the same models, in both
+    scripts (in bfloat16, lr-sized updates would round away)."""
     stored = family_dir("llama")
     as_float32 = str(tmp_path / "float32")
     AutoModelForCausalLM.from_pretrained(stored, dtype=torch.float32).save_pretrained(as_float32)
     AutoTokenizer.from_pretrained(stored).save_pretrained(as_float32)
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 64))
     for name, path in (("bf16", stored), ("fp32", as_float32)):
-        rm.main(rm.Args(model_name_or_path=path, dataset_name=data, output_dir=str(tmp_path / f"rm-{name}"), max_steps=3,
-                        per_device_train_batch_size=8, learning_rate=1e-5, num_evals=1, max_length=64,
+        rm.main(rm.Args(model_name_or_path=path, dataset_name=data, output_dir=str(tmp_path / f"rm-{name}"),
+                        max_steps=3, per_device_train_batch_size=8, learning_rate=1e-5, num_evals=1, max_length=64,
                         max_prompt_length=32))
         ppo.main(ppo.Args(sft_model_path=path, reward_model_path=trained_rm("llama"), total_episodes=8,
                           per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2, response_length=6,
@@ -337,8 +304,7 @@ def test_a_checkpoint_stored_in_bfloat16_trains_exactly_as_its_float32_copy(fami
 
 
 def test_a_text_prompt_before_message_responses_is_one_prompt_in_both_scripts(family_dir, tmp_path):
-    """rm.py renders a text prompt before message responses as the user's turn; ppo.py samples from that same prompt
-    (not the raw text), so the policy continues what the reward model was trained on."""
+    """A text prompt before message responses is the user's turn in rm.py and the prompt ppo.py samples from."""
     path = family_dir("llama3")
     rows = [{"prompt": "tell me about foods", "chosen": [{"role": "assistant", "content": "rice"}],
              "rejected": [{"role": "assistant", "content": "owl"}]}]
@@ -367,9 +333,7 @@ def test_lengths_beyond_a_learned_position_table_are_refused_at_the_start(family
 # unit of its own in ppo.py), RoPE buffers
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])
 def test_fsdp_ranks_fill_their_shards_from_rank_0s_copy_of_saved_models(family, family_dir, trained_rm, tmp_path):
-    """Under --fsdp only rank 0 reads a saved model's weights (the other ranks build skeletons on the meta device)
-    and broadcasts them into every rank's shards: 2 ranks then train as 1 process does, rm.py from a saved causal
-    LM, ppo.py from a saved policy and reward model."""
+    """Under --fsdp only rank 0 reads saved weights and broadcasts them into the shards: 2 ranks train as 1 process."""
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(family, 64))
     rm_base = ["rm.py", "--model_name_or_path", family_dir(family), "--dataset_name", data, "--max_steps", "2",
                "--per_device_train_batch_size", "4", "--num_evals", "1", "--max_length", "64", "--max_prompt_length",
@@ -379,7 +343,8 @@ def test_fsdp_ranks_fill_their_shards_from_rank_0s_copy_of_saved_models(family, 
     ppo_base = ["ppo.py", "--sft_model_path", family_dir(family), "--reward_model_path", trained_rm(family),
                 "--total_episodes", "16", "--per_device_train_batch_size", "4", "--num_mini_batches", "1",
                 "--response_length", "6", "--max_prompt_length", "32", "--learning_rate", "1e-3"]
-    run_ranks([b + ["--fsdp", "--output_dir", str(tmp_path / f"{b[0][:-3]}-fsdp")] for b in (rm_base, ppo_base)], tmp_path)
+    run_ranks([b + ["--fsdp", "--output_dir", str(tmp_path / f"{b[0][:-3]}-fsdp")] for b in (rm_base, ppo_base)],
+              tmp_path)
     for script, base, auto in (("rm", rm_base, "AutoModelForSequenceClassification"),
                                ("ppo", ppo_base, "AutoModelForCausalLM")):
         run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / f"{script}-one")])

@@ -2,6 +2,7 @@
 adapters and heads train, and runs split over ranks or resumed equal one uninterrupted process."""
 
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -12,7 +13,10 @@ import pytest
 import torch
 from conftest import assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks
 from families import DECODERS, FAMILIES
+from peft import LoraConfig, PeftModel, get_peft_model
 from test_families import preference_rows, tokenized_pairs, write_jsonl
+from test_rm import killed_after_checkpoint, no_timings
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import common
 import ppo
@@ -22,13 +26,21 @@ LORA = dict(lora_r=4, lora_alpha=8.0)
 
 
 def perturb_adapters(model, seed=0):
-    """LoRA's B starts at zero (the adapted model is the base): give every adapter and head copy other values, so that
-    a merge or a switched-off adapter that is wrong shows."""
+    """Every adapter and head copy moved off its start (LoRA's B starts at 0): a wrong merge or switch shows."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def sft_adapter(family_dir, path, targets=None, task="CAUSAL_LM"):
+    """An SFT model as a peft LoRA adapter folder: on the tiny Llama, perturbed as if trained, saved at path."""
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32),
+                             LoraConfig(r=4, target_modules=targets or ["q_proj", "v_proj"], task_type=task))
+    perturb_adapters(adapter, seed=1)
+    adapter.save_pretrained(path)
+    return adapter
 
 
 def policy_logprobs(model, tokenizer, n=3):
@@ -40,9 +52,10 @@ def policy_logprobs(model, tokenizer, n=3):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_merged_reward_model_loads_without_peft_and_gives_the_adapted_rewards(family, family_dir, tmp_path):
-    from transformers import AutoModelForSequenceClassification
-
+def test_merged_saves_load_without_peft_and_the_reference_is_the_policy_with_its_adapter_off(family, family_dir,
+                                                                                            tmp_path):
+    """Only adapters and head train; a merged reward model or policy gives the adapted model's numbers; the reference
+    is the initial policy, the adapter off."""
     args = rm.Args(model_name_or_path=family_dir(family), padding_free=False, **LORA)
     tokenizer = rm.load_tokenizer(args.model_name_or_path)
     hf, lora, _ = rm.load_reward_model(args, tokenizer)
@@ -56,18 +69,13 @@ def test_merged_reward_model_loads_without_peft_and_gives_the_adapted_rewards(fa
         perturb_adapters(hf)
         adapted = rm.RewardModel(hf)(ids, mask)
     assert not torch.allclose(adapted, before, atol=1e-3)
-    rm.save_reward_model(hf, lora, hf.state_dict(), tokenizer, str(tmp_path), 0.0, 1.0)
-    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    rm.save_reward_model(hf, lora, hf.state_dict(), tokenizer, str(tmp_path / "rm"), 0.0, 1.0)
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
     with torch.no_grad():
         assert torch.allclose(rm.RewardModel(merged)(ids, mask), adapted, atol=1e-4, rtol=1e-4)
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
-
-
-@pytest.mark.parametrize("family", DECODERS)
-def test_reference_is_the_initial_policy_with_the_adapter_off_and_the_merged_policy_the_adapted_one(
-        family, family_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
-
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "rm" / "adapter"))
+    if family not in DECODERS:
+        return
     args = ppo.Args(sft_model_path=family_dir(family), **LORA)
     tokenizer = ppo.load_tokenizer(args)
     policy = ppo.load_policy(args, tokenizer).eval()
@@ -79,24 +87,18 @@ def test_reference_is_the_initial_policy_with_the_adapter_off_and_the_merged_pol
     assert not torch.allclose(adapted, initial, atol=1e-3)
     with lora.disable_adapter():
         assert torch.equal(policy_logprobs(policy, tokenizer), initial)
-    common.save_lora(policy, lora, policy.state_dict(), tokenizer, str(tmp_path)).save_pretrained(tmp_path)
-    assert os.path.exists(tmp_path / "adapter" / "adapter_model.safetensors")
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    policy_dir = str(tmp_path / "policy")
+    common.save_lora(policy, lora, policy.state_dict(), tokenizer, policy_dir).save_pretrained(policy_dir)
+    assert os.path.exists(tmp_path / "policy" / "adapter" / "adapter_model.safetensors")
+    reloaded = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
     assert torch.allclose(policy_logprobs(reloaded, tokenizer), adapted, atol=1e-4)
 
 
 def test_an_sft_adapter_as_the_initial_policy_is_the_reference_not_its_base(family_dir, tmp_path):
-    """A policy given as a peft adapter folder starts from the adapter's model: merged at load, so the new adapter's
-    switched-off state (the reference) is the SFT model, not the base it was trained from."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM
-
+    """A policy given as an adapter folder is merged at load: the reference is the SFT model, not its base."""
     base_path = family_dir("llama")
     tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=base_path))
-    sft = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
-                         LoraConfig(r=4, target_modules="all-linear"))
-    perturb_adapters(sft, seed=1)
-    sft.save_pretrained(tmp_path / "sft")
+    sft = sft_adapter(family_dir, tmp_path / "sft", "all-linear", None)
     sft_logprobs = policy_logprobs(sft.eval(), tokenizer)
     base_logprobs = policy_logprobs(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), tokenizer)
     assert not torch.allclose(sft_logprobs, base_logprobs, atol=1e-3)
@@ -112,21 +114,13 @@ def test_an_sft_adapter_as_the_initial_policy_is_the_reference_not_its_base(fami
 
 
 def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_documented(family_dir, tmp_path):
-    """A causal-LM (SFT) adapter folder as --model_name_or_path: the reward model's backbone is the SFT model (the
-    adapter merged into its base), and its head is new, drawn with --head_init_std; an adapter without a head's
-    weights gets a new head too, and rm.py's own adapters keep theirs (test below)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base_path = family_dir("llama")
-    ids = torch.tensor([[1, 5, 9, 12, 30]])
+    """An SFT adapter folder (with a task type or none) starts a reward model: the adapter merged into its base, a new
+    head drawn with --head_init_std; ppo.py refuses it, or a causal LM, as a reward model (a random head)."""
+    ids, base = torch.tensor([[1, 5, 9, 12, 30]]), AutoModelForCausalLM.from_pretrained(family_dir("llama"))
     with torch.no_grad():
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).base_model(input_ids=ids)[0]
+        base = base.float().base_model(input_ids=ids)[0]
     for task in ("CAUSAL_LM", None):  # an SFT adapter; one of no task type (peft's default), which holds no head
-        adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
-                                 LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type=task))
-        perturb_adapters(adapter, seed=1)
-        adapter.save_pretrained(tmp_path / str(task))
+        adapter = sft_adapter(family_dir, tmp_path / str(task), task=task)
         args = rm.Args(model_name_or_path=str(tmp_path / str(task)), head_init_std=3.0)
         hf, _, _ = rm.load_reward_model(args, rm.load_tokenizer(args.model_name_or_path))
         with torch.no_grad():
@@ -134,19 +128,16 @@ def test_an_sft_adapter_starts_a_reward_model_merged_with_a_new_head_as_document
             assert not torch.allclose(expected, base, atol=1e-3)
             assert torch.allclose(hf.eval().base_model(input_ids=ids).last_hidden_state, expected, atol=1e-5), task
         assert 1.5 < hf.score.weight.std().item() < 6, task  # --head_init_std, not transformers' 0.02
+    sft, tokenizer = family_dir("llama"), ppo.load_tokenizer(ppo.Args(sft_model_path=family_dir("llama")))
+    for path in (sft, str(tmp_path / "CAUSAL_LM")):  # as ppo.py's --reward_model_path: a random head, refused
+        with pytest.raises(common.UserError, match="not a reward model"):
+            ppo.load_reward(ppo.Args(sft_model_path=sft, reward_model_path=path), tokenizer)
 
 
 @pytest.mark.parametrize("lora_r", [0, 4])
 def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapters(lora_r, family_dir, tmp_path):
-    """An SFT adapter folder (peft, CAUSAL_LM) as --model_name_or_path trains like any start: merged into its base,
-    every weight trained with --lora_r 0 (peft loads an adapter frozen), new adapters and the head with --lora_r."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32),
-                             LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    perturb_adapters(adapter, seed=1)
-    adapter.save_pretrained(tmp_path / "sft")
+    """An SFT adapter folder trains merged: every weight with --lora_r 0 (peft loads it frozen), new adapters else."""
+    adapter = sft_adapter(family_dir, tmp_path / "sft")
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 40))
     rm.main(rm.Args(model_name_or_path=str(tmp_path / "sft"), dataset_name=data, output_dir=str(tmp_path / "rm"),
                     lora_r=lora_r, max_steps=3, per_device_train_batch_size=4, num_evals=1, learning_rate=1e-2,
@@ -157,22 +148,6 @@ def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapter
     moved = {k for k, v in start.items() if not torch.equal(saved[k][tuple(map(slice, v.shape))], v)}
     linear = {k for k in start if k.endswith("proj.weight")}
     assert moved == set(start) if not lora_r else moved == linear, sorted(set(start) ^ moved)
-
-
-def test_ppo_refuses_a_reward_model_without_a_trained_head(family_dir, tmp_path):
-    """A causal LM, or an SFT adapter, as --reward_model_path: transformers would give it a head drawn at random (a
-    reward of noise, trained on without a word); ppo.py stops in one line instead."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    sft = family_dir("llama")
-    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(sft), LoraConfig(r=4, target_modules=["q_proj"],
-                                                                                   task_type="CAUSAL_LM"))
-    adapter.save_pretrained(tmp_path / "adapter")
-    tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=sft))
-    for path in (sft, str(tmp_path / "adapter")):
-        with pytest.raises(common.UserError, match="not a reward model"):
-            ppo.load_reward(ppo.Args(sft_model_path=sft, reward_model_path=path), tokenizer)
 
 
 def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike(family_dir, tmp_path):
@@ -199,31 +174,6 @@ def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike
 
 
 # --- training runs ----------------------------------------------------------------------------------------------------
-
-RM_SHORT = ["--max_steps", "6", "--logging_steps", "1", "--num_evals", "1", "--per_device_train_batch_size", "4",
-            "--lora_r", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
-
-
-def test_rm_lora_trains_only_adapters_and_head_and_two_ranks_equal_one(tmp_path, small_pairs_file):
-    base = ["rm.py", "--dataset_name", small_pairs_file, *RM_SHORT]
-    run_main(base + ["--gradient_accumulation_steps", "2", "--save_steps", "5", "--output_dir", str(tmp_path / "one")])
-    run_ranks([base + ["--output_dir", str(tmp_path / "ddp")], base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")]
-               ], tmp_path)
-    runs = {k: [m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("one", "ddp", "fsdp")}
-    for key in ("train/loss", "train/grad_norm"):
-        one = [m[key] for m in runs["one"]]
-        for k in ("ddp", "fsdp"):
-            assert np.allclose([m[key] for m in runs[k]], one, atol=1e-5, rtol=0), (key, k)
-    assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForSequenceClassification")
-
-    tokenizer = rm.load_tokenizer("embedded-llama")
-    initial, _, _ = rm.load_reward_model(rm.Args(seed=1, lora_r=4, lora_alpha=8.0), tokenizer)
-    trained = read_checkpoint(common.latest_checkpoint(str(tmp_path / "one")))["model"]
-    moved = {k.removeprefix("hf.") for k, v in trained.items() if not torch.equal(v, initial.state_dict()[
-        k.removeprefix("hf.")])}
-    assert moved and all("lora_" in k or "modules_to_save" in k for k in moved), moved
-    assert any("lora_B" in k for k in moved) and any("modules_to_save" in k for k in moved)
-
 
 PPO_TINY = ["--total_episodes", "32", "--per_device_train_batch_size", "4", "--num_mini_batches", "2",
             "--num_ppo_epochs", "2", "--response_length", "8", "--lora_r", "4", "--lora_alpha", "8"]
@@ -269,9 +219,8 @@ def test_ppo_lora_bf16_holds_every_frozen_weight_in_bfloat16_and_trains_in_float
 
 
 def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_reward_model(reward_model_path, tmp_path):
-    """With LoRA and the critic initialised from the reward model, the scores come from the critic with its adapter
-    (and its value-head copy) switched off: they must equal the reward model's own normalized rewards, however far the
-    critic has trained."""
+    """With LoRA and a critic from the reward model, scores read from the critic with its adapter off equal the reward
+    model's normalized rewards, however far the critic has trained."""
     shutil.copytree(reward_model_path, tmp_path / "rm")
     config = json.load(open(tmp_path / "rm" / "config.json"))
     json.dump(dict(config, reward_scale=2.5), open(tmp_path / "rm" / "config.json", "w"))  # shift_scale's normalization
@@ -306,28 +255,13 @@ def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_re
 @pytest.mark.parametrize("script", ["rm", "ppo"])
 def test_lora_resume_after_interruption_reproduces_uninterrupted_run(script, tmp_path, small_pairs_file,
                                                                     reward_model_path, monkeypatch):
-    if script == "rm":
-        main, args, crash_at = rm.main, rm.Args(dataset_name=small_pairs_file, max_steps=6, logging_steps=1,
-                                               num_evals=2, save_steps=2, per_device_train_batch_size=8, **LORA), 4
-    else:
-        main, args, crash_at = ppo.main, ppo.Args(reward_model_path=reward_model_path, total_episodes=48,
-                                                 per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2,
-                                                 response_length=8, save_steps=2, **LORA), 4
-    main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "full")}))
-    real_save = common.commit_checkpoint
-
-    def save_then_crash(root, name, state, keep=2):
-        real_save(root, name, state, keep)
-        if state["step"] == crash_at:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(common, "commit_checkpoint", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "cut")}))
-    monkeypatch.setattr(common, "commit_checkpoint", real_save)
-    main(args.__class__(**{**vars(args), "output_dir": str(tmp_path / "cut"), "resume": True}))
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
-                        for m in ms]
-    assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))
+    main, args = (rm.main, rm.Args(dataset_name=small_pairs_file, max_steps=6, logging_steps=1, num_evals=2,
+                                   save_steps=2, per_device_train_batch_size=8, **LORA)) if script == "rm" else \
+        (ppo.main, ppo.Args(reward_model_path=reward_model_path, total_episodes=48, per_device_train_batch_size=4,
+                            num_mini_batches=2, num_ppo_epochs=2, response_length=8, save_steps=2, **LORA))
+    main(dataclasses.replace(args, output_dir=str(tmp_path / "full")))
+    killed_after_checkpoint(main, dataclasses.replace(args, output_dir=str(tmp_path / "cut")), 4, monkeypatch)
+    main(dataclasses.replace(args, output_dir=str(tmp_path / "cut"), resume=True))
+    assert no_timings(read_metrics(tmp_path / "cut")) == no_timings(read_metrics(tmp_path / "full"))
     auto = "AutoModelForSequenceClassification" if script == "rm" else "AutoModelForCausalLM"
     assert_saved_models_equal([tmp_path / "cut", tmp_path / "full"], auto)

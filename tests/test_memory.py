@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, run_script
+from families import build_config, build_tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import ppo
 import rm
@@ -26,7 +28,6 @@ SHAPES = {"pythia-6.9b": (dict(model_type="gpt_neox", hidden_size=4096, num_hidd
                         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
                         max_position_embeddings=8192, tie_word_embeddings=False), 8.030e9),
 }
-PREFIX = {"pythia-6.9b": "GPTNeoX", "llama-3-8b": "Llama"}
 
 
 def states(rows):
@@ -36,8 +37,6 @@ def states(rows):
 
 def saved_config(folder, shape, architecture):
     """A model folder holding a config.json and no weights."""
-    from transformers import AutoConfig
-
     fields = dict(SHAPES[shape][0])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields, architectures=[architecture], num_labels=1)
     config.save_pretrained(folder)
@@ -46,8 +45,9 @@ def saved_config(folder, shape, architecture):
 
 def saved_pair(tmp_path, shape):
     """(policy, reward model) folders of that shape, config.json only."""
-    return (saved_config(tmp_path / "policy", shape, f"{PREFIX[shape]}ForCausalLM"),
-            saved_config(tmp_path / "reward", shape, f"{PREFIX[shape]}ForSequenceClassification"))
+    prefix = {"pythia-6.9b": "GPTNeoX", "llama-3-8b": "Llama"}[shape]
+    return (saved_config(tmp_path / "policy", shape, f"{prefix}ForCausalLM"),
+            saved_config(tmp_path / "reward", shape, f"{prefix}ForSequenceClassification"))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -77,10 +77,9 @@ def test_7b_plans_fit_one_8_gpu_node_with_fsdp_and_bf16(tmp_path, shape):
     assert mp.refusal("ppo", args, 8, 80 * GB) is None
 
 
-def test_offloaded_shards_are_off_the_gpu_and_a_replica_is_never_offloaded(tmp_path):
-    """--offload_inference_models: under FSDP on several ranks the frozen models' shards live in host memory and take
-    no GPU memory between uses (a GPU the plan fits only so is not refused); under DDP, or on one rank, the flag holds
-    nothing on the host (a replica stays on the GPU)."""
+def test_offloaded_shards_are_off_the_gpu_a_replica_never_and_the_plan_states_the_host_memory_loading_takes(tmp_path):
+    """--offload_inference_models: under FSDP on several ranks the frozen models' shards live in host memory (a GPU
+    the plan fits only so is not refused); under DDP, or on one rank, a replica stays on the GPU."""
     policy, reward = saved_pair(tmp_path, "pythia-6.9b")
     args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True)
     offload = dataclasses.replace(args, offload_inference_models=True)
@@ -101,13 +100,8 @@ def test_offloaded_shards_are_off_the_gpu_and_a_replica_is_never_offloaded(tmp_p
         on, off = mp.plan("ppo", a, world), mp.plan("ppo", dataclasses.replace(a, offload_inference_models=True), world)
         assert off == on and not any(m.on_host for m in off if isinstance(m, mp.Planned))
 
-
-def test_the_plan_states_the_host_memory_loading_takes(tmp_path):
-    """Under FSDP on several ranks rank 0 builds each model whole in float32, three at most at once (ppo.py: reward
-    model, policy and critic; then the reference copied from the policy): Pythia 6.9B, 81.5 GB; under DDP or in one
-    process every rank builds its replicas (all of them count)."""
-    policy, reward = saved_pair(tmp_path, "pythia-6.9b")
-    args = ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True)
+    # Loading: under FSDP rank 0 builds each model whole in float32, three at most at once (81.5 GB); under DDP or in
+    # one process every rank builds all its replicas
     three = (2 * mp.shape(policy, "causal")[0] + mp.shape(reward, "reward")[0]) * 4
     assert three == pytest.approx(81.5e9, rel=1e-3)
     assert mp.table(mp.plan("ppo", args, 8), 8).splitlines()[-1] == (
@@ -121,14 +115,14 @@ def test_the_plan_states_the_host_memory_loading_takes(tmp_path):
         assert mp.table(rows, world).splitlines()[-1] == (
             f"  host memory while loading: up to {every / 1e9:.1f} GB on each rank, its replicas built in float32")
     lora = dataclasses.replace(args, lora_r=8)  # bfloat16 bases: the reward model, the policy, the critic copied
-    adapted = [mp.shape(path, kind, None, mp.lora_of(lora))[0] for path, kind in ((policy, "causal"), (reward, "reward"))]
+    adapted = [mp.shape(path, kind, None, mp.lora_of(lora))[0]
+               for path, kind in ((policy, "causal"), (reward, "reward"))]
     assert f": {(mp.shape(reward, 'reward')[0] + sum(adapted)) * 2 / 1e9:.1f} GB on rank 0" in mp.table(
         mp.plan("ppo", lora, 8), 8)
 
 
 def test_plan_is_what_the_scripts_hold_on_2_ranks(tmp_path, reward_model_path):
-    """Built as ppo.py and rm.py build them, after one optimizer step: each model's weights, gradients and AdamW
-    state on each of 2 ranks, as the plan says (FSDP: a half each, frozen models in bfloat16; DDP: a replica)."""
+    """Built as the scripts build them, after one optimizer step: each model's states on each of 2 ranks as planned."""
     runs = [["ppo", ["--reward_model_path", reward_model_path, "--fsdp", "--bf16"]],
             ["ppo", ["--reward_model_path", reward_model_path, "--advantage_estimator", "grpo", "--lora_r", "4",
                      "--bf16"]],
@@ -148,9 +142,8 @@ def test_plan_is_what_the_scripts_hold_on_2_ranks(tmp_path, reward_model_path):
 
 
 def saved_bytes(fn, params):
-    """What autograd keeps of fn()'s forward for its backward: the bytes of every distinct storage a
-    saved_tensors_hooks pack is handed, less the parameters and their casts (autocast's copies: states, not
-    activations)."""
+    """What autograd keeps of fn()'s forward for its backward: the bytes of every distinct storage saved, less the
+    parameters and their casts (autocast's copies: states, not activations)."""
     ids, seen = {p.untyped_storage().data_ptr() for p in params}, {}
 
     def pack(t):
@@ -168,13 +161,8 @@ def saved_bytes(fn, params):
 
 @pytest.mark.parametrize("family", ["llama", "neox"])
 def test_planned_activations_are_what_autograd_saves(tmp_path, family):
-    """ppo.py's learning forward (response_logprobs) of a micro-batch on a model of the family widened to 256: the plan's
-    activations row against the bytes autograd keeps, in float32 and bfloat16 autocast, with and without activation
-    checkpointing (then one block is recomputed at a time, the difference of the two forwards over the blocks, and its
-    gradients take as much)."""
-    from families import build_config, build_tokenizer
-    from transformers import AutoModelForCausalLM
-
+    """ppo.py's learning forward of a micro-batch (a model of the family widened to 256): the plan's activations row
+    against the bytes autograd keeps, in float32 and bfloat16 autocast, with and without activation checkpointing."""
     config = build_config(family, build_tokenizer(family))
     config.update(dict(hidden_size=256, intermediate_size=688 if family == "llama" else 1024, num_attention_heads=8,
                        hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=512))
@@ -205,10 +193,11 @@ def test_planned_activations_are_what_autograd_saves(tmp_path, family):
         model.activation_checkpointing_disable()
 
 
-def test_pythia_7b_rollout_and_learning_peaks(tmp_path):
+def test_pythia_7b_peaks_and_the_command_line_exits_2_naming_the_flags_that_fit(tmp_path, capsys):
     """Pythia 6.9B PPO on 8 ranks, --fsdp --bf16, 16 prompts x (256 + 512) tokens per GPU: the rollout holds the
-    policy gathered in bfloat16 (its output layer in float32) and a KV cache beside the states; learning without
-    checkpointing holds the policy's activations and does not fit 80 GB."""
+    gathered policy and a KV cache beside the states; learning without checkpointing does not fit 80 GB.
+    `python benchmarks/memory_plan.py ppo|rm ...` from config.json files alone: a plan that does not fit exits 2
+    naming the flag that makes it fit, one that fits 0; bad input is one line on stderr, exit 2."""
     policy, reward = saved_pair(tmp_path, "pythia-6.9b")
     rows = mp.plan("ppo", ppo.Args(sft_model_path=policy, reward_model_path=reward, fsdp=True, bf16=True,
                                    num_mini_batches=1, per_device_train_batch_size=16, max_prompt_length=256,
@@ -220,14 +209,6 @@ def test_pythia_7b_rollout_and_learning_peaks(tmp_path):
     assert 50 * GB < size["activations"] < 70 * GB  # ~34 bytes x hidden per token and layer (Korthikanti et al.)
     peaks = mp.peaks(rows)
     assert peaks["rollout"] == pytest.approx(51 * GB, rel=0.02) and 85 * GB < peaks["learning"] < 100 * GB
-
-
-def test_the_command_line_plans_from_config_files_and_exits_2_naming_the_flags_that_fit(tmp_path, capsys):
-    """`python benchmarks/memory_plan.py ppo|rm --world_size 8 --gpu_memory_gb 80 ...` from config.json files (no
-    weight, tokenizer or GPU): Pythia 6.9B PPO at 16 x (256 + 512) tokens per GPU under --fsdp --bf16 exits 2 naming
-    --gradient_checkpointing, and 0 with it; rm.py's replicas in bfloat16 exit 2 naming --fsdp. Bad input: one line on
-    stderr, exit 2."""
-    policy, reward = saved_pair(tmp_path, "pythia-6.9b")
 
     def plan(*argv, process=False):  # as a user runs it (a process), or its main in this process
         if process:

@@ -11,6 +11,9 @@ import torch
 import torch.nn.functional as F
 from conftest import ROOT, read_metrics, run_main, run_script
 from families import DECODERS
+from test_families import preference_rows, write_jsonl
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import common
 import ppo
@@ -20,8 +23,7 @@ TOK = common.embedded_tokenizer()
 
 
 def first_mini_batch_spy(monkeypatch, loss="policy_loss"):
-    """Record, for each call of the loss (policy_loss: new and old log-probs; value_loss: new values and the values
-    its clip is centred on), the largest |new - old|."""
+    """Record the largest |new - old| of each call of the loss (log-probs; value_loss: values and its clip's centre)."""
     calls, real = [], getattr(ppo, loss)
 
     def spy(new, old, third, *a, **k):  # (third: the advantages or returns, 0 exactly on padding only)
@@ -38,11 +40,9 @@ FIRST_UPDATE = dict(total_episodes=16, per_device_train_batch_size=4, gradient_a
 @pytest.mark.parametrize("lora", [0, 4])
 def test_bf16_first_mini_batch_is_on_policy_and_the_kl_at_initialisation_is_zero(lora, reward_model_path, tmp_path,
                                                                                  monkeypatch):
-    """Under bfloat16 the sampling decode and the learning forward round differently; the old log-probs are
-    recomputed on the first epoch's own partition, so its first mini-batch's ratio is exactly 1 (clip fraction 0) and
-    the reference equals the policy at initialisation (KL 0). The values the value clip is centred on are the
-    learning forward's too (the scoring phase's forward runs on other groups). Full fine-tuning with the KV cache in
-    bfloat16 (it crashed at the first rollout), and LoRA with its frozen base held in bfloat16."""
+    """Under bfloat16 decode and learning forward round differently: the old log-probs and values are recomputed on the
+    first epoch's own partition, so its first mini-batch's ratio is exactly 1 and the KL at initialisation 0, full
+    fine-tuning (the KV cache in bfloat16) and LoRA (its frozen base in bfloat16)."""
     calls, value_calls = first_mini_batch_spy(monkeypatch), first_mini_batch_spy(monkeypatch, "value_loss")
     ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(tmp_path), lora_r=lora, **FIRST_UPDATE))
     steps_per_mini_batch = len(calls) // 2
@@ -53,85 +53,60 @@ def test_bf16_first_mini_batch_is_on_policy_and_the_kl_at_initialisation_is_zero
     assert m["objective/kl"] == 0.0 and np.isfinite(m["loss/policy"])
 
 
+SPIED = """import json, os, sys
+sys.path.insert(0, {root!r})
+import common, ppo, rm
+calls, seen, loss, linear = [], set(), ppo.policy_loss, common.Float32Linear.forward
+def spy_loss(new, old, adv, *a, **k):
+    calls.append(((new - old).abs() * (adv != 0)).max().item())
+    return loss(new, old, adv, *a, **k)
+def spy_linear(self, x):
+    seen.add(("head" if self.out_features == 1 else "output layer", str(self.weight.dtype)))
+    return linear(self, x)
+ppo.policy_loss, common.Float32Linear.forward = spy_loss, spy_linear
+script = {{"rm": rm, "ppo": ppo}}[sys.argv[1]]
+script.main(script.Args(**json.loads(sys.argv[2])))
+json.dump(dict(calls=calls, seen=sorted(seen)), open(sys.argv[3] + os.environ["RANK"], "w"))
+"""
+
+
 @pytest.fixture(scope="module")
 def bf16_fsdp_runs(reward_model_path, tmp_path_factory):
-    """rm.py and ppo.py under FSDP2 --bf16 on 2 ranks (a launch each), spied on: ppo.py's largest |new - old| log-prob at
-    each policy-loss call; the dtypes of Float32Linear's weights when it computed (each script's)."""
+    """rm.py and ppo.py under FSDP2 --bf16 on 2 ranks, full and LoRA (a launch each), spied on: ppo.py's largest
+    |new - old| log-prob at each policy-loss call; the weights' dtypes each Float32Linear computed from."""
     tmp = tmp_path_factory.mktemp("bf16_fsdp")
-    driver = tmp / "spied.py"
-    driver.write_text("import json, os, sys\n"
-        f"sys.path.insert(0, {ROOT!r})\n"
-        "import common, ppo, rm\n"
-        "calls, seen, loss, linear = [], set(), ppo.policy_loss, common.Float32Linear.forward\n"
-        "def spy_loss(new, old, adv, *a, **k):\n"
-        "    calls.append(((new - old).abs() * (adv != 0)).max().item())\n"
-        "    return loss(new, old, adv, *a, **k)\n"
-        "def spy_linear(self, x):\n"
-        "    seen.add(str(self.weight.dtype))\n"
-        "    return linear(self, x)\n"
-        "ppo.policy_loss, common.Float32Linear.forward = spy_loss, spy_linear\n"
-        "if sys.argv[1] == 'rm':\n"
-        f"    rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp / 'rm')!r}, fsdp=True, "
-        "bf16=True, max_steps=2, per_device_train_batch_size=4, num_evals=1))\n"
-        "else:\n"
-        f"    ppo.main(ppo.Args(reward_model_path={reward_model_path!r}, output_dir={str(tmp / 'ppo')!r}, fsdp=True, "
-        "total_episodes=16, per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1, bf16=True))\n"
-        f"json.dump(dict(calls=calls, seen=sorted(seen)), open({str(tmp)!r} + f'/{{sys.argv[1]}}' + os.environ['RANK'], "
-        "'w'))\n")
-    for script in ("rm", "ppo"):  # one run per launch, as from the command line
-        run_script([str(driver), script], nproc=2)
-    return tmp, [{s: json.load(open(tmp / f"{s}{r}")) for s in ("rm", "ppo")} for r in (0, 1)]
+    (tmp / "spied.py").write_text(SPIED.format(root=ROOT))
+    rm_run = dict(dataset_mixer_list=["embedded", "64"], fsdp=True, bf16=True, max_steps=2,
+                  per_device_train_batch_size=4, num_evals=1)
+    ppo_run = dict(reward_model_path=reward_model_path, fsdp=True, bf16=True, total_episodes=16,
+                   per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1)
+    runs = {"rm0": ("rm", rm_run), "ppo0": ("ppo", ppo_run), "rm4": ("rm", dict(rm_run, lora_r=4)),
+            "ppo4": ("ppo", dict(ppo_run, lora_r=4)), "ppo4_policy_critic": ("ppo", dict(ppo_run, lora_r=4,
+                                                                                          critic_init="policy"))}
+    for name, (script, kwargs) in runs.items():
+        run_script([str(tmp / "spied.py"), script, json.dumps(dict(kwargs, output_dir=str(tmp / name))),
+                    str(tmp / f"{name}.")], nproc=2)
+    return tmp, [{name: json.load(open(tmp / f"{name}.{r}")) for name in runs} for r in (0, 1)]
 
 
 def test_bf16_fsdp_on_two_ranks_first_mini_batch_is_on_policy(bf16_fsdp_runs):
     """The same under FSDP2 on 2 ranks: the reference is sharded as the policy is, so it computes as the policy does."""
     for spied in bf16_fsdp_runs[1]:
-        assert spied["ppo"]["calls"][0] == 0.0 and spied["ppo"]["calls"][1] > 0, spied  # a forward per mini-batch
-    assert read_metrics(bf16_fsdp_runs[0] / "ppo")[0]["objective/kl"] == 0.0
+        assert spied["ppo0"]["calls"][0] == 0.0 and spied["ppo0"]["calls"][1] > 0, spied  # a forward per mini-batch
+    assert read_metrics(bf16_fsdp_runs[0] / "ppo0")[0]["objective/kl"] == 0.0
 
 
 def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(bf16_fsdp_runs):
-    """Under FSDP --bf16 the root gathers its parameters in bfloat16; the scalar heads (rm.py's, ppo.py's reward model
-    and critic) are their own units gathered in float32, so Float32Linear computes from float32 weights."""
+    """Under FSDP --bf16 the scalar heads (and the policy's output layer) are their own units gathered in float32, not
+    the root's bfloat16; with LoRA (peft wrapping the heads) too."""
     for spied in bf16_fsdp_runs[1]:
-        assert spied["rm"]["seen"] == spied["ppo"]["seen"] == ["torch.float32"], spied
-
-
-def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16_with_lora(reward_model_path, tmp_path):
-    """The same with LoRA, where peft wraps the heads (the critic's trained copy and, as the reward model, its
-    original; rm.py's) and every other frozen weight is held in bfloat16: critics from the reward model and from the
-    policy's backbone, and rm.py's head."""
-    ppo_run = ("ppo.main(ppo.Args(reward_model_path={rm!r}, output_dir={out!r}, fsdp=True, bf16=True, total_episodes=16, "
-               "per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1, lora_r={lora}, critic_init={init!r}))")
-    lora = 4
-    runs = {"ppo": ppo_run.format(rm=reward_model_path, out=str(tmp_path / "ppo"), lora=lora, init="auto")}
-    runs["ppo_policy_critic"] = ppo_run.format(rm=reward_model_path, out=str(tmp_path / "ppo2"), lora=lora,
-                                               init="policy")
-    runs["rm"] = (f"rm.main(rm.Args(dataset_mixer_list=['embedded', '64'], output_dir={str(tmp_path / 'rm')!r}, "
-                  f"fsdp=True, bf16=True, max_steps=2, per_device_train_batch_size=4, num_evals=1, lora_r={lora}))")
-    for name, call in runs.items():  # (one run per process, as from the command line)
-        script = name.split("_")[0]
-        driver = tmp_path / f"head_dtypes_{name}.py"
-        driver.write_text(
-            "import json, os, sys\n"
-            f"sys.path.insert(0, {ROOT!r})\n"
-            f"import common, {script}\n"
-            "seen, real = set(), common.Float32Linear.forward\n"
-            "def spy(self, x):\n"
-            "    if self.out_features == 1:  # (a scalar head)\n"
-            "        seen.add(str(self.weight.dtype))\n"
-            "    return real(self, x)\n"
-            "common.Float32Linear.forward = spy\n"
-            f"{call}\n"
-            f"json.dump(sorted(seen), open({str(tmp_path)!r} + '/seen_{name}' + os.environ['RANK'], 'w'))\n")
-        run_script([str(driver)], nproc=2)
-        for r in (0, 1):
-            assert json.load(open(tmp_path / f"seen_{name}{r}")) == ["torch.float32"], name
+        for run, kinds in (("rm0", ("head",)), ("ppo0", ("head", "output layer")), ("rm4", ("head",)),
+                           ("ppo4", ("head",)), ("ppo4_policy_critic", ("head",))):
+            assert {dtype for kind, dtype in spied[run]["seen"] if kind in kinds} == {"torch.float32"}, (run, spied)
 
 
 def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_path, small_pairs_file):
-    """rm.py and ppo.py --bf16 on the embedded task against the same runs in float32: held-out accuracy within 3
-    points, and PPO's gold score improving by as much as float32's within noise."""
+    """--bf16 against float32: rm.py's accuracy within 3 points, ppo.py's gold score gain within noise."""
     results = {}
     for precision in ("fp32", "bf16"):
         flags = ["--bf16"] if precision == "bf16" else []
@@ -149,10 +124,8 @@ def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_pa
 
 
 def test_scalar_heads_logits_and_entropy_are_float32_under_bf16_autocast():
-    """Rewards, values, log-probs and entropies computed under bfloat16 autocast equal the formulas computed in float32
-    on the same hidden states: no bfloat16 rounding of a reward (ties) or of the output layer."""
-    from transformers import AutoModelForSequenceClassification
-
+    """Rewards, values, log-probs and entropies under bfloat16 autocast equal their float32 formulas on the same hidden
+    states: no bfloat16 rounding of a reward (ties) or of the output layer."""
     torch.manual_seed(0)
     reward_model = common.scalar_head_in_float32(AutoModelForSequenceClassification.from_config(
         common.embedded_model_config("embedded-llama", len(TOK), num_labels=1)))
@@ -200,11 +173,8 @@ def test_critic_initialised_from_the_reward_model_starts_at_the_normalized_rewar
 
 @pytest.mark.parametrize("family", DECODERS)
 def test_no_query_attends_to_nothing_and_real_tokens_are_unchanged(family, family_dir, monkeypatch):
-    """A left-padded batch (ppo.py's prompts): every query row of every SDPA mask sees at least one key (a fully
-    masked row gives NaN on some CUDA kernels), and the real tokens' logits are those of transformers' own mask."""
-    from transformers import AutoModelForCausalLM
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
+    """Left padding: every SDPA mask row sees a key (a fully masked row is NaN on some CUDA kernels); real tokens'
+    logits are those of transformers' own mask."""
     model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32).eval()
     ids = torch.randint(5, 50, (3, 10), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -230,11 +200,7 @@ def test_no_query_attends_to_nothing_and_real_tokens_are_unchanged(family, famil
 
 
 def test_default_lengths_fit_a_short_position_table_and_given_ones_are_refused(family_dir, tmp_path, capsys):
-    """rm.py's default --max_length 512 and ppo.py's default --max_prompt_length 256 on a model with a learned
-    position table of 256: the defaults are fitted to it, with a line saying so, and the runs finish; a length the user
-    gives beyond the table is refused (tests/test_families.py)."""
-    from test_families import preference_rows, write_jsonl
-
+    """Default lengths beyond a learned position table of 256 are fitted to it, said and recorded; the runs finish."""
     data = write_jsonl(tmp_path / "d.jsonl", preference_rows("gpt2", 40))
     rm.main(rm.Args(model_name_or_path=family_dir("gpt2"), dataset_name=data, max_steps=2,
                     per_device_train_batch_size=4, num_evals=1, output_dir=str(tmp_path / "rm")))
@@ -249,10 +215,7 @@ def test_default_lengths_fit_a_short_position_table_and_given_ones_are_refused(f
 
 
 def test_layout_check_runs_once_on_rank_0_in_the_runs_precision(monkeypatch):
-    """rm.py's packed-layout check: one forward pair, on rank 0 only (the other ranks take its verdict), under the
-    run's autocast."""
-    from transformers import AutoModelForSequenceClassification
-
+    """The packed-layout check: one forward pair on rank 0 only (the others take its verdict), in the run's autocast."""
     model = rm.RewardModel(AutoModelForSequenceClassification.from_config(
         common.embedded_model_config("embedded-llama", len(TOK), num_labels=1)))
     seen, real = [], rm.RewardModel.forward
@@ -269,19 +232,14 @@ def test_layout_check_runs_once_on_rank_0_in_the_runs_precision(monkeypatch):
     assert seen == [] and model.hf.config._attn_implementation == "rm_segments"
 
 
-def write_rows(path, rows):
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-
-
 def test_evaluation_holds_out_whole_prompts_uses_validation_and_whole_eval_splits(tmp_path, capsys):
-    """Several pairs per prompt: no prompt in both the training and the held-out pairs. A dataset whose held-out
-    split is `validation` is evaluated on it (said in a line). The mixture's weight cuts training pairs only."""
+    """Held-out pairs share no prompt with training; a `validation` split is evaluated on, said; a weight cuts training
+    pairs only."""
     rng = random.Random(0)
-    rows = [{"prompt": f"User: tell me about {t} such as {w} Assistant:", "chosen": f" {rng.choice([w for w in common.WORDS if w != 'gold'])}",
+    words = [w for w in common.WORDS if w != "gold"]
+    rows = [{"prompt": f"User: tell me about {t} such as {w} Assistant:", "chosen": f" {rng.choice(words)}",
              "rejected": " gold"} for t in common.TOPICS for w in common.TOPICS[t] for _ in range(5)]
-    write_rows(tmp_path / "many.jsonl", rows)
+    write_jsonl(tmp_path / "many.jsonl", rows)
     args = rm.Args(dataset_name=str(tmp_path / "many.jsonl"), max_length=64, max_prompt_length=32)
     train, evals, _ = rm.load_data(args, TOK, 0)
     prompts = lambda pairs: {tuple(p["prompt"]) for p in pairs}  # noqa: E731
@@ -289,9 +247,9 @@ def test_evaluation_holds_out_whole_prompts_uses_validation_and_whole_eval_split
 
     folder = tmp_path / "folder"
     folder.mkdir()
-    write_rows(folder / "train.jsonl", rows[:100])
-    write_rows(folder / "validation.jsonl", rows[100:130])
-    write_rows(folder / "test.jsonl", rows[130:150])  # validation comes first: a run tuned on it never sees test
+    write_jsonl(folder / "train.jsonl", rows[:100])
+    write_jsonl(folder / "validation.jsonl", rows[100:130])
+    write_jsonl(folder / "test.jsonl", rows[130:150])  # validation comes first: a run tuned on it never sees test
     args = rm.Args(dataset_mixer_list=[str(folder), "0.5"], max_length=64, max_prompt_length=32)
     train, evals, eval_sets = rm.load_data(args, TOK, 0)
     assert len(evals) == 30 and len(train) == 50  # the weight halves the training pairs, never the eval split
@@ -299,28 +257,27 @@ def test_evaluation_holds_out_whole_prompts_uses_validation_and_whole_eval_split
     assert f"{folder}: evaluating on split 'validation' (30 pairs)" in capsys.readouterr().out
 
 
-def test_eval_loss_is_the_training_objective_with_its_centering_term():
+def test_evaluation_loss_calibration_and_per_dataset_numbers_match_formulas():
+    """rm.evaluate's loss is the training objective with its centering term; its ECE is of the probability the loss
+    models with margins, sigmoid(r_c - r_r - margin); a mixture's numbers per dataset are each dataset's alone."""
     r_c, r_r, margin = torch.tensor([1.0, -0.5, 2.0]), torch.tensor([0.2, 0.5, 1.5]), torch.zeros(3)
     expected = np.mean([np.log1p(np.exp(-(c - r))) for c, r in zip(r_c.tolist(), r_r.tolist())]) + \
         0.1 * np.mean([(c + r) ** 2 for c, r in zip(r_c.tolist(), r_r.tolist())])
     assert rm.reward_model_loss(r_c, r_r, margin, 0.1).item() == pytest.approx(expected, rel=1e-6)
-    pairs = [{"prompt": [2, 4], "chosen": [20, 3], "rejected": [21, 22, 3], "margin": 0.0, "gold": None}] * 4
     model = rm.RewardModel(rm.load_reward_model(rm.Args(), TOK)[0]).eval()
+    evaluate = lambda pairs, **kw: rm.evaluate(model, pairs, rm.Args(padding_free=False, **kw), 0,  # noqa: E731
+                                               torch.device("cpu"), 0, 1)
+    pairs = [{"prompt": [2, 4], "chosen": [20, 3], "rejected": [21, 22, 3], "margin": 0.0, "gold": None}] * 4
     for coefficient in (0.0, 0.5):
-        ev, rewards = rm.evaluate(model, pairs, rm.Args(center_rewards_coefficient=coefficient, padding_free=False),
-                                  0, torch.device("cpu"), 0, 1)
+        ev, rewards = evaluate(pairs, center_rewards_coefficient=coefficient)
         assert ev["eval/loss"] == pytest.approx(rm.reward_model_loss(rewards[:, 0], rewards[:, 1], torch.zeros(4),
                                                                      coefficient).item(), rel=1e-6)
 
-
-def test_calibration_error_is_of_the_probability_the_loss_models_with_its_margin():
-    """With margins, the loss models P(chosen wins) = sigmoid(r_c - r_r - margin): the ECE reported is of that."""
-    model = rm.RewardModel(rm.load_reward_model(rm.Args(), TOK)[0]).eval()
     g = torch.Generator().manual_seed(0)
     pairs = [{"prompt": [2, 4], "chosen": torch.randint(20, 40, (3,), generator=g).tolist() + [3],
               "rejected": torch.randint(20, 40, (2,), generator=g).tolist() + [3], "margin": m, "gold": None}
              for m in [0.0, 1.0, 3.0, -2.0] * 8]
-    ev, rewards = rm.evaluate(model, pairs, rm.Args(padding_free=False), 0, torch.device("cpu"), 0, 1)
+    ev, rewards = evaluate(pairs)
     rc, rr = rewards[:, 0].double(), rewards[:, 1].double()
     margin = torch.tensor([p["margin"] for p in pairs], dtype=torch.float64)
     p, y = torch.cat([torch.sigmoid(rc - rr - margin), 1 - torch.sigmoid(rc - rr - margin)]), torch.arange(64) < 32
@@ -330,25 +287,18 @@ def test_calibration_error_is_of_the_probability_the_loss_models_with_its_margin
     assert ev["eval/calibration_error"] == pytest.approx(ece.item(), abs=1e-6)
     assert abs(rm.calibration_error(torch.sigmoid(rc - rr)) - ece.item()) > 0.05  # the margin matters here
 
-
-def test_a_mixture_is_evaluated_per_dataset_as_each_dataset_alone_and_overall():
-    model = rm.RewardModel(rm.load_reward_model(rm.Args(), TOK)[0]).eval()
     rows = [dict(r, _source="m", _row=i, _dataset="ab"[i % 2]) for i, r in enumerate(common.embedded_pairs(24, 3))]
     pairs, _ = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=64, max_prompt_length=32))
-    args = rm.Args(padding_free=False)
-    evaluate = lambda pairs: rm.evaluate(model, pairs, args, 0, torch.device("cpu"), 0, 1)[0]  # noqa: E731
-    both = evaluate(pairs)
+    both = evaluate(pairs)[0]
     for name in "ab":
-        alone = evaluate([p for p in pairs if p["dataset"] == name])
+        alone = evaluate([p for p in pairs if p["dataset"] == name])[0]
         assert all(both[f"eval/{name}/{k[5:]}"] == pytest.approx(v, abs=1e-5) for k, v in alone.items())
-    assert "eval/a/accuracy" not in evaluate([p for p in pairs if p["dataset"] == "a"])  # one dataset: overall only
-
+    assert "eval/a/accuracy" not in evaluate([p for p in pairs if p["dataset"] == "a"])[0]  # one dataset: overall
 
 
 def test_gpu_check_runs_every_section_at_tiny_shapes(tmp_path):
-    """benchmarks/gpu_check.py, which a lent GPU runs in minutes of scarce device time, at --quick shapes on the CPU:
-    every section but the scripts' (seconds here) ends without error, packed rewards equal padded ones in float32, no
-    NaN, and the first ratio is 1 and the KL at initialisation 0."""
+    """benchmarks/gpu_check.py (scarce device time) at --quick shapes on the CPU: every section runs, packed equals
+    padded, no NaN, the first ratio 1 and the KL at initialisation 0."""
     sections = ["attention", "packed", "logprobs", "shapes", "rm_shapes", "decode_profile"]
     run_script(["benchmarks/gpu_check.py", "--quick", "--out", str(tmp_path), "--sections", *sections])
     report = json.load(open(tmp_path / "report.json"))

@@ -1,4 +1,5 @@
 import collections
+import copy
 import gzip
 import json
 import math
@@ -14,13 +15,15 @@ import types
 import numpy as np
 import pytest
 import torch
-import tyro
-from conftest import (ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks, run_script,
-                      save_checkpoint)
+import transformers
+from conftest import ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks, run_script
+from families import build_tokenizer
 from test_errors import snapshot
 from test_families import write_jsonl
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, MistralConfig, SchedulerType
 
 import common
+import ppo
 import rm
 
 TOK = common.embedded_tokenizer()
@@ -43,24 +46,15 @@ def random_pairs(n, seed, margin=0.0):
 # --- the math -------------------------------------------------------------------------------------------------------
 
 
-def test_last_token_index_right_left_and_pad_equals_eos():
-    eos = 3
-    # right padding, left padding, and pad id == eos id with a real trailing EOS: only the mask can tell them apart
+def test_rm_and_ppo_state_the_same_conventions():
+    """Each script states its own method; where they share one, they agree: a long prompt's truncation, where a
+    sequence's reward is read (the last real token, by the mask) and what it reads there, dropout off."""
+    eos = 3  # right padding, left padding, and pad id == eos id with a real final EOS: only the mask tells them apart
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
     ids = torch.tensor([[5, 6, eos, eos, eos], [eos, eos, 5, 6, eos], [5, eos, 6, eos, eos], [5, 6, 7, 8, eos]])
     assert rm.last_token_index(mask).tolist() == [2, 4, 3, 4]
     naive_first_pad = (ids == eos).int().argmax(1) - 1  # what pad-id search would return for row 0
     assert naive_first_pad[0].item() == 1  # ... which is the wrong token, hence the mask
-
-
-def test_rm_and_ppo_state_the_same_conventions():
-    """Each script states its own method; where they share one, they agree: a long prompt's truncation, where a
-    sequence's reward is read and what it reads there, dropout off."""
-    import copy
-
-    import ppo
-    from transformers import AutoModelForSequenceClassification, GPT2Config
-
     rng = random.Random(0)
     for _ in range(300):
         ids = [rng.randrange(1, 50) for _ in range(rng.randrange(0, 30))]
@@ -89,16 +83,12 @@ def test_rm_and_ppo_state_the_same_conventions():
     assert torch.allclose(rewards[0], models[0].score(hidden[torch.arange(4), last]).squeeze(-1), atol=1e-6)
 
 
-def test_preference_losses_match_formulas():
+def test_the_loss_its_probability_and_the_evaluation_losses_match_formulas():
+    """The loss log(1 + exp(-(r_c - r_r - margin))) and its gradient, exact even where exp overflows float32; its
+    probability, ECE, Pearson's r and the evaluation's losses (with the centering term) as written out here."""
     rc, rr, m = torch.tensor([1.0, -2.0, 0.3, 5.0]), torch.tensor([0.5, 1.0, 0.3, -5.0]), torch.tensor([0.0, 0.5, 1, 2])
     expected = [math.log(1 + math.exp(-(c - r - mm))) for c, r, mm in zip(rc.tolist(), rr.tolist(), m.tolist())]
     assert torch.allclose(rm.preference_loss(rc, rr, m), torch.tensor(expected), atol=1e-6)
-
-
-def test_the_probability_the_loss_models_the_pair_loss_alone_and_a_head_of_std_0():
-    """ECE's probability is exp(-loss) = sigmoid(r_c - r_r - margin); the evaluation reports the pair
-    loss beside the loss with its centering term; --head_init_std 0 is a head of zeros, not the default std; epochs default by the model."""
-    rc, rr, m = torch.tensor([1.0, -2.0, 0.3, 5.0]), torch.tensor([0.5, 1.0, 0.3, -5.0]), torch.tensor([0.0, 0.5, 1, 2])
     logistic = [1 / (1 + math.exp(-(c - r - mm))) for c, r, mm in zip(rc.tolist(), rr.tolist(), m.tolist())]
     assert torch.allclose(torch.exp(-rm.preference_loss(rc, rr, m)), torch.tensor(logistic), atol=1e-6)
     pairs = [{"chosen": [1], "rejected": [2], "gold": None}] * 4
@@ -107,22 +97,6 @@ def test_the_probability_the_loss_models_the_pair_loss_alone_and_a_head_of_std_0
     pair = -sum(math.log(p) for p in logistic) / 4
     assert metrics["eval/preference_loss"] == pytest.approx(pair, rel=1e-6)
     assert metrics["eval/loss"] == pytest.approx(pair + 0.5 * ((rc + rr) ** 2).mean().item(), rel=1e-6)
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_config(common.embedded_model_config("embedded-llama", 40, 1))
-    rm.new_head(model, rm.fill_defaults(rm.Args(head_init_std=0.0), model).head_init_std)
-    assert model.score.weight.abs().sum() == 0
-    rm.new_head(model, rm.fill_defaults(rm.Args(), model).head_init_std)
-    assert 0.05 < model.score.weight.std() < 0.2  # 1 / sqrt(65)
-    for name, epochs in (("embedded-llama", 3), ("someone/pretrained", 1)):
-        assert rm.schedule(rm.fill_defaults(rm.Args(model_name_or_path=name), model), 64, 8, rank=0)[1] == 8 * epochs
-    args = rm.fill_defaults(rm.Args(model_name_or_path="someone/pretrained", num_train_epochs=2.0), model)
-    assert rm.schedule(args, 64, 8, rank=0)[1] == 16 and args.learning_rate == 1e-5
-
-
-def test_the_loss_and_its_gradient_are_exact_at_any_reward_gap():
-    """log(1 + exp(r_r - r_c + margin)) (ColossalChat's LogExpLoss, the same function) and its gradient, computed in
-    float64, match the float32 loss even where exp overflows float32."""
     gap = torch.cat([torch.linspace(-150, 150, 301), torch.tensor([-1e4, 88.5, 1e4])])
     r_chosen = gap.clone().requires_grad_()
     loss = rm.preference_loss(r_chosen, torch.zeros_like(gap), torch.full_like(gap, 0.5))
@@ -131,9 +105,6 @@ def test_the_loss_and_its_gradient_are_exact_at_any_reward_gap():
     assert torch.isfinite(loss).all() and torch.isfinite(r_chosen.grad).all()
     assert torch.allclose(loss.double(), torch.nn.functional.softplus(x), rtol=1e-6, atol=1e-6)
     assert torch.allclose(r_chosen.grad.double(), -torch.sigmoid(x), rtol=1e-6, atol=1e-6)
-
-
-def test_calibration_error_and_pearson_against_direct_computation():
     rng = np.random.default_rng(0)
     p = rng.uniform(0, 1, 500)
     both_p, both_y = np.concatenate([p, 1 - p]), np.concatenate([np.ones(500), np.zeros(500)])
@@ -146,6 +117,12 @@ def test_calibration_error_and_pearson_against_direct_computation():
     assert rm.calibration_error(torch.tensor(p)) == pytest.approx(ece, abs=1e-9)
     x, y = rng.normal(size=100), rng.normal(size=100)
     assert rm.pearson(torch.tensor(x), torch.tensor(y)) == pytest.approx(np.corrcoef(x, y)[0, 1], abs=1e-9)
+    # the embedded task's gold reward: a word said again counts zero
+    v, prompt = common.WORD_VALUE, "User: tell me about animals such as cat Assistant:"
+    assert common.gold_reward(prompt, " cat red cat dog") == pytest.approx((v["cat"] + 1 + v["red"] + 0 + v["dog"] + 1)
+                                                                           / 4)
+    assert common.gold_reward(prompt, " cat cat cat cat <eos>") == pytest.approx((v["cat"] + 1) / 4)
+    assert common.gold_reward(prompt, " cat me") == pytest.approx((v["cat"] + 1 + common.NON_WORD_VALUE) / 2)
 
 
 # --- the model --------------------------------------------------------------------------------------------------------
@@ -167,7 +144,8 @@ def test_fused_forward_equals_separate_unpadded_forwards(arch):
     assert torch.allclose(left, fused, atol=1e-5)
 
 
-def test_new_head_init_std_and_dropout_off():
+def test_new_head_init_std_dropout_off_and_defaults_by_model():
+    """--head_init_std (0: zeros; None: 1 / sqrt(hidden + 1)), dropout off, epochs and learning rate by the model."""
     args = rm.Args(model_name_or_path="embedded-llama", head_init_std=0.5)
     hf, _, _ = rm.load_reward_model(args, TOK)
     assert hf.score.weight.std().item() == pytest.approx(0.5, rel=0.2)
@@ -175,6 +153,15 @@ def test_new_head_init_std_and_dropout_off():
     assert filled.head_init_std == pytest.approx(1 / math.sqrt(64 + 1))
     assert default.score.weight.std().item() == pytest.approx(1 / math.sqrt(64 + 1), rel=0.2)
     assert all(m.p == 0 for m in default.modules() if isinstance(m, torch.nn.Dropout))
+    model = AutoModelForSequenceClassification.from_config(common.embedded_model_config("embedded-llama", 40, 1))
+    rm.new_head(model, rm.fill_defaults(rm.Args(head_init_std=0.0), model).head_init_std)
+    assert model.score.weight.abs().sum() == 0
+    rm.new_head(model, rm.fill_defaults(rm.Args(), model).head_init_std)
+    assert 0.05 < model.score.weight.std() < 0.2  # 1 / sqrt(65)
+    for name, epochs in (("embedded-llama", 3), ("someone/pretrained", 1)):
+        assert rm.schedule(rm.fill_defaults(rm.Args(model_name_or_path=name), model), 64, 8, rank=0)[1] == 8 * epochs
+    args = rm.fill_defaults(rm.Args(model_name_or_path="someone/pretrained", num_train_epochs=2.0), model)
+    assert rm.schedule(args, 64, 8, rank=0)[1] == 16 and args.learning_rate == 1e-5
 
 
 # --- data -----------------------------------------------------------------------------------------------------------
@@ -184,7 +171,7 @@ def ids_of(text):
     return TOK(text, add_special_tokens=False)["input_ids"]
 
 
-def test_explicit_implicit_and_conversational_formats_give_the_same_ids():
+def test_explicit_implicit_and_conversational_formats_give_the_same_ids_and_encoders_their_separator_once():
     prompt, chosen, rejected = "User: tell me about animals Assistant:", " cat dog", " red rice"
     conv = {"prompt": [{"role": "user", "content": "tell me about animals"}],
             "chosen": [{"role": "assistant", "content": "cat dog"}],
@@ -201,6 +188,18 @@ def test_explicit_implicit_and_conversational_formats_give_the_same_ids():
     conv_pair = pairs[2]  # rendered by the chat template: "user: ... assistant: cat dog "
     assert conv_pair["prompt"] == ids_of("user: tell me about animals assistant:")
     assert conv_pair["chosen"] == ids_of("cat dog") + [eos] and conv_pair["rejected"] == ids_of("red rice") + [eos]
+    text_prompt = dict(conv, prompt="tell me about animals")  # a text prompt before message responses: the user turn
+    assert common.split_pair(text_prompt, TOK, "m") == common.split_pair(conv, TOK, "m")
+    assert common.split_pair(text_prompt, TOK, "m")[0] == "user: tell me about animals assistant:"
+    # an encoder's tokenizer: prompts never end with the separator it appends, responses end with one
+    for family in ("roberta", "bert", "deberta"):
+        tok = build_tokenizer(family)
+        prefix, suffix = common.special_affixes(tok)
+        assert prefix and suffix
+        [prompt] = common.tokenize_prompts(tok, ["User: tell me about animals Assistant:"])
+        assert prompt[:len(prefix)] == prefix and prompt[-1] not in suffix
+        [response] = common.tokenize_responses(tok, ["User: tell me"], [" cat dog"])
+        assert response[-1] == common.end_id(tok) and response.count(response[-1]) == 1
 
 
 def test_implicit_prompt_extraction_on_real_hh_rlhf(hh_path):
@@ -234,9 +233,8 @@ def test_truncation_cuts_the_prompt_never_a_response_and_drops_what_does_not_fit
 
 
 def test_a_pair_past_max_length_is_dropped_whole_and_every_kept_response_ends_with_its_eos(tmp_path):
-    """No response is cut: every training and eval pair keeps both responses whole, up to their EOS, so a reward is
-    read where rm.py trains it to be read; pairs that do not fit with the prompt at --max_prompt_length are dropped and
-    counted, and over half of them dropped stops the run in one line naming --max_length."""
+    """No response is cut (its reward is read at its EOS): a pair that does not fit with the prompt cut is dropped, and
+    over half of them dropped stops the run in one line naming --max_length."""
     rng = random.Random(0)
     rows = [{"prompt": "User: tell me about animals Assistant:", "chosen": " cat" * rng.randrange(1, 12),
              "rejected": " dog" * rng.randrange(1, 4)} for _ in range(60)]
@@ -249,48 +247,32 @@ def test_a_pair_past_max_length_is_dropped_whole_and_every_kept_response_ends_wi
     assert all(len(p["prompt"]) + max(len(p["chosen"]), len(p["rejected"])) <= 16 for p in kept)
     fits = sum(min(len(ids_of(r["prompt"])), 6) + max(len(ids_of(r[k])) for k in ("chosen", "rejected")) + 1 <= 16
                for r in rows)  # (+ 1: the EOS each response ends with)
-    assert len(kept) == fits
-    with pytest.raises(common.UserError, match="training pairs do not fit --max_length 10 with the prompt cut"):
-        rm.load_data(rm.Args(dataset_name=data, max_length=10, max_prompt_length=6), TOK, 0)
-
-
-@pytest.mark.parametrize("content,expected", [
-    ('{"chosen": " cat"}\n', "bad.jsonl: line 1: field 'rejected' is missing"),
-    ('{"chosen": " cat", "rejected": " dog"}\n{"chosen": " cat", "rejected": " dog", "margin": "x"}\n',
-     "bad.jsonl: line 2: field 'margin' is 'x'"),
-    ('{"chosen": " cat", "rejected": 5}\n', "bad.jsonl: line 1: field 'rejected' is int"),
-])
-def test_bad_rows_give_one_line_error_naming_file_row_field(tmp_path, content, expected):
-    (tmp_path / "bad.jsonl").write_text(content)
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("saved work")
-    proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "bad.jsonl"), "--output_dir", str(out)], check=False)
-    assert proc.returncode == 2
-    assert expected in proc.stderr and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    assert (out / "keep.txt").read_text() == "saved work"
-
-
-def test_invalid_json_line_and_missing_file_exit_2(tmp_path):
-    bad = tmp_path / "bad.jsonl.gz"
-    with gzip.open(bad, "wt") as f:
-        f.write('{"chosen": " a", "rejected": " b"}\n{not json\n')
-    proc = run_script(["rm.py", "--dataset_name", str(bad), "--output_dir", str(tmp_path / "o")], check=False)
-    assert proc.returncode == 2 and "line 2: not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "nope.jsonl")], check=False)
-    assert proc.returncode == 2 and "nope.jsonl: no such file or folder" in proc.stderr
+    assert len(kept) == fits  # (over half dropped stops the run: test_errors.py's CASES)
 
 
 # --- training runs ----------------------------------------------------------------------------------------------------
 
-SHORT = ["--max_steps", "6", "--logging_steps", "1", "--num_evals", "2", "--warmup_steps", "2"]
-
-
-def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, small_pairs_file):
-    base = ["rm.py", "--dataset_name", small_pairs_file, *SHORT, "--per_device_train_batch_size", "4"]
-    run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
-    run_ranks([base + ["--output_dir", str(tmp_path / "ddp")], base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")]
-               ], tmp_path)
+def test_two_process_ddp_and_fsdp_match_one_process_in_full_and_with_lora(tmp_path, small_pairs_file):
+    """2 ranks (DDP, FSDP2) train as 1 process accumulating their micro-batches, in full and with LoRA (where only the
+    adapters and the head move); each rank's memory peak is logged once; 2 ranks evaluate a single pair."""
+    full = ["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "6", "--logging_steps", "1", "--num_evals", "2",
+            "--warmup_steps", "2", "--per_device_train_batch_size", "4"]
+    lora = ["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "6", "--logging_steps", "1", "--num_evals",
+            "1", "--per_device_train_batch_size", "4", "--lora_r", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
+    one_pair = tmp_path / "one_pair"  # an eval split of one pair: fewer pairs than ranks
+    one_pair.mkdir()
+    shutil.copy(small_pairs_file, one_pair / "train.jsonl")
+    with open(small_pairs_file) as f, open(one_pair / "test.jsonl", "w") as g:
+        g.write(f.readline())
+    run_main(full + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
+    run_main(lora + ["--gradient_accumulation_steps", "2", "--save_steps", "5", "--output_dir", str(tmp_path / "lora")])
+    run_ranks([full + ["--output_dir", str(tmp_path / "ddp")],
+               full + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")],
+               lora + ["--output_dir", str(tmp_path / "lora-ddp")],
+               lora + ["--fsdp", "--output_dir", str(tmp_path / "lora-fsdp")],
+               ["rm.py", "--dataset_name", str(one_pair), "--max_steps", "2", "--num_evals", "1", "--output_dir",
+                str(tmp_path / "one_pair_out")]], tmp_path)
+    assert json.load(open(tmp_path / "one_pair_out" / "eval_results.json"))["accuracy"] in (0.0, 1.0)
     runs = {k: [m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("one", "ddp", "fsdp")}
     assert [m["step"] for m in runs["one"]] == list(range(1, 7))
     for key in ("train/loss", "train/accuracy", "train/grad_norm"):
@@ -306,25 +288,26 @@ def test_two_process_ddp_and_fsdp_match_one_process(tmp_path, small_pairs_file):
         assert [m for m in run[0] if m.startswith("memory/")] == ranks and all(run[0][m] > 0.1 for m in ranks)
         assert not any(m.startswith("memory/") for later in run[1:] for m in later)
 
-
-
-def test_embedded_gold_reward_counts_a_word_said_again_zero():
-    v, prompt = common.WORD_VALUE, "User: tell me about animals such as cat Assistant:"
-    assert common.gold_reward(prompt, " cat red cat dog") == pytest.approx((v["cat"] + 1 + v["red"] + 0 + v["dog"] + 1)
-                                                                           / 4)
-    assert common.gold_reward(prompt, " cat cat cat cat <eos>") == pytest.approx((v["cat"] + 1) / 4)
-    assert common.gold_reward(prompt, " cat me") == pytest.approx((v["cat"] + 1 + common.NON_WORD_VALUE) / 2)
+    runs = {k: [m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("lora", "lora-ddp", "lora-fsdp")}
+    for key in ("train/loss", "train/grad_norm"):
+        for k in ("lora-ddp", "lora-fsdp"):
+            assert np.allclose([m[key] for m in runs[k]], [m[key] for m in runs["lora"]], atol=1e-5, rtol=0), (key, k)
+    assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForSequenceClassification")
+    initial, _, _ = rm.load_reward_model(rm.Args(seed=1, lora_r=4, lora_alpha=8.0), rm.load_tokenizer("embedded-llama"))
+    trained = read_checkpoint(common.latest_checkpoint(str(tmp_path / "lora")))["model"]
+    moved = {k.removeprefix("hf.") for k, v in trained.items()
+             if not torch.equal(v, initial.state_dict()[k.removeprefix("hf.")])}
+    assert moved and all("lora_" in k or "modules_to_save" in k for k in moved), moved
+    assert any("lora_B" in k for k in moved) and any("modules_to_save" in k for k in moved)
 
 
 def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     out = tmp_path / "rm"
     # the default task and model, a shorter schedule (the full default run is measured in README)
-    run_script(["rm.py", "--output_dir", str(out), "--max_steps", "1200", "--num_evals", "1",
-                "--per_device_train_batch_size", "32"])
+    run_main(["rm.py", "--output_dir", str(out), "--max_steps", "1200", "--num_evals", "1",
+              "--per_device_train_batch_size", "32"])
     results = json.load(open(out / "eval_results.json"))
     assert results["accuracy_vs_bayes"] >= 0.95, results
-
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
@@ -341,57 +324,41 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     assert hf.config.reward_shift == pytest.approx(results["reward_shift"]) and hf.config.reward_scale == 1.0
 
 
-def test_reward_normalization_is_fitted_on_the_training_pairs_not_the_eval_pairs(tmp_path, small_pairs_file):
-    """reward_shift and reward_scale are the mean and std of the saved model's rewards over the training pairs (all of
-    them here: fewer than 2048), computed again here from the saved model, in the padded batch."""
-    from transformers import AutoModelForSequenceClassification
+def no_timings(metrics):
+    """A run's logged metrics less its timings and memory peaks (which a resumed run may log otherwise)."""
+    return [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))} for m in metrics]
 
-    out = tmp_path / "rm"
-    rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=6, num_evals=1, output_dir=str(out),
-                    reward_normalization="shift_scale"))
-    results = json.load(open(out / "eval_results.json"))
-    train, _, _ = rm.load_data(rm.Args(dataset_name=small_pairs_file, max_length=128, max_prompt_length=96), TOK, 0)
-    hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
-    ids, mask = rm.collate(train, TOK.pad_token_id)
-    with torch.no_grad():
-        rewards = rm.RewardModel(hf)(ids, mask)
-    assert hf.config.reward_shift == pytest.approx(rewards.mean().item(), abs=1e-4)
-    assert hf.config.reward_scale == pytest.approx(rewards.std().item(), rel=1e-4)
-    assert results["reward_normalization_fitted_on"] == f"{len(train)} training pairs"
-    assert abs(results["reward_shift"] - results["reward_mean"]) > 1e-3  # the eval pairs' mean is another number
+
+def killed_after_checkpoint(main, args, step, monkeypatch):
+    """main(args), the job killed right after its checkpoint of `step` is written."""
+    real_save = common.commit_checkpoint
+
+    def save_then_crash(root, name, state, keep=2):
+        real_save(root, name, state, keep)
+        if state["step"] == step:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(common, "commit_checkpoint", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        main(args)
+    monkeypatch.setattr(common, "commit_checkpoint", real_save)
 
 
 def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_pairs_file, monkeypatch):
     args = dict(dataset_name=small_pairs_file, max_steps=8, logging_steps=1, num_evals=4, save_steps=3,
                 per_device_train_batch_size=8)
     rm.main(rm.Args(output_dir=str(tmp_path / "full"), **args))
-
-    real_save = common.commit_checkpoint
-
-    def save_then_crash(root, name, state, keep=2):
-        real_save(root, name, state, keep)
-        if state["step"] == 6:
-            raise KeyboardInterrupt  # the job is killed right after its second checkpoint
-
-    monkeypatch.setattr(common, "commit_checkpoint", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        rm.main(rm.Args(output_dir=str(tmp_path / "cut"), **args))
-    monkeypatch.setattr(common, "commit_checkpoint", real_save)
+    killed_after_checkpoint(rm.main, rm.Args(output_dir=str(tmp_path / "cut"), **args), 6, monkeypatch)
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["latest", "step_00000003", "step_00000006"]
     shutil.copytree(tmp_path / "cut", tmp_path / "short")
     rm.main(rm.Args(output_dir=str(tmp_path / "cut"), resume=True, **args))
-
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
-                        for m in ms]
-    assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))
+    assert no_timings(read_metrics(tmp_path / "cut")) == no_timings(read_metrics(tmp_path / "full"))
     assert json.load(open(tmp_path / "cut" / "eval_results.json"))["loss"] == \
         json.load(open(tmp_path / "full" / "eval_results.json"))["loss"]
 
     # resumed with a total the checkpoint (step 6) has already passed: no step to run; the checkpoint's model is
     # evaluated and saved, and the log closed
     rm.main(rm.Args(output_dir=str(tmp_path / "short"), resume=True, **dict(args, max_steps=5)))
-    from transformers import AutoModelForSequenceClassification
-
     saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "short").state_dict()
     at_6 = read_checkpoint(common.latest_checkpoint(tmp_path / "short"))["model"]
     assert all(torch.equal(saved[k.removeprefix("hf.")], v) for k, v in at_6.items())
@@ -399,43 +366,36 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_
     assert "accuracy" in json.load(open(tmp_path / "short" / "eval_results.json"))
 
 
-def test_a_finished_run_is_replaced_only_when_asked(tmp_path, small_pairs_file, capsys, monkeypatch):
-    """The same command twice into one --output_dir: the second stops before loading anything, in one line naming
-    --resume, --overwrite_output_dir and another folder, and the first run's files stay byte for byte. --resume then
-    says the run is complete and changes nothing; --overwrite_output_dir trains afresh (the earlier checkpoints gone);
-    --resume into an empty folder says there is nothing to resume and trains."""
+def test_a_finished_run_is_replaced_only_when_asked(tmp_path, small_pairs_file, monkeypatch):
+    """A second run into a finished run's folder stops before loading anything, in one line, the files left byte for
+    byte; --resume then does nothing, --overwrite_output_dir trains afresh, --resume into an empty folder trains."""
     out = tmp_path / "run"
     argv = ["--dataset_name", small_pairs_file, "--max_steps", "3", "--num_evals", "1", "--save_steps", "2"]
 
-    def run(*flags, folder=out):
-        capsys.readouterr()
-        common.exit_on_user_error(rm.main, tyro.cli(rm.Args, args=[*argv, "--output_dir", str(folder), *flags],
-                                                    use_underscores=True))
-        return capsys.readouterr()
+    def run(*flags, folder=out, check=True):
+        return run_main(["rm.py", *argv, "--output_dir", str(folder), *flags], check=check)
 
     run()
     before = snapshot(out)
     real_load = rm.load_tokenizer
     monkeypatch.setattr(rm, "load_tokenizer", lambda name: pytest.fail("loaded before refusing"))
-    with pytest.raises(SystemExit) as exit_:
-        run()
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert all(word in err for word in ("holds a finished run", "--resume", "--overwrite_output_dir", "another "
-                                                                                                     "--output_dir"))
+    proc = run(check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert all(word in proc.stderr for word in ("holds a finished run", "--resume", "--overwrite_output_dir",
+                                                "another --output_dir"))
     monkeypatch.setattr(rm, "load_tokenizer", real_load)
-    assert "the run is complete (step 3 of 3); nothing to do" in run("--resume").out
+    assert "the run is complete (step 3 of 3); nothing to do" in run("--resume").stdout
     assert snapshot(out) == before
-    assert "final eval accuracy" in run("--overwrite_output_dir").out
+    assert "final eval accuracy" in run("--overwrite_output_dir").stdout
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_00000002"]  # no step_00000002_1 beside it
-    printed = run("--resume", folder=tmp_path / "new").out
+    printed = run("--resume", folder=tmp_path / "new").stdout
     assert f"--resume: no checkpoint in {tmp_path / 'new'}; starting from the first step" in printed
     assert [m["step"] for m in read_metrics(tmp_path / "new") if "train/loss" in m] == [3]
 
 
-def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path, small_pairs_file):
-    """Ctrl-C during training: the run ends after the step under way with a checkpoint, one line saying how to resume,
-    exit code 130 and no traceback; --resume then ends as the uninterrupted run does."""
+def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path, small_pairs_file, capsys):
+    """Ctrl-C: a checkpoint after the step under way, one line saying how to resume, exit code 130; --resume then
+    ends as the uninterrupted run does. A second Ctrl-C stops at once, in one line."""
     args = dict(dataset_name=small_pairs_file, max_steps=30, logging_steps=1, num_evals=2,
                 per_device_train_batch_size=8)
     flags = [f for k, v in args.items() for f in (f"--{k}", str(v))]
@@ -453,15 +413,10 @@ def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path,
     assert "--resume" in stderr.strip().splitlines()[-1] and not (cut / "model.safetensors").exists()
     rm.main(rm.Args(output_dir=str(cut), resume=True, **args))
     rm.main(rm.Args(output_dir=str(tmp_path / "full"), **args))
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
-                        for m in ms]
-    assert strip(read_metrics(cut)) == strip(read_metrics(tmp_path / "full"))
+    assert no_timings(read_metrics(cut)) == no_timings(read_metrics(tmp_path / "full"))
     assert_saved_models_equal([cut, tmp_path / "full"], "AutoModelForSequenceClassification")
 
-
-def test_a_second_ctrl_c_stops_at_once_without_a_traceback(capsys):
-    """The first SIGINT only asks for a stop at the next step boundary; the second interrupts whatever runs, and the
-    scripts' entry point ends it with one line and exit code 130."""
+    # a second SIGINT stops at once (the first asks for a stop at the next step): one line, exit code 130
     def train():
         common.stop_on_signals()
         os.kill(os.getpid(), signal.SIGINT)
@@ -470,6 +425,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(capsys):
         time.sleep(5)
         pytest.fail("the second SIGINT did not stop the run")
 
+    capsys.readouterr()  # (the runs' output above)
     try:
         with pytest.raises(SystemExit) as exit_:
             common.exit_on_user_error(train)
@@ -477,14 +433,13 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(capsys):
         common.stop_on_signals(False)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers from before, back
     err = capsys.readouterr().err
-    assert exit_.value.code == 130 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("stopped at once")
+    assert exit_.value.code == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("stopped at once")
 
 
 def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tmp_path, small_pairs_file):
-    """Global batch 16: 2 ranks x 8 cut after 4 steps, resumed on 1 rank (8 x 2 accumulation); 1 rank cut, resumed on
-    2: every pair of the epoch trained once, in the uninterrupted run's order, the schedule continued (the
-    uninterrupted run's learning rate at each step), the logged steps rising by one across the cut. Another global
-    batch stops before any step, naming the flags that keep the saved one."""
+    """Global batch 16, cut on 2 ranks and resumed on 1 and the reverse: every pair trained once in the uninterrupted
+    order, its learning rates and steps continued; another global batch is refused, naming the flags that keep it."""
     base = ["tests/faults.py", "rm.py", "--dataset_name", small_pairs_file, "--num_train_epochs", "1",
             "--logging_steps", "1", "--num_evals", "1", "--warmup_ratio", "0.2", "--per_device_train_batch_size", "8"]
     one = ["--gradient_accumulation_steps", "2"]
@@ -517,8 +472,6 @@ def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tm
 
 
 def _save_and_resume_random_streams(rank, folder):
-    import random
-
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2)
     model = torch.nn.Linear(2, 2)
@@ -538,8 +491,7 @@ def _save_and_resume_random_streams(rank, folder):
 
 
 def test_each_rank_resumes_its_own_random_streams(tmp_path):
-    """2 ranks, each with its own random streams, save and resume: each gets its own back; one process resuming the
-    same checkpoint gets rank 0's."""
+    """Each of 2 ranks resumes its own random streams; one process resuming the checkpoint gets rank 0's."""
     torch.multiprocessing.spawn(_save_and_resume_random_streams, args=(str(tmp_path),), nprocs=2)
     torch.manual_seed(10)
     rank0 = torch.get_rng_state()
@@ -552,25 +504,12 @@ def test_each_rank_resumes_its_own_random_streams(tmp_path):
     assert torch.equal(torch.get_rng_state(), rank0)
 
 
-def test_checkpoint_write_is_atomic(tmp_path):
-    save_checkpoint(str(tmp_path), 1, {"step": 1})
-    os.makedirs(tmp_path / "checkpoints" / "step_00000002.tmp")  # a crash mid-write leaves only a .tmp directory
-    assert common.load_latest_checkpoint(str(tmp_path))["step"] == 1
-    save_checkpoint(str(tmp_path), 2, {"step": 2})
-    save_checkpoint(str(tmp_path), 3, {"step": 3})
-    assert common.load_latest_checkpoint(str(tmp_path))["step"] == 3
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002", "step_00000003"]
-
-
 @pytest.mark.parametrize("schedule", list(rm.Args.__annotations__["lr_scheduler_type"].__args__))
 def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_file, schedule, capsys):
-    """Every transformers SchedulerType: those stepped by a metric are refused before anything is read; the others
-    run, each step logging the rate it used; polynomial decays linearly to --lr_end, the cosine_*min_lr ones end there
-    too; the run records the learning rate filled in for the model (1e-3 for the embedded ones)."""
+    """Every transformers SchedulerType runs, logging the rate each step used (those stepped by a metric, and an
+    --lr_end not below the rate, refused in one line); the run records the rate filled in for the model."""
     args = rm.Args(dataset_name=small_pairs_file, max_steps=5, warmup_steps=1, lr_scheduler_type=schedule, lr_end=1e-4,
                    output_dir=str(tmp_path), num_evals=1, logging_steps=1)
-    from transformers import SchedulerType
-
     assert {s.value for s in SchedulerType} == set(rm.Args.__annotations__["lr_scheduler_type"].__args__)
     if schedule in rm.METRIC_DRIVEN:
         with pytest.raises(common.UserError, match=f"--lr_scheduler_type {schedule}: sets the rate from a metric"):
@@ -587,6 +526,9 @@ def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_
         assert lrs == pytest.approx([0, 1e-3, 7.5e-4, 5e-4, 2.5e-4])
     if schedule == "polynomial":  # power 1: linear from 1e-3 after warm-up down to --lr_end at step 6
         assert lrs == pytest.approx([0, 1e-3, 1e-4 + 0.75 * 9e-4, 1e-4 + 0.5 * 9e-4, 1e-4 + 0.25 * 9e-4])
+        with pytest.raises(common.UserError, match="--lr_scheduler_type polynomial: lr_end"):  # not below the rate
+            rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=2, lr_scheduler_type="polynomial", lr_end=1e-3,
+                            output_dir=str(tmp_path / "refused")))
     if schedule == "cosine_warmup_with_min_lr":  # (its warm-up starts at 1 / warm-up steps; it ends at --lr_end)
         assert lrs[-1] == pytest.approx(1e-4)
     if schedule == "cosine_with_min_lr":
@@ -597,23 +539,6 @@ def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_
         assert lrs[-1] == pytest.approx(1e-3)
     else:
         assert lrs[-1] < 1e-3
-
-
-def test_lr_end_not_below_the_learning_rate_is_refused_in_one_line(tmp_path, small_pairs_file):
-    with pytest.raises(common.UserError, match="--lr_scheduler_type polynomial: lr_end"):
-        rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=2, lr_scheduler_type="polynomial", lr_end=1e-3,
-                        output_dir=str(tmp_path)))
-
-
-def test_help_and_wandb_offline(tmp_path, small_pairs_file):
-    proc = run_script(["rm.py", "--help"], env={"COLUMNS": "200"})
-    assert "--center_rewards_coefficient" in proc.stdout
-    assert "this fraction held out, by whole prompts" in proc.stdout and "--lr_end" in proc.stdout
-    assert "warmup_stable_decay" in proc.stdout  # every schedule transformers has
-    run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--track", "--output_dir",
-                str(tmp_path)], env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
-    assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb"))
-    shutil.rmtree(tmp_path / "wandb")
 
 
 # --- padding-free and prefix-shared batches ---------------------------------------------------------------------------
@@ -701,9 +626,6 @@ def test_gradient_checkpointing_recomputes_attention_per_block():
 
 @pytest.mark.parametrize("config_name", ["MistralConfig", "Gemma2Config"])
 def test_packed_attention_honours_sliding_windows_softcapping_and_gqa(config_name):
-    import transformers
-    from transformers import AutoModelForSequenceClassification
-
     # a window of 5 tokens, shorter than most sequences; 2 key/value heads for 4 query heads; Gemma 2 alternates
     # windowed and full layers and squashes its attention logits (softcapping, set low here so that it matters)
     extra = dict(head_dim=8, attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"]) \
@@ -735,10 +657,8 @@ def test_packed_attention_honours_sliding_windows_softcapping_and_gqa(config_nam
 
 
 def test_packed_gqa_attention_on_cuda_never_gives_sdpa_a_mask_with_grouped_heads(monkeypatch):
-    """On CUDA a boolean mask with enable_gqa can fall to the math kernel: there (the decision forced on this CPU)
-    keys and values are repeated per query head instead, and the rewards are the grouped computation's."""
-    from transformers import AutoModelForSequenceClassification, MistralConfig
-
+    """On CUDA (forced here) a boolean mask never goes with enable_gqa (it can fall to the math kernel): keys and
+    values are repeated per query head instead, the same rewards."""
     config = MistralConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
     torch.manual_seed(0)
@@ -763,19 +683,10 @@ def test_packed_gqa_attention_on_cuda_never_gives_sdpa_a_mask_with_grouped_heads
     assert torch.allclose(repeated, grouped, atol=1e-6)
 
 
-def test_a_model_whose_attention_cannot_be_packed_keeps_the_padded_batch(monkeypatch):
-    model = tiny_reward_model("embedded-llama")
-    monkeypatch.setattr(rm.RewardModel, "forward", lambda self, input_ids, attention_mask=None, packed=None:
-                        torch.zeros(len(input_ids) if packed is None else len(packed.read)))
-    args, layout = rm.choose_layout(model, rm.Args(padding_free=True), TOK.vocab_size)  # no segment_attention call
-    assert not args.padding_free and layout.startswith("padded: its layers called segment_attention with windows []")
-    assert model.hf.config._attn_implementation != "rm_segments"
-
-
-@pytest.mark.parametrize("error", [TypeError, RuntimeError, ValueError])
-def test_any_failure_of_the_packed_check_keeps_the_padded_batch_and_says_why(error, monkeypatch):
-    """A base model that takes no extra keyword, layers that do not pass it on, a head of another size: whatever the
-    packed forward raises, --padding_free falls back to the padded batch, the reason in the start-up line."""
+@pytest.mark.parametrize("error", [None, TypeError, RuntimeError, ValueError])
+def test_a_model_whose_attention_cannot_be_packed_keeps_the_padded_batch_and_says_why(error, monkeypatch):
+    """Layers that never call segment_attention (None), or a packed forward that raises: --padding_free falls back to
+    the padded batch, the reason in the start-up line."""
     model = tiny_reward_model("embedded-llama")
     forward = model.hf.base_model.forward
 
@@ -784,47 +695,42 @@ def test_any_failure_of_the_packed_check_keeps_the_padded_batch_and_says_why(err
             raise error("forward() got an unexpected keyword argument 'rm_segments'")
         return forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
 
-    monkeypatch.setattr(model.hf.base_model, "forward", strict)
+    if error is None:
+        monkeypatch.setattr(rm.RewardModel, "forward", lambda self, input_ids, attention_mask=None, packed=None:
+                            torch.zeros(len(input_ids) if packed is None else len(packed.read)))
+    else:
+        monkeypatch.setattr(model.hf.base_model, "forward", strict)
     args, layout = rm.choose_layout(model, rm.Args(padding_free=True), TOK.vocab_size)
-    assert not args.padding_free and layout == f"padded: its forward fails on a packed row ({error.__name__}: " \
-        "forward() got an unexpected keyword argument 'rm_segments')"
-    assert model.hf.config._attn_implementation != "rm_segments"
+    assert not args.padding_free and model.hf.config._attn_implementation != "rm_segments"
+    if error is None:
+        assert layout.startswith("padded: its layers called segment_attention with windows []"), layout
+    else:
+        assert layout == f"padded: its forward fails on a packed row ({error.__name__}: " \
+            "forward() got an unexpected keyword argument 'rm_segments')"
 
 
-def test_training_curves_of_all_modes_agree(tmp_path, small_pairs_file):
-    base = ["--dataset_name", small_pairs_file, "--max_steps", "8", "--logging_steps", "1", "--num_evals", "1",
-            "--per_device_train_batch_size", "8"]
-    curves = {}
-    for name, flags in {"default": [], "packed": ["--padding_free"]}.items():
-        args = tyro_args(base + flags + ["--output_dir", str(tmp_path / name)])
-        rm.main(args)
-        curves[name] = [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
+def test_packed_checkpointed_and_bf16_training_curves_track_the_plain_run(tmp_path, small_pairs_file):
+    """--padding_free and --gradient_checkpointing change no loss (recomputation, packing); --bf16 stays near."""
+    def curve(name, *flags):
+        run_main(["rm.py", "--dataset_name", small_pairs_file, "--logging_steps", "1", "--num_evals", "1", *flags,
+                  "--output_dir", str(tmp_path / name)])
         assert json.load(open(tmp_path / name / "eval_results.json"))["args"]["padding_free"] == (name == "packed")
-    assert len(curves["default"]) == 8
-    assert np.allclose(curves["packed"], curves["default"], atol=1e-4), (curves["packed"], curves["default"])
+        return [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
+
+    eight = ["--max_steps", "8", "--per_device_train_batch_size", "8"]
+    default, packed = curve("default", *eight), curve("packed", *eight, "--padding_free")
+    assert len(default) == 8
+    assert np.allclose(packed, default, atol=1e-4), (packed, default)
+    fp32, checkpointed = curve("fp32", "--max_steps", "4"), curve("checkpointed", "--max_steps", "4",
+                                                                   "--gradient_checkpointing")
+    bf16 = curve("bf16", "--max_steps", "4", "--bf16")
+    assert np.allclose(checkpointed, fp32, atol=1e-5)
+    assert np.allclose(bf16, fp32, atol=0.05) and bf16 != fp32
 
 
-def tyro_args(argv):
-    import tyro
-
-    return tyro.cli(rm.Args, args=argv, use_underscores=True)
-
-
-def test_gradient_checkpointing_and_bf16_track_the_fp32_run(tmp_path, small_pairs_file):
-    base = ["--dataset_name", small_pairs_file, "--max_steps", "4", "--logging_steps", "1", "--num_evals", "1"]
-    curves = {}
-    for name, flags in {"fp32": [], "checkpointed": ["--gradient_checkpointing"], "bf16": ["--bf16"]}.items():
-        rm.main(tyro_args(base + flags + ["--output_dir", str(tmp_path / name)]))
-        curves[name] = [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
-    assert np.allclose(curves["checkpointed"], curves["fp32"], atol=1e-5)  # recomputation changes nothing
-    assert np.allclose(curves["bf16"], curves["fp32"], atol=0.05) and curves["bf16"] != curves["fp32"]
-
-
-def test_dataset_mixer_takes_fractions_and_counts(tmp_path):
+def test_dataset_mixer_takes_fractions_and_counts_and_evaluates_each_dataset_on_its_split_or_held_out_pairs(tmp_path):
     for name, n in (("a.jsonl", 40), ("b.jsonl", 30)):
-        with open(tmp_path / name, "w") as f:
-            for i in range(n):
-                f.write(json.dumps({"chosen": f" {name} {i}", "rejected": " x"}) + "\n")
+        write_jsonl(tmp_path / name, [{"chosen": f" {name} {i}", "rejected": " x"} for i in range(n)])
     rows = [r for name, weight in rm.mixture([str(tmp_path / "a.jsonl"), "0.5", str(tmp_path / "b.jsonl"), "12"])
             for r in rm.take_share(common.load_rows(name), weight, seed=0)]
     sources = [os.path.basename(r["_source"]) for r in rows]
@@ -832,44 +738,14 @@ def test_dataset_mixer_takes_fractions_and_counts(tmp_path):
     assert all(r["chosen"] == f" {os.path.basename(r['_source'])} {r['_row']}" for r in rows)  # rows keep their number
     with pytest.raises(common.UserError, match="weight 'many' of"):
         rm.mixture([str(tmp_path / "a.jsonl"), "many"])
-
-
-def test_text_prompt_with_message_responses_is_the_user_turn():
-    row = {"prompt": "tell me about animals", "chosen": [{"role": "assistant", "content": "cat dog"}],
-           "rejected": [{"role": "assistant", "content": "red rice"}]}
-    messages = {"prompt": [{"role": "user", "content": "tell me about animals"}], "chosen": row["chosen"],
-                "rejected": row["rejected"]}
-    assert common.split_pair(row, TOK, "m") == common.split_pair(messages, TOK, "m")
-    assert common.split_pair(row, TOK, "m")[0] == "user: tell me about animals assistant:"
-    with pytest.raises(common.UserError, match="field 'chosen', message 0: expected"):
-        common.split_pair({"chosen": [{"content": "x"}], "rejected": [{"role": "user", "content": "y"}]}, TOK, "m")
-
-
-def test_prompts_never_end_with_the_separator_an_encoder_tokenizer_appends(tmp_path):
-    from families import build_tokenizer
-
-    for family in ("roberta", "bert", "deberta"):
-        tok = build_tokenizer(family)
-        prefix, suffix = common.special_affixes(tok)
-        assert prefix and suffix
-        [prompt] = common.tokenize_prompts(tok, ["User: tell me about animals Assistant:"])
-        assert prompt[:len(prefix)] == prefix and prompt[-1] not in suffix
-        [response] = common.tokenize_responses(tok, ["User: tell me"], [" cat dog"])
-        assert response[-1] == common.end_id(tok) and response.count(response[-1]) == 1
-
-
-def test_each_mixed_dataset_is_evaluated_on_its_split_or_its_own_held_out_pairs(tmp_path):
+    # each mixed dataset is evaluated on its own eval split, or on its own held-out pairs
     with_split = tmp_path / "with_split"
     with_split.mkdir()
     for split, n in (("train", 40), ("test", 7)):
-        with open(with_split / f"{split}.jsonl", "w") as f:
-            for i in range(n):
-                f.write(json.dumps({"prompt": "User:", "chosen": f" cat {split}", "rejected": " dog"}) + "\n")
-    alone = tmp_path / "alone.jsonl"
-    with open(alone, "w") as f:
-        for i in range(50):
-            f.write(json.dumps({"prompt": "User:", "chosen": " red", "rejected": " blue"}) + "\n")
-    args = rm.Args(dataset_mixer_list=[str(with_split), "1.0", str(alone), "1.0"], eval_holdout=0.2,
+        write_jsonl(with_split / f"{split}.jsonl",
+                    [{"prompt": "User:", "chosen": f" cat {split}", "rejected": " dog"}] * n)
+    alone = write_jsonl(tmp_path / "alone.jsonl", [{"prompt": "User:", "chosen": " red", "rejected": " blue"}] * 50)
+    args = rm.Args(dataset_mixer_list=[str(with_split), "1.0", alone, "1.0"], eval_holdout=0.2,
                    max_length=64, max_prompt_length=32)
     train, evals, _ = rm.load_data(args, TOK, 0)
     red, cat = TOK.convert_tokens_to_ids("red"), TOK.convert_tokens_to_ids("cat")
@@ -878,8 +754,7 @@ def test_each_mixed_dataset_is_evaluated_on_its_split_or_its_own_held_out_pairs(
 
 
 def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(tmp_path):
-    """Two datasets that share pairs: a prompt held out of one is trained on in neither. A dataset weighted 0.05 gives
-    evaluation about its share of the training mixture, not a tenth of all its rows."""
+    """A prompt held out of one dataset is trained on in none; a dataset weighted 0.05 gets its share of evaluation."""
     rng = random.Random(0)
     shared = [{"prompt": f"User: tell me about {t} such as {w} Assistant:", "chosen": f" {rng.choice(common.WORDS)}",
                "rejected": " gold"} for t in common.TOPICS for w in common.TOPICS[t] for _ in range(3)]
@@ -897,56 +772,53 @@ def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(
     assert set(eval_sets) == set(files) and "held out by prompt" in eval_sets[files[2]]
 
 
-def test_evaluation_with_fewer_pairs_than_ranks(tmp_path, small_pairs_file):
-    data = tmp_path / "data"
-    data.mkdir()
-    shutil.copy(small_pairs_file, data / "train.jsonl")
-    with open(small_pairs_file) as f, open(data / "test.jsonl", "w") as g:
-        g.write(f.readline())
-    run_script(["rm.py", "--dataset_name", str(data), "--max_steps", "2", "--num_evals", "1", "--output_dir",
-                str(tmp_path / "out")], nproc=2)
-    assert json.load(open(tmp_path / "out" / "eval_results.json"))["accuracy"] in (0.0, 1.0)
-
-
-def test_eval_only_reproduces_the_final_evaluation_of_training(tmp_path, small_pairs_file):
-    """A saved model evaluated on its own held-out pairs gives the numbers training reported; and a plain
-    transformers sequence-classification model (no rm.py config keys) is evaluated too."""
-    from transformers import AutoModelForSequenceClassification
-
+def test_normalization_is_fitted_on_the_training_pairs_and_eval_only_reproduces_training(tmp_path, small_pairs_file):
+    """reward_shift and reward_scale are the saved model's rewards' mean and std on the training pairs; --eval_only on
+    its held-out pairs gives training's numbers, for a plain transformers classifier too."""
     train_dir = tmp_path / "trained"
-    rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=6, num_evals=1, output_dir=str(train_dir)))
+    rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=6, num_evals=1, output_dir=str(train_dir),
+                    reward_normalization="shift_scale"))
     trained = json.load(open(train_dir / "eval_results.json"))
+    train, _, _ = rm.load_data(rm.Args(dataset_name=small_pairs_file, max_length=128, max_prompt_length=96), TOK, 0)
+    hf = AutoModelForSequenceClassification.from_pretrained(train_dir).eval()
+    with torch.no_grad():
+        rewards = rm.RewardModel(hf)(*rm.collate(train, TOK.pad_token_id))
+    assert hf.config.reward_shift == pytest.approx(rewards.mean().item(), abs=1e-4)
+    assert hf.config.reward_scale == pytest.approx(rewards.std().item(), rel=1e-4)
+    assert trained["reward_normalization_fitted_on"] == f"{len(train)} training pairs"
+    assert abs(trained["reward_shift"] - trained["reward_mean"]) > 1e-3  # the eval pairs' mean is another number
+
     held_out = tmp_path / "held_out"  # the same held-out pairs, as an eval split of their own
     held_out.mkdir()
     rows = common.load_rows(small_pairs_file)
     for split, part in zip(("train", "test"), rm.hold_out_by_prompt(rows, 0.1, 1, TOK)):  # rm.py's hold-out (seed 1)
-        with open(held_out / f"{split}.jsonl", "w") as f:
-            f.writelines(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n" for r in part)
-    proc = run_script(["rm.py", "--eval_only", "--model_name_or_path", str(train_dir), "--dataset_name",
-                       str(held_out), "--output_dir", str(tmp_path / "eval")])
+        write_jsonl(held_out / f"{split}.jsonl", [{k: v for k, v in r.items() if not k.startswith("_")} for r in part])
+    proc = run_main(["rm.py", "--eval_only", "--model_name_or_path", str(train_dir), "--dataset_name",
+                     str(held_out), "--output_dir", str(tmp_path / "eval")])
     assert "evaluated" in proc.stdout
     evaluated = json.load(open(tmp_path / "eval" / "eval_results.json"))
     for key in ("accuracy", "loss", "reward_gap", "calibration_error", "length_correlation"):
         assert evaluated[key] == pytest.approx(trained[key], abs=1e-5), key
     assert evaluated["normalized_reward_mean"] == pytest.approx(
         (trained["reward_mean"] - trained["reward_shift"]) / trained["reward_scale"], abs=1e-5)
-    plain = tmp_path / "plain"
-    model = AutoModelForSequenceClassification.from_pretrained(train_dir)
-    del model.config.reward_shift, model.config.reward_scale
-    model.save_pretrained(plain)
-    TOK.save_pretrained(plain)
-    rm.main(rm.Args(eval_only=True, model_name_or_path=str(plain), dataset_name=str(held_out),
+    del hf.config.reward_shift, hf.config.reward_scale
+    hf.save_pretrained(tmp_path / "plain")
+    TOK.save_pretrained(tmp_path / "plain")
+    rm.main(rm.Args(eval_only=True, model_name_or_path=str(tmp_path / "plain"), dataset_name=str(held_out),
                     output_dir=str(tmp_path / "eval_plain")))
     assert json.load(open(tmp_path / "eval_plain" / "eval_results.json"))["accuracy"] == evaluated["accuracy"]
 
 
-def test_tensorboard_events_hold_the_logged_metrics(tmp_path, small_pairs_file):
+def test_tensorboard_events_hold_the_logged_metrics_and_wandb_runs_offline(tmp_path, small_pairs_file):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--track", "--output_dir",
+                str(tmp_path / "wandb_run")], env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb_run" / "wandb"))
     rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=3, logging_steps=1, num_evals=1, tensorboard=True,
-                    output_dir=str(tmp_path)))
-    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
-    logged = [m for m in read_metrics(tmp_path) if "train/loss" in m]
+                    output_dir=str(tmp_path / "tb_run")))
+    events = EventAccumulator(str(tmp_path / "tb_run" / "tensorboard")).Reload()
+    logged = [m for m in read_metrics(tmp_path / "tb_run") if "train/loss" in m]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([m["train/loss"] for m in logged])
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
     assert "eval/accuracy" in events.Tags()["scalars"]
@@ -988,18 +860,10 @@ def test_local_folders_in_every_layout_load_with_their_splits(tmp_path):
     (tmp_path / "split_files" / "runs" / "rm").mkdir(parents=True)  # a run's outputs inside the data folder
     (tmp_path / "split_files" / "runs" / "rm" / "eval_results.json").write_text('{"accuracy": 0.5}')
     assert len(common.load_rows(str(tmp_path / "split_files"), split="test")) == 6
-    bad = tmp_path / "split_files" / "train.jsonl"
-    lines = bad.read_text().splitlines()
-    lines[4] = '{"chosen": " cat", "rejected": 7}'
-    bad.write_text("\n".join(lines) + "\n")
-    proc = run_script(["rm.py", "--dataset_name", str(tmp_path / "split_files"), "--output_dir", str(tmp_path / "o")],
-                      check=False)
-    assert proc.returncode == 2 and f"{bad}: line 5: field 'rejected' is int" in proc.stderr, proc.stderr
 
 
 def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path):
-    """The snippet imports common.py: the README says it runs from the repository's folder, and it does, pasted into
-    a fresh Python there."""
+    """The README's snippet, pasted into a fresh Python in the repository's folder (as it says), scores as trained."""
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     before, after = readme.split("<!-- scoring snippet -->")
     assert "run\nfrom this repository's folder" in before[-400:]
@@ -1007,8 +871,6 @@ def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path)
     run_script(["-c", snippet])
     scope = {}
     exec(snippet, scope)  # noqa: S102 - the README's own code, as a user would paste it
-    from transformers import AutoModelForSequenceClassification
-
     hf = AutoModelForSequenceClassification.from_pretrained(reward_model_path).eval()
     rows = [{"prompt": scope["prompt"], "chosen": scope["responses"][0], "rejected": scope["responses"][1],
              "_source": "m", "_row": 0}]
@@ -1020,8 +882,7 @@ def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path)
 
 
 def test_num_evals_is_the_number_of_evaluations(tmp_path, small_pairs_file, capsys):
-    """7 steps and 5 evaluations: 5 (not 4, at every ceil(7 / 5) = 2 steps and the last); more than the steps: one
-    per step, said in one line."""
+    """7 steps, 5 evaluations: 5, the last at the end; more than the steps: one per step, said in one line."""
     for max_steps, num_evals, expected in ((7, 5, 5), (3, 5, 3)):
         rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=max_steps, num_evals=num_evals, logging_steps=100,
                         per_device_train_batch_size=8, output_dir=str(tmp_path / str(max_steps))))
