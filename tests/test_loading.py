@@ -28,34 +28,76 @@ def load_as_the_scripts_do(path, kind, on_meta, grow):
     return model
 
 
-def _load_sharded(rank, folder, path, kind, frozen_bf16, grow):
+def _load_sharded(rank, folder, cases):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2)
-    model = load_as_the_scripts_do(path, kind, rank != 0, grow)
-    out = {"meta": next(model.parameters()).is_meta}
+    for name, (path, kind, frozen_bf16, grow) in cases.items():
+        model = load_as_the_scripts_do(path, kind, rank != 0, grow)
+        out = {"meta": next(model.parameters()).is_meta}
 
-    def shard(model):
-        if frozen_bf16:  # ppo.py's frozen models under --bf16: float32 read, held in bfloat16
-            for p in model.parameters():
-                p.data = p.data.to(torch.bfloat16)
-        for block in next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)):
-            fully_shard(block)
-        fully_shard(model)
+        def shard(model):
+            if frozen_bf16:  # ppo.py's frozen models under --bf16: float32 read, held in bfloat16
+                for p in model.parameters():
+                    p.data = p.data.to(torch.bfloat16)
+            for block in next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)):
+                fully_shard(block)
+            fully_shard(model)
 
-    common.shard_from_rank0(model, shard, torch.device("cpu"))
-    out["weights"] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    out["buffers"] = {n: b.clone() for n, b in model.named_buffers()}
-    out["local"] = sum(p.to_local().numel() for p in model.parameters())
-    torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
+        common.shard_from_rank0(model, shard, torch.device("cpu"))
+        out["weights"] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        out["buffers"] = {n: b.clone() for n, b in model.named_buffers()}
+        out["local"] = sum(p.to_local().numel() for p in model.parameters())
+        torch.save(out, os.path.join(folder, f"{name}.rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def assert_sharded_equals_one_process(tmp_path, path, kind="causal", frozen_bf16=False, grow=False):
-    torch.multiprocessing.spawn(_load_sharded, args=(str(tmp_path), path, kind, frozen_bf16, grow), nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def saved(tmp_path, family, base=False, bin_weights=False):
+    """A tiny model of the family stored in bfloat16 (float32 for GPT-2) as safetensors shards (base: its backbone
+    alone, keys without the base model's prefix, as GPT-2's hub checkpoint; bin_weights: a pytorch_model.bin)."""
+    import transformers
+
+    path = save_family(family, tmp_path / family)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    os.remove(path / "model.safetensors")
+    if bin_weights:
+        torch.save(model.state_dict(), path / "pytorch_model.bin")
+        return str(path)
+    (model.base_model if base else model).save_pretrained(path, max_shard_size="40KB")
+    if base:
+        config = model.config  # (the backbone's saved config names the backbone: the causal LM is what's loaded)
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(path)
+    return str(path)
+
+
+CASES = {  # (family, saved's options, kind, held in bfloat16 as ppo.py's frozen models, the table grown by a token)
+    "llama3": ("llama3", {}, "causal", False, False), "neox": ("neox", {}, "causal", False, False),
+    "gpt2-backbone": ("gpt2", dict(base=True), "causal", True, False),
+    "classifier": ("llama3", {}, "classifier", False, True),
+    "bin": ("llama3", dict(bin_weights=True), "causal", False, False)}
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """Each case loaded on 2 ranks (one spawn for all): {case: (its arguments, [rank 0's, rank 1's results])}."""
+    root = tmp_path_factory.mktemp("sharded")
+    cases = {name: (saved(root / name, family, **options), *rest) for name, (family, options, *rest) in CASES.items()}
+    torch.multiprocessing.spawn(_load_sharded, args=(str(root), cases), nprocs=2)
+    return {name: (case, [torch.load(root / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)])
+            for name, case in cases.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_sharded_checkpoint_is_the_model_one_process_loads(name, sharded):
+    """Both ranks hold what one process loads, bit for bit (RoPE's buffers included): a bfloat16 checkpoint in several
+    safetensors files (Llama, NeoX), loaded into float32 by rank 0 and broadcast into the shards; GPT-2's layout (keys
+    `h.0...`, the output layer tied to the embedding, in float32) read into a causal LM whose keys are
+    `transformer.h.0...` and held in bfloat16; rm.py's start, a classifier on a causal LM's checkpoint (its output
+    layer ignored, its new head drawn by rank 0) with the table grown by a pad token; .bin weights."""
+    (path, kind, frozen_bf16, grow), ranks = sharded[name]
     whole = load_as_the_scripts_do(path, kind, False, grow)
     expected = {k: v.to(torch.bfloat16) if frozen_bf16 else v for k, v in whole.state_dict().items()}
     assert [r["meta"] for r in ranks] == [False, True]
@@ -67,55 +109,10 @@ def assert_sharded_equals_one_process(tmp_path, path, kind="causal", frozen_bf16
             assert torch.equal(rank["buffers"][k], v), k
     n = sum(p.numel() for p in whole.parameters())
     assert ranks[0]["local"] + ranks[1]["local"] == n and ranks[1]["local"] < 0.6 * n  # each holds its shard alone
-    return ranks
-
-
-def saved(tmp_path, family, base=False, shard_size="40KB"):
-    """A tiny model of the family stored in bfloat16 (float32 for GPT-2) as safetensors shards (base: its backbone
-    alone, keys without the base model's prefix, as GPT-2's hub checkpoint)."""
-    import transformers
-
-    path = save_family(family, tmp_path / family)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path)
-    os.remove(path / "model.safetensors")
-    (model.base_model if base else model).save_pretrained(path, max_shard_size=shard_size)
-    if base:
-        config = model.config  # (the backbone's saved config names the backbone: the causal LM is what's loaded)
-        config.architectures = [type(model).__name__]
-        config.save_pretrained(path)
-    return str(path)
-
-
-@pytest.mark.parametrize("family", ["llama3", "neox"])
-def test_a_sharded_bf16_checkpoint_is_the_model_one_process_loads(family, tmp_path):
-    """A bfloat16 checkpoint in several safetensors files, loaded into float32 by rank 0 and broadcast into the
-    shards: both ranks hold what one process loads, bit for bit (RoPE's buffers included)."""
-    assert_sharded_equals_one_process(tmp_path, saved(tmp_path, family))
-
-
-def test_a_backbone_checkpoint_without_the_prefix_into_a_tied_causal_lm(tmp_path):
-    """GPT-2's layout (keys `h.0...`, the output layer tied to the embedding, stored in float32), read into a causal
-    LM whose keys are `transformer.h.0...`, and held in bfloat16 as ppo.py's frozen models: tied, and as one process."""
-    ranks = assert_sharded_equals_one_process(tmp_path, saved(tmp_path, "gpt2", base=True), frozen_bf16=True)
-    assert ranks[0]["weights"]["lm_head.weight"].dtype == torch.bfloat16
-
-
-def test_a_classifier_from_a_causal_lm_checkpoint_grown_by_a_token(tmp_path):
-    """rm.py's start: a classifier on a causal LM's checkpoint (its output layer ignored, its new head drawn by rank 0)
-    with the table grown by a pad token: the same weights, head and new row as one process, on both ranks."""
-    ranks = assert_sharded_equals_one_process(tmp_path, saved(tmp_path, "llama3"), kind="classifier", grow=True)
-    assert ranks[1]["weights"]["score.weight"].std() > 0
-
-
-def test_bin_weights_are_loaded_as_safetensors_are(tmp_path):
-    """.bin weights: rank 0's from_pretrained reads them; the same model results on both ranks."""
-    import transformers
-
-    path = str(save_family("llama3", tmp_path / "llama3"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(path)
-    os.remove(os.path.join(path, "model.safetensors"))
-    torch.save(model.state_dict(), os.path.join(path, "pytorch_model.bin"))
-    assert_sharded_equals_one_process(tmp_path, path)
+    if name == "gpt2-backbone":
+        assert ranks[0]["weights"]["lm_head.weight"].dtype == torch.bfloat16
+    if name == "classifier":
+        assert ranks[1]["weights"]["score.weight"].std() > 0
 
 
 def test_ppo_critic_from_the_policy_on_two_sharded_ranks_trains_as_one_process(tmp_path):

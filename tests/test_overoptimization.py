@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_script
+from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import overoptimization  # noqa: E402
@@ -54,13 +54,14 @@ def test_fits_are_on_the_mean_curve_over_seeds():
         assert all(abs(f["alpha"] - 0.5) > 1e-3 and f["r2"] < 1 - 1e-4 for f in row[form]["seed_fits"]), form
 
 
-def test_quick_sweep_shows_overoptimization(tmp_path):
+def test_quick_sweep_shows_overoptimization(tmp_path, monkeypatch):
     """The smallest setting: two reward models (125 and 2,000 pairs), one seed. What it can see: the larger reward model
     is more accurate and its best-of-n and RL reach a higher gold score; best-of-n's proxy estimate rises with n; under
     RL against either reward model the proxy rises to the end while the gold score turns down, and PPO on the gold
     reward itself ends higher."""
     out = tmp_path / "quick.json"
-    run_script(["benchmarks/overoptimization.py", "--quick", "--out", str(out), "--scratch", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["overoptimization.py", "--quick", "--out", str(out), "--scratch", str(tmp_path)])
+    overoptimization.main()  # (in this process: it runs rm.py and ppo.py in its own)
     runs = json.load(open(out))["runs"]
     small, large, ceiling = runs
     assert small["accuracy"] < large["accuracy"] < large["bayes_accuracy"]
