@@ -401,40 +401,6 @@ def test_two_process_ddp_and_fsdp_match_one_process(estimator, split_runs):
         assert not any(m.startswith("memory/") for later in run[1:] for m in later)
 
 
-def test_a_killed_rank_ends_the_job_and_its_sharded_checkpoint_resumes_on_one_process(tmp_path, reward_model_path):
-    """kill -9 one of 2 FSDP ranks after its first checkpoint: torchrun ends the whole job within a minute (no rank
-    left waiting in a collective); the checkpoint, written in shards by 2 ranks, resumes in one process and the run
-    ends as the uninterrupted one-process run does."""
-    base = ["ppo.py", "--reward_model_path", reward_model_path, *TINY, "--total_episodes", "128", "--save_steps", "2"]
-    one = ["--gradient_accumulation_steps", "2"]
-    run_main(base + one + ["--output_dir", str(tmp_path / "one")])
-    cut = tmp_path / "cut"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(29500 + (os.getpid() + 7) % 1000)]
-    job = subprocess.Popen(launcher + base + ["--fsdp", "--per_device_train_batch_size", "2", *one, "--output_dir",
-                                              str(cut)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"), text=True)
-    deadline = time.time() + 300
-    while not os.path.exists(cut / "checkpoints" / "latest") and job.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    assert job.poll() is None, "the run ended before it could be killed"
-    workers = open(f"/proc/{job.pid}/task/{job.pid}/children").read().split()
-    rank1 = next(p for p in workers if b"RANK=1\0" in open(f"/proc/{p}/environ", "rb").read().replace(
-        b"LOCAL_RANK=1\0", b""))
-    killed = time.time()
-    os.kill(int(rank1), signal.SIGKILL)
-    job.communicate(timeout=120)
-    assert job.returncode != 0 and time.time() - killed < 60
-    assert not os.path.exists(cut / "model.safetensors")
-
-    run_main(base + one + ["--resume", "--output_dir", str(cut)])
-    runs = {k: read_metrics(tmp_path / k) for k in ("one", "cut")}
-    assert [m["step"] for m in runs["cut"]] == list(range(1, 9))
-    for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/grad_norm"):
-        assert np.allclose([m[key] for m in runs["cut"]], [m[key] for m in runs["one"]], atol=1e-5, rtol=1e-5), key
-    assert_saved_models_equal([tmp_path / "one", cut], "AutoModelForCausalLM")
-
-
 def test_resume_on_another_number_of_ranks_continues_where_the_episodes_left_off(tmp_path, reward_model_path):
     """Rollout batch 16: 2 ranks cut after 2 updates, resumed on 1 (accumulating 2 micro-batches); 1 rank cut, resumed
     on 2: each of the 64 episodes rolled out once, the linear schedule continued (an update's logged lr, the rate its
@@ -559,42 +525,52 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(estimator, tmp_p
     assert before == {f: os.path.getmtime(tmp_path / "cut" / f) for f in os.listdir(tmp_path / "cut")}
 
 
-def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_that_resumes(tmp_path):
-    """A cluster's SIGTERM reaching one rank of 2: every rank stops after the same update (they agree in a collective,
-    so none waits for the other), they save a checkpoint together and exit 143 without a traceback, the one line on
-    how to resume last; --resume on one process ends as the uninterrupted one-process run does."""
-    base = ["ppo.py", "--reward_fn", "common:gold_rewards", *TINY, "--total_episodes", "128"]
-    one = ["--gradient_accumulation_steps", "2"]
-    cut, logs = tmp_path / "cut", tmp_path / "logs"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(29500 + (os.getpid() + 11) % 1000), "--log-dir", str(logs), "--redirects", "3"]
-    job = subprocess.Popen(launcher + base + ["--per_device_train_batch_size", "2", *one, "--output_dir", str(cut)],
-                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-    log, deadline = cut / "metrics.jsonl", time.time() + 300
-    while not (log.exists() and log.read_text()) and job.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    workers = open(f"/proc/{job.pid}/task/{job.pid}/children").read().split()
-    rank1 = next(p for p in workers if b"RANK=1\0" in open(f"/proc/{p}/environ", "rb").read().replace(
-        b"LOCAL_RANK=1\0", b""))
-    os.kill(int(rank1), signal.SIGTERM)
-    job.wait(timeout=120)
-    stopped = common.load_latest_checkpoint(cut)["step"]
-    assert 1 <= stopped < 8 and not (cut / "model.safetensors").exists()
+def test_a_killed_or_stopped_rank_ends_the_job_and_its_checkpoint_resumes_on_one_process(tmp_path):
+    """kill -9 one of 2 FSDP ranks after their first checkpoint (written in shards by both): torchrun ends the whole job
+    within a minute (no rank left waiting in a collective). A cluster's SIGTERM reaching one of 2 DDP ranks: every rank
+    stops after the same update (they agree in a collective, so none waits for the other), they save a checkpoint
+    together and exit 143 without a traceback, the one line on how to resume last. Each checkpoint resumes in one
+    process, and the run ends as the uninterrupted one-process run does."""
+    base = ["--reward_fn", "common:gold_rewards", *TINY, "--total_episodes", "128", "--gradient_accumulation_steps",
+            "2"]
+    jobs = {}
+    for cut, flags in (("killed", ["--fsdp", "--save_steps", "2"]), ("stopped", [])):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    str(29500 + (os.getpid() + 7) % 1000), "--log-dir", str(tmp_path / f"{cut}-logs"), "--redirects",
+                    "3"]
+        job = subprocess.Popen(launcher + ["ppo.py", *base, "--per_device_train_batch_size", "2", *flags,
+                                           "--output_dir", str(tmp_path / cut)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        ready = tmp_path / cut / ("checkpoints/latest" if cut == "killed" else "metrics.jsonl")
+        deadline = time.time() + 300
+        while not (ready.exists() and ready.read_text()) and job.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert job.poll() is None, "the run ended before it could be signalled"
+        workers = open(f"/proc/{job.pid}/task/{job.pid}/children").read().split()
+        rank1 = next(p for p in workers if b"RANK=1\0" in open(f"/proc/{p}/environ", "rb").read().replace(
+            b"LOCAL_RANK=1\0", b""))
+        sent = time.time()
+        os.kill(int(rank1), signal.SIGKILL if cut == "killed" else signal.SIGTERM)
+        job.wait(timeout=120)
+        assert job.returncode != 0 and time.time() - sent < 60 and not (tmp_path / cut / "model.safetensors").exists()
+        jobs[cut] = common.load_latest_checkpoint(tmp_path / cut)["step"]
+    assert 1 <= jobs["stopped"] < 8
     for rank in (0, 1):  # torchrun reports its workers' exit codes in its own error file
-        stderr = next(logs.rglob(f"attempt_0/{rank}/stderr.log")).read_text()
+        stderr = next((tmp_path / "stopped-logs").rglob(f"attempt_0/{rank}/stderr.log")).read_text()
         assert "Traceback" not in stderr, stderr[-3000:]
-    last = next(logs.rglob("attempt_0/0/stderr.log")).read_text().strip().splitlines()[-1]
-    assert last.startswith(f"stopped by SIGTERM after step {stopped}") and "--resume" in last, last
-    for folder, resume in ((cut, ["--resume"]), (tmp_path / "one", [])):  # in this process: no imports to wait for
-        ppo.main(tyro.cli(ppo.Args, args=base[1:] + one + resume + ["--output_dir", str(folder)], use_underscores=True))
-    runs = {k: read_metrics(tmp_path / k) for k in ("one", "cut")}
-    assert [m["step"] for m in runs["cut"]] == list(range(1, 9))
-    for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/grad_norm"):
-        # the updates before the stop ran on 2 ranks, which sum in another order than one process: 1e-7 differences
-        # that the KL, a sum over tokens, carries to ~1e-4 (a replayed or skipped episode differs by far more)
-        assert np.allclose([m[key] for m in runs["cut"]], [m[key] for m in runs["one"]], atol=1e-5, rtol=1e-3), key
-    assert_saved_models_equal([tmp_path / "one", cut], "AutoModelForCausalLM")
+    last = next((tmp_path / "stopped-logs").rglob("attempt_0/0/stderr.log")).read_text().strip().splitlines()[-1]
+    assert last.startswith(f"stopped by SIGTERM after step {jobs['stopped']}") and "--resume" in last, last
+    for folder, resume in ((tmp_path / "killed", ["--resume"]), (tmp_path / "stopped", ["--resume"]),
+                           (tmp_path / "one", [])):  # in this process: no imports to wait for
+        run_main(["ppo.py", *base, *resume, "--output_dir", str(folder)])
+    runs = {k: read_metrics(tmp_path / k) for k in ("one", "killed", "stopped")}
+    for cut in ("killed", "stopped"):
+        assert [m["step"] for m in runs[cut]] == list(range(1, 9))
+        for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/grad_norm"):
+            # the updates before the stop ran on 2 ranks, which sum in another order than one process: 1e-7
+            # differences that the KL, a sum over tokens, carries to ~1e-4 (a replayed or skipped episode: far more)
+            assert np.allclose([m[key] for m in runs[cut]], [m[key] for m in runs["one"]], atol=1e-5, rtol=1e-3), key
+    assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForCausalLM")
 
 
 def test_gradient_checkpointing_changes_no_number(tmp_path, reward_model_path):
