@@ -261,16 +261,16 @@ def response_logprobs(model, query_response, attention_mask, context_length, tem
     output_layer_in_float32; its own transforms, e.g. Gemma's softcapping, applied by itself), / temperature, a
     float32 log-softmax, gathered. entropy: each position's entropy too (with its gradient if entropy_grad).
     blocked (--blocked_logits): the same numbers in memory bounded whatever the vocabulary (below the fence)."""
-    if blocked:
-        return blocked_response_logprobs(model, query_response, attention_mask, context_length, temperature, entropy,
-                                         entropy_grad)
     predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 .. T - 1
     keep = {"logits_to_keep": predicting} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: a position counts real tokens only
-    logits = model(input_ids=query_response, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False, **keep).logits[:, -predicting:-1]  # (the last position predicts nothing)
+    inputs = dict(input_ids=query_response, attention_mask=attention_mask, use_cache=False, **keep,
+                  position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0))  # counts real tokens only (left padding)
+    targets = query_response[:, context_length:]
+    if blocked:
+        return blocked_response_logprobs(model, inputs, predicting, targets, temperature, entropy, entropy_grad)
+    logits = model(**inputs).logits[:, -predicting:-1]  # (the last position predicts nothing)
     logp_all = torch.log_softmax(logits.float() / temperature, -1)
-    logprobs = logp_all.gather(-1, query_response[:, context_length:, None]).squeeze(-1)
+    logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     if not entropy:
         return logprobs, None
     with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
@@ -360,8 +360,7 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=
     if args.compile:
         return compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id)
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
-    mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
-        -1, args.response_length)], 1)
+    mask = F.pad(query_mask.long(), (0, args.response_length), value=1)
     cache = ComputeDtypeCache(config=unwrap(model).config, max_cache_len=mask.shape[1])
     last_only = {"logits_to_keep": 1} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     inputs = dict(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position,
@@ -520,7 +519,7 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
                 sums["loss/ptx"] = ptx_backward(policy, ptx, step, (update, epoch, mb), args, rank, world, pad_id,
                                                 backward)
             for i, f in enumerate(step.forwards):
-                sync_gradients(models, last=i == len(step.forwards) - 1, fsdp=args.fsdp)
+                sync_gradients(models, last=i == len(step.forwards) - 1)
                 mask = f.take(batch.mask).float()
                 # Policy and critic share no weights: each loss goes backward on its own graph, so that only one
                 # model's activations are alive at a time.
@@ -623,8 +622,7 @@ def main(args):
 
         # 6. Adapt the KL coefficient; log; save samples and checkpoints.
         m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef, "lr": lr, **update_stats,
-             **rollout_metrics(batch, kl, non_score_reward),
-             **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, batch.attention_mask, args)}
+             **update_metrics(batch, kl, non_score_reward, [t0, t_rollout, t_score, t_learn, time.time()], args)}
         if update == start:  # what each rank held at most
             m.update(common.peak_memory(device))
         if args.target_kl is not None:
@@ -648,10 +646,9 @@ def main(args):
 
 
 # ======================================================================================================================
-# THE FENCE. The method ends here: a first read can stop. Below, first what a default run calls and a reader may trust
-# by its docstring (checks, loading models and data, the reward's plumbing, the learning phase's bookkeeping,
-# distributed set-up, logging and figures); then the opt-in speed paths, each in its own section (--group_by_length,
-# --blocked_logits), each tested equal to the plain path above.
+# THE FENCE. The method ends here: a first read can stop. Below, what a default run calls and a reader may trust by its
+# docstring (checks, loading, the reward's plumbing, learning's bookkeeping, distributed set-up, logs); then the opt-in
+# speed paths, each in its own section (--group_by_length, --blocked_logits, --compile), tested equal to the plain path.
 # ======================================================================================================================
 
 
@@ -679,10 +676,9 @@ def check_args(args):
     if not args.scale_rewards and args.advantage_estimator != "grpo":
         raise common.UserError(f"--no_scale_rewards is grpo's (Dr. GRPO); --advantage_estimator "
                                f"{args.advantage_estimator} does not divide by a group's std")
-    if not args.temperature > 0:
-        raise common.UserError(f"--temperature {args.temperature}: must be above 0")
-    if args.target_kl is not None and not args.target_kl > 0:
-        raise common.UserError(f"--target_kl {args.target_kl}: must be above 0")
+    for name in ("temperature", "target_kl"):
+        if (value := getattr(args, name)) is not None and not value > 0:
+            raise common.UserError(f"--{name} {value}: must be above 0")
     if args.missing_eos_penalty is not None and args.stop_token == "none":
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
@@ -750,8 +746,7 @@ def position_limit(args):
 
 # --- Models and data. -------------------------------------------------------------------------------------------------
 def without_dropout(config):
-    """Dropout off (every model: rollout, scoring and learning are one network, and the ratio starts at 1): every
-    dropout probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout)."""
+    """Every dropout probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout)."""
     for key, value in list(vars(config).items()):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
@@ -800,12 +795,10 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     key = hashlib.sha256(repr((len(tokenizer), torch.__version__, transformers.__version__, code)).encode()).hexdigest()
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlhf",
                          f"{name}-seed{seed}-steps{steps}-batch{batch_size}.pt")
-    saved = {}
-    with contextlib.suppress(Exception):  # (none yet, or unreadable: trained again)
-        saved = torch.load(cache)
-    if saved.get("key") == key:
-        model.load_state_dict(saved["model"])
-        return model.eval()
+    with contextlib.suppress(Exception):  # (none yet, unreadable, or another key's: trained again)
+        if (saved := torch.load(cache))["key"] == key:
+            model.load_state_dict(saved["model"])
+            return model.eval()
     opt, rng = torch.optim.AdamW(model.parameters(), lr=2e-3), random.Random(seed)
     for _ in range(steps):
         texts = [common.embedded_prompt(rng) for _ in range(batch_size)]
@@ -1234,7 +1227,7 @@ def ptx_backward(policy, ptx, step, index, args, rank, world, pad_id, backward):
     first = ((update * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb) * len(step.rows)
     seqs = [ptx[i % len(ptx)] for i in range(first, first + len(step.rows))]
     micro, share, total = args.per_device_train_batch_size, len(step.rows) // world, 0
-    sync_gradients([policy], last=False, fsdp=args.fsdp)  # (all-reduced with the PPO losses' under DDP)
+    sync_gradients([policy], last=False)  # (all-reduced with the PPO losses' under DDP)
     for i in range(rank * share, (rank + 1) * share, micro):
         with torch.autocast(step.rows.device.type, dtype=torch.bfloat16, enabled=args.bf16):
             loss = language_modelling_loss(policy, seqs[i:i + micro], pad_id, sum(len(s) - 1 for s in seqs),
@@ -1244,14 +1237,12 @@ def ptx_backward(policy, ptx, step, index, args, rank, world, pad_id, backward):
     return total
 
 
-def sync_gradients(models, last, fsdp):
-    """DDP all-reduces gradients in a step's last backward only; FSDP reduce-scatters every backward's (no rank holds a
-    whole model's gradients)."""
+def sync_gradients(models, last):
+    """DDP all-reduces gradients in a step's last backward only (FSDP2 reduce-scatters every backward's, as it is left:
+    no rank holds a whole model's gradients)."""
     for model in models:
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            model.set_requires_gradient_sync(last or fsdp)
-        elif hasattr(model, "require_backward_grad_sync"):  # DDP
-            model.require_backward_grad_sync = last or fsdp
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model.require_backward_grad_sync = last
 
 
 def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
@@ -1310,7 +1301,8 @@ def parallelize(model, args, device, frozen=False):
         offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
 
         def shard(model):
-            hf, head = next(m for m in model.modules() if hasattr(m, "get_input_embeddings")), float32_head(model)
+            hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
+            head = float32_head(hf)
             in_float32 = {id(p) for p in head.parameters()} if head is not None else set()
             if frozen and args.bf16:  # gathered in bfloat16 to compute: held so, the same numbers at half the memory
                 for p in model.parameters():  # (parameters only: RoPE's buffers stay float32)
@@ -1338,11 +1330,10 @@ def heads_in_float32(model):
     return model
 
 
-def float32_head(model):
+def float32_head(hf):
     """The head that is its own FSDP unit gathered in float32, or None: a scalar head (Float32Linear, or peft's wrapper
     of it), or a causal LM's untied float32 output layer (gathered only while it computes the logits, its gradient
     reduce-scattered at once: not a vocabulary x hidden weight held whole with the root)."""
-    hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
     if (score := getattr(hf, "score", None)) is not None:
         linears = [m for m in score.modules() if isinstance(m, torch.nn.Linear)]
         return score if linears and all(isinstance(m, common.Float32Linear) for m in linears) else None
@@ -1431,14 +1422,19 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
     samples_file.flush()
 
 
-def rollout_metrics(batch, kl, non_score_reward):
-    mask = batch.mask.float()
+def update_metrics(batch, kl, non_score_reward, times, args):
+    """The rollout's statistics (TRL's names); episodes and tokens per second; each phase's time (rollout; log-probs
+    and score; advantages and learning)."""
+    mask, elapsed = batch.mask.float(), times[-1] - times[0]
     # objective/entropy: -log p of the sampled tokens, summed over the response (TRL's name): a one-sample estimate
     m = {"objective/kl": kl.sum(1).mean().item(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean().item(),
          "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
          "objective/scores": batch.scores.mean().item(),
          "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean().item(),
-         "response/length": mask.sum(1).mean().item()}
+         "response/length": mask.sum(1).mean().item(), "perf/episodes_per_s": len(mask) / elapsed,
+         "perf/time_rollout": times[1] - times[0], "perf/time_score": times[2] - times[1],
+         "perf/time_learn": times[3] - times[2],
+         "perf/tokens_per_s": batch.attention_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
     if batch.values is not None:
         m["val/mean"] = masked_mean(batch.values, mask).item()
     if batch.has_stop is not None:  # None with --stop_token none: no response can stop
@@ -1446,14 +1442,6 @@ def rollout_metrics(batch, kl, non_score_reward):
     if not torch.isnan(batch.gold).all():
         m["gold/mean"], m["gold/std"] = batch.gold.mean().item(), batch.gold.std().item()
     return m
-
-
-def timing_metrics(times, batch_size, qr_mask, args):
-    """Episodes and tokens per second, and each phase's time (rollout; log-probs and score; advantages and learning)."""
-    elapsed = times[-1] - times[0]
-    return {"perf/episodes_per_s": batch_size / elapsed, "perf/time_rollout": times[1] - times[0],
-            "perf/time_score": times[2] - times[1], "perf/time_learn": times[3] - times[2],
-            "perf/tokens_per_s": qr_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
 
 
 def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank):
@@ -1580,19 +1568,13 @@ def head_inputs(model, **inputs):
     return captured[0]
 
 
-def blocked_response_logprobs(policy, query_response, mask, context_length, temperature, entropy=False,
-                              entropy_grad=True):
-    """response_logprobs in memory bounded whatever the vocabulary: the positions predicting a response token through
-    the output layer (head_inputs) in blocks of LOGIT_BLOCK elements, each recomputed in the backward pass (Chen et
-    al. 2016), so a micro-batch's logits (16 x 128 x 152k floats: 1.2 GB) are never held whole."""
+def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, entropy=False, entropy_grad=True):
+    """response_logprobs in memory bounded whatever the vocabulary: its forward's positions predicting a response token
+    through the output layer (head_inputs) in blocks of LOGIT_BLOCK elements, each recomputed in the backward pass
+    (Chen et al. 2016), so a micro-batch's logits (16 x 128 x 152k floats: 1.2 GB) are never held whole."""
     from torch.utils.checkpoint import checkpoint
 
-    # positions context_length - 1 .. T - 1 predict a response token, but for the last, which predicts nothing
-    model, predicting = unwrap(policy), query_response.shape[1] - context_length + 1
-    only_kept = {"logits_to_keep": predicting} if takes_argument(type(model), "logits_to_keep") else {}
-    hidden = head_inputs(policy, input_ids=query_response, attention_mask=mask, use_cache=False,
-                         position_ids=(mask.cumsum(1) - 1).clamp(min=0), **only_kept)[:, -predicting:-1]
-    targets = query_response[:, context_length:]
+    model, hidden = unwrap(policy), head_inputs(policy, **inputs)[:, -predicting:-1]
 
     def block(h, y):  # float32 throughout: logits, log-softmax and entropy
         logp_all = torch.log_softmax(output_logits(model, h, temperature), -1)
@@ -1643,8 +1625,7 @@ def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
         decode = DECODES[model] = CompiledDecode(model, key)
     decode.cache.reset()
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
-    mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
-        -1, decode.cache_length - query.shape[1])], 1)
+    mask = F.pad(query_mask.long(), (0, decode.cache_length - query.shape[1]), value=1)
     last_only = {"logits_to_keep": 1} if takes_argument(type(model), "logits_to_keep") else {}
     logits = model(input_ids=query, attention_mask=mask, past_key_values=decode.cache, use_cache=True,
                    position_ids=position, **last_only).logits[:, -1].float() / args.temperature
