@@ -52,8 +52,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 from tqdm import tqdm
-from transformers import StaticCache
 
 import common
 
@@ -344,8 +344,7 @@ def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collect
     query, query_mask = (t.to(device) for t in pad_left(prompt_ids, int(width), pad_id))
     seeds = torch.tensor([common.seed_of(args.seed, "sampling", e) for e in episodes], device=device)
     with gathered_once(policy, collective), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        responses = generate(policy, query, query_mask, seeds, args, stop_id, pad_id, collective)  # (FSDP: the
-        # weights gathered once, not once per token)
+        responses = generate(policy, query, query_mask, seeds, args, stop_id, pad_id, collective)
     responses, mask = truncate_after_stop(responses, stop_id, pad_id)
     return Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask)
 
@@ -374,8 +373,7 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=
         done |= token == stop_id
         all_done = done.all()
         if collective:  # FSDP: every rank must run the same number of forward passes
-            all_done = torch.tensor(float(all_done), device=query.device)
-            dist.all_reduce(all_done, op=dist.ReduceOp.MIN)
+            all_done = all_reduce(all_done.float(), dist.ReduceOp.MIN)
         if all_done or t == args.response_length - 1:
             break
         inputs = dict(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
@@ -655,8 +653,6 @@ def main(args):
 # --- Checks and sizes, before anything is loaded or written. ---------------------------------------------------------
 def check_args(args):
     """Every size and range, and every model and dataset found, before anything is loaded or written."""
-    from transformers import get_scheduler
-
     for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                  "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every", "kl_horizon",
                  "num_samples_per_prompt"):
@@ -683,7 +679,8 @@ def check_args(args):
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
     try:  # the schedule built and stepped as the run does: once per update, no metric, no arguments of its own
-        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=2)
+        scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0,
+                                               num_training_steps=2)
         optimizer.step()
         scheduler.step()
     except (ValueError, TypeError) as e:
@@ -712,8 +709,7 @@ class Sizes:
 
 
 def start_up(args, rank, world):
-    """The run's sizes, checked, and its output folder (the same for every rank, and one it may write to). None when
-    the folder holds this run already finished."""
+    """The run's sizes, checked, and its output folder (one for all ranks, writable); None if it holds this run done."""
     common.check_shared_output_dir(args.output_dir, rank)
     local_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size, num_updates = local_batch * world, args.total_episodes // (local_batch * world)
@@ -733,13 +729,12 @@ def start_up(args, rank, world):
 def position_limit(args):
     """The shortest learned position table (common.position_table) of the policy and the reward model, from their
     configs (built on the meta device: no weight read); None where none has one (rotary, ALiBi: the embedded models)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
     limits = []
-    for path, flag, loader in ((args.sft_model_path, "--sft_model_path", AutoModelForCausalLM),
-                               (reward_model_source(args), "--reward_model_path", AutoModelForSequenceClassification)):
+    for path, flag, loader in ((args.sft_model_path, "--sft_model_path", transformers.AutoModelForCausalLM),
+                               (reward_model_source(args), "--reward_model_path",
+                                transformers.AutoModelForSequenceClassification)):
         if path is not None and not path.startswith("embedded-"):
-            config = common.load_pretrained(AutoConfig, path, flag)
+            config = common.load_pretrained(transformers.AutoConfig, path, flag)
             limits.append(common.position_table(common.meta_model(lambda: loader.from_config(config))))
     return min((n for n in limits if n), default=None)
 
@@ -762,11 +757,10 @@ def disable_dropout(model):
 
 
 def load_tokenizer(args):
-    from transformers import AutoTokenizer
-
     if args.sft_model_path.startswith("embedded-"):
         return common.embedded_tokenizer()
-    tokenizer = common.load_pretrained(AutoTokenizer, args.sft_model_path, "--sft_model_path", padding_side="left")
+    tokenizer = common.load_pretrained(transformers.AutoTokenizer, args.sft_model_path, "--sft_model_path",
+                                       padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe here: every mask comes from lengths, never from pad ids
     return tokenizer
@@ -785,12 +779,9 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     """The embedded task's SFT policy: a tiny causal LM trained briefly to answer prompts with a few words and EOS (so
     it starts from well-formed responses of average gold reward). Cached in ~/.cache/rlhf (or $XDG_CACHE_HOME's),
     keyed by this code and torch's version; training draws no random number, so a run goes on as it would have."""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer),
-                                                                         flag="--sft_model_path"))
+    model = transformers.AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer),
+                                                                                      flag="--sft_model_path"))
     code = open(__file__).read() + open(common.__file__).read()  # this function and the task
     key = hashlib.sha256(repr((len(tokenizer), torch.__version__, transformers.__version__, code)).encode()).hexdigest()
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlhf",
@@ -822,16 +813,15 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
 def load_policy(args, tokenizer, on_meta=False):
     """The initial policy (a causal LM, or a peft adapter folder merged into its base), dropout off, its output layer
     computing in float32 (output_layer_in_float32). on_meta: no weight read (common.load_model)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if args.sft_model_path.startswith("embedded-"):
         return output_layer_in_float32(disable_dropout(embedded_sft_policy(args.sft_model_path, tokenizer, args.seed)))
-    config = without_dropout(common.load_pretrained(AutoConfig, args.sft_model_path, "--sft_model_path"))
+    config = without_dropout(common.load_pretrained(transformers.AutoConfig, args.sft_model_path, "--sft_model_path"))
     # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights; a frozen
     # LoRA base is only read, so it may be held in bfloat16
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-    return output_layer_in_float32(disable_dropout(common.load_model(
-        AutoModelForCausalLM, args.sft_model_path, "--sft_model_path", on_meta, config=config, dtype=dtype)))
+    model = common.load_model(transformers.AutoModelForCausalLM, args.sft_model_path, "--sft_model_path", on_meta,
+                              config=config, dtype=dtype)
+    return output_layer_in_float32(disable_dropout(model))
 
 
 def output_layer_in_float32(model):
@@ -855,8 +845,7 @@ class Models:
 
 def build_models(args, tokenizer, device, rank, world):
     """The policy and critic (trained; DDP or FSDP), the frozen reference and the reward (under FSDP only rank 0 reads
-    weights: parallelize), every length checked against the position tables of the models that read the policy's
-    tokens."""
+    weights: parallelize); lengths checked against the position tables of the models reading the policy's tokens."""
     on_meta = args.fsdp and world > 1 and rank != 0
     reward = load_reward(args, tokenizer, on_meta)
     critic_init = args.critic_init if args.advantage_estimator == "gae" else None  # the others have no critic
@@ -894,8 +883,8 @@ def build_models(args, tokenizer, device, rank, world):
     critic = None if critic_hf is None else parallelize(Critic(critic_hf, offset), args, device)
     if rank == 0:
         n_trained = sum(p.numel() for m in (policy, critic) if m is not None for p in m.parameters() if p.requires_grad)
-        sources = [f"model {args.reward_model_path or 'runs/rm'}" + ("" if reward.reads_policy_tokens else
-                                                                     " (reads the text)")] * reward.has_model
+        path = reward_model_source(args)  # (None: no reward model)
+        sources = [f"model {path}" + ("" if reward.reads_policy_tokens else " (reads the text)")] * bool(path)
         print(f"policy {args.sft_model_path} ({n_trained / 1e6:.2f}M trained{f', LoRA rank {args.lora_r}' * bool(lora)}"
               f"); reward {' + '.join(sources + [f'function {args.reward_fn}'] * bool(reward.fn))}; "
               + (f"critic from the {critic_init}" if critic else "no critic") + f"; {world} x {device.type}")
@@ -904,15 +893,14 @@ def build_models(args, tokenizer, device, rank, world):
 
 def build_optimizer(policy, critic, args, num_updates):
     """AdamW over the trainable parameters of policy and critic, each at its own learning rate, and the schedule."""
-    from transformers import get_scheduler
-
     models = {name: (model, rate) for name, model, rate in (("policy", policy, args.learning_rate),
                                                             ("critic", critic, args.critic_learning_rate))
               if model is not None}
     optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rate}
                                    for model, rate in models.values()], lr=args.learning_rate, eps=1e-5,
                                   weight_decay=args.weight_decay, fused=True)  # (lr: the polynomial schedule's start)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_updates)
+    scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0,
+                                           num_training_steps=num_updates)
     return torch.nn.ModuleDict({name: model for name, (model, _) in models.items()}), optimizer, scheduler
 
 
@@ -938,8 +926,6 @@ def load_prompts(args, tokenizer):
 def prompt_text(row, tokenizer, where):
     """A row's prompt as the policy continues it: a preference row's, as rm.py trained on it (common.split_pair); a
     `prompt` or `messages` list rendered by the chat template up to the assistant's turn; else the text."""
-    if not isinstance(row, dict):
-        raise common.UserError(f"{where}: expected an object with a 'prompt', got {type(row).__name__}")
     if "chosen" in row:
         return common.split_pair(row, tokenizer, where)[0]
     field = "prompt" if "prompt" in row else "messages"
@@ -987,8 +973,6 @@ def episode_prompts(episodes, n_prompts, seed, orders):
 # --- Reward plumbing: a reward model (rm.py's normalization applied), a function, or both. ----------------------------
 def critic_from(args, policy, reward):
     """The critic's network, as the Critic's docstring says."""
-    from transformers import AutoModelForSequenceClassification
-
     if args.critic_init == "reward":
         critic = copy.deepcopy(reward.model.hf).requires_grad_(True)
         with torch.no_grad():
@@ -997,7 +981,7 @@ def critic_from(args, policy, reward):
         return critic
     config = without_dropout(copy.deepcopy(policy.config))
     config.num_labels = 1
-    critic = common.meta_model(lambda: AutoModelForSequenceClassification.from_config(config))
+    critic = common.meta_model(lambda: transformers.AutoModelForSequenceClassification.from_config(config))
     setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))
     critic.score.to_empty(device=policy.device)
     torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
@@ -1030,12 +1014,8 @@ class Reward:
     # the reward model (its head divided by scale; model is then None: not held twice)
 
     @property
-    def has_model(self):
-        return self.model is not None or self.in_critic is not None
-
-    @property
     def reads_policy_tokens(self):
-        return self.has_model and self.tokenizer is None
+        return (self.model is not None or self.in_critic is not None) and self.tokenizer is None
 
 
 def reward_model_source(args):
@@ -1052,9 +1032,7 @@ def load_reward(args, tokenizer, on_meta=False):
     reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None, fn_name=args.reward_fn)
     if (path := reward_model_source(args)) is None:
         return reward
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    config = without_dropout(common.load_pretrained(AutoConfig, path, "--reward_model_path"))
+    config = without_dropout(common.load_pretrained(transformers.AutoConfig, path, "--reward_model_path"))
     adapter = common.adapter_base(path)
     if adapter:  # a reward adapter's base config is its causal LM's; the head it saved is a scalar
         config.num_labels = 1
@@ -1069,10 +1047,10 @@ def load_reward(args, tokenizer, on_meta=False):
                                "has one (a scalar)")
     # float32, as rm.py trained it; with LoRA and --bf16 held in bfloat16, as every frozen base weight is then
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-    model = disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
-                                              on_meta, config=config, dtype=dtype)).eval().requires_grad_(False)
-    heads_in_float32(common.scalar_head_in_float32(model))
-    own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
+    model = disable_dropout(common.load_model(transformers.AutoModelForSequenceClassification, path,
+                                              "--reward_model_path", on_meta, config=config, dtype=dtype))
+    heads_in_float32(common.scalar_head_in_float32(model)).eval().requires_grad_(False)
+    own = common.load_pretrained(transformers.AutoTokenizer, path, "--reward_model_path")
     if own.pad_token is None:
         own.pad_token = own.eos_token  # read by the mask, never by pad ids
     same_tokens = hasattr(model, "score") and all(own.convert_tokens_to_ids(t) == i
@@ -1159,12 +1137,10 @@ def sampling_noise(seeds, step, vocab_size, device):
     64-bit row key, each v 32 random bits, u = (bits + 1/2) / 2^32 in float64 (never 0 nor 1), noise -log(-log u)."""
     low32 = 0xFFFFFFFF
 
-    def times(x, c):  # x * c mod 2^32, c in 16-bit halves: no product reaches 2^63
-        return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & low32
-
-    def mix(x):  # lowbias32 (Wellons 2018)
-        x = times(x ^ (x >> 16), 0x7FEB352D)
-        x = times(x ^ (x >> 15), 0x846CA68B)
+    def mix(x):  # lowbias32 (Wellons 2018); x * c mod 2^32 with c in 16-bit halves: no product reaches 2^63
+        for shift, c in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+            x = x ^ (x >> shift)
+            x = (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & low32
         return x ^ (x >> 16)
 
     seeds = seeds.to(device)
@@ -1174,7 +1150,7 @@ def sampling_noise(seeds, step, vocab_size, device):
     return -torch.log(-torch.log((bits.double() + 0.5) / 2 ** 32)).float()
 
 
-class ComputeDtypeCache(StaticCache):
+class ComputeDtypeCache(transformers.StaticCache):
     """transformers' StaticCache, keys and values held in the dtype attention computes in (under bfloat16 autocast a
     rotary family's keys are float32, its values bfloat16: StaticCache sizes both from the keys, then refuses the
     values). Attention casts both to bfloat16 anyway (autocast's list), so this changes no number."""
@@ -1206,8 +1182,8 @@ class MicroBatch:
 
 
 def micro_batches(batch, rows, args, collective):
-    """rows as forwards of --per_device_train_batch_size rows each, in order (--group_by_length: length_grouped,
-    below the fence; not under FSDP on several ranks, where every rank must make the same calls)."""
+    """rows as forwards of --per_device_train_batch_size rows each, in order (--group_by_length: length_grouped; not
+    under FSDP on several ranks, where every rank must make the same calls)."""
     if args.group_by_length and not collective:
         return length_grouped(batch, rows, args.per_device_train_batch_size)
     return [MicroBatch(r, batch.query_response[r], batch.attention_mask[r], batch.context_length, batch.mask.shape[1])
@@ -1324,16 +1300,14 @@ def parallelize(model, args, device, frozen=False):
 
 
 def heads_in_float32(model):
-    """A sequence classifier's scalar head held in float32 (the rest may be bfloat16), as README's precision table
-    says."""
+    """A sequence classifier's scalar head held in float32 (the rest may be bfloat16: README's precision table)."""
     (getattr(model, "score", None) or getattr(model, "classifier", None) or torch.nn.Identity()).float()
     return model
 
 
 def float32_head(hf):
     """The head that is its own FSDP unit gathered in float32, or None: a scalar head (Float32Linear, or peft's wrapper
-    of it), or a causal LM's untied float32 output layer (gathered only while it computes the logits, its gradient
-    reduce-scattered at once: not a vocabulary x hidden weight held whole with the root)."""
+    of it), or a causal LM's untied float32 output layer (gathered only to compute logits, not held with the root)."""
     if (score := getattr(hf, "score", None)) is not None:
         linears = [m for m in score.modules() if isinstance(m, torch.nn.Linear)]
         return score if linears and all(isinstance(m, common.Float32Linear) for m in linears) else None
@@ -1383,8 +1357,7 @@ def all_reduce(t, op=None):
 
 @contextlib.contextmanager
 def resharded(models):
-    """The frozen sharded models' gathered weights released after they compute (the root keeps its weights after a
-    forward, for a backward a frozen model never runs)."""
+    """Frozen sharded models' weights released after they compute (FSDP's root keeps them, for a backward never run)."""
     try:
         yield
     finally:
@@ -1492,15 +1465,13 @@ def plot_curves(history, path):
     common.save_figure(fig, path)
 
 
-# --- Opt-in: length grouping (--group_by_length). Rows of similar length run as one trimmed forward: less padding,
-# the same numbers (tests/test_ppo.py checks a run against the plain path). -------------------------------------------
+# --- Opt-in: length grouping (--group_by_length). Less padding, the same numbers (tests/test_ppo.py checks a run). ---
 GROUP_OVERHEAD_TOKENS = 64  # the cost of one more forward and backward, in tokens (~30 on 2 CPU cores; more on GPUs)
 
 
 def length_groups(prompt_lengths, response_lengths, overhead=None):
-    """A batch's rows in groups of similar length, each one trimmed forward: rows sorted by length, each joining the
-    group before it unless the padding that adds (a group's width: longest prompt + longest response) costs more than
-    one more call."""
+    """Rows in groups of similar length, one trimmed forward each: sorted by length, a row joins the group before it
+    unless the padding that adds (width: longest prompt + longest response) costs more than one more call."""
     overhead = GROUP_OVERHEAD_TOKENS if overhead is None else overhead
     p, r = prompt_lengths.tolist(), response_lengths.tolist()
     groups, longest = [], (0, 0)
@@ -1530,8 +1501,7 @@ def length_grouped(batch, rows, micro):
     return out
 
 
-# --- Opt-in: the output layer in bounded memory (--blocked_logits). Response logits in checkpointed blocks, whatever
-# the vocabulary: response_logprobs' numbers (tests/test_ppo.py checks them and their gradients against it). ---------
+# --- Opt-in: the output layer in bounded memory (--blocked_logits). response_logprobs' numbers and gradients. --------
 LOGIT_BLOCK = 2 ** 25  # elements (128 MB in float32) of one block of response logits
 
 
@@ -1595,8 +1565,7 @@ def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, 
 
 @torch.no_grad()
 def check_output_logits(model, flag, name):
-    """output_logits must give the model's own logits: a family with an output transform it does not know is named
-    here, before training on wrong log-probs."""
+    """output_logits must give the model's own logits: an output transform it does not know is named before training."""
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % vocab
     own = model(input_ids=ids).logits.float()
