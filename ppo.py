@@ -393,9 +393,8 @@ class Critic(torch.nn.Module):
         self.hf, self.offset = hf_model, offset
 
     def forward(self, input_ids, attention_mask):
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                    position_ids=position_ids).last_hidden_state
+                                    position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
         return self.hf.score(hidden).squeeze(-1).float() - self.offset
 
 
@@ -514,7 +513,7 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
 
             sums = {}
             if ptx is not None:  # PPO-ptx (Ouyang et al. 2022, eq. 2): language modelling on pretraining text
-                sums["loss/ptx"] = ptx_backward(policy, ptx, step, (update, epoch, mb), args, rank, world, pad_id,
+                sums["loss/ptx"] = ptx_backward(policy, ptx, step, update, epoch, mb, args, rank, world, pad_id,
                                                 backward)
             for i, f in enumerate(step.forwards):
                 sync_gradients(models, last=i == len(step.forwards) - 1)
@@ -893,15 +892,14 @@ def build_models(args, tokenizer, device, rank, world):
 
 def build_optimizer(policy, critic, args, num_updates):
     """AdamW over the trainable parameters of policy and critic, each at its own learning rate, and the schedule."""
-    models = {name: (model, rate) for name, model, rate in (("policy", policy, args.learning_rate),
-                                                            ("critic", critic, args.critic_learning_rate))
-              if model is not None}
-    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rate}
-                                   for model, rate in models.values()], lr=args.learning_rate, eps=1e-5,
+    trainable = torch.nn.ModuleDict({"policy": policy, **({"critic": critic} if critic is not None else {})})
+    rates = {"policy": args.learning_rate, "critic": args.critic_learning_rate}
+    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rates[name]}
+                                   for name, model in trainable.items()], lr=args.learning_rate, eps=1e-5,
                                   weight_decay=args.weight_decay, fused=True)  # (lr: the polynomial schedule's start)
     scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0,
                                            num_training_steps=num_updates)
-    return torch.nn.ModuleDict({name: model for name, (model, _) in models.items()}), optimizer, scheduler
+    return trainable, optimizer, scheduler
 
 
 def load_prompts(args, tokenizer):
@@ -1196,10 +1194,9 @@ class OptimizerStep:  # one mini-batch of a PPO epoch, as this rank runs it
     forwards: list  # this rank's MicroBatches: its rows of each of the step's gradient_accumulation_steps
 
 
-def ptx_backward(policy, ptx, step, index, args, rank, world, pad_id, backward):
+def ptx_backward(policy, ptx, step, update, epoch, mb, args, rank, world, pad_id, backward):
     """PPO-ptx's gradient for one optimizer step: as many pretraining sequences as the mini-batch has episodes, taken
     in order by the step's global index (any rank count, any resume), divided by all their tokens; this rank's share."""
-    update, epoch, mb = index
     first = ((update * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb) * len(step.rows)
     seqs = [ptx[i % len(ptx)] for i in range(first, first + len(step.rows))]
     micro, share, total = args.per_device_train_batch_size, len(step.rows) // world, 0
@@ -1368,10 +1365,8 @@ def resharded(models):
 # --- Logging, the final save, figures. --------------------------------------------------------------------------------
 def open_logs(args, rank, saved):
     """Rank 0's metrics logger and samples.jsonl (on resume, continued after the checkpoint's update, saved)."""
-    if rank != 0:
-        return None
-    return common.Logger(args, args.wandb_project, saved), \
-        common.open_log(os.path.join(args.output_dir, "samples.jsonl"), saved)
+    return None if rank != 0 else (common.Logger(args, args.wandb_project, saved),
+                                   common.open_log(os.path.join(args.output_dir, "samples.jsonl"), saved))
 
 
 def log_update(logs, bar, m, last, args, tokenizer, batch):
@@ -1452,8 +1447,7 @@ def plot_curves(history, path):
     scores = {"proxy": [h["objective/scores"] for h in history]}
     if any("gold/mean" in h for h in history):
         scores["gold"] = [h.get("gold/mean", float("nan")) for h in history]
-    fig = Figure(figsize=(15, 4))
-    axes = fig.subplots(1, 3)
+    axes = Figure(figsize=(15, 4)).subplots(1, 3)
     for name, ys in scores.items():
         axes[0].plot(episodes, ys, label=name)
         axes[2].plot([max(k, 0.0) ** 0.5 for k in kl], ys, ".", alpha=0.5, label=name)
@@ -1462,7 +1456,7 @@ def plot_curves(history, path):
     axes[1].set(title="KL to the reference (summed over the response)", xlabel="episodes")
     axes[2].set(title="Score against sqrt(KL), one dot per update", xlabel="sqrt(KL)")
     axes[0].legend()
-    common.save_figure(fig, path)
+    common.save_figure(axes[0].figure, path)
 
 
 # --- Opt-in: length grouping (--group_by_length). Less padding, the same numbers (tests/test_ppo.py checks a run). ---
@@ -1542,8 +1536,6 @@ def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, 
     """response_logprobs in memory bounded whatever the vocabulary: its forward's positions predicting a response token
     through the output layer (head_inputs) in blocks of LOGIT_BLOCK elements, each recomputed in the backward pass
     (Chen et al. 2016), so a micro-batch's logits (16 x 128 x 152k floats: 1.2 GB) are never held whole."""
-    from torch.utils.checkpoint import checkpoint
-
     model, hidden = unwrap(policy), head_inputs(policy, **inputs)[:, -predicting:-1]
 
     def block(h, y):  # float32 throughout: logits, log-softmax and entropy
@@ -1557,7 +1549,7 @@ def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, 
 
     step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
     recompute = torch.is_grad_enabled() and step < hidden.shape[1]  # (one block: computed directly)
-    run = functools.partial(checkpoint, block, use_reentrant=False) if recompute else block
+    run = functools.partial(torch.utils.checkpoint.checkpoint, block, use_reentrant=False) if recompute else block
     parts = [run(hidden[:, s:s + step], targets[:, s:s + step]) for s in range(0, hidden.shape[1], step)]
     logprobs, entropies = (torch.cat(t, 1) for t in zip(*parts))
     return logprobs, entropies if entropy else None
@@ -1607,8 +1599,7 @@ def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
             break
         step.fill_(t)
         torch.compiler.cudagraph_mark_step_begin()
-        tokens.append(decode.step(model, tokens[-1], step, position, mask, seeds).clone())  # (a graph's output:
-        # overwritten when it replays next)
+        tokens.append(decode.step(model, tokens[-1], step, position, mask, seeds).clone())  # (graphs reuse outputs)
         done |= tokens[-1] == stop_id
     responses = padded_after_all_stopped(torch.stack(tokens, 1), stop_id, pad_id)
     return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
