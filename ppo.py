@@ -874,9 +874,8 @@ def build_models(args, tokenizer, device, rank, world):
     if not lora:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
         ref_policy = parallelize(copy.deepcopy(policy_hf).eval().requires_grad_(False), args, device, frozen=True)
     if args.gradient_checkpointing:  # (in training mode only: sampling keeps its KV cache)
-        for model in (policy_hf, critic_hf):
-            if model is not None:
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        for model in [m for m in (policy_hf, critic_hf) if m is not None]:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     policy = parallelize(policy_hf, args, device)
     offset = reward.shift / reward.scale if critic_init == "reward" else 0.0
     critic = None if critic_hf is None else parallelize(Critic(critic_hf, offset), args, device)
@@ -1130,12 +1129,11 @@ def gold_scores(args, prompts, responses, device):
 def sampling_noise(seeds, step, vocab_size, device):
     """Gumbel(0, 1) noise (rows, vocab_size) for token `step` of each row's episode. Counter-based (as Salmon et al.
     2011): entry (b, v) is a hash of (seeds[b], step, v) alone, so an episode draws the same noise in any batch, on
-    any number of ranks, compiled or not, with no generator and no kernel per row. The hash: rounds of Wellons'
-    lowbias32 (a bijection of 32-bit integers), in int64 with products that never overflow; (seed, step) gives a
-    64-bit row key, each v 32 random bits, u = (bits + 1/2) / 2^32 in float64 (never 0 nor 1), noise -log(-log u)."""
+    any number of ranks, compiled or not, with no generator and no kernel per row. (seed, step) gives a 64-bit row key,
+    each v 32 random bits, u = (bits + 1/2) / 2^32 in float64 (never 0 nor 1), noise -log(-log u)."""
     low32 = 0xFFFFFFFF
 
-    def mix(x):  # lowbias32 (Wellons 2018); x * c mod 2^32 with c in 16-bit halves: no product reaches 2^63
+    def mix(x):  # lowbias32 (Wellons 2018), a bijection; x * c mod 2^32, c in 16-bit halves: no product reaches 2^63
         for shift, c in ((16, 0x7FEB352D), (15, 0x846CA68B)):
             x = x ^ (x >> shift)
             x = (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & low32
@@ -1305,9 +1303,8 @@ def heads_in_float32(model):
 def float32_head(hf):
     """The head that is its own FSDP unit gathered in float32, or None: a scalar head (Float32Linear, or peft's wrapper
     of it), or a causal LM's untied float32 output layer (gathered only to compute logits, not held with the root)."""
-    if (score := getattr(hf, "score", None)) is not None:
-        linears = [m for m in score.modules() if isinstance(m, torch.nn.Linear)]
-        return score if linears and all(isinstance(m, common.Float32Linear) for m in linears) else None
+    if getattr(hf, "score", None) is not None:
+        return common.scalar_head(hf)
     head = hf.get_output_embeddings()
     untied = isinstance(head, torch.nn.Linear) and head.weight is not hf.get_input_embeddings().weight
     return head if untied and head.weight.dtype == torch.float32 else None
@@ -1606,10 +1603,9 @@ def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
 
 
 class CompiledDecode:
-    """generate's one-token step through torch.compile(mode="reduce-overhead") (gpt-fast): the same function of the
-    same inputs as the plain step (in float32 on a CPU the same tokens), on fixed shapes (a static cache of
-    cache_length columns; the step index on the device): one compilation and, on a GPU, one CUDA graph replayed per
-    token, no host sync, reading the weights where they are. It holds no reference to the model."""
+    """generate's one-token step through torch.compile(mode="reduce-overhead") (gpt-fast): the plain step's function
+    (in float32 on a CPU the same tokens) on fixed shapes (a static cache of cache_length columns, the step index on
+    the device): compiled once, on a GPU one CUDA graph replayed per token, no host sync. Holds no model reference."""
 
     def __init__(self, model, key):
         self.key, self.cache_length, self.temperature = key, key[1], key[2]
