@@ -143,9 +143,8 @@ class Args:
 
 
 def fill_defaults(args, position_limit, rank=0):
-    """The defaults that depend on another option or on the model, filled here and only here (said at start-up, saved
-    in ppo_results.json): K, the KL estimator, the learning rates, and --max_prompt_length (256, or less where a
-    model's learned position table, position_limit, leaves less room)."""
+    """The defaults that depend on another option or on the model, filled here only (said at start-up, saved in
+    ppo_results.json): K, the KL estimator, learning rates, --max_prompt_length (256, or a position table's room)."""
     given = {k: v for k, v in vars(args).items() if v is not None}
     group = args.advantage_estimator in ("rloo", "grpo")  # (a group baseline needs K > 1)
     args.num_samples_per_prompt = args.num_samples_per_prompt or (4 if group else 1)
@@ -280,10 +279,9 @@ def response_logprobs(model, query_response, attention_mask, context_length, tem
 def language_modelling_loss(policy, seqs, pad_id, n_tokens, device, blocked=False):
     """The ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy on pretraining text, summed over real
     transitions and divided by n_tokens (those of the whole mini-batch)."""
-    ids, ids_mask = pad_left(seqs, max(map(len, seqs)), pad_id)
-    ids, ids_mask = ids.to(device), ids_mask.long().to(device)
-    logprobs, _ = response_logprobs(policy, ids, ids_mask, 1, 1.0, blocked=blocked)
-    real = (ids_mask[:, 1:] * ids_mask[:, :-1]).float()  # a target counts only after a real token (left padding)
+    ids, ids_mask = (t.to(device) for t in pad_left(seqs, max(map(len, seqs)), pad_id))
+    logprobs, _ = response_logprobs(policy, ids, ids_mask.long(), 1, 1.0, blocked=blocked)
+    real = (ids_mask[:, 1:] & ids_mask[:, :-1]).float()  # a target counts only after a real token (left padding)
     return (-logprobs * real).sum() / n_tokens
 
 
@@ -929,8 +927,7 @@ def prompt_text(row, tokenizer, where):
     prompt = row.get(field)
     if isinstance(prompt, list):
         prompt = common.checked_messages(prompt, tokenizer, where, field)
-        if prompt and prompt[-1]["role"] == "assistant":
-            prompt = prompt[:-1]
+        prompt = prompt[:-1] if prompt and prompt[-1]["role"] == "assistant" else prompt  # (up to the assistant's turn)
         return common.render_chat(tokenizer, prompt, where, generation_prompt=True)
     if isinstance(prompt, str):
         return prompt
@@ -1392,21 +1389,20 @@ def update_metrics(batch, kl, non_score_reward, times, args):
     and score; advantages and learning)."""
     mask, elapsed = batch.mask.float(), times[-1] - times[0]
     # objective/entropy: -log p of the sampled tokens, summed over the response (TRL's name): a one-sample estimate
-    m = {"objective/kl": kl.sum(1).mean().item(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean().item(),
-         "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
-         "objective/scores": batch.scores.mean().item(),
-         "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean().item(),
-         "response/length": mask.sum(1).mean().item(), "perf/episodes_per_s": len(mask) / elapsed,
+    m = {"objective/kl": kl.sum(1).mean(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean(),
+         "objective/non_score_reward": non_score_reward.sum(1).mean(), "objective/scores": batch.scores.mean(),
+         "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean(),
+         "response/length": mask.sum(1).mean(), "perf/episodes_per_s": len(mask) / elapsed,
          "perf/time_rollout": times[1] - times[0], "perf/time_score": times[2] - times[1],
          "perf/time_learn": times[3] - times[2],
          "perf/tokens_per_s": batch.attention_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
     if batch.values is not None:
-        m["val/mean"] = masked_mean(batch.values, mask).item()
+        m["val/mean"] = masked_mean(batch.values, mask)
     if batch.has_stop is not None:  # None with --stop_token none: no response can stop
-        m["response/eos_rate"] = batch.has_stop.float().mean().item()
+        m["response/eos_rate"] = batch.has_stop.float().mean()
     if not torch.isnan(batch.gold).all():
-        m["gold/mean"], m["gold/std"] = batch.gold.mean().item(), batch.gold.std().item()
-    return m
+        m["gold/mean"], m["gold/std"] = batch.gold.mean(), batch.gold.std()
+    return {k: float(v) for k, v in m.items()}
 
 
 def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank):
