@@ -25,8 +25,7 @@ implementation details of RLHF with PPO"). Also: critic-free advantages (--advan
 reinforce_pp), the KL in the loss (--kl_penalty loss), other loss means (--loss_aggregation), PPO-ptx, LoRA, FSDP2.
 Left out (README.md): value-model warm-up, top-k/top-p sampling, several reward models, multi-turn rollouts.
 
-The method is all above the FENCE, right after main(); below it, what a reader may trust by its docstring (loading,
-checks, distributed set-up, checkpoints, logs), then the opt-in speed paths, each tested equal to the plain path.
+The method is all above the FENCE, after main(); below it, what a reader may trust by its docstring, then opt-in paths.
 """
 
 import contextlib
@@ -184,9 +183,8 @@ def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
 
 
 def gae(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation (Schulman et al. 2016, eq. 16). The value after the last real token is 0, also
-    for a response cut at --response_length (treated as ended, as TRL does). Returns advantages and returns (the value
-    targets, advantages + values)."""
+    """Generalized advantage estimation (Schulman et al. 2016, eq. 16); the value after the last real token is 0, also
+    for a response cut at --response_length (ended, as TRL has it). Returns advantages and returns (targets: A + V)."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[:, 0])
@@ -314,9 +312,8 @@ def sequence_reward(model, ids, mask):
 # --- The phases of an update, in the order main() runs them, handing one Rollout batch along. -------------------------
 @dataclass
 class Rollout:
-    """One row per episode (the K episodes of a prompt in consecutive rows), every rank's rows (all_gather_rollout),
-    so that learning is the same for any number of ranks. Each phase fills its fields; (B, T) is (rows,
-    response_length), 0 after the response."""
+    """One row per episode (a prompt's K in consecutive rows), every rank's rows (all_gather_rollout): learning is the
+    same for any number of ranks. Each phase fills its fields; (B, T): (rows, response_length), 0 after the response."""
     query_response: torch.Tensor  # (B, context_length + response_length): the left-padded prompt, the response
     attention_mask: torch.Tensor  # the same shape: 1 on real tokens
     context_length: int  # prompt columns: the response starts there
@@ -326,7 +323,7 @@ class Rollout:
     values: torch.Tensor | None = None  # (B, T) 2. the critic's value of each state (None without a critic)
     scores: torch.Tensor | None = None  # (B,) 3. reward model and/or function, missing-EOS penalty
     has_stop: torch.Tensor | None = None  # (B,) 3. whether the response emitted the stop token (None: no stop token)
-    gold: torch.Tensor | None = None  # (B,) 3. the embedded task's true reward (NaN elsewhere)
+    gold: torch.Tensor | None = None  # (B,) 3. the embedded task's true reward, for the logs (None elsewhere)
     advantages: torch.Tensor | None = None  # (B, T) 4.
     returns: torch.Tensor | None = None  # (B, T) 4. the critic's targets (GAE only)
 
@@ -351,9 +348,8 @@ def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collect
 def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=False):
     """KV-cached sampling (Gumbel-max) from softmax(logits / --temperature), the logits float32 as response_logprobs
     reads them; each episode's noise a function of its seed, the token's index and the vocabulary index alone
-    (sampling_noise: the same in any batch, on any number of ranks). Returns responses (B, response_length). The cache
-    is allocated once for prompt + response; the mask covers that width from the start, causality hiding the tokens not
-    yet sampled. (--compile: compiled_generate, the same tokens.)"""
+    (sampling_noise: the same in any batch, on any number of ranks). The cache is allocated once for prompt + response,
+    the mask that width from the start, causality hiding tokens not yet sampled (--compile: compiled_generate)."""
     if args.compile:
         return compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id)
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
@@ -445,6 +441,8 @@ def score(critic, reward, batch, rows, prompt_texts, tokenizer, stop_id, args, c
     if args.missing_eos_penalty is not None:
         scores -= args.missing_eos_penalty * (~batch.has_stop[rows]).float()
     batch.scores = all_gather_cat(scores)
+    if args.sft_model_path.startswith("embedded-") and args.dataset_name == "embedded":  # (for the logs)
+        batch.gold = all_gather_cat(torch.tensor(common.gold_rewards(prompt_texts, texts), device=scores.device))
     return texts
 
 
@@ -475,8 +473,7 @@ def advantages(batch, kl_coef, args):
 
 def epoch_plan(batch, args, update, epoch, rank, world):
     """One PPO epoch's optimizer steps: the batch shuffled (seeded by update and epoch), cut into --num_mini_batches;
-    of each, this rank's gradient_accumulation_steps x per_device_train_batch_size rows, as its micro-batches of
-    per_device_train_batch_size rows in order (MicroBatch: rows, ids, attention_mask, context, kept; below)."""
+    of each, this rank's gradient_accumulation_steps x per_device_train_batch_size rows, its micro-batches in order."""
     share = args.per_device_train_batch_size * args.gradient_accumulation_steps  # a rank's rows of a mini-batch
     order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(
         common.seed_of(args.seed, "mini-batches", update, epoch))).to(batch.mask.device)
@@ -568,8 +565,7 @@ def main(args):
     bos_id = common.leading_id(tokenizer)
     prompts = [truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]
     ptx = ptx and [ids[:args.max_prompt_length + args.response_length] for ids in ptx]
-    # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type over the updates, stepped
-    # once per update
+    # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type, stepped once per update
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
     start, kl_coef, history = 0, args.kl_coef, []
     if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir, args, world)):
@@ -600,8 +596,7 @@ def main(args):
         # 3. Score: the reward at the response's last real token.
         texts = [prompt_texts[i] for i in prompt_index]
         with resharded([reward.model]):
-            response_texts = score(critic, reward, batch, mine, texts, tokenizer, stop_id, args, collective)
-        batch.gold = all_gather_cat(gold_scores(args, texts, response_texts, device))
+            score(critic, reward, batch, mine, texts, tokenizer, stop_id, args, collective)
         t_score = time.time()
 
         # 4. Advantages: KL-penalised per-token rewards; GAE, whitened, or a critic-free estimator.
@@ -1004,12 +999,9 @@ class Reward:
     scale: float = 1.0
     fn: object = None
     fn_name: str | None = None
+    reads_policy_tokens: bool = False  # a reward model that reads the policy's tokens (tokenizer None)
     in_critic: object = None  # LoRA, critic from the reward model: the critic's adapter switched off (a context) is
     # the reward model (its head divided by scale; model is then None: not held twice)
-
-    @property
-    def reads_policy_tokens(self):
-        return (self.model is not None or self.in_critic is not None) and self.tokenizer is None
 
 
 def reward_model_source(args):
@@ -1050,7 +1042,7 @@ def load_reward(args, tokenizer, on_meta=False):
     same_tokens = hasattr(model, "score") and all(own.convert_tokens_to_ids(t) == i
                                                   for t, i in tokenizer.get_vocab().items())
     return dataclasses.replace(reward, model=SequenceReward(model), tokenizer=None if same_tokens else own,
-                               shift=getattr(model.config, "reward_shift", 0.0),
+                               reads_policy_tokens=same_tokens, shift=getattr(model.config, "reward_shift", 0.0),
                                scale=getattr(model.config, "reward_scale", 1.0))
 
 
@@ -1113,13 +1105,6 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
     seqs = [s[:1] + s[len(s) - table + 1:] if table and len(s) > table else s for s in seqs]
     batch = rm_tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
     return batch["input_ids"], batch["attention_mask"]
-
-
-def gold_scores(args, prompts, responses, device):
-    """The embedded task's true reward of each episode (NaN elsewhere): what the proxy reward is meant to measure."""
-    if args.sft_model_path.startswith("embedded-") and args.dataset_name == "embedded":
-        return torch.tensor(common.gold_rewards(prompts, responses), device=device)
-    return torch.full((len(responses),), float("nan"), device=device)
 
 
 # --- The sampler: each episode its own noise (seeded by its index, whatever the batch or ranks), its cache. ----------
@@ -1400,7 +1385,7 @@ def update_metrics(batch, kl, non_score_reward, times, args):
         m["val/mean"] = masked_mean(batch.values, mask)
     if batch.has_stop is not None:  # None with --stop_token none: no response can stop
         m["response/eos_rate"] = batch.has_stop.float().mean()
-    if not torch.isnan(batch.gold).all():
+    if batch.gold is not None:
         m["gold/mean"], m["gold/std"] = batch.gold.mean(), batch.gold.std()
     return {k: float(v) for k, v in m.items()}
 
