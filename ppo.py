@@ -312,7 +312,7 @@ def sequence_reward(model, ids, mask):
 # --- The phases of an update, in the order main() runs them, handing one Rollout batch along. -------------------------
 @dataclass
 class Rollout:
-    """One row per episode (a prompt's K in consecutive rows), every rank's rows (all_gather_rollout): learning is the
+    """One row per episode (a prompt's K in consecutive rows), every rank's rows (rollout gathers them): learning is the
     same for any number of ranks. Each phase fills its fields; (B, T): (rows, response_length), 0 after the response."""
     query_response: torch.Tensor  # (B, context_length + response_length): the left-padded prompt, the response
     attention_mask: torch.Tensor  # the same shape: 1 on real tokens
@@ -334,14 +334,15 @@ class Rollout:
 
 def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collective):
     """1. A response to each of this rank's episodes, sampled from softmax(logits / --temperature) with the episode's
-    own random stream (sampling_noise, generate); tokens after the stop token become padding."""
+    own random stream (sampling_noise, generate); tokens after the stop token become padding. All ranks get all rows."""
     width = all_reduce(torch.tensor(max(map(len, prompt_ids)), device=device), dist.ReduceOp.MAX)  # same on all ranks
     query, query_mask = (t.to(device) for t in pad_left(prompt_ids, int(width), pad_id))
     seeds = torch.tensor([common.seed_of(args.seed, "sampling", e) for e in episodes], device=device)
     with gathered_once(policy, collective), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
         responses = generate(policy, query, query_mask, seeds, args, stop_id, pad_id, collective)
     responses, mask = truncate_after_stop(responses, stop_id, pad_id)
-    return Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask)
+    batch = Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask)
+    return dataclasses.replace(batch, **{k: all_gather_cat(v) for k, v in vars(batch).items() if torch.is_tensor(v)})
 
 
 @torch.no_grad()
@@ -487,7 +488,6 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
     whatever the micro-batches, accumulation and ranks. Returns each statistic's mean over the optimizer steps, each
     model's gradient norm (before clipping) among them."""
     autocast = functools.partial(torch.autocast, batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    models = [policy] if critic is None else [policy, critic]
 
     def backward(loss):  # DDP and FSDP average gradients over ranks; the mini-batch's gradient is the sum of theirs
         (loss * world).backward()
@@ -495,7 +495,7 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
     stats, norms = [], []  # per optimizer step: name -> this rank's share of the mini-batch's value; the norms
     for epoch in range(args.num_ppo_epochs):
         for mb, step in enumerate(epoch_plan(batch, args, update, epoch, rank, world)):
-            # THE loss mean. Every rank holds the whole batch (all_gather_rollout), so each counts the mini-batch's
+            # THE loss mean. Every rank holds the whole batch (rollout gathers it), so each counts the mini-batch's
             # tokens (every rank's, every accumulation step's) itself: each micro-batch's loss is its share of the mean
             tokens_in_mini_batch, responses = batch.mask[step.rows].sum(), len(step.rows)
 
@@ -511,7 +511,7 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
                 sums["loss/ptx"] = ptx_backward(policy, ptx, step, update, epoch, mb, args, rank, world, pad_id,
                                                 backward)
             for i, f in enumerate(step.forwards):
-                sync_gradients(models, last=i == len(step.forwards) - 1)
+                sync_gradients([policy, critic], last=i == len(step.forwards) - 1)
                 mask = f.take(batch.mask).float()
                 # Policy and critic share no weights: each loss goes backward on its own graph, so that only one
                 # model's activations are alive at a time.
@@ -584,8 +584,8 @@ def main(args):
         prompt_index = episode_prompts([e // args.num_samples_per_prompt for e in episodes], len(prompts), args.seed,
                                        orders)  # the K episodes of a prompt are consecutive
         trainable.eval()  # (sampling and scoring in evaluation mode)
-        batch = all_gather_rollout(rollout(policy if args.fsdp else unwrap(policy), [prompts[i] for i in prompt_index],
-                                           episodes, args, stop_id, tokenizer.pad_token_id, device, collective))
+        batch = rollout(policy if args.fsdp else unwrap(policy), [prompts[i] for i in prompt_index], episodes, args,
+                        stop_id, tokenizer.pad_token_id, device, collective)
         t_rollout = time.time()
 
         # 2. Log-probs under the policy (old) and the reference, and the values.
@@ -719,8 +719,7 @@ def start_up(args, rank, world):
 
 
 def position_limit(args):
-    """The shortest learned position table (common.position_table) of the policy and the reward model, from their
-    configs (built on the meta device: no weight read); None where none has one (rotary, ALiBi: the embedded models)."""
+    """The shortest learned position table of the policy and the reward model, from their configs (no weight read)."""
     limits = []
     for path, flag, loader in ((args.sft_model_path, "--sft_model_path", transformers.AutoModelForCausalLM),
                                (reward_model_source(args), "--reward_model_path",
@@ -768,9 +767,8 @@ def stop_token_id(args, tokenizer):
 
 
 def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
-    """The embedded task's SFT policy: a tiny causal LM trained briefly to answer prompts with a few words and EOS (so
-    it starts from well-formed responses of average gold reward). Cached in ~/.cache/rlhf (or $XDG_CACHE_HOME's),
-    keyed by this code and torch's version; training draws no random number, so a run goes on as it would have."""
+    """The embedded task's SFT policy: a tiny causal LM trained briefly to answer with a few words and EOS. Cached in
+    ($XDG_CACHE_HOME or ~/.cache)/rlhf, keyed by this code and the versions; no random number drawn: a run goes on."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer),
                                                                                       flag="--sft_model_path"))
@@ -1191,8 +1189,7 @@ def ptx_backward(policy, ptx, step, update, epoch, mb, args, rank, world, pad_id
 
 
 def sync_gradients(models, last):
-    """DDP all-reduces gradients in a step's last backward only (FSDP2 reduce-scatters every backward's, as it is left:
-    no rank holds a whole model's gradients)."""
+    """DDP all-reduces gradients in a step's last backward only (FSDP2, as left, reduce-scatters every backward's)."""
     for model in models:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model.require_backward_grad_sync = last
@@ -1217,8 +1214,7 @@ def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
 
 
 def mean_over_steps(stats):
-    """Each statistic's mean over the update's optimizer steps (a step's: the sum of every rank's share); the ratio's
-    variance from its mean and mean square."""
+    """Each statistic's mean over the update's steps (a step's: its ranks' shares summed), the ratio's variance too."""
     names = list(stats[0])
     per_step = dict(zip(names, all_reduce(torch.stack([torch.stack([s[k] for s in stats]) for k in names]))))
     means = {k: v.mean().item() for k, v in per_step.items() if k != "policy/ratio_sq"}
@@ -1320,11 +1316,6 @@ def all_gather_cat(t):
     return torch.cat(out)
 
 
-def all_gather_rollout(batch):
-    """Every rank's rows of the rollout batch, in rank order."""
-    return dataclasses.replace(batch, **{k: all_gather_cat(v) for k, v in vars(batch).items() if torch.is_tensor(v)})
-
-
 def all_reduce(t, op=None):
     if dist.is_initialized():
         dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
@@ -1370,8 +1361,7 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
 
 
 def update_metrics(batch, kl, non_score_reward, times, args):
-    """The rollout's statistics (TRL's names); episodes and tokens per second; each phase's time (rollout; log-probs
-    and score; advantages and learning)."""
+    """The rollout's statistics (TRL's names), episodes and tokens per second, and each phase's time."""
     mask, elapsed = batch.mask.float(), times[-1] - times[0]
     # objective/entropy: -log p of the sampled tokens, summed over the response (TRL's name): a one-sample estimate
     m = {"objective/kl": kl.sum(1).mean(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean(),
