@@ -1569,7 +1569,10 @@ def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
         torch.compiler.cudagraph_mark_step_begin()
         tokens.append(decode.step(model, tokens[-1], step, position, mask, seeds).clone())  # (graphs reuse outputs)
         done |= tokens[-1] == stop_id
-    responses = padded_after_all_stopped(torch.stack(tokens, 1), stop_id, pad_id)
+    responses = torch.stack(tokens, 1)
+    if stop_id is not None:  # as generate: padding after the first token where every row had stopped
+        all_stopped = (responses == stop_id).cumsum(1).gt(0).all(0)  # (T,)
+        responses = responses.masked_fill(F.pad(all_stopped[:-1], (1, 0), value=False), pad_id)
     return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
 
 
@@ -1587,15 +1590,6 @@ class CompiledDecode:
         logits = model(input_ids=token[:, None], attention_mask=mask, past_key_values=self.cache, use_cache=True,
                        position_ids=position + t).logits[:, -1].float() / self.temperature
         return (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
-
-
-def padded_after_all_stopped(responses, stop_id, pad_id):
-    """generate's plain output from the compiled one's, which samples on until the token where it reads that every row
-    has stopped: padding after the first token where every row had."""
-    if stop_id is None:
-        return responses
-    all_stopped = (responses == stop_id).cumsum(1).gt(0).all(0)  # (T,)
-    return responses.masked_fill(F.pad(all_stopped[:-1], (1, 0), value=False), pad_id)
 
 
 if __name__ == "__main__":
