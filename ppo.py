@@ -379,9 +379,8 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=
 
 class Critic(torch.nn.Module):
     """The value of each state: a sequence classifier's scalar head (float32) at every position, minus an offset. Its
-    start (critic_from): --critic_init reward, the reward model, its head divided by rm.py's scale and the offset
-    shift / scale (it starts out reading the normalized score); policy, the policy's backbone and a new head, normal
-    with std 1 / sqrt(hidden + 1), as rm.py's."""
+    start (critic_from): --critic_init reward, the reward model, head / rm.py's scale, offset shift / scale (it starts
+    out reading the normalized score); policy, its backbone and a new head as rm.py's (std 1 / sqrt(hidden + 1))."""
 
     def __init__(self, hf_model, offset=0.0):
         super().__init__()
