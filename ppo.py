@@ -718,7 +718,7 @@ def start_up(args, rank, world):
 
 
 def position_limit(args):
-    """The shortest learned position table of the policy and the reward model, from their configs (no weight read)."""
+    """The policy's and reward model's shortest learned position table, from configs (no weight read); else None."""
     limits = []
     for path, flag, loader in ((args.sft_model_path, "--sft_model_path", transformers.AutoModelForCausalLM),
                                (reward_model_source(args), "--reward_model_path",
@@ -766,8 +766,8 @@ def stop_token_id(args, tokenizer):
 
 
 def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
-    """The embedded task's SFT policy: a tiny causal LM trained briefly to answer with a few words and EOS. Cached in
-    ($XDG_CACHE_HOME or ~/.cache)/rlhf, keyed by this code and the versions; no random number drawn: a run goes on."""
+    """The embedded task's SFT policy: a tiny causal LM trained briefly to answer with a few words and EOS, cached in
+    ($XDG_CACHE_HOME or ~/.cache)/rlhf by this code and versions; training draws no random number (a run goes on)."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer),
                                                                                       flag="--sft_model_path"))
