@@ -25,8 +25,7 @@ implementation details of RLHF with PPO"). Also: critic-free advantages (--advan
 reinforce_pp), the KL in the loss (--kl_penalty loss), other loss means (--loss_aggregation), PPO-ptx, LoRA, FSDP2.
 Left out (README.md): value-model warm-up, top-k/top-p sampling, several reward models, multi-turn rollouts.
 
-The method is all above the FENCE, right after main(); below it, what a reader may trust by its docstring (loading,
-checks, distributed set-up, checkpoints, logs), then the opt-in speed paths, each tested equal to the plain path.
+The method is all above the FENCE, after main(); below it, what a reader may trust by its docstring, then opt-in paths.
 """
 
 import contextlib
@@ -52,8 +51,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 from tqdm import tqdm
-from transformers import StaticCache
 
 import common
 
@@ -143,9 +142,8 @@ class Args:
 
 
 def fill_defaults(args, position_limit, rank=0):
-    """The defaults that depend on another option or on the model, filled here and only here (said at start-up, saved
-    in ppo_results.json): K, the KL estimator, the learning rates, and --max_prompt_length (256, or less where a
-    model's learned position table, position_limit, leaves less room)."""
+    """The defaults that depend on another option or on the model, filled here only (said at start-up, saved in
+    ppo_results.json): K, the KL estimator, learning rates, --max_prompt_length (256, or a position table's room)."""
     given = {k: v for k, v in vars(args).items() if v is not None}
     group = args.advantage_estimator in ("rloo", "grpo")  # (a group baseline needs K > 1)
     args.num_samples_per_prompt = args.num_samples_per_prompt or (4 if group else 1)
@@ -185,9 +183,8 @@ def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
 
 
 def gae(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation (Schulman et al. 2016, eq. 16). The value after the last real token is 0, also
-    for a response cut at --response_length (treated as ended, as TRL does). Returns advantages and returns (the value
-    targets, advantages + values)."""
+    """Generalized advantage estimation (Schulman et al. 2016, eq. 16); the value after the last real token is 0, also
+    for a response cut at --response_length (ended, as TRL has it). Returns advantages and returns (targets: A + V)."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[:, 0])
@@ -261,16 +258,16 @@ def response_logprobs(model, query_response, attention_mask, context_length, tem
     output_layer_in_float32; its own transforms, e.g. Gemma's softcapping, applied by itself), / temperature, a
     float32 log-softmax, gathered. entropy: each position's entropy too (with its gradient if entropy_grad).
     blocked (--blocked_logits): the same numbers in memory bounded whatever the vocabulary (below the fence)."""
-    if blocked:
-        return blocked_response_logprobs(model, query_response, attention_mask, context_length, temperature, entropy,
-                                         entropy_grad)
     predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 .. T - 1
     keep = {"logits_to_keep": predicting} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: a position counts real tokens only
-    logits = model(input_ids=query_response, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False, **keep).logits[:, -predicting:-1]  # (the last position predicts nothing)
+    inputs = dict(input_ids=query_response, attention_mask=attention_mask, use_cache=False, **keep,
+                  position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0))  # counts real tokens only (left padding)
+    targets = query_response[:, context_length:]
+    if blocked:
+        return blocked_response_logprobs(model, inputs, predicting, targets, temperature, entropy, entropy_grad)
+    logits = model(**inputs).logits[:, -predicting:-1]  # (the last position predicts nothing)
     logp_all = torch.log_softmax(logits.float() / temperature, -1)
-    logprobs = logp_all.gather(-1, query_response[:, context_length:, None]).squeeze(-1)
+    logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     if not entropy:
         return logprobs, None
     with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
@@ -280,10 +277,9 @@ def response_logprobs(model, query_response, attention_mask, context_length, tem
 def language_modelling_loss(policy, seqs, pad_id, n_tokens, device, blocked=False):
     """The ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy on pretraining text, summed over real
     transitions and divided by n_tokens (those of the whole mini-batch)."""
-    ids, ids_mask = pad_left(seqs, max(map(len, seqs)), pad_id)
-    ids, ids_mask = ids.to(device), ids_mask.long().to(device)
-    logprobs, _ = response_logprobs(policy, ids, ids_mask, 1, 1.0, blocked=blocked)
-    real = (ids_mask[:, 1:] * ids_mask[:, :-1]).float()  # a target counts only after a real token (left padding)
+    ids, ids_mask = (t.to(device) for t in pad_left(seqs, max(map(len, seqs)), pad_id))
+    logprobs, _ = response_logprobs(policy, ids, ids_mask.long(), 1, 1.0, blocked=blocked)
+    real = (ids_mask[:, 1:] & ids_mask[:, :-1]).float()  # a target counts only after a real token (left padding)
     return (-logprobs * real).sum() / n_tokens
 
 
@@ -316,9 +312,8 @@ def sequence_reward(model, ids, mask):
 # --- The phases of an update, in the order main() runs them, handing one Rollout batch along. -------------------------
 @dataclass
 class Rollout:
-    """One row per episode (the K episodes of a prompt in consecutive rows), every rank's rows (all_gather_rollout),
-    so that learning is the same for any number of ranks. Each phase fills its fields; (B, T) is (rows,
-    response_length), 0 after the response."""
+    """One row per episode (a prompt's K in consecutive rows), every rank's rows (rollout gathers them): learning is the
+    same for any number of ranks. Each phase fills its fields; (B, T): (rows, response_length), 0 after the response."""
     query_response: torch.Tensor  # (B, context_length + response_length): the left-padded prompt, the response
     attention_mask: torch.Tensor  # the same shape: 1 on real tokens
     context_length: int  # prompt columns: the response starts there
@@ -328,7 +323,7 @@ class Rollout:
     values: torch.Tensor | None = None  # (B, T) 2. the critic's value of each state (None without a critic)
     scores: torch.Tensor | None = None  # (B,) 3. reward model and/or function, missing-EOS penalty
     has_stop: torch.Tensor | None = None  # (B,) 3. whether the response emitted the stop token (None: no stop token)
-    gold: torch.Tensor | None = None  # (B,) 3. the embedded task's true reward (NaN elsewhere)
+    gold: torch.Tensor | None = None  # (B,) 3. the embedded task's true reward, for the logs (None elsewhere)
     advantages: torch.Tensor | None = None  # (B, T) 4.
     returns: torch.Tensor | None = None  # (B, T) 4. the critic's targets (GAE only)
 
@@ -339,29 +334,27 @@ class Rollout:
 
 def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collective):
     """1. A response to each of this rank's episodes, sampled from softmax(logits / --temperature) with the episode's
-    own random stream (sampling_noise, generate); tokens after the stop token become padding."""
+    own random stream (sampling_noise, generate); tokens after the stop token become padding. All ranks get all rows."""
     width = all_reduce(torch.tensor(max(map(len, prompt_ids)), device=device), dist.ReduceOp.MAX)  # same on all ranks
     query, query_mask = (t.to(device) for t in pad_left(prompt_ids, int(width), pad_id))
     seeds = torch.tensor([common.seed_of(args.seed, "sampling", e) for e in episodes], device=device)
     with gathered_once(policy, collective), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        responses = generate(policy, query, query_mask, seeds, args, stop_id, pad_id, collective)  # (FSDP: the
-        # weights gathered once, not once per token)
+        responses = generate(policy, query, query_mask, seeds, args, stop_id, pad_id, collective)
     responses, mask = truncate_after_stop(responses, stop_id, pad_id)
-    return Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask)
+    batch = Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask)
+    return dataclasses.replace(batch, **{k: all_gather_cat(v) for k, v in vars(batch).items() if torch.is_tensor(v)})
 
 
 @torch.no_grad()
 def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=False):
     """KV-cached sampling (Gumbel-max) from softmax(logits / --temperature), the logits float32 as response_logprobs
     reads them; each episode's noise a function of its seed, the token's index and the vocabulary index alone
-    (sampling_noise: the same in any batch, on any number of ranks). Returns responses (B, response_length). The cache
-    is allocated once for prompt + response; the mask covers that width from the start, causality hiding the tokens not
-    yet sampled. (--compile: compiled_generate, the same tokens.)"""
+    (sampling_noise: the same in any batch, on any number of ranks). The cache is allocated once for prompt + response,
+    the mask that width from the start, causality hiding tokens not yet sampled (--compile: compiled_generate)."""
     if args.compile:
         return compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id)
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
-    mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
-        -1, args.response_length)], 1)
+    mask = F.pad(query_mask.long(), (0, args.response_length), value=1)
     cache = ComputeDtypeCache(config=unwrap(model).config, max_cache_len=mask.shape[1])
     last_only = {"logits_to_keep": 1} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     inputs = dict(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position,
@@ -375,8 +368,7 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=
         done |= token == stop_id
         all_done = done.all()
         if collective:  # FSDP: every rank must run the same number of forward passes
-            all_done = torch.tensor(float(all_done), device=query.device)
-            dist.all_reduce(all_done, op=dist.ReduceOp.MIN)
+            all_done = all_reduce(all_done.float(), dist.ReduceOp.MIN)
         if all_done or t == args.response_length - 1:
             break
         inputs = dict(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
@@ -387,18 +379,16 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=
 
 class Critic(torch.nn.Module):
     """The value of each state: a sequence classifier's scalar head (float32) at every position, minus an offset. Its
-    start (critic_from): --critic_init reward, the reward model, its head divided by rm.py's scale and the offset
-    shift / scale (it starts out reading the normalized score); policy, the policy's backbone and a new head, normal
-    with std 1 / sqrt(hidden + 1), as rm.py's."""
+    start (critic_from): --critic_init reward, the reward model, head / rm.py's scale, offset shift / scale (it starts
+    out reading the normalized score); policy, its backbone and a new head as rm.py's (std 1 / sqrt(hidden + 1))."""
 
     def __init__(self, hf_model, offset=0.0):
         super().__init__()
         self.hf, self.offset = hf_model, offset
 
     def forward(self, input_ids, attention_mask):
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                    position_ids=position_ids).last_hidden_state
+                                    position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
         return self.hf.score(hidden).squeeze(-1).float() - self.offset
 
 
@@ -451,6 +441,8 @@ def score(critic, reward, batch, rows, prompt_texts, tokenizer, stop_id, args, c
     if args.missing_eos_penalty is not None:
         scores -= args.missing_eos_penalty * (~batch.has_stop[rows]).float()
     batch.scores = all_gather_cat(scores)
+    if args.sft_model_path.startswith("embedded-") and args.dataset_name == "embedded":  # (for the logs)
+        batch.gold = all_gather_cat(torch.tensor(common.gold_rewards(prompt_texts, texts), device=scores.device))
     return texts
 
 
@@ -481,8 +473,7 @@ def advantages(batch, kl_coef, args):
 
 def epoch_plan(batch, args, update, epoch, rank, world):
     """One PPO epoch's optimizer steps: the batch shuffled (seeded by update and epoch), cut into --num_mini_batches;
-    of each, this rank's gradient_accumulation_steps x per_device_train_batch_size rows, as its micro-batches of
-    per_device_train_batch_size rows in order (MicroBatch: rows, ids, attention_mask, context, kept; below)."""
+    of each, this rank's gradient_accumulation_steps x per_device_train_batch_size rows, its micro-batches in order."""
     share = args.per_device_train_batch_size * args.gradient_accumulation_steps  # a rank's rows of a mini-batch
     order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(
         common.seed_of(args.seed, "mini-batches", update, epoch))).to(batch.mask.device)
@@ -496,7 +487,6 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
     whatever the micro-batches, accumulation and ranks. Returns each statistic's mean over the optimizer steps, each
     model's gradient norm (before clipping) among them."""
     autocast = functools.partial(torch.autocast, batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    models = [policy] if critic is None else [policy, critic]
 
     def backward(loss):  # DDP and FSDP average gradients over ranks; the mini-batch's gradient is the sum of theirs
         (loss * world).backward()
@@ -504,7 +494,7 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
     stats, norms = [], []  # per optimizer step: name -> this rank's share of the mini-batch's value; the norms
     for epoch in range(args.num_ppo_epochs):
         for mb, step in enumerate(epoch_plan(batch, args, update, epoch, rank, world)):
-            # THE loss mean. Every rank holds the whole batch (all_gather_rollout), so each counts the mini-batch's
+            # THE loss mean. Every rank holds the whole batch (rollout gathers it), so each counts the mini-batch's
             # tokens (every rank's, every accumulation step's) itself: each micro-batch's loss is its share of the mean
             tokens_in_mini_batch, responses = batch.mask[step.rows].sum(), len(step.rows)
 
@@ -517,10 +507,10 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
 
             sums = {}
             if ptx is not None:  # PPO-ptx (Ouyang et al. 2022, eq. 2): language modelling on pretraining text
-                sums["loss/ptx"] = ptx_backward(policy, ptx, step, (update, epoch, mb), args, rank, world, pad_id,
+                sums["loss/ptx"] = ptx_backward(policy, ptx, step, update, epoch, mb, args, rank, world, pad_id,
                                                 backward)
             for i, f in enumerate(step.forwards):
-                sync_gradients(models, last=i == len(step.forwards) - 1, fsdp=args.fsdp)
+                sync_gradients([policy, critic], last=i == len(step.forwards) - 1)
                 mask = f.take(batch.mask).float()
                 # Policy and critic share no weights: each loss goes backward on its own graph, so that only one
                 # model's activations are alive at a time.
@@ -574,8 +564,7 @@ def main(args):
     bos_id = common.leading_id(tokenizer)
     prompts = [truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]
     ptx = ptx and [ids[:args.max_prompt_length + args.response_length] for ids in ptx]
-    # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type over the updates, stepped
-    # once per update
+    # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type, stepped once per update
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
     start, kl_coef, history = 0, args.kl_coef, []
     if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir, args, world)):
@@ -594,8 +583,8 @@ def main(args):
         prompt_index = episode_prompts([e // args.num_samples_per_prompt for e in episodes], len(prompts), args.seed,
                                        orders)  # the K episodes of a prompt are consecutive
         trainable.eval()  # (sampling and scoring in evaluation mode)
-        batch = all_gather_rollout(rollout(policy if args.fsdp else unwrap(policy), [prompts[i] for i in prompt_index],
-                                           episodes, args, stop_id, tokenizer.pad_token_id, device, collective))
+        batch = rollout(policy if args.fsdp else unwrap(policy), [prompts[i] for i in prompt_index], episodes, args,
+                        stop_id, tokenizer.pad_token_id, device, collective)
         t_rollout = time.time()
 
         # 2. Log-probs under the policy (old) and the reference, and the values.
@@ -606,8 +595,7 @@ def main(args):
         # 3. Score: the reward at the response's last real token.
         texts = [prompt_texts[i] for i in prompt_index]
         with resharded([reward.model]):
-            response_texts = score(critic, reward, batch, mine, texts, tokenizer, stop_id, args, collective)
-        batch.gold = all_gather_cat(gold_scores(args, texts, response_texts, device))
+            score(critic, reward, batch, mine, texts, tokenizer, stop_id, args, collective)
         t_score = time.time()
 
         # 4. Advantages: KL-penalised per-token rewards; GAE, whitened, or a critic-free estimator.
@@ -623,8 +611,7 @@ def main(args):
 
         # 6. Adapt the KL coefficient; log; save samples and checkpoints.
         m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef, "lr": lr, **update_stats,
-             **rollout_metrics(batch, kl, non_score_reward),
-             **timing_metrics([t0, t_rollout, t_score, t_learn, time.time()], batch_size, batch.attention_mask, args)}
+             **update_metrics(batch, kl, non_score_reward, [t0, t_rollout, t_score, t_learn, time.time()], args)}
         if update == start:  # what each rank held at most
             m.update(common.peak_memory(device))
         if args.target_kl is not None:
@@ -648,18 +635,15 @@ def main(args):
 
 
 # ======================================================================================================================
-# THE FENCE. The method ends here: a first read can stop. Below, first what a default run calls and a reader may trust
-# by its docstring (checks, loading models and data, the reward's plumbing, the learning phase's bookkeeping,
-# distributed set-up, logging and figures); then the opt-in speed paths, each in its own section (--group_by_length,
-# --blocked_logits), each tested equal to the plain path above.
+# THE FENCE. The method ends here: a first read can stop. Below, what a default run calls and a reader may trust by its
+# docstring (checks, loading, the reward's plumbing, learning's bookkeeping, distributed set-up, logs); then the opt-in
+# speed paths, each in its own section (--group_by_length, --blocked_logits, --compile), tested equal to the plain path.
 # ======================================================================================================================
 
 
 # --- Checks and sizes, before anything is loaded or written. ---------------------------------------------------------
 def check_args(args):
     """Every size and range, and every model and dataset found, before anything is loaded or written."""
-    from transformers import get_scheduler
-
     for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                  "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every", "kl_horizon",
                  "num_samples_per_prompt"):
@@ -679,15 +663,15 @@ def check_args(args):
     if not args.scale_rewards and args.advantage_estimator != "grpo":
         raise common.UserError(f"--no_scale_rewards is grpo's (Dr. GRPO); --advantage_estimator "
                                f"{args.advantage_estimator} does not divide by a group's std")
-    if not args.temperature > 0:
-        raise common.UserError(f"--temperature {args.temperature}: must be above 0")
-    if args.target_kl is not None and not args.target_kl > 0:
-        raise common.UserError(f"--target_kl {args.target_kl}: must be above 0")
+    for name in ("temperature", "target_kl"):
+        if (value := getattr(args, name)) is not None and not value > 0:
+            raise common.UserError(f"--{name} {value}: must be above 0")
     if args.missing_eos_penalty is not None and args.stop_token == "none":
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
     try:  # the schedule built and stepped as the run does: once per update, no metric, no arguments of its own
-        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=2)
+        scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0,
+                                               num_training_steps=2)
         optimizer.step()
         scheduler.step()
     except (ValueError, TypeError) as e:
@@ -716,8 +700,7 @@ class Sizes:
 
 
 def start_up(args, rank, world):
-    """The run's sizes, checked, and its output folder (the same for every rank, and one it may write to). None when
-    the folder holds this run already finished."""
+    """The run's sizes, checked, and its output folder (one for all ranks, writable); None if it holds this run done."""
     common.check_shared_output_dir(args.output_dir, rank)
     local_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size, num_updates = local_batch * world, args.total_episodes // (local_batch * world)
@@ -735,23 +718,20 @@ def start_up(args, rank, world):
 
 
 def position_limit(args):
-    """The shortest learned position table (common.position_table) of the policy and the reward model, from their
-    configs (built on the meta device: no weight read); None where none has one (rotary, ALiBi: the embedded models)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
+    """The policy's and reward model's shortest learned position table, from configs (no weight read); else None."""
     limits = []
-    for path, flag, loader in ((args.sft_model_path, "--sft_model_path", AutoModelForCausalLM),
-                               (reward_model_source(args), "--reward_model_path", AutoModelForSequenceClassification)):
+    for path, flag, loader in ((args.sft_model_path, "--sft_model_path", transformers.AutoModelForCausalLM),
+                               (reward_model_source(args), "--reward_model_path",
+                                transformers.AutoModelForSequenceClassification)):
         if path is not None and not path.startswith("embedded-"):
-            config = common.load_pretrained(AutoConfig, path, flag)
+            config = common.load_pretrained(transformers.AutoConfig, path, flag)
             limits.append(common.position_table(common.meta_model(lambda: loader.from_config(config))))
     return min((n for n in limits if n), default=None)
 
 
 # --- Models and data. -------------------------------------------------------------------------------------------------
 def without_dropout(config):
-    """Dropout off (every model: rollout, scoring and learning are one network, and the ratio starts at 1): every
-    dropout probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout)."""
+    """Every dropout probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout)."""
     for key, value in list(vars(config).items()):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
@@ -767,11 +747,10 @@ def disable_dropout(model):
 
 
 def load_tokenizer(args):
-    from transformers import AutoTokenizer
-
     if args.sft_model_path.startswith("embedded-"):
         return common.embedded_tokenizer()
-    tokenizer = common.load_pretrained(AutoTokenizer, args.sft_model_path, "--sft_model_path", padding_side="left")
+    tokenizer = common.load_pretrained(transformers.AutoTokenizer, args.sft_model_path, "--sft_model_path",
+                                       padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe here: every mask comes from lengths, never from pad ids
     return tokenizer
@@ -787,25 +766,19 @@ def stop_token_id(args, tokenizer):
 
 
 def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
-    """The embedded task's SFT policy: a tiny causal LM trained briefly to answer prompts with a few words and EOS (so
-    it starts from well-formed responses of average gold reward). Cached in ~/.cache/rlhf (or $XDG_CACHE_HOME's),
-    keyed by this code and torch's version; training draws no random number, so a run goes on as it would have."""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
+    """The embedded task's SFT policy: a tiny causal LM trained briefly to answer with a few words and EOS, cached in
+    ($XDG_CACHE_HOME or ~/.cache)/rlhf by this code and versions; training draws no random number (a run goes on)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer),
-                                                                         flag="--sft_model_path"))
+    model = transformers.AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer),
+                                                                                      flag="--sft_model_path"))
     code = open(__file__).read() + open(common.__file__).read()  # this function and the task
     key = hashlib.sha256(repr((len(tokenizer), torch.__version__, transformers.__version__, code)).encode()).hexdigest()
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlhf",
                          f"{name}-seed{seed}-steps{steps}-batch{batch_size}.pt")
-    saved = {}
-    with contextlib.suppress(Exception):  # (none yet, or unreadable: trained again)
-        saved = torch.load(cache)
-    if saved.get("key") == key:
-        model.load_state_dict(saved["model"])
-        return model.eval()
+    with contextlib.suppress(Exception):  # (none yet, unreadable, or another key's: trained again)
+        if (saved := torch.load(cache))["key"] == key:
+            model.load_state_dict(saved["model"])
+            return model.eval()
     opt, rng = torch.optim.AdamW(model.parameters(), lr=2e-3), random.Random(seed)
     for _ in range(steps):
         texts = [common.embedded_prompt(rng) for _ in range(batch_size)]
@@ -829,16 +802,15 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
 def load_policy(args, tokenizer, on_meta=False):
     """The initial policy (a causal LM, or a peft adapter folder merged into its base), dropout off, its output layer
     computing in float32 (output_layer_in_float32). on_meta: no weight read (common.load_model)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if args.sft_model_path.startswith("embedded-"):
         return output_layer_in_float32(disable_dropout(embedded_sft_policy(args.sft_model_path, tokenizer, args.seed)))
-    config = without_dropout(common.load_pretrained(AutoConfig, args.sft_model_path, "--sft_model_path"))
+    config = without_dropout(common.load_pretrained(transformers.AutoConfig, args.sft_model_path, "--sft_model_path"))
     # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights; a frozen
     # LoRA base is only read, so it may be held in bfloat16
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-    return output_layer_in_float32(disable_dropout(common.load_model(
-        AutoModelForCausalLM, args.sft_model_path, "--sft_model_path", on_meta, config=config, dtype=dtype)))
+    model = common.load_model(transformers.AutoModelForCausalLM, args.sft_model_path, "--sft_model_path", on_meta,
+                              config=config, dtype=dtype)
+    return output_layer_in_float32(disable_dropout(model))
 
 
 def output_layer_in_float32(model):
@@ -862,8 +834,7 @@ class Models:
 
 def build_models(args, tokenizer, device, rank, world):
     """The policy and critic (trained; DDP or FSDP), the frozen reference and the reward (under FSDP only rank 0 reads
-    weights: parallelize), every length checked against the position tables of the models that read the policy's
-    tokens."""
+    weights: parallelize); lengths checked against the position tables of the models reading the policy's tokens."""
     on_meta = args.fsdp and world > 1 and rank != 0
     reward = load_reward(args, tokenizer, on_meta)
     critic_init = args.critic_init if args.advantage_estimator == "gae" else None  # the others have no critic
@@ -893,16 +864,15 @@ def build_models(args, tokenizer, device, rank, world):
     if not lora:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
         ref_policy = parallelize(copy.deepcopy(policy_hf).eval().requires_grad_(False), args, device, frozen=True)
     if args.gradient_checkpointing:  # (in training mode only: sampling keeps its KV cache)
-        for model in (policy_hf, critic_hf):
-            if model is not None:
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        for model in [m for m in (policy_hf, critic_hf) if m is not None]:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     policy = parallelize(policy_hf, args, device)
     offset = reward.shift / reward.scale if critic_init == "reward" else 0.0
     critic = None if critic_hf is None else parallelize(Critic(critic_hf, offset), args, device)
     if rank == 0:
         n_trained = sum(p.numel() for m in (policy, critic) if m is not None for p in m.parameters() if p.requires_grad)
-        sources = [f"model {args.reward_model_path or 'runs/rm'}" + ("" if reward.reads_policy_tokens else
-                                                                     " (reads the text)")] * reward.has_model
+        path = reward_model_source(args)  # (None: no reward model)
+        sources = [f"model {path}" + ("" if reward.reads_policy_tokens else " (reads the text)")] * bool(path)
         print(f"policy {args.sft_model_path} ({n_trained / 1e6:.2f}M trained{f', LoRA rank {args.lora_r}' * bool(lora)}"
               f"); reward {' + '.join(sources + [f'function {args.reward_fn}'] * bool(reward.fn))}; "
               + (f"critic from the {critic_init}" if critic else "no critic") + f"; {world} x {device.type}")
@@ -911,16 +881,14 @@ def build_models(args, tokenizer, device, rank, world):
 
 def build_optimizer(policy, critic, args, num_updates):
     """AdamW over the trainable parameters of policy and critic, each at its own learning rate, and the schedule."""
-    from transformers import get_scheduler
-
-    models = {name: (model, rate) for name, model, rate in (("policy", policy, args.learning_rate),
-                                                            ("critic", critic, args.critic_learning_rate))
-              if model is not None}
-    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rate}
-                                   for model, rate in models.values()], lr=args.learning_rate, eps=1e-5,
+    trainable = torch.nn.ModuleDict({"policy": policy, **({"critic": critic} if critic is not None else {})})
+    rates = {"policy": args.learning_rate, "critic": args.critic_learning_rate}
+    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rates[name]}
+                                   for name, model in trainable.items()], lr=args.learning_rate, eps=1e-5,
                                   weight_decay=args.weight_decay, fused=True)  # (lr: the polynomial schedule's start)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_updates)
-    return torch.nn.ModuleDict({name: model for name, (model, _) in models.items()}), optimizer, scheduler
+    scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0,
+                                           num_training_steps=num_updates)
+    return trainable, optimizer, scheduler
 
 
 def load_prompts(args, tokenizer):
@@ -945,16 +913,13 @@ def load_prompts(args, tokenizer):
 def prompt_text(row, tokenizer, where):
     """A row's prompt as the policy continues it: a preference row's, as rm.py trained on it (common.split_pair); a
     `prompt` or `messages` list rendered by the chat template up to the assistant's turn; else the text."""
-    if not isinstance(row, dict):
-        raise common.UserError(f"{where}: expected an object with a 'prompt', got {type(row).__name__}")
     if "chosen" in row:
         return common.split_pair(row, tokenizer, where)[0]
     field = "prompt" if "prompt" in row else "messages"
     prompt = row.get(field)
     if isinstance(prompt, list):
         prompt = common.checked_messages(prompt, tokenizer, where, field)
-        if prompt and prompt[-1]["role"] == "assistant":
-            prompt = prompt[:-1]
+        prompt = prompt[:-1] if prompt and prompt[-1]["role"] == "assistant" else prompt  # (up to the assistant's turn)
         return common.render_chat(tokenizer, prompt, where, generation_prompt=True)
     if isinstance(prompt, str):
         return prompt
@@ -994,8 +959,6 @@ def episode_prompts(episodes, n_prompts, seed, orders):
 # --- Reward plumbing: a reward model (rm.py's normalization applied), a function, or both. ----------------------------
 def critic_from(args, policy, reward):
     """The critic's network, as the Critic's docstring says."""
-    from transformers import AutoModelForSequenceClassification
-
     if args.critic_init == "reward":
         critic = copy.deepcopy(reward.model.hf).requires_grad_(True)
         with torch.no_grad():
@@ -1004,7 +967,7 @@ def critic_from(args, policy, reward):
         return critic
     config = without_dropout(copy.deepcopy(policy.config))
     config.num_labels = 1
-    critic = common.meta_model(lambda: AutoModelForSequenceClassification.from_config(config))
+    critic = common.meta_model(lambda: transformers.AutoModelForSequenceClassification.from_config(config))
     setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))
     critic.score.to_empty(device=policy.device)
     torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
@@ -1033,16 +996,9 @@ class Reward:
     scale: float = 1.0
     fn: object = None
     fn_name: str | None = None
+    reads_policy_tokens: bool = False  # a reward model that reads the policy's tokens (tokenizer None)
     in_critic: object = None  # LoRA, critic from the reward model: the critic's adapter switched off (a context) is
     # the reward model (its head divided by scale; model is then None: not held twice)
-
-    @property
-    def has_model(self):
-        return self.model is not None or self.in_critic is not None
-
-    @property
-    def reads_policy_tokens(self):
-        return self.has_model and self.tokenizer is None
 
 
 def reward_model_source(args):
@@ -1059,9 +1015,7 @@ def load_reward(args, tokenizer, on_meta=False):
     reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None, fn_name=args.reward_fn)
     if (path := reward_model_source(args)) is None:
         return reward
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    config = without_dropout(common.load_pretrained(AutoConfig, path, "--reward_model_path"))
+    config = without_dropout(common.load_pretrained(transformers.AutoConfig, path, "--reward_model_path"))
     adapter = common.adapter_base(path)
     if adapter:  # a reward adapter's base config is its causal LM's; the head it saved is a scalar
         config.num_labels = 1
@@ -1076,16 +1030,16 @@ def load_reward(args, tokenizer, on_meta=False):
                                "has one (a scalar)")
     # float32, as rm.py trained it; with LoRA and --bf16 held in bfloat16, as every frozen base weight is then
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-    model = disable_dropout(common.load_model(AutoModelForSequenceClassification, path, "--reward_model_path",
-                                              on_meta, config=config, dtype=dtype)).eval().requires_grad_(False)
-    heads_in_float32(common.scalar_head_in_float32(model))
-    own = common.load_pretrained(AutoTokenizer, path, "--reward_model_path")
+    model = disable_dropout(common.load_model(transformers.AutoModelForSequenceClassification, path,
+                                              "--reward_model_path", on_meta, config=config, dtype=dtype))
+    heads_in_float32(common.scalar_head_in_float32(model)).eval().requires_grad_(False)
+    own = common.load_pretrained(transformers.AutoTokenizer, path, "--reward_model_path")
     if own.pad_token is None:
         own.pad_token = own.eos_token  # read by the mask, never by pad ids
     same_tokens = hasattr(model, "score") and all(own.convert_tokens_to_ids(t) == i
                                                   for t, i in tokenizer.get_vocab().items())
     return dataclasses.replace(reward, model=SequenceReward(model), tokenizer=None if same_tokens else own,
-                               shift=getattr(model.config, "reward_shift", 0.0),
+                               reads_policy_tokens=same_tokens, shift=getattr(model.config, "reward_shift", 0.0),
                                scale=getattr(model.config, "reward_scale", 1.0))
 
 
@@ -1150,28 +1104,18 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
     return batch["input_ids"], batch["attention_mask"]
 
 
-def gold_scores(args, prompts, responses, device):
-    """The embedded task's true reward of each episode (NaN elsewhere): what the proxy reward is meant to measure."""
-    if args.sft_model_path.startswith("embedded-") and args.dataset_name == "embedded":
-        return torch.tensor(common.gold_rewards(prompts, responses), device=device)
-    return torch.full((len(responses),), float("nan"), device=device)
-
-
 # --- The sampler: each episode its own noise (seeded by its index, whatever the batch or ranks), its cache. ----------
 def sampling_noise(seeds, step, vocab_size, device):
     """Gumbel(0, 1) noise (rows, vocab_size) for token `step` of each row's episode. Counter-based (as Salmon et al.
     2011): entry (b, v) is a hash of (seeds[b], step, v) alone, so an episode draws the same noise in any batch, on
-    any number of ranks, compiled or not, with no generator and no kernel per row. The hash: rounds of Wellons'
-    lowbias32 (a bijection of 32-bit integers), in int64 with products that never overflow; (seed, step) gives a
-    64-bit row key, each v 32 random bits, u = (bits + 1/2) / 2^32 in float64 (never 0 nor 1), noise -log(-log u)."""
+    any number of ranks, compiled or not, with no generator and no kernel per row. (seed, step) gives a 64-bit row key,
+    each v 32 random bits, u = (bits + 1/2) / 2^32 in float64 (never 0 nor 1), noise -log(-log u)."""
     low32 = 0xFFFFFFFF
 
-    def times(x, c):  # x * c mod 2^32, c in 16-bit halves: no product reaches 2^63
-        return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & low32
-
-    def mix(x):  # lowbias32 (Wellons 2018)
-        x = times(x ^ (x >> 16), 0x7FEB352D)
-        x = times(x ^ (x >> 15), 0x846CA68B)
+    def mix(x):  # lowbias32 (Wellons 2018), a bijection; x * c mod 2^32, c in 16-bit halves: no product reaches 2^63
+        for shift, c in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+            x = x ^ (x >> shift)
+            x = (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & low32
         return x ^ (x >> 16)
 
     seeds = seeds.to(device)
@@ -1181,7 +1125,7 @@ def sampling_noise(seeds, step, vocab_size, device):
     return -torch.log(-torch.log((bits.double() + 0.5) / 2 ** 32)).float()
 
 
-class ComputeDtypeCache(StaticCache):
+class ComputeDtypeCache(transformers.StaticCache):
     """transformers' StaticCache, keys and values held in the dtype attention computes in (under bfloat16 autocast a
     rotary family's keys are float32, its values bfloat16: StaticCache sizes both from the keys, then refuses the
     values). Attention casts both to bfloat16 anyway (autocast's list), so this changes no number."""
@@ -1213,8 +1157,8 @@ class MicroBatch:
 
 
 def micro_batches(batch, rows, args, collective):
-    """rows as forwards of --per_device_train_batch_size rows each, in order (--group_by_length: length_grouped,
-    below the fence; not under FSDP on several ranks, where every rank must make the same calls)."""
+    """rows as forwards of --per_device_train_batch_size rows each, in order (--group_by_length: length_grouped; not
+    under FSDP on several ranks, where every rank must make the same calls)."""
     if args.group_by_length and not collective:
         return length_grouped(batch, rows, args.per_device_train_batch_size)
     return [MicroBatch(r, batch.query_response[r], batch.attention_mask[r], batch.context_length, batch.mask.shape[1])
@@ -1227,14 +1171,13 @@ class OptimizerStep:  # one mini-batch of a PPO epoch, as this rank runs it
     forwards: list  # this rank's MicroBatches: its rows of each of the step's gradient_accumulation_steps
 
 
-def ptx_backward(policy, ptx, step, index, args, rank, world, pad_id, backward):
+def ptx_backward(policy, ptx, step, update, epoch, mb, args, rank, world, pad_id, backward):
     """PPO-ptx's gradient for one optimizer step: as many pretraining sequences as the mini-batch has episodes, taken
     in order by the step's global index (any rank count, any resume), divided by all their tokens; this rank's share."""
-    update, epoch, mb = index
     first = ((update * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb) * len(step.rows)
     seqs = [ptx[i % len(ptx)] for i in range(first, first + len(step.rows))]
     micro, share, total = args.per_device_train_batch_size, len(step.rows) // world, 0
-    sync_gradients([policy], last=False, fsdp=args.fsdp)  # (all-reduced with the PPO losses' under DDP)
+    sync_gradients([policy], last=False)  # (all-reduced with the PPO losses' under DDP)
     for i in range(rank * share, (rank + 1) * share, micro):
         with torch.autocast(step.rows.device.type, dtype=torch.bfloat16, enabled=args.bf16):
             loss = language_modelling_loss(policy, seqs[i:i + micro], pad_id, sum(len(s) - 1 for s in seqs),
@@ -1244,14 +1187,11 @@ def ptx_backward(policy, ptx, step, index, args, rank, world, pad_id, backward):
     return total
 
 
-def sync_gradients(models, last, fsdp):
-    """DDP all-reduces gradients in a step's last backward only; FSDP reduce-scatters every backward's (no rank holds a
-    whole model's gradients)."""
+def sync_gradients(models, last):
+    """DDP all-reduces gradients in a step's last backward only (FSDP2, as left, reduce-scatters every backward's)."""
     for model in models:
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            model.set_requires_gradient_sync(last or fsdp)
-        elif hasattr(model, "require_backward_grad_sync"):  # DDP
-            model.require_backward_grad_sync = last or fsdp
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model.require_backward_grad_sync = last
 
 
 def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
@@ -1273,8 +1213,7 @@ def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
 
 
 def mean_over_steps(stats):
-    """Each statistic's mean over the update's optimizer steps (a step's: the sum of every rank's share); the ratio's
-    variance from its mean and mean square."""
+    """Each statistic's mean over the update's steps (a step's: its ranks' shares summed), the ratio's variance too."""
     names = list(stats[0])
     per_step = dict(zip(names, all_reduce(torch.stack([torch.stack([s[k] for s in stats]) for k in names]))))
     means = {k: v.mean().item() for k, v in per_step.items() if k != "policy/ratio_sq"}
@@ -1310,7 +1249,8 @@ def parallelize(model, args, device, frozen=False):
         offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
 
         def shard(model):
-            hf, head = next(m for m in model.modules() if hasattr(m, "get_input_embeddings")), float32_head(model)
+            hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
+            head = float32_head(hf)
             in_float32 = {id(p) for p in head.parameters()} if head is not None else set()
             if frozen and args.bf16:  # gathered in bfloat16 to compute: held so, the same numbers at half the memory
                 for p in model.parameters():  # (parameters only: RoPE's buffers stay float32)
@@ -1332,20 +1272,16 @@ def parallelize(model, args, device, frozen=False):
 
 
 def heads_in_float32(model):
-    """A sequence classifier's scalar head held in float32 (the rest may be bfloat16), as README's precision table
-    says."""
+    """A sequence classifier's scalar head held in float32 (the rest may be bfloat16: README's precision table)."""
     (getattr(model, "score", None) or getattr(model, "classifier", None) or torch.nn.Identity()).float()
     return model
 
 
-def float32_head(model):
+def float32_head(hf):
     """The head that is its own FSDP unit gathered in float32, or None: a scalar head (Float32Linear, or peft's wrapper
-    of it), or a causal LM's untied float32 output layer (gathered only while it computes the logits, its gradient
-    reduce-scattered at once: not a vocabulary x hidden weight held whole with the root)."""
-    hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
-    if (score := getattr(hf, "score", None)) is not None:
-        linears = [m for m in score.modules() if isinstance(m, torch.nn.Linear)]
-        return score if linears and all(isinstance(m, common.Float32Linear) for m in linears) else None
+    of it), or a causal LM's untied float32 output layer (gathered only to compute logits, not held with the root)."""
+    if getattr(hf, "score", None) is not None:
+        return common.scalar_head(hf)
     head = hf.get_output_embeddings()
     untied = isinstance(head, torch.nn.Linear) and head.weight is not hf.get_input_embeddings().weight
     return head if untied and head.weight.dtype == torch.float32 else None
@@ -1379,11 +1315,6 @@ def all_gather_cat(t):
     return torch.cat(out)
 
 
-def all_gather_rollout(batch):
-    """Every rank's rows of the rollout batch, in rank order."""
-    return dataclasses.replace(batch, **{k: all_gather_cat(v) for k, v in vars(batch).items() if torch.is_tensor(v)})
-
-
 def all_reduce(t, op=None):
     if dist.is_initialized():
         dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
@@ -1392,8 +1323,7 @@ def all_reduce(t, op=None):
 
 @contextlib.contextmanager
 def resharded(models):
-    """The frozen sharded models' gathered weights released after they compute (the root keeps its weights after a
-    forward, for a backward a frozen model never runs)."""
+    """Frozen sharded models' weights released after they compute (FSDP's root keeps them, for a backward never run)."""
     try:
         yield
     finally:
@@ -1404,10 +1334,8 @@ def resharded(models):
 # --- Logging, the final save, figures. --------------------------------------------------------------------------------
 def open_logs(args, rank, saved):
     """Rank 0's metrics logger and samples.jsonl (on resume, continued after the checkpoint's update, saved)."""
-    if rank != 0:
-        return None
-    return common.Logger(args, args.wandb_project, saved), \
-        common.open_log(os.path.join(args.output_dir, "samples.jsonl"), saved)
+    return None if rank != 0 else (common.Logger(args, args.wandb_project, saved),
+                                   common.open_log(os.path.join(args.output_dir, "samples.jsonl"), saved))
 
 
 def log_update(logs, bar, m, last, args, tokenizer, batch):
@@ -1431,29 +1359,24 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
     samples_file.flush()
 
 
-def rollout_metrics(batch, kl, non_score_reward):
-    mask = batch.mask.float()
+def update_metrics(batch, kl, non_score_reward, times, args):
+    """The rollout's statistics (TRL's names), episodes and tokens per second, and each phase's time."""
+    mask, elapsed = batch.mask.float(), times[-1] - times[0]
     # objective/entropy: -log p of the sampled tokens, summed over the response (TRL's name): a one-sample estimate
-    m = {"objective/kl": kl.sum(1).mean().item(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean().item(),
-         "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
-         "objective/scores": batch.scores.mean().item(),
-         "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean().item(),
-         "response/length": mask.sum(1).mean().item()}
+    m = {"objective/kl": kl.sum(1).mean(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean(),
+         "objective/non_score_reward": non_score_reward.sum(1).mean(), "objective/scores": batch.scores.mean(),
+         "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean(),
+         "response/length": mask.sum(1).mean(), "perf/episodes_per_s": len(mask) / elapsed,
+         "perf/time_rollout": times[1] - times[0], "perf/time_score": times[2] - times[1],
+         "perf/time_learn": times[3] - times[2],
+         "perf/tokens_per_s": batch.attention_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
     if batch.values is not None:
-        m["val/mean"] = masked_mean(batch.values, mask).item()
+        m["val/mean"] = masked_mean(batch.values, mask)
     if batch.has_stop is not None:  # None with --stop_token none: no response can stop
-        m["response/eos_rate"] = batch.has_stop.float().mean().item()
-    if not torch.isnan(batch.gold).all():
-        m["gold/mean"], m["gold/std"] = batch.gold.mean().item(), batch.gold.std().item()
-    return m
-
-
-def timing_metrics(times, batch_size, qr_mask, args):
-    """Episodes and tokens per second, and each phase's time (rollout; log-probs and score; advantages and learning)."""
-    elapsed = times[-1] - times[0]
-    return {"perf/episodes_per_s": batch_size / elapsed, "perf/time_rollout": times[1] - times[0],
-            "perf/time_score": times[2] - times[1], "perf/time_learn": times[3] - times[2],
-            "perf/tokens_per_s": qr_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
+        m["response/eos_rate"] = batch.has_stop.float().mean()
+    if batch.gold is not None:
+        m["gold/mean"], m["gold/std"] = batch.gold.mean(), batch.gold.std()
+    return {k: float(v) for k, v in m.items()}
 
 
 def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank):
@@ -1491,8 +1414,7 @@ def plot_curves(history, path):
     scores = {"proxy": [h["objective/scores"] for h in history]}
     if any("gold/mean" in h for h in history):
         scores["gold"] = [h.get("gold/mean", float("nan")) for h in history]
-    fig = Figure(figsize=(15, 4))
-    axes = fig.subplots(1, 3)
+    axes = Figure(figsize=(15, 4)).subplots(1, 3)
     for name, ys in scores.items():
         axes[0].plot(episodes, ys, label=name)
         axes[2].plot([max(k, 0.0) ** 0.5 for k in kl], ys, ".", alpha=0.5, label=name)
@@ -1501,18 +1423,16 @@ def plot_curves(history, path):
     axes[1].set(title="KL to the reference (summed over the response)", xlabel="episodes")
     axes[2].set(title="Score against sqrt(KL), one dot per update", xlabel="sqrt(KL)")
     axes[0].legend()
-    common.save_figure(fig, path)
+    common.save_figure(axes[0].figure, path)
 
 
-# --- Opt-in: length grouping (--group_by_length). Rows of similar length run as one trimmed forward: less padding,
-# the same numbers (tests/test_ppo.py checks a run against the plain path). -------------------------------------------
+# --- Opt-in: length grouping (--group_by_length). Less padding, the same numbers (tests/test_ppo.py checks a run). ---
 GROUP_OVERHEAD_TOKENS = 64  # the cost of one more forward and backward, in tokens (~30 on 2 CPU cores; more on GPUs)
 
 
 def length_groups(prompt_lengths, response_lengths, overhead=None):
-    """A batch's rows in groups of similar length, each one trimmed forward: rows sorted by length, each joining the
-    group before it unless the padding that adds (a group's width: longest prompt + longest response) costs more than
-    one more call."""
+    """Rows in groups of similar length, one trimmed forward each: sorted by length, a row joins the group before it
+    unless the padding that adds (width: longest prompt + longest response) costs more than one more call."""
     overhead = GROUP_OVERHEAD_TOKENS if overhead is None else overhead
     p, r = prompt_lengths.tolist(), response_lengths.tolist()
     groups, longest = [], (0, 0)
@@ -1542,8 +1462,7 @@ def length_grouped(batch, rows, micro):
     return out
 
 
-# --- Opt-in: the output layer in bounded memory (--blocked_logits). Response logits in checkpointed blocks, whatever
-# the vocabulary: response_logprobs' numbers (tests/test_ppo.py checks them and their gradients against it). ---------
+# --- Opt-in: the output layer in bounded memory (--blocked_logits). response_logprobs' numbers and gradients. --------
 LOGIT_BLOCK = 2 ** 25  # elements (128 MB in float32) of one block of response logits
 
 
@@ -1580,19 +1499,11 @@ def head_inputs(model, **inputs):
     return captured[0]
 
 
-def blocked_response_logprobs(policy, query_response, mask, context_length, temperature, entropy=False,
-                              entropy_grad=True):
-    """response_logprobs in memory bounded whatever the vocabulary: the positions predicting a response token through
-    the output layer (head_inputs) in blocks of LOGIT_BLOCK elements, each recomputed in the backward pass (Chen et
-    al. 2016), so a micro-batch's logits (16 x 128 x 152k floats: 1.2 GB) are never held whole."""
-    from torch.utils.checkpoint import checkpoint
-
-    # positions context_length - 1 .. T - 1 predict a response token, but for the last, which predicts nothing
-    model, predicting = unwrap(policy), query_response.shape[1] - context_length + 1
-    only_kept = {"logits_to_keep": predicting} if takes_argument(type(model), "logits_to_keep") else {}
-    hidden = head_inputs(policy, input_ids=query_response, attention_mask=mask, use_cache=False,
-                         position_ids=(mask.cumsum(1) - 1).clamp(min=0), **only_kept)[:, -predicting:-1]
-    targets = query_response[:, context_length:]
+def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, entropy=False, entropy_grad=True):
+    """response_logprobs in memory bounded whatever the vocabulary: its forward's positions predicting a response token
+    through the output layer (head_inputs) in blocks of LOGIT_BLOCK elements, each recomputed in the backward pass
+    (Chen et al. 2016), so a micro-batch's logits (16 x 128 x 152k floats: 1.2 GB) are never held whole."""
+    model, hidden = unwrap(policy), head_inputs(policy, **inputs)[:, -predicting:-1]
 
     def block(h, y):  # float32 throughout: logits, log-softmax and entropy
         logp_all = torch.log_softmax(output_logits(model, h, temperature), -1)
@@ -1605,7 +1516,7 @@ def blocked_response_logprobs(policy, query_response, mask, context_length, temp
 
     step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
     recompute = torch.is_grad_enabled() and step < hidden.shape[1]  # (one block: computed directly)
-    run = functools.partial(checkpoint, block, use_reentrant=False) if recompute else block
+    run = functools.partial(torch.utils.checkpoint.checkpoint, block, use_reentrant=False) if recompute else block
     parts = [run(hidden[:, s:s + step], targets[:, s:s + step]) for s in range(0, hidden.shape[1], step)]
     logprobs, entropies = (torch.cat(t, 1) for t in zip(*parts))
     return logprobs, entropies if entropy else None
@@ -1613,8 +1524,7 @@ def blocked_response_logprobs(policy, query_response, mask, context_length, temp
 
 @torch.no_grad()
 def check_output_logits(model, flag, name):
-    """output_logits must give the model's own logits: a family with an output transform it does not know is named
-    here, before training on wrong log-probs."""
+    """output_logits must give the model's own logits: an output transform it does not know is named before training."""
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % vocab
     own = model(input_ids=ids).logits.float()
@@ -1643,8 +1553,7 @@ def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
         decode = DECODES[model] = CompiledDecode(model, key)
     decode.cache.reset()
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
-    mask = torch.cat([query_mask.long(), torch.ones_like(query_mask[:, :1], dtype=torch.long).expand(
-        -1, decode.cache_length - query.shape[1])], 1)
+    mask = F.pad(query_mask.long(), (0, decode.cache_length - query.shape[1]), value=1)
     last_only = {"logits_to_keep": 1} if takes_argument(type(model), "logits_to_keep") else {}
     logits = model(input_ids=query, attention_mask=mask, past_key_values=decode.cache, use_cache=True,
                    position_ids=position, **last_only).logits[:, -1].float() / args.temperature
@@ -1657,18 +1566,19 @@ def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
             break
         step.fill_(t)
         torch.compiler.cudagraph_mark_step_begin()
-        tokens.append(decode.step(model, tokens[-1], step, position, mask, seeds).clone())  # (a graph's output:
-        # overwritten when it replays next)
+        tokens.append(decode.step(model, tokens[-1], step, position, mask, seeds).clone())  # (graphs reuse outputs)
         done |= tokens[-1] == stop_id
-    responses = padded_after_all_stopped(torch.stack(tokens, 1), stop_id, pad_id)
+    responses = torch.stack(tokens, 1)
+    if stop_id is not None:  # as generate: padding after the first token where every row had stopped
+        all_stopped = (responses == stop_id).cumsum(1).gt(0).all(0)  # (T,)
+        responses = responses.masked_fill(F.pad(all_stopped[:-1], (1, 0), value=False), pad_id)
     return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
 
 
 class CompiledDecode:
-    """generate's one-token step through torch.compile(mode="reduce-overhead") (gpt-fast): the same function of the
-    same inputs as the plain step (in float32 on a CPU the same tokens), on fixed shapes (a static cache of
-    cache_length columns; the step index on the device): one compilation and, on a GPU, one CUDA graph replayed per
-    token, no host sync, reading the weights where they are. It holds no reference to the model."""
+    """generate's one-token step through torch.compile(mode="reduce-overhead") (gpt-fast): the plain step's function
+    (in float32 on a CPU the same tokens) on fixed shapes (a static cache of cache_length columns, the step index on
+    the device): compiled once, on a GPU one CUDA graph replayed per token, no host sync. Holds no model reference."""
 
     def __init__(self, model, key):
         self.key, self.cache_length, self.temperature = key, key[1], key[2]
@@ -1679,15 +1589,6 @@ class CompiledDecode:
         logits = model(input_ids=token[:, None], attention_mask=mask, past_key_values=self.cache, use_cache=True,
                        position_ids=position + t).logits[:, -1].float() / self.temperature
         return (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
-
-
-def padded_after_all_stopped(responses, stop_id, pad_id):
-    """generate's plain output from the compiled one's, which samples on until the token where it reads that every row
-    has stopped: padding after the first token where every row had."""
-    if stop_id is None:
-        return responses
-    all_stopped = (responses == stop_id).cumsum(1).gt(0).all(0)  # (T,)
-    return responses.masked_fill(F.pad(all_stopped[:-1], (1, 0), value=False), pad_id)
 
 
 if __name__ == "__main__":
