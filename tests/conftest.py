@@ -75,6 +75,14 @@ def run_main(args, check=True):
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+def without_inductor(monkeypatch):
+    """torch.compile through dynamo and AOT autograd, without inductor's C++ compilation (minutes on 2 cold cores;
+    test_compiled_decode_samples_the_plain_decodes_tokens runs inductor), here and under torchrun (tests/jobs.py)."""
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kwargs: compile(fn, backend="aot_eager", **kwargs))
+    monkeypatch.setenv("COMPILE_BACKEND", "aot_eager")
+
+
 def run_ranks(jobs, folder, check=True):
     """Command lines ([script, *flags] each) on 2 ranks of one torchrun launch, one after the other (tests/jobs.py: a
     launch costs seconds of imports). Returns the launch's process and each job's error (None: every rank exited 0)."""

@@ -12,7 +12,7 @@ from collections import OrderedDict
 import pytest
 import torch
 from allpairspy import AllPairs
-from conftest import read_metrics, run_main, run_ranks, save_checkpoint
+from conftest import read_metrics, run_main, run_ranks, save_checkpoint, without_inductor
 from test_families import preference_rows, write_jsonl
 
 import common
@@ -156,16 +156,9 @@ def rm_row(row, folder, small_pairs_file, family_dir):
 def ran(tmp_path_factory, reward_model_path, sft_folder, small_pairs_file, family_dir):
     """Every row's runs: 1 rank in this process (a process costs seconds of imports), 2 ranks under torchrun.
     {(script, row index): (output_dir, the first error of its runs or None)}."""
-    with pytest.MonkeyPatch.context() as patch:  # --compile through dynamo and AOT autograd, without inductor's C++
-        # compilation (a minute on 2 cores; test_compiled_decode_samples_the_plain_decodes_tokens runs inductor)
-        patch.setattr(torch, "compile", aot_eager(torch.compile))
-        patch.setenv("COMPILE_BACKEND", "aot_eager")  # (tests/jobs.py, under torchrun)
+    with pytest.MonkeyPatch.context() as patch:
+        without_inductor(patch)
         return run_rows(tmp_path_factory, reward_model_path, sft_folder, small_pairs_file, family_dir)
-
-
-def aot_eager(compile):
-    """torch.compile with backend "aot_eager" (in place of any mode)."""
-    return lambda fn, mode=None, **kwargs: compile(fn, backend="aot_eager", **kwargs)
 
 
 def run_rows(tmp_path_factory, reward_model_path, sft_folder, small_pairs_file, family_dir):

@@ -3,13 +3,14 @@ under CPU bfloat16 autocast against formulas computed in float32."""
 
 import json
 import random
+import sys
 import shutil
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, read_metrics, run_main, run_script
+from conftest import ROOT, read_metrics, run_main, run_script, without_inductor
 from families import DECODERS
 from test_families import preference_rows, write_jsonl
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -296,11 +297,16 @@ def test_evaluation_loss_calibration_and_per_dataset_numbers_match_formulas():
     assert "eval/a/accuracy" not in evaluate([p for p in pairs if p["dataset"] == "a"])[0]  # one dataset: overall
 
 
-def test_gpu_check_runs_every_section_at_tiny_shapes(tmp_path):
-    """benchmarks/gpu_check.py (scarce device time) at --quick shapes on the CPU: every section runs, packed equals
-    padded, no NaN, the first ratio 1 and the KL at initialisation 0."""
+def test_gpu_check_runs_every_section_at_tiny_shapes(tmp_path, monkeypatch):
+    """benchmarks/gpu_check.py (scarce device time) at --quick shapes on the CPU, in this process (its compile without
+    inductor's C++): every section runs, packed equals padded, no NaN, the first ratio 1 and the KL at start 0."""
+    monkeypatch.syspath_prepend(f"{ROOT}/benchmarks")
+    import gpu_check
+
     sections = ["attention", "packed", "logprobs", "shapes", "rm_shapes", "decode_profile"]
-    run_script(["benchmarks/gpu_check.py", "--quick", "--out", str(tmp_path), "--sections", *sections])
+    without_inductor(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--quick", "--out", str(tmp_path), "--sections", *sections])
+    gpu_check.main()
     report = json.load(open(tmp_path / "report.json"))
     assert [s for s in sections if "error" in report[s]] == [], [report[s] for s in sections if "error" in report[s]]
     assert not report["attention"]["ppo_left_padded_nan"] and not report["packed"]["fp32_cudnn_off"]["nan"]
