@@ -659,10 +659,12 @@ def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, flag
      "rloo compares"),
     (dict(scale_rewards=False), "--no_scale_rewards is grpo's (Dr. GRPO)"),
     (dict(advantage_estimator="grpo", num_samples_per_prompt=3, reward_fn="common:gold_rewards"),
-     "--num_samples_per_prompt 3: must divide the rollout "
-     "batch (32 episodes)"),
+     "--num_samples_per_prompt 3: must divide the rollout batch (32 episodes)"),
+    (dict(sft_model_path="embedded-gpt", reward_fn="common:gold_rewards"), "--sft_model_path embedded-gpt: unknown "
+     "embedded model"),
+    (dict(stop_token="none", missing_eos_penalty=1.0), "--missing_eos_penalty needs a stop token"),
 ])
-def test_an_estimator_refuses_what_it_cannot_do(flags, expected, tmp_path):
+def test_what_a_run_cannot_do_is_refused_before_anything_is_written(flags, expected, tmp_path):
     with pytest.raises(common.UserError, match=re.escape(expected)):
         ppo.main(ppo.Args(output_dir=str(tmp_path / "out"), **flags))
     assert not (tmp_path / "out").exists()
@@ -776,14 +778,11 @@ def test_seed_streams_are_independent_across_seeds():
     assert len(seeds) == 20 * 200  # no two (seed, episode) share a stream
 
 
-def test_stop_token_none_logs_no_eos_rate_and_refuses_a_missing_eos_penalty(tmp_path, reward_model_path):
+def test_stop_token_none_logs_no_eos_rate(tmp_path, reward_model_path):
     ppo.main(ppo.Args(reward_model_path=reward_model_path, total_episodes=8, per_device_train_batch_size=4,
                       num_mini_batches=2, num_ppo_epochs=1, stop_token="none", output_dir=str(tmp_path)))
     m = read_metrics(tmp_path)[0]
     assert "response/eos_rate" not in m and m["response/length"] == ppo.Args().response_length
-    with pytest.raises(common.UserError, match="--missing_eos_penalty needs a stop token"):
-        ppo.main(ppo.Args(reward_model_path=reward_model_path, stop_token="none", missing_eos_penalty=1.0,
-                          output_dir=str(tmp_path / "x")))
 
 
 def test_an_empty_prompt_without_bos_is_named(tmp_path, monkeypatch):
@@ -897,11 +896,6 @@ def test_grad_norms_are_each_models_own_before_clipping_averaged_over_the_update
     assert len(seen) == 8 and len({s["policy/grad_norm"] for s in seen}) == 8
     for name in ("policy/grad_norm", "critic/grad_norm"):
         assert m[name] == pytest.approx(sum(s[name] for s in seen) / len(seen), rel=1e-6)
-
-
-def test_an_unknown_embedded_model_names_the_flag_that_named_it(tmp_path):
-    with pytest.raises(common.UserError, match=r"^--sft_model_path embedded-gpt: unknown embedded model"):
-        ppo.main(ppo.Args(sft_model_path="embedded-gpt", reward_fn="common:gold_rewards", output_dir=str(tmp_path)))
 
 
 def test_every_schedule_of_transformers_is_taken_or_refused_in_one_line(tmp_path):
