@@ -406,8 +406,8 @@ def main(args):
 
 # --- Start-up checks, loading the model and the data. ----------------------------------------------------------------
 def start_up(args):
-    """Every check that can fail before a weight is read, each in one line: arguments, sources, output folder; and
-    (rank, world size, device) from torchrun's variables, the ranks joined (a plain `python rm.py`: world size 1)."""
+    """Each check that can fail before a weight is read, in one line (arguments, sources, output folder); (rank, world
+    size, device) from torchrun's variables, the ranks joined."""
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
     for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -583,9 +583,8 @@ def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
 
 
 def tokenize_pairs(rows, tokenizer, args):
-    """(pairs of prompt/chosen/rejected ids, margin, dataset and gold rewards; counts of the prompts cut and of the
-    pairs dropped, by reason): each pair through truncate_pair. The tokenizer's coverage is checked first, on every
-    row as read (text it cannot read becomes identical runs of its unknown token)."""
+    """(pairs: prompt/chosen/rejected ids, margin, dataset, gold rewards; counts of the prompts cut and of the pairs
+    dropped, by reason), each through truncate_pair; the tokenizer's coverage checked first, on every row as read."""
     in_file_order = sorted(range(len(rows)), key=lambda i: (str(rows[i]["_source"]), rows[i]["_row"]))
     texts, margins = [None] * len(rows), [None] * len(rows)
     for i in in_file_order:  # the first bad row of a file is the one reported, however the rows were shuffled
@@ -631,9 +630,8 @@ def parallelize(model, args, device):
             MixedPrecisionPolicy()
 
         def shard(model):
-            blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
-                          and len(m) == model.hf.config.num_hidden_layers)
-            for block in blocks:
+            for block in next(m for m in model.modules()
+                              if isinstance(m, torch.nn.ModuleList) and len(m) == model.hf.config.num_hidden_layers):
                 fully_shard(block, mp_policy=mp)
             common.shard_input_embeddings(model, fully_shard, mp_policy=mp)
             if (head := common.scalar_head(model)) is not None:
@@ -842,8 +840,6 @@ def packed_rewards(hf_model, input_ids, segments):
 def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                       sliding_window=None, rm_segments=None, **kwargs):
     """Per block of whole pairs, one SDPA call under Segments.mask (with this layer's window); Gemma 2's softcap."""
-    if rm_segments is None:
-        raise ValueError("a model given the packed layout is called with a packed row only (see pack_segments)")
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise NotImplementedError("attention sinks")
     rm_segments.calls.append(sliding_window)
