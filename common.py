@@ -1074,16 +1074,6 @@ def shard_input_embeddings(model, fully_shard, **options):
         table.set_unshard_in_backward(False)
 
 
-def scalar_head(model):
-    """The scalar head (`score`, a Float32Linear; with LoRA, peft's wrapper of it) of the sequence classifier in model,
-    or None. FSDP shards it as its own unit gathered in float32: it then computes from float32 weights, not from the
-    bfloat16 copies a mixed-precision root would gather."""
-    hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
-    head = getattr(hf, "score", None)
-    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)] if head is not None else []
-    return head if linears and all(isinstance(m, Float32Linear) for m in linears) else None
-
-
 def peak_memory(device):
     """memory/peak_gb_rank<r>: the most memory each rank has held so far, GB: allocated on its GPU, else its process's
     peak resident set (what a CPU run can show)."""

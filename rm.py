@@ -634,8 +634,8 @@ def parallelize(model, args, device):
                               if isinstance(m, torch.nn.ModuleList) and len(m) == model.hf.config.num_hidden_layers):
                 fully_shard(block, mp_policy=mp)
             common.shard_input_embeddings(model, fully_shard, mp_policy=mp)
-            if (head := common.scalar_head(model)) is not None:
-                fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+            if hasattr(model.hf, "score"):  # gathered in float32, not bfloat16: the head computes from float32 weights
+                fully_shard(model.hf.score, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
             fully_shard(model, mp_policy=mp)
 
         return common.shard_from_rank0(model, shard, device)
@@ -648,8 +648,6 @@ def parallelize(model, args, device):
 def all_pair_rewards(model, pairs, args, pad_id, device, rank, world):
     """Per pair (r_chosen, r_rejected), on CPU, in the pairs' order; each rank computes a slice, longest pairs first
     (a batch holds pairs of similar length, little padding; the peak memory comes first)."""
-    from torch.distributed.nn.functional import all_gather
-
     order = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
     mine, per_rank = order[rank::world], math.ceil(len(pairs) / world)
     valid = torch.arange(per_rank, device=device) < len(mine)
@@ -661,7 +659,7 @@ def all_pair_rewards(model, pairs, args, pad_id, device, rank, world):
             rewards.append(torch.stack(model(**inputs).chunk(2), 1))
     index, rewards = torch.tensor(mine, device=device), torch.cat(rewards)
     if dist.is_initialized():  # every rank's slice
-        index, valid, rewards = (torch.cat(all_gather(t)) for t in (index, valid, rewards))
+        index, valid, rewards = (torch.cat(dist.nn.functional.all_gather(t)) for t in (index, valid, rewards))
     return torch.empty(len(pairs), 2).index_copy_(0, index[valid].cpu(), rewards[valid].cpu())
 
 
@@ -811,8 +809,8 @@ class Segments:
     and each sequence's read point."""
 
     def __init__(self, member, position, blocks, read):
-        self.member, self.position, self.blocks, self.read, self.masks, self.calls = member, position, blocks, read, \
-            {}, []
+        self.member, self.position, self.blocks, self.read = member, position, blocks, read
+        self.masks, self.calls = {}, []  # each block's mask by window, built once; each layer's window, as called
 
     def mask(self, b, window, device):
         if (b, window) not in self.masks:
@@ -861,8 +859,7 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return torch.cat(out, 2).transpose(1, 2).contiguous(), None
 
 
-def sdpa_takes_groups_with_mask(device):
-    """Not on CUDA: with a boolean mask, grouped keys can fall to the math kernel there (repeat them per head)."""
+def sdpa_takes_groups_with_mask(device):  # not on CUDA: with a boolean mask, grouped keys can fall to the math kernel
     return device.type != "cuda"
 
 
