@@ -21,6 +21,7 @@ import traceback
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401 (before any process group: see leave_together)
 import torch.nn.functional as F
 
@@ -34,7 +35,6 @@ class UserError(Exception):
 
 def cli(args_class):
     """The command line, parsed by tyro (a field's docstring is its help); help and errors printed by rank 0 only."""
-    import contextlib
     import io
 
     import tyro
@@ -56,10 +56,10 @@ def leave_together():
     file imports it before any group. Else a process that ends through the interpreter's teardown, with gloo's
     threads still releasing the tensors of the last collectives, can abort (SIGABRT, "terminate called without an
     active exception"); the command line under torchrun leaves with os._exit (exit_on_user_error)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        LEFT.append(torch.distributed.group.WORLD)
-        torch.distributed.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()
+        LEFT.append(dist.group.WORLD)
+        dist.destroy_process_group()
 
 
 def first_line(error):
@@ -94,8 +94,6 @@ def exit_on_user_error(fn, *args):
 
 def agreed(check):
     """check()'s result on every rank, or the first failing rank's error raised on all: none waits for a dead one."""
-    import torch.distributed as dist
-
     try:
         result, error = check(), None
     except Exception as e:
@@ -202,7 +200,7 @@ def embedded_tokenizer():
 
 
 def embedded_model_config(name, vocab_size, num_labels=None, flag="--model_name_or_path"):
-    """Tiny configs of two architectures (Llama-, GPT-NeoX-shaped), both code paths exercised offline; flag: the option."""
+    """Tiny Llama- and GPT-NeoX-shaped configs, both code paths exercised offline; flag: the option naming the model."""
     from transformers import GPTNeoXConfig, LlamaConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
@@ -572,15 +570,6 @@ def check_position_table(model, length, flag):
                         f"position table of {limit}; pass at most {limit}")
 
 
-def length_default(given, default, limit, flag, rank):
-    """As given, else the default clamped to the model's limit: a value not chosen never fails a run."""
-    if given is None and limit is not None and default > limit:
-        if rank == 0:
-            print(f"{flag}: {limit}, not the default {default}: the model reads at most {limit} tokens")
-        return limit
-    return default if given is None else given
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # LoRA (Hu et al. 2021) through peft: adapters on the backbone's linear layers, merged into the weights when saved; an
 # adapter folder loads as its base model with the adapter merged in. Loading a model, whole or on the meta device.
@@ -749,7 +738,7 @@ def check_output_dir(args, rank):
 
 
 def run_complete(args, total, rank):
-    """Whether --resume finds the run in output_dir finished (logged to step `total`, its model saved): nothing to do."""
+    """Whether --resume finds the run in output_dir finished (logged to step `total`, model saved): nothing to do."""
     logged = finished_progress(args.output_dir) if args.resume else None
     if logged is None or logged < total or not os.path.exists(os.path.join(args.output_dir, "config.json")):
         if logged is not None and latest_checkpoint(args.output_dir) is None:
@@ -759,8 +748,8 @@ def run_complete(args, total, rank):
         return False
     if rank == 0:
         print(f"{args.output_dir}: the run is complete (step {logged} of {total}); nothing to do")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return True
 
 
@@ -795,8 +784,8 @@ def step_end(step, save_steps, last_save, device):
     """(save, stop), agreed by all ranks: save every save_steps (None: SAVE_EVERY_S s; 0: never) and on a stop."""
     due = step % save_steps == 0 if save_steps else save_steps is None and time.time() - last_save >= SAVE_EVERY_S
     flags = torch.tensor([float(due), float(STOP.get("signal", 0))], device=device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return bool(flags[0].item()) or flags[1].item() > 0, int(flags[1].item())
 
 
@@ -806,23 +795,18 @@ def exit_stopped(signum, step, args, rank, bar):
     if rank == 0:
         print(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved in {args.output_dir}: "
               "run the same command with --resume to continue", file=sys.stderr, flush=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     sys.exit(128 + signum)
 
 
 def check_shared_output_dir(output_dir, rank):
     """Every rank reads back the token rank 0 writes into output_dir: nodes must share the folder of the shards."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return
     path, token = os.path.join(output_dir, ".rank0"), [os.urandom(8).hex()]
-    if rank == 0:
-        agreed(lambda: os.makedirs(output_dir, exist_ok=True) or write_atomic(path, token[0]))
-    else:
-        agreed(lambda: None)
+    agreed(lambda: rank == 0 and (os.makedirs(output_dir, exist_ok=True) or write_atomic(path, token[0])))
     dist.broadcast_object_list(token, src=0)
 
     def read():
@@ -883,9 +867,7 @@ def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
         model.save_pretrained(tmp, **kwargs)
         tokenizer.save_pretrained(tmp)
     except (OSError, RuntimeError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise_if_disk_full(output_dir, state_bytes(kwargs.get("state_dict") or model.state_dict()), e)
-        raise
+        save_failed(e, tmp, output_dir, state_bytes(kwargs.get("state_dict") or model.state_dict()))
     new = set(os.listdir(tmp))
     for name in os.listdir(output_dir):
         if name.startswith(WEIGHT_FILES) and name not in new:
@@ -902,12 +884,16 @@ def state_bytes(obj):
     return sum(state_bytes(v) for v in values)
 
 
-def raise_if_disk_full(folder, needed, error):
+def save_failed(error, partial, folder, needed):
+    """error raised again once `partial` (the save's temporary folder, if given) is removed; a full disk as one line."""
+    if partial:
+        shutil.rmtree(partial, ignore_errors=True)
     free = shutil.disk_usage(folder).free
     if free < needed * 1.1 or getattr(error, "errno", None) == 28 or "No space left" in str(error):  # ENOSPC
         raise UserError(f"{folder}: no room to save ({needed / 1e6:.0f} MB needed, {free / 1e6:.0f} MB free); the "
                         "partial files were removed and earlier saves are intact: free space or pass another "
                         "--output_dir") from None
+    raise error
 
 
 def new_checkpoint_dir(output_dir, step):
@@ -930,9 +916,7 @@ def commit_checkpoint(root, name, state, keep=2):
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise_if_disk_full(root, state_bytes(state), e)
-        raise
+        save_failed(e, tmp, root, state_bytes(state))
     def durable(folder):  # its entries (a renamed folder, a new file) on disk before the next step
         fd = os.open(folder, os.O_RDONLY)
         os.fsync(fd)
@@ -973,7 +957,6 @@ def sharded_state(model, optimizer):
 def save_training(model, optimizer, scheduler, step, rank, output_dir, global_batch, **extra):
     """A checkpoint, on every rank: its shards, and on rank 0 the rest (a resume checks global_batch against its own).
     A failure on any rank (a full disk) stops all, the partial checkpoint removed."""
-    import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -993,10 +976,7 @@ def save_training(model, optimizer, scheduler, step, rank, output_dir, global_ba
             save(tensors, storage_writer=HuggingFaceStorageWriter(os.path.join(root, name + ".tmp"),
                                                                   save_distributed=True))
     except (Exception, CheckpointException) as e:  # every rank learns of any rank's failure (a CheckpointException)
-        if rank == 0:
-            shutil.rmtree(os.path.join(root, name + ".tmp"), ignore_errors=True)
-        raise_if_disk_full(root, state_bytes(tensors), e)
-        raise
+        save_failed(e, rank == 0 and os.path.join(root, name + ".tmp"), root, state_bytes(tensors))
     agreed(lambda: rank == 0 and commit_checkpoint(root, name, {  # (after every shard is written and fsynced)
         "optimizer_param_groups": param_groups, "scheduler": scheduler.state_dict(), "step": step,
         "global_batch": global_batch, "rng": rngs, **extra}))
@@ -1006,7 +986,6 @@ def resume_training(model, optimizer, scheduler, output_dir, args, world):
     """The latest checkpoint in output_dir restored on any number of ranks: weights, optimizer, schedule and every
     rank's random streams. Returns its state (its "step" is the step to continue from), or None. A checkpoint of
     another global batch is refused: its step would count other batches."""
-    import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -1055,7 +1034,6 @@ def shard_from_rank0(model, shard, device, host=False):
     freed once broadcast), the others a meta-device skeleton. shard(model) applies fully_shard; the shards are
     allocated on device (host: in host memory, FSDP's CPU offload) and filled by set_model_state_dict's broadcast; the
     buffers the state dict lacks (RoPE's inverse frequencies) are broadcast after it."""
-    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     rank0 = dist.get_rank() == 0
@@ -1083,11 +1061,9 @@ def shard_from_rank0(model, shard, device, host=False):
 
 
 def shard_input_embeddings(model, fully_shard, **options):
-    """The transformers model's input embeddings inside model sharded as their own FSDP2 unit (a large vocabulary's
-    table is gathered only while the embedding runs), unless an output layer shares their weight (then they stay with
-    it). A lookup's gradient needs the token ids, never the table: the backward pass does not gather it again (FSDP2's
-    set_unshard_in_backward), so a rank holds the whole table only during the lookup, and its gradient only until it
-    is reduce-scattered."""
+    """The input embeddings of the transformers model inside model sharded as their own FSDP2 unit, unless an output
+    layer shares their weight (then they stay with it): a rank holds a large vocabulary's whole table only during the
+    lookup, not in the backward pass: a lookup's gradient needs the ids, never the table (set_unshard_in_backward)."""
     hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
     table, head = hf.get_input_embeddings(), getattr(hf, "get_output_embeddings", lambda: None)()
     if head is not None and head.weight is table.weight:
@@ -1098,29 +1074,16 @@ def shard_input_embeddings(model, fully_shard, **options):
         table.set_unshard_in_backward(False)
 
 
-def scalar_head(model):
-    """The scalar head (`score`, a Float32Linear) of the transformers sequence classifier in model (a reward model, a
-    critic), or peft's wrapper of it (LoRA: its trained copy and its original), or None. Under FSDP it is sharded as its
-    own unit gathered in float32: Float32Linear then computes from float32 weights, not from the bfloat16 copies a
-    mixed-precision root would gather."""
-    hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
-    head = getattr(hf, "score", None)
-    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)] if head is not None else []
-    return head if linears and all(isinstance(m, Float32Linear) for m in linears) else None
-
-
 def peak_memory(device):
     """memory/peak_gb_rank<r>: the most memory each rank has held so far, GB: allocated on its GPU, else its process's
     peak resident set (what a CPU run can show)."""
     import resource
 
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:  # (ru_maxrss: kilobytes on Linux)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (ru_maxrss: kilobytes on Linux)
     peaks = torch.tensor([peak / 1e9], dtype=torch.float64, device=device)
-    if torch.distributed.is_initialized():
-        out = [torch.zeros_like(peaks) for _ in range(torch.distributed.get_world_size())]
-        torch.distributed.all_gather(out, peaks)
+    if dist.is_initialized():
+        out = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, peaks)
         peaks = torch.cat(out)
     return {f"memory/peak_gb_rank{r}": v for r, v in enumerate(peaks.tolist())}

@@ -190,7 +190,6 @@ def load_reward_model(args, tokenizer, rank=0, on_meta=False):
     where the start has no trained one (a causal LM, an SFT model); --lora_r's adapters, the head trained in full."""
     hf_model, needs_head = load_backbone(args, tokenizer, on_meta)
     args = fill_defaults(args, hf_model, rank)
-    check_lengths(args, hf_model)
     if needs_head:
         new_head(hf_model, args.head_init_std)
     hf_model = common.scalar_head_in_float32(hf_model)
@@ -262,7 +261,8 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
     model.eval()
     rewards = all_pair_rewards(model, pairs, args, pad_id, device, rank, world)
     model.train(training)
-    return metrics_by_dataset(rewards, pairs, args), rewards
+    margin = torch.tensor([p["margin"] for p in pairs])
+    return pair_metrics(rewards[:, 0], rewards[:, 1], margin, pairs, args, "eval/"), rewards
 
 
 def fit_normalization(model, train, args, pad_id, device, rank, world):
@@ -323,8 +323,7 @@ def main(args):
     tokenizer = load_tokenizer(args.model_name_or_path)
     sharded = args.fsdp and world > 1  # then rank 0 loads the model, the others build it on the meta device
     hf_model, lora, args = load_reward_model(args, tokenizer, rank, on_meta=sharded and rank != 0)
-    # pairs: truncate_pair (a long prompt cut, a still too long pair dropped); eval: each dataset's --eval_split (or
-    # validation, else test), else --eval_holdout of its pairs, whole prompts never trained on (hold_out_by_prompt)
+    # pairs through truncate_pair; eval pairs: each dataset's eval split, else --eval_holdout of it by prompt (Args)
     train, evals, eval_sets = load_data(args, tokenizer, rank)
     steps_per_epoch, total_steps, evals_at = schedule(args, len(train), global_batch, rank)
     if not args.eval_only and common.run_complete(args, total_steps, rank):
@@ -401,27 +400,23 @@ def main(args):
 
 
 # ===================================================== FENCE ========================================================
-# The method ends here. Below: what a run calls but a reader may trust by its docstring (start-up checks, loading the
-# model and data, distributed set-up, checkpoint and result I/O, logging), then the opt-in packed layout.
+# The method ends here. Below: what a run calls, each piece trusted by its docstring (start-up, loading, distributed
+# set-up, evaluation, I/O, logging), then the opt-in packed layout.
 
 
 # --- Start-up checks, loading the model and the data. ----------------------------------------------------------------
-METRIC_DRIVEN = ("reduce_lr_on_plateau", "greedy")  # schedules stepped with a metric, not by step count
-
-
 def start_up(args):
-    """Every check that can fail before a weight is read, each in one line: arguments, sources, output folder; and
-    (rank, world size, device) from torchrun's variables, the ranks joined (a plain `python rm.py`: world size 1)."""
+    """Each check that can fail before a weight is read, in one line (arguments, sources, output folder); (rank, world
+    size, device) from torchrun's variables, the ranks joined."""
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
     for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "per_device_eval_batch_size", "logging_steps", "num_evals"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise common.UserError(f"--{name} {getattr(args, name)}: must be at least 1")
+        if (value := getattr(args, name)) is not None and value < 1:
+            raise common.UserError(f"--{name} {value}: must be at least 1")
     for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
                  "max_grad_norm", "center_rewards_coefficient", "save_steps", "head_init_std", "lora_r", "lora_alpha"):
-        value = getattr(args, name)
-        if value is not None and not (value >= 0 and math.isfinite(value)):
+        if (value := getattr(args, name)) is not None and not (value >= 0 and math.isfinite(value)):
             raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
     if args.num_train_epochs == 0 and args.max_steps <= 0 and not args.eval_only:  # (below 0 or NaN: refused above)
         raise common.UserError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or set --max_steps)")
@@ -432,10 +427,9 @@ def start_up(args):
                                "pairs trained on; pass another split, or none to hold out --eval_holdout of them")
     if not args.warmup_ratio <= 1:
         raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
-    if args.lr_scheduler_type in METRIC_DRIVEN:
-        raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: sets the rate from a metric at each "
-                               "step, which rm.py's loop, scheduled by steps, does not pass; pick a schedule by steps "
-                               "(e.g. cosine, or polynomial with --lr_end)")
+    if args.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy"):  # stepped with a metric, not by step count
+        raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: sets the rate from a metric, which "
+                               "rm.py's loop, scheduled by steps, does not pass; pick one by steps (e.g. cosine)")
     common.check_source(args.model_name_or_path, "--model_name_or_path")
     for name, _ in mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
         common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
@@ -464,9 +458,8 @@ def load_tokenizer(name):
 
 
 def load_backbone(args, tokenizer, on_meta=False):
-    """(the sequence classifier, whether its head is new): float32 whatever the stored dtype, as AdamW's updates (lr x
-    ~1e-3) would round away in bfloat16 weights (a frozen LoRA base is only read: bfloat16 with --bf16); dropout off;
-    an adapter folder merged into its base; on_meta (FSDP's ranks > 0): no weight read."""
+    """(the sequence classifier, whether its head is new): float32 (bfloat16 would round AdamW's updates away; a frozen
+    LoRA base: bfloat16 with --bf16), dropout off, an adapter folder merged in; on_meta: no weight read."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     torch.manual_seed(args.seed)
@@ -488,6 +481,8 @@ def load_backbone(args, tokenizer, on_meta=False):
                                                  "_keys_to_ignore_on_load_unexpected": outside})
         config.num_labels = 1
         model = common.load_model(loader, name, "--model_name_or_path", on_meta, config=config, dtype=dtype)
+    if args.max_length:  # (the default is within the table: fill_defaults)
+        common.check_position_table(model, args.max_length, f"--max_length {args.max_length}")
     disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
@@ -497,17 +492,12 @@ def load_backbone(args, tokenizer, on_meta=False):
     return model, needs_head
 
 
-def check_lengths(args, model):
-    common.check_position_table(model, args.max_length, f"--max_length {args.max_length}")
+def load_data(args, tokenizer, rank):
+    """(train pairs, eval pairs, what each dataset is evaluated on): its eval split whole (--eval_split, else
+    validation, else test), else --eval_holdout of the pooled shares of the others, by prompt (hold_out_by_prompt)."""
     if args.max_length <= args.max_prompt_length:
         raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
                                f"{args.max_length} to leave room for the responses")
-
-
-def load_data(args, tokenizer, rank):
-    """(train pairs, eval pairs, what each dataset is evaluated on): a dataset's eval split whole (--eval_split, refused
-    if missing; else validation, else test), else --eval_holdout of the pooled shares of those without one, by prompt
-    (hold_out_by_prompt)."""
     mixer = mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
     names = " ".join(n for n, _ in mixer)
     fit = f"--max_length {args.max_length} with the prompt cut to --max_prompt_length {args.max_prompt_length}"
@@ -593,9 +583,8 @@ def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
 
 
 def tokenize_pairs(rows, tokenizer, args):
-    """(pairs of prompt/chosen/rejected ids, margin, dataset and gold rewards; counts of the prompts cut and of the
-    pairs dropped, by reason): each pair through truncate_pair. The tokenizer's coverage is checked first, on every
-    row as read (text it cannot read becomes identical runs of its unknown token)."""
+    """(pairs: prompt/chosen/rejected ids, margin, dataset, gold rewards; counts of the prompts cut and of the pairs
+    dropped, by reason), each through truncate_pair; the tokenizer's coverage checked first, on every row as read."""
     in_file_order = sorted(range(len(rows)), key=lambda i: (str(rows[i]["_source"]), rows[i]["_row"]))
     texts, margins = [None] * len(rows), [None] * len(rows)
     for i in in_file_order:  # the first bad row of a file is the one reported, however the rows were shuffled
@@ -641,13 +630,12 @@ def parallelize(model, args, device):
             MixedPrecisionPolicy()
 
         def shard(model):
-            blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
-                          and len(m) == model.hf.config.num_hidden_layers)
-            for block in blocks:
+            for block in next(m for m in model.modules()
+                              if isinstance(m, torch.nn.ModuleList) and len(m) == model.hf.config.num_hidden_layers):
                 fully_shard(block, mp_policy=mp)
             common.shard_input_embeddings(model, fully_shard, mp_policy=mp)
-            if (head := common.scalar_head(model)) is not None:
-                fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+            if hasattr(model.hf, "score"):  # gathered in float32, not bfloat16: the head computes from float32 weights
+                fully_shard(model.hf.score, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
             fully_shard(model, mp_policy=mp)
 
         return common.shard_from_rank0(model, shard, device)
@@ -660,8 +648,6 @@ def parallelize(model, args, device):
 def all_pair_rewards(model, pairs, args, pad_id, device, rank, world):
     """Per pair (r_chosen, r_rejected), on CPU, in the pairs' order; each rank computes a slice, longest pairs first
     (a batch holds pairs of similar length, little padding; the peak memory comes first)."""
-    from torch.distributed.nn.functional import all_gather
-
     order = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
     mine, per_rank = order[rank::world], math.ceil(len(pairs) / world)
     valid = torch.arange(per_rank, device=device) < len(mine)
@@ -673,7 +659,7 @@ def all_pair_rewards(model, pairs, args, pad_id, device, rank, world):
             rewards.append(torch.stack(model(**inputs).chunk(2), 1))
     index, rewards = torch.tensor(mine, device=device), torch.cat(rewards)
     if dist.is_initialized():  # every rank's slice
-        index, valid, rewards = (torch.cat(all_gather(t)) for t in (index, valid, rewards))
+        index, valid, rewards = (torch.cat(dist.nn.functional.all_gather(t)) for t in (index, valid, rewards))
     return torch.empty(len(pairs), 2).index_copy_(0, index[valid].cpu(), rewards[valid].cpu())
 
 
@@ -693,20 +679,8 @@ def pearson(x, y):
     return (x * y).sum().item() / max(math.sqrt((x * x).sum().item() * (y * y).sum().item()), 1e-12)
 
 
-def metrics_by_dataset(rewards, pairs, args):
-    """pair_metrics of all pairs ("eval/..."), and of a mixture's datasets each ("eval/NAME/...")."""
-    margin = torch.tensor([p["margin"] for p in pairs])
-    metrics = pair_metrics(rewards[:, 0], rewards[:, 1], margin, pairs, args, "eval/")
-    datasets = dict.fromkeys(p.get("dataset") for p in pairs)
-    for name in datasets if len(datasets) > 1 else ():
-        ours = torch.tensor([p.get("dataset") == name for p in pairs])
-        metrics.update(pair_metrics(rewards[ours, 0], rewards[ours, 1], margin[ours],
-                                    [p for p, o in zip(pairs, ours) if o], args, f"eval/{name}/"))
-    return metrics
-
-
 def pair_metrics(rc, rr, margin, pairs, args, prefix):
-    """The evaluation metrics of pairs from their rewards, each key prefixed."""
+    """The evaluation metrics of pairs from their rewards, each key prefixed; of a mixture's, each dataset's too."""
     lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
     loss = preference_loss(rc, rr, margin)
     metrics = {
@@ -720,12 +694,18 @@ def pair_metrics(rc, rr, margin, pairs, args, prefix):
     }
     known = torch.tensor([p["gold"] is not None for p in pairs])
     if known.any():  # embedded-task pairs (all, or some of a mixture): compare with the best possible accuracy
-        gold, rc, rr = torch.tensor([p["gold"] for p in pairs if p["gold"] is not None]), rc[known], rr[known]
+        gold, c, r = torch.tensor([p["gold"] for p in pairs if p["gold"] is not None]), rc[known], rr[known]
         p_gold = torch.sigmoid(common.PREFERENCE_BETA * (gold[:, 0] - gold[:, 1]))
         metrics["bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
-        metrics["accuracy_vs_bayes"] = (rc > rr).float().mean().item() / metrics["bayes_accuracy"]
-        metrics["gold_correlation"] = pearson(torch.cat([rc, rr]), torch.cat([gold[:, 0], gold[:, 1]]))
-    return {prefix + k: v for k, v in metrics.items()}
+        metrics["accuracy_vs_bayes"] = (c > r).float().mean().item() / metrics["bayes_accuracy"]
+        metrics["gold_correlation"] = pearson(torch.cat([c, r]), torch.cat([gold[:, 0], gold[:, 1]]))
+    metrics = {prefix + k: v for k, v in metrics.items()}
+    datasets = dict.fromkeys(p.get("dataset") for p in pairs)
+    for name in datasets if len(datasets) > 1 else ():  # a mixture: each dataset's metrics too, PREFIX + NAME/...
+        ours = torch.tensor([p.get("dataset") == name for p in pairs])
+        metrics.update(pair_metrics(rc[ours], rr[ours], margin[ours], [p for p, o in zip(pairs, ours) if o], args,
+                                    f"{prefix}{name}/"))
+    return metrics
 
 
 def describe_run(args, model, lora, layout, optimizer, world, device, steps_per_epoch, total_steps, start_step, rank):
@@ -829,8 +809,8 @@ class Segments:
     and each sequence's read point."""
 
     def __init__(self, member, position, blocks, read):
-        self.member, self.position, self.blocks, self.read, self.masks, self.calls = member, position, blocks, read, \
-            {}, []
+        self.member, self.position, self.blocks, self.read = member, position, blocks, read
+        self.masks, self.calls = {}, []  # each block's mask by window, built once; each layer's window, as called
 
     def mask(self, b, window, device):
         if (b, window) not in self.masks:
@@ -858,8 +838,6 @@ def packed_rewards(hf_model, input_ids, segments):
 def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                       sliding_window=None, rm_segments=None, **kwargs):
     """Per block of whole pairs, one SDPA call under Segments.mask (with this layer's window); Gemma 2's softcap."""
-    if rm_segments is None:
-        raise ValueError("a model given the packed layout is called with a packed row only (see pack_segments)")
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise NotImplementedError("attention sinks")
     rm_segments.calls.append(sliding_window)
@@ -881,8 +859,7 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return torch.cat(out, 2).transpose(1, 2).contiguous(), None
 
 
-def sdpa_takes_groups_with_mask(device):
-    """Not on CUDA: with a boolean mask, grouped keys can fall to the math kernel there (repeat them per head)."""
+def sdpa_takes_groups_with_mask(device):  # not on CUDA: with a boolean mask, grouped keys can fall to the math kernel
     return device.type != "cuda"
 
 
