@@ -1,17 +1,26 @@
 import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import warnings
 
 import pytest
 import torch
+import transformers
+import tyro
+from torch.distributed.checkpoint import HuggingFaceStorageReader, load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 HH_PATH = os.path.join(ROOT, "..", "shared", "data", "hh-rlhf-harmless-base", "test.jsonl.gz")
 
 import common  # noqa: E402
+import ppo  # noqa: E402
+import rm  # noqa: E402
+from families import save_family  # noqa: E402
 
 # One intra-op thread, as each rank of a subprocess has (OMP_NUM_THREADS=1): tiny models gain nothing from a second,
 # and on busy cores its waits at every parallel region made in-process runs many times slower.
@@ -25,10 +34,6 @@ def save_checkpoint(output_dir, step, state, keep=2):
 
 def read_checkpoint(path):
     """A checkpoint's tensors, whole, in one process: {"model": {name: t}, "optimizer": {name.moment: t}}."""
-    import warnings
-
-    from torch.distributed.checkpoint import HuggingFaceStorageReader, load
-
     meta = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
     flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()}
     with warnings.catch_warnings():
@@ -55,14 +60,6 @@ def run_script(args, nproc=1, check=True, env=None, timeout=600):
 def run_main(args, check=True):
     """`python rm.py|ppo.py ARGS` in this process, through the command line's own entry point (flags parsed by tyro,
     main under exit_on_user_error), its output captured: the same run without a process's seconds of imports."""
-    import contextlib
-    import io
-
-    import tyro
-
-    import ppo
-    import rm
-
     module, out, err = {"rm.py": rm, "ppo.py": ppo}[args[0]], io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -86,8 +83,6 @@ def without_inductor(monkeypatch):
 def run_ranks(jobs, folder, check=True):
     """Command lines ([script, *flags] each) on 2 ranks of one torchrun launch, one after the other (tests/jobs.py: a
     launch costs seconds of imports). Returns the launch's process and each job's error (None: every rank exited 0)."""
-    import tempfile
-
     os.makedirs(folder, exist_ok=True)
     folder = tempfile.mkdtemp(dir=folder, prefix="codes-")
     proc = run_script(["tests/jobs.py", str(folder), json.dumps(jobs)], nproc=2, check=False)
@@ -106,8 +101,6 @@ def read_metrics(output_dir):
 
 
 def assert_saved_models_equal(dirs, auto_class):
-    import transformers
-
     models = [getattr(transformers, auto_class).from_pretrained(d).state_dict() for d in dirs]
     for other in models[1:]:
         assert other.keys() == models[0].keys()
@@ -144,8 +137,6 @@ def reward_model_path(tmp_path_factory, small_pairs_file):
 @pytest.fixture(scope="session")
 def family_dir(tmp_path_factory):
     """A tiny saved model of a family in tests/families.py, by path (made once per session)."""
-    from families import save_family
-
     root, made = tmp_path_factory.mktemp("families"), {}
 
     def get(family):
@@ -160,8 +151,6 @@ def replayed_samples(policy, query, query_mask, responses, seeds, temperature, s
     (the model's own float32 logits at each response position / temperature, as ppo.response_logprobs reads them)
     plus each episode's Gumbel noise at each step (ppo.sampling_noise; seeds: (B,) int64), argmax. Equal to `responses`
     (generate's raw output) iff the cached decode samples from the distribution the learning forward computes."""
-    import ppo
-
     stopped = [(r == stop_id).nonzero() for r in responses]
     steps = responses.shape[1] if any(len(s) == 0 for s in stopped) else max(int(s[0]) + 1 for s in stopped)
     ids = torch.cat([query, responses[:, :steps]], 1)

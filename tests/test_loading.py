@@ -5,6 +5,8 @@ import os
 
 import pytest
 import torch
+import transformers
+from conftest import read_metrics, run_main, run_ranks
 from families import save_family
 
 import common
@@ -14,8 +16,6 @@ KINDS = {"causal": "AutoModelForCausalLM", "classifier": "AutoModelForSequenceCl
 
 def load_as_the_scripts_do(path, kind, on_meta, grow):
     """The model at path as ppo.py / rm.py load it (rm.py: the table grown by a pad token, a head drawn)."""
-    import transformers
-
     config = transformers.AutoConfig.from_pretrained(path)
     config.num_labels = 1
     torch.manual_seed(0)
@@ -57,8 +57,6 @@ def _load_sharded(rank, folder, cases):
 def saved(tmp_path, family, base=False, bin_weights=False):
     """A tiny model of the family stored in bfloat16 (float32 for GPT-2) as safetensors shards (base: its backbone
     alone, keys without the base model's prefix, as GPT-2's hub checkpoint; bin_weights: a pytorch_model.bin)."""
-    import transformers
-
     path = save_family(family, tmp_path / family)
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     os.remove(path / "model.safetensors")
@@ -118,8 +116,6 @@ def test_a_sharded_checkpoint_is_the_model_one_process_loads(name, sharded):
 def test_ppo_critic_from_the_policy_on_two_sharded_ranks_trains_as_one_process(tmp_path):
     """ppo.py's critic from the policy's backbone (a copy of rank 0's model, of the other ranks' skeletons) and a new
     head rank 0 draws: 2 FSDP ranks train as 1 process does."""
-    from conftest import read_metrics, run_main, run_ranks
-
     path = saved(tmp_path, "llama3")
     base = ["ppo.py", "--sft_model_path", path, "--reward_fn", "common:gold_rewards", "--critic_init", "policy",
             "--total_episodes", "16", "--per_device_train_batch_size", "4", "--num_mini_batches", "1",

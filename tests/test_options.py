@@ -14,6 +14,7 @@ import torch
 from allpairspy import AllPairs
 from conftest import read_metrics, run_main, run_ranks, save_checkpoint, without_inductor
 from test_families import preference_rows, write_jsonl
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import common
 import ppo
@@ -190,8 +191,6 @@ def output_of(run):
 
 @pytest.mark.parametrize("i", range(len(PPO_ROWS)), ids=[f"ppo{i}" for i in range(len(PPO_ROWS))])
 def test_ppo_runs_with_every_pair_of_options(i, ran, reward_model_path, sft_folder):
-    from transformers import AutoModelForCausalLM
-
     out = output_of(ran["ppo.py", i])
     assert_finite_metrics(out)
     assert len(read_metrics(out)) == ppo_row(PPO_ROWS[i], reward_model_path, sft_folder)[3]
@@ -202,8 +201,6 @@ def test_ppo_runs_with_every_pair_of_options(i, ran, reward_model_path, sft_fold
 
 @pytest.mark.parametrize("i", range(len(RM_ROWS)), ids=[f"rm{i}" for i in range(len(RM_ROWS))])
 def test_rm_runs_with_every_pair_of_options(i, ran):
-    from transformers import AutoModelForSequenceClassification
-
     out = output_of(ran["rm.py", i])
     assert_finite_metrics(out)
     results = json.load(open(os.path.join(out, "eval_results.json")))

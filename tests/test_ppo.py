@@ -1,5 +1,7 @@
+import contextlib
 import dataclasses
 import gc
+import itertools
 import json
 import math
 import os
@@ -14,9 +16,12 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch._inductor.config
 import tyro
 from conftest import (ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, replayed_samples, run_main,
                       run_ranks, run_script)
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, SchedulerType,
+                          get_scheduler)
 
 import common
 import ppo
@@ -82,8 +87,6 @@ def test_the_loss_mean_is_its_formula_whatever_the_micro_batches(aggregation):
     """learn()'s policy loss for one mini-batch of 4 responses of 4, 2, 1 and 3 tokens, on-policy (ratio 1: each
     token's loss is -advantage): its mean as --loss_aggregation says, written out here, whether the mini-batch runs as
     one micro-batch or as 2 x 2 accumulated; its statistics plain token means."""
-    import contextlib
-
     g = torch.Generator().manual_seed(2)
     policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=1)
     prompts = sample_prompts(4)
@@ -240,8 +243,6 @@ def test_length_groups_cover_every_row_once_near_the_least_padded_cost():
     """The greedy groups against every way of cutting the length-sorted rows, cost written out: rows x (longest prompt
     + longest response) per group, plus the overhead per group. Within 15% of the best cut on small random batches,
     within 3% on batches shaped like the benchmark's long-8k workload."""
-    import itertools
-
     rng = random.Random(0)
     cases = [(n, overhead, 60, 30) for n, overhead in [(7, 0), (7, 10), (8, 40), (6, 10**6), (1, 5)] * 20]
     for n, overhead, max_p, max_r in cases + [(13, 64, 256, 48)] * 3:
@@ -323,8 +324,6 @@ def test_compiled_decode_samples_the_plain_decodes_tokens(monkeypatch):
     """--compile (torch.compile of the one-token step over the static cache; on a CPU no CUDA graph) gives the plain
     path's raw output in float32, every row stopping before STOP_CHECK_EVERY tokens (the tokens sampled after it
     padded), on prompts of varied lengths, twice in a row (the cache reset and reused, not compiled again)."""
-    import torch._inductor.config
-
     monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)  # scalar C++ kernels: compiled in half the
     # time
     policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=20).eval()
@@ -466,8 +465,6 @@ def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, rew
     assert os.path.getsize(out / "curves.png") > 1000 and len(history) == 40
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is the caller's again after main
 
-    from transformers import AutoModelForCausalLM
-
     trained = AutoModelForCausalLM.from_pretrained(out).eval()
     initial = ppo.embedded_sft_policy("embedded-llama", TOK, seed=1)
     prompts = sample_prompts(48, seed=3)
@@ -511,8 +508,6 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(estimator, tmp_p
     assert any(k.startswith("critic.") for k in saved) == (not estimator)  # without GAE no critic, nor its state
     # resumed with a total the checkpoint (update 8) has passed: the checkpoint's policy is saved, the log closed
     ppo.main(ppo.Args(output_dir=str(tmp_path / "short"), resume=True, **dict(args, total_episodes=48)))
-    from transformers import AutoModelForCausalLM
-
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "short").state_dict()
     at_8 = read_checkpoint(common.latest_checkpoint(tmp_path / "short"))["model"]
     assert all(torch.equal(policy[k.removeprefix("policy.")], v) for k, v in at_8.items() if k.startswith("policy."))
@@ -854,8 +849,6 @@ def test_total_episodes_that_are_not_whole_rollout_batches_are_said(monkeypatch,
 def test_a_reward_model_with_its_own_tokens_reads_within_its_position_table(family_dir, monkeypatch):
     """An encoder reward model with its own tokenizer: a prompt and response that, in its tokens, overflow its learned
     position table are cut to fit it (the prompt keeps its end and [CLS]; the response whole), not read past it."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     path = family_dir("bert")
     rm_tokenizer = AutoTokenizer.from_pretrained(path)
     reward = ppo.Reward(model=ppo.SequenceReward(AutoModelForSequenceClassification.from_pretrained(path)),
@@ -901,8 +894,6 @@ def test_grad_norms_are_each_models_own_before_clipping_averaged_over_the_update
 def test_every_schedule_of_transformers_is_taken_or_refused_in_one_line(tmp_path):
     """--lr_scheduler_type: each of transformers' SchedulerType parses; those get_scheduler builds and steps without a
     metric or arguments of their own set the learning rate as transformers computes it, the rest are one-line errors."""
-    from transformers import SchedulerType, get_scheduler
-
     for kind in SchedulerType:
         args = tyro.cli(ppo.Args, args=["--lr_scheduler_type", kind.value, "--reward_fn", "common:gold_rewards"],
                         use_underscores=True)
