@@ -597,10 +597,11 @@ def test_neox_policy_with_chat_template_prompts_and_ptx(tmp_path, reward_model_p
 def test_missing_eos_penalty_lowers_scores_by_penalty_times_missing_rate(tmp_path, reward_model_path):
     base = dict(reward_model_path=reward_model_path, total_episodes=16, per_device_train_batch_size=8,
                 response_length=4)
-    ppo.main(ppo.Args(output_dir=str(tmp_path / "a"), **base))
-    ppo.main(ppo.Args(missing_eos_penalty=10, output_dir=str(tmp_path / "b"), **base))
-    a, b = read_metrics(tmp_path / "a")[0], read_metrics(tmp_path / "b")[0]
+    for name, flags in (("a", {}), ("b", dict(missing_eos_penalty=10)), ("none", dict(stop_token="none"))):
+        ppo.main(ppo.Args(output_dir=str(tmp_path / name), **flags, **base))
+    a, b, none = (read_metrics(tmp_path / k)[0] for k in ("a", "b", "none"))
     assert a["response/eos_rate"] < 1
+    assert "response/eos_rate" not in none and none["response/length"] == 4  # --stop_token none: no response stops
     assert b["objective/scores"] == pytest.approx(a["objective/scores"] - 10 * (1 - a["response/eos_rate"]), abs=1e-4)
 
 
@@ -641,28 +642,20 @@ def test_a_response_length_that_fills_the_position_table_is_refused_in_one_line(
     (["--compile", "--fsdp"], "--compile compiles the decode of a whole model; --fsdp shards it: drop one of them"),
     (["--advantage_estimator", "grpo", "--num_samples_per_prompt", "1"], "--num_samples_per_prompt 1: "
      "--advantage_estimator grpo compares each response with the others to its prompt; it needs at least 2"),
+    (["--advantage_estimator", "rloo", "--num_samples_per_prompt", "1"], "--num_samples_per_prompt 1: "
+     "--advantage_estimator rloo compares"),
+    (["--no_scale_rewards"], "--no_scale_rewards is grpo's (Dr. GRPO)"),
+    (["--advantage_estimator", "grpo", "--num_samples_per_prompt", "3", "--reward_fn", "common:gold_rewards"],
+     "--num_samples_per_prompt 3: must divide the rollout batch (32 episodes)"),
+    (["--sft_model_path", "embedded-gpt", "--reward_fn", "common:gold_rewards"], "--sft_model_path embedded-gpt: "
+     "unknown embedded model"),
+    (["--stop_token", "none", "--missing_eos_penalty", "1.0"], "--missing_eos_penalty needs a stop token"),
 ])
 def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, flags, expected):
     out = tmp_path / "out"  # (the first in a process as a user runs it; the others through its entry point, here)
     proc = (run_script if "0" in flags else run_main)(["ppo.py", "--output_dir", str(out), *flags], check=False)
     assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
-
-
-@pytest.mark.parametrize("flags,expected", [
-    (dict(advantage_estimator="rloo", num_samples_per_prompt=1), "--num_samples_per_prompt 1: --advantage_estimator "
-     "rloo compares"),
-    (dict(scale_rewards=False), "--no_scale_rewards is grpo's (Dr. GRPO)"),
-    (dict(advantage_estimator="grpo", num_samples_per_prompt=3, reward_fn="common:gold_rewards"),
-     "--num_samples_per_prompt 3: must divide the rollout batch (32 episodes)"),
-    (dict(sft_model_path="embedded-gpt", reward_fn="common:gold_rewards"), "--sft_model_path embedded-gpt: unknown "
-     "embedded model"),
-    (dict(stop_token="none", missing_eos_penalty=1.0), "--missing_eos_penalty needs a stop token"),
-])
-def test_what_a_run_cannot_do_is_refused_before_anything_is_written(flags, expected, tmp_path):
-    with pytest.raises(common.UserError, match=re.escape(expected)):
-        ppo.main(ppo.Args(output_dir=str(tmp_path / "out"), **flags))
-    assert not (tmp_path / "out").exists()
 
 
 def test_critic_from_policy_takes_the_whole_backbone():
@@ -773,13 +766,6 @@ def test_seed_streams_are_independent_across_seeds():
     assert len(seeds) == 20 * 200  # no two (seed, episode) share a stream
 
 
-def test_stop_token_none_logs_no_eos_rate(tmp_path, reward_model_path):
-    ppo.main(ppo.Args(reward_model_path=reward_model_path, total_episodes=8, per_device_train_batch_size=4,
-                      num_mini_batches=2, num_ppo_epochs=1, stop_token="none", output_dir=str(tmp_path)))
-    m = read_metrics(tmp_path)[0]
-    assert "response/eos_rate" not in m and m["response/length"] == ppo.Args().response_length
-
-
 def test_an_empty_prompt_without_bos_is_named(tmp_path, monkeypatch):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "User: tell me about animals Assistant:"}\n{"prompt": ""}\n')
@@ -829,18 +815,11 @@ def test_a_model_whose_output_transform_is_unknown_is_named_before_training(monk
         ppo.check_output_logits(policy, "--sft_model_path", "embedded-llama")
 
 
-def test_total_episodes_that_are_not_whole_rollout_batches_are_said(monkeypatch, capsys, tmp_path):
-    class ModelsReached(Exception):
-        pass
-
-    def build_models(*args, **kwargs):
-        raise ModelsReached  # the line comes first
-
-    monkeypatch.setattr(ppo, "build_models", build_models)
+def test_total_episodes_that_are_not_whole_rollout_batches_are_said(capsys, tmp_path):
     for total, said in ((100, "--total_episodes 100: 96 trained, whole rollout batches of 32 (the nearest to train "
                                "all: 96 or 128)"), (96, None)):
-        with pytest.raises(ModelsReached):
-            ppo.main(ppo.Args(total_episodes=total, reward_fn="common:gold_rewards", output_dir=str(tmp_path)))
+        ppo.fill_defaults(args := ppo.Args(total_episodes=total, output_dir=str(tmp_path / str(total))), None)
+        ppo.start_up(args, 0, 1)  # (main's first step, before anything is loaded)
         out = capsys.readouterr().out
         assert (said in out) if said else "--total_episodes" not in out, out
 
