@@ -1280,8 +1280,9 @@ def heads_in_float32(model):
 def float32_head(hf):
     """The head that is its own FSDP unit gathered in float32, or None: a scalar head (Float32Linear, or peft's wrapper
     of it), or a causal LM's untied float32 output layer (gathered only to compute logits, not held with the root)."""
-    if getattr(hf, "score", None) is not None:
-        return common.scalar_head(hf)
+    if (head := getattr(hf, "score", None)) is not None:
+        linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+        return head if linears and all(isinstance(m, common.Float32Linear) for m in linears) else None
     head = hf.get_output_embeddings()
     untied = isinstance(head, torch.nn.Linear) and head.weight is not hf.get_input_embeddings().weight
     return head if untied and head.weight.dtype == torch.float32 else None

@@ -1,4 +1,5 @@
 import contextlib
+import functools
 import io
 import json
 import os
@@ -137,13 +138,8 @@ def reward_model_path(tmp_path_factory, small_pairs_file):
 @pytest.fixture(scope="session")
 def family_dir(tmp_path_factory):
     """A tiny saved model of a family in tests/families.py, by path (made once per session)."""
-    root, made = tmp_path_factory.mktemp("families"), {}
-
-    def get(family):
-        if family not in made:
-            made[family] = str(save_family(family, root / family))
-        return made[family]
-    return get
+    root = tmp_path_factory.mktemp("families")
+    return functools.cache(lambda family: str(save_family(family, root / family)))
 
 
 def replayed_samples(policy, query, query_mask, responses, seeds, temperature, stop_id):

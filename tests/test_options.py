@@ -106,11 +106,6 @@ def runs(script, args, out, first=None):
     return [[script, *flags(a, ppo.Args if script == "ppo.py" else rm.Args), "--output_dir", out] for a in each]
 
 
-def assert_finite_metrics(out):
-    metrics = read_metrics(out)
-    assert metrics and all(math.isfinite(v) for m in metrics for v in m.values() if isinstance(v, float)), metrics
-
-
 @pytest.fixture(scope="module")
 def sft_folder(tmp_path_factory):
     """The embedded task's initial policy saved as a user's checkpoint: a folder, weights stored in bfloat16."""
@@ -182,28 +177,19 @@ def run_rows(tmp_path_factory, reward_model_path, sft_folder, small_pairs_file, 
     return {key: (out, errors.get(key)) for key, (_, out, _) in jobs.items()}
 
 
-def output_of(run):
-    out, error = run
+@pytest.mark.parametrize("key", [("ppo.py", i) for i in range(len(PPO_ROWS))] + [("rm.py", i) for i in range(
+    len(RM_ROWS))], ids=[f"ppo{i}" for i in range(len(PPO_ROWS))] + [f"rm{i}" for i in range(len(RM_ROWS))])
+def test_every_pair_of_options_runs(key, ran, reward_model_path, sft_folder):
+    out, error = ran[key]
     assert error is None, error
-    assert not os.path.exists(os.path.join(out, "checkpoints", "step_00000099"))
-    return out
-
-
-@pytest.mark.parametrize("i", range(len(PPO_ROWS)), ids=[f"ppo{i}" for i in range(len(PPO_ROWS))])
-def test_ppo_runs_with_every_pair_of_options(i, ran, reward_model_path, sft_folder):
-    out = output_of(ran["ppo.py", i])
-    assert_finite_metrics(out)
-    assert len(read_metrics(out)) == ppo_row(PPO_ROWS[i], reward_model_path, sft_folder)[3]
-    model = AutoModelForCausalLM.from_pretrained(out)
-    ids = torch.tensor([[2, 4, 5, 6]])
-    assert torch.isfinite(model(input_ids=ids).logits).all()
-
-
-@pytest.mark.parametrize("i", range(len(RM_ROWS)), ids=[f"rm{i}" for i in range(len(RM_ROWS))])
-def test_rm_runs_with_every_pair_of_options(i, ran):
-    out = output_of(ran["rm.py", i])
-    assert_finite_metrics(out)
-    results = json.load(open(os.path.join(out, "eval_results.json")))
-    assert 0 <= results["accuracy"] <= 1 and math.isfinite(results["loss"])
-    saved = AutoModelForSequenceClassification.from_pretrained(out)
-    assert torch.isfinite(saved(input_ids=torch.tensor([[2, 4, 5, 6, 3]])).logits).all()
+    assert not os.path.exists(os.path.join(out, "checkpoints", "step_00000099"))  # (--overwrite_output_dir's)
+    metrics = read_metrics(out)
+    assert metrics and all(math.isfinite(v) for m in metrics for v in m.values() if isinstance(v, float)), metrics
+    if key[0] == "ppo.py":
+        assert len(metrics) == ppo_row(PPO_ROWS[key[1]], reward_model_path, sft_folder)[3]
+        model = AutoModelForCausalLM.from_pretrained(out)
+    else:
+        results = json.load(open(os.path.join(out, "eval_results.json")))
+        assert 0 <= results["accuracy"] <= 1 and math.isfinite(results["loss"])
+        model = AutoModelForSequenceClassification.from_pretrained(out)
+    assert torch.isfinite(model(input_ids=torch.tensor([[2, 4, 5, 6, 3]])).logits).all()

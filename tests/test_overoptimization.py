@@ -1,5 +1,4 @@
-"""benchmarks/overoptimization.py: its best-of-n estimator and fits against direct computations, and its --quick
-sweep's trends."""
+"""benchmarks/overoptimization.py: its best-of-n estimator and fits against direct computations, its --quick trends."""
 
 import itertools
 import json
@@ -55,10 +54,9 @@ def test_fits_are_on_the_mean_curve_over_seeds():
 
 
 def test_quick_sweep_shows_overoptimization(tmp_path, monkeypatch):
-    """The smallest setting: two reward models (125 and 2,000 pairs), one seed. What it can see: the larger reward model
-    is more accurate and its best-of-n and RL reach a higher gold score; best-of-n's proxy estimate rises with n; under
-    RL against either reward model the proxy rises to the end while the gold score turns down, and PPO on the gold
-    reward itself ends higher."""
+    """The smallest setting: two reward models (125 and 2,000 pairs), one seed. The larger is more accurate, and its
+    best-of-n and RL reach a higher gold score; best-of-n's proxy rises with n; under RL against either, the proxy rises
+    to the end while the gold score turns down, and PPO on the gold reward itself ends higher."""
     out = tmp_path / "quick.json"
     monkeypatch.setattr(sys, "argv", ["overoptimization.py", "--quick", "--out", str(out), "--scratch", str(tmp_path)])
     overoptimization.main()  # (in this process: it runs rm.py and ppo.py in its own)

@@ -42,9 +42,8 @@ def test_gae_matches_float64_reference_with_masked_tails():
     adv, ret = ppo.gae(rewards, values, mask, gamma, lam)
     for b, n in enumerate(lengths):
         r, v = rewards[b, :n].tolist(), values[b, :n].tolist() + [0.0]  # the value after the last token is 0
-        expected = []
-        for t in range(n):  # A_t = sum_l (gamma lam)^l delta_{t+l}, written as the sum
-            expected.append(sum((gamma * lam) ** l * (r[t + l] + gamma * v[t + l + 1] - v[t + l]) for l in range(n - t)))
+        delta = [r[t] + gamma * v[t + 1] - v[t] for t in range(n)]
+        expected = [sum((gamma * lam) ** l * delta[t + l] for l in range(n - t)) for t in range(n)]  # A_t, the sum
         assert np.allclose(adv[b, :n].numpy(), expected, atol=1e-12)
         assert np.allclose(ret[b, :n].numpy(), np.array(expected) + np.array(v[:n]), atol=1e-12)
         assert (adv[b, n:] == 0).all()
@@ -152,9 +151,9 @@ def test_advantages_phase_puts_the_kl_where_asked(estimator, kl_penalty):
     g = torch.Generator().manual_seed(4)
     B, T, coef = 8, 5, 0.3
     mask = torch.arange(T)[None] < torch.tensor([5, 2, 3, 1, 4, 5, 2, 3])[:, None]
+    drawn = lambda: torch.randn(B, T, generator=g) * mask  # noqa: E731
     batch = ppo.Rollout(torch.zeros(B, T + 2, dtype=torch.long), torch.ones(B, T + 2, dtype=torch.long), 2, mask,
-                        logprobs=torch.randn(B, T, generator=g) * mask, scores=torch.randn(B, generator=g),
-                        values=torch.randn(B, T, generator=g) * mask, ref_logprobs=torch.randn(B, T, generator=g) * mask)
+                        logprobs=drawn(), scores=torch.randn(B, generator=g), values=drawn(), ref_logprobs=drawn())
     args = ppo.Args(advantage_estimator=estimator, kl_penalty=kl_penalty)
     ppo.fill_defaults(args, None)
     kl, non_score = ppo.advantages(batch, coef, args)
@@ -219,7 +218,7 @@ def test_kl_estimators_are_unbiased_for_known_distributions_and_an_unknown_one_i
 def test_adaptive_kl_controller():
     assert ppo.adaptive_kl_coef(0.1, kl=6.0, target=6.0, horizon=10000, n_episodes=100) == pytest.approx(0.1)
     # too much KL raises the coefficient, proportionally to the error, clipped at +-20%, at rate n / horizon
-    assert ppo.adaptive_kl_coef(0.1, kl=6.6, target=6.0, horizon=10000, n_episodes=100) == pytest.approx(0.1 * (1 + 0.1 * 0.01))
+    assert ppo.adaptive_kl_coef(0.1, kl=6.6, target=6.0, horizon=10000, n_episodes=100) == pytest.approx(0.1 * 1.001)
     assert ppo.adaptive_kl_coef(0.1, kl=60, target=6.0, horizon=1000, n_episodes=100) == pytest.approx(0.1 * 1.02)
     assert ppo.adaptive_kl_coef(0.1, kl=0.0, target=6.0, horizon=1000, n_episodes=100) == pytest.approx(0.1 * 0.98)
 
@@ -401,8 +400,7 @@ def test_two_process_ddp_and_fsdp_match_one_process(estimator, split_runs):
 def test_resume_on_another_number_of_ranks_continues_where_the_episodes_left_off(tmp_path, reward_model_path):
     """Rollout batch 16: 2 ranks cut after 2 updates, resumed on 1 (accumulating 2 micro-batches); 1 rank cut, resumed
     on 2: each of the 64 episodes rolled out once, the linear schedule continued (an update's logged lr, the rate its
-    steps used, = lr0 (1 - episodes done before it / 64)), the logged steps rising by one; --resume again, on the other
-    number of ranks, finds the run complete."""
+    steps used, = lr0 (1 - episodes before it / 64)), the steps rising by one; --resume again, elsewhere: complete."""
     base = ["tests/faults.py", "ppo.py", "--reward_model_path", reward_model_path, *TINY]
     one = ["--gradient_accumulation_steps", "2"]
     for cut, resumed in (("two_cut", "one_resumed"), ("one_cut", "two_resumed")):
@@ -625,8 +623,7 @@ def test_ptx_loss_of_a_left_padded_batch_is_the_mean_over_real_transitions():
 
 
 def test_a_response_length_that_fills_the_position_table_is_refused_in_one_line():
-    """The default --max_prompt_length is what a learned position table leaves after --response_length: none left is
-    refused, not a prompt cut to nothing."""
+    """The default --max_prompt_length: what a position table leaves after --response_length; none left is refused."""
     args = ppo.Args(response_length=16)
     ppo.fill_defaults(args, position_limit=20)
     assert args.max_prompt_length == 4
@@ -754,8 +751,7 @@ def test_the_critic_scores_in_evaluation_mode_and_learns_in_training_mode(tmp_pa
 
 
 def test_seed_streams_are_independent_across_seeds():
-    """Seed s + 1 must not replay seed s's next epoch (prompt order) or its episodes (sampling): a seed sweep is a
-    sweep of independent runs."""
+    """Seed s + 1 replays neither seed s's next epoch (prompt order) nor its episodes (sampling): independent runs."""
     orders = {}
     first = ppo.episode_prompts(range(0, 64), 64, seed=1, orders=orders)
     second_epoch = ppo.episode_prompts(range(64, 128), 64, seed=1, orders=orders)
@@ -795,9 +791,9 @@ def test_blocked_logits_give_the_plain_paths_log_probs_entropies_and_gradients(m
         logprobs, entropy = ppo.response_logprobs(policy, qr, qr_mask.long(), query.shape[1], 0.7, entropy=True,
                                                   blocked=blocked)
         (logprobs.sum() + entropy.sum()).backward()
-        results[blocked] = logprobs.detach(), entropy.detach(), torch.cat([p.grad.flatten() for p in policy.parameters()])
-    assert len(blocks) == 8 and max(b * t for b, t in blocks) * len(TOK) <= 8 * len(TOK)  # 7 positions in 4 blocks, each
-    # computed again in the backward pass
+        grads = torch.cat([p.grad.flatten() for p in policy.parameters()])
+        results[blocked] = logprobs.detach(), entropy.detach(), grads
+    assert len(blocks) == 8 and max(b * t for b, t in blocks) <= 8  # 7 positions in 4 blocks, each recomputed backward
     for plain, blocked in zip(results[False], results[True]):
         assert torch.allclose(plain, blocked, atol=1e-6, rtol=1e-5)
     with torch.no_grad():
@@ -833,21 +829,17 @@ def test_a_reward_model_with_its_own_tokens_reads_within_its_position_table(fami
     reward = ppo.Reward(model=ppo.SequenceReward(AutoModelForSequenceClassification.from_pretrained(path)),
                         tokenizer=rm_tokenizer)
     prompt = "User: tell me about foods such as pear and rice and honey and soup and bread Assistant:"
-    query, query_mask = ppo.pad_left(common.tokenize_prompts(TOK, [prompt]), len(common.tokenize_prompts(TOK, [prompt])[0]),
-                                     TOK.pad_token_id)
-    response = common.tokenize_responses(TOK, [prompt], [" cat dog red blue"])[0]
-    responses = torch.tensor([response])
-    batch = ppo.Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)],
-                        1).long(), query.shape[1], torch.ones_like(responses, dtype=torch.bool))
+    query = torch.tensor(common.tokenize_prompts(TOK, [prompt]))
+    responses = torch.tensor(common.tokenize_responses(TOK, [prompt], [" cat dog red blue"]))
+    ids = torch.cat([query, responses], 1)
+    batch = ppo.Rollout(ids, torch.ones_like(ids), query.shape[1], torch.ones_like(responses, dtype=torch.bool))
     args = ppo.Args(max_prompt_length=64)
-    whole, whole_mask = ppo.reward_model_tokens(batch, torch.arange(1), TOK.eos_token_id, TOK, reward, args)
-    n = int(whole_mask.sum())
-    table = n - 5
-    monkeypatch.setattr(common, "position_table", lambda model: table)
-    cut, cut_mask = ppo.reward_model_tokens(batch, torch.arange(1), TOK.eos_token_id, TOK, reward, args)
-    cut = cut[0][cut_mask[0].bool()].tolist()
-    full = whole[0][whole_mask[0].bool()].tolist()
-    assert len(cut) == table and cut[0] == full[0] == rm_tokenizer.cls_token_id and cut[-10:] == full[-10:]
+    (whole,), (whole_mask,) = ppo.reward_model_tokens(batch, torch.arange(1), TOK.eos_token_id, TOK, reward, args)
+    full = whole[whole_mask.bool()].tolist()
+    monkeypatch.setattr(common, "position_table", lambda model: len(full) - 5)
+    (cut,), (cut_mask,) = ppo.reward_model_tokens(batch, torch.arange(1), TOK.eos_token_id, TOK, reward, args)
+    cut = cut[cut_mask.bool()].tolist()
+    assert len(cut) == len(full) - 5 and cut[0] == full[0] == rm_tokenizer.cls_token_id and cut[-10:] == full[-10:]
 
 
 def test_grad_norms_are_each_models_own_before_clipping_averaged_over_the_updates_steps(tmp_path, monkeypatch):
