@@ -248,7 +248,10 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
     with torch.no_grad():
         expected = (rm.RewardModel(hf)(c_ids, c_mask) - hf.config.reward_shift) / hf.config.reward_scale
     policy = ppo.load_policy(args, tokenizer)
-    critic = ppo.Critic(ppo.critic_from(ppo.Args(critic_init="policy"), policy, reward))
+    critic = ppo.critic_from(ppo.Args(critic_init="policy"), policy, reward)
+    mine, theirs = critic.base_model.state_dict(), policy.base_model.state_dict()  # the policy's whole backbone
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    critic = ppo.Critic(critic)
     ppo.score(critic, reward, batch, torch.arange(2), [prompt] * 2, tokenizer, tokenizer.eos_token_id, args)
     scores = batch.scores
     assert torch.allclose(scores, expected, atol=1e-5)

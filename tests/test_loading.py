@@ -5,22 +5,19 @@ import os
 
 import pytest
 import torch
-import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 from conftest import read_metrics, run_main, run_ranks
 from families import save_family
 
 import common
 
-KINDS = {"causal": "AutoModelForCausalLM", "classifier": "AutoModelForSequenceClassification"}
-
-
 def load_as_the_scripts_do(path, kind, on_meta, grow):
     """The model at path as ppo.py / rm.py load it (rm.py: the table grown by a pad token, a head drawn)."""
-    config = transformers.AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path)
     config.num_labels = 1
     torch.manual_seed(0)
-    model = common.load_model(getattr(transformers, KINDS[kind]), path, "--model", on_meta, config=config,
-                              dtype=torch.float32)
+    auto = AutoModelForSequenceClassification if kind == "classifier" else AutoModelForCausalLM
+    model = common.load_model(auto, path, "--model", on_meta, config=config, dtype=torch.float32)
     if grow:
         model.resize_token_embeddings(model.get_input_embeddings().num_embeddings + 1, mean_resizing=False)
     if kind == "classifier":
@@ -58,7 +55,7 @@ def saved(tmp_path, family, base=False, bin_weights=False):
     """A tiny model of the family stored in bfloat16 (float32 for GPT-2) as safetensors shards (base: its backbone
     alone, keys without the base model's prefix, as GPT-2's hub checkpoint; bin_weights: a pytorch_model.bin)."""
     path = save_family(family, tmp_path / family)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
     os.remove(path / "model.safetensors")
     if bin_weights:
         torch.save(model.state_dict(), path / "pytorch_model.bin")
