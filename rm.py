@@ -24,6 +24,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -787,9 +788,10 @@ BLOCK_TOKENS = 256
 
 
 def pack_segments(pairs, device="cpu"):
-    """(ids of one row, its Segments): per pair prompt + chosen + rejected, end to end, rejected's positions continuing
+    """(ids of one row, its segments): per pair prompt + chosen + rejected, end to end, rejected's positions continuing
     from the prompt's end (Wang et al. 2024, arXiv 2410.20305). `member` marks each sequence's tokens (chosen, then
-    rejected): its reward is read at its last token by last_token_index, as in the padded batch."""
+    rejected), `read` its last (where its reward is read: last_token_index, as in the padded batch), `blocks` (start,
+    end) whole pairs; segment_attention fills `masks` (each block's by window, built once) and `calls` (its windows)."""
     ids, positions, blocks = [], [], []
     member = torch.zeros(2 * len(pairs), sum(len(p["prompt"] + p["chosen"] + p["rejected"]) for p in pairs), dtype=bool)
     for i, p in enumerate(pairs):
@@ -800,29 +802,10 @@ def pack_segments(pairs, device="cpu"):
         positions += list(range(P + C)) + list(range(P, P + R))
         blocks[-1][1] = len(ids)
         member[i, s:s + P + C] = member[len(pairs) + i, s:s + P] = member[len(pairs) + i, s + P + C:len(ids)] = True
-    return torch.tensor([ids]), Segments(member, torch.tensor(positions, device=device), [tuple(b) for b in blocks],
-                                         last_token_index(member).to(device))
-
-
-class Segments:
-    """A packed row for segment_attention: each token's sequences and position, blocks (start, end) of whole pairs,
-    and each sequence's read point."""
-
-    def __init__(self, member, position, blocks, read):
-        self.member, self.position, self.blocks, self.read = member, position, blocks, read
-        self.masks, self.calls = {}, []  # each block's mask by window, built once; each layer's window, as called
-
-    def mask(self, b, window, device):
-        if (b, window) not in self.masks:
-            s, e = self.blocks[b]
-            member, pos = self.member[:, s:e], self.position[s:e].to(device)
-            member = member[member.any(1)].to(device, torch.float32)
-            # a token sees the earlier tokens of its own sequences: a rejected token the prompt, never a chosen one
-            m = (member.T @ member > 0) & (pos[None, :] <= pos[:, None])
-            if window:  # transformers' sliding window: query i sees key j when i - j < window
-                m &= pos[:, None] - pos[None, :] < window
-            self.masks[(b, window)] = m
-        return self.masks[(b, window)]
+    # a namespace, not a tuple or a dataclass: DDP and FSDP pass on copies of those, `masks` and `calls` with them
+    return torch.tensor([ids]), SimpleNamespace(
+        member=member, position=torch.tensor(positions, device=device), blocks=[tuple(b) for b in blocks],
+        read=last_token_index(member).to(device), masks={}, calls=[])
 
 
 def packed_rewards(hf_model, input_ids, segments):
@@ -837,7 +820,8 @@ def packed_rewards(hf_model, input_ids, segments):
 
 def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                       sliding_window=None, rm_segments=None, **kwargs):
-    """Per block of whole pairs, one SDPA call under Segments.mask (with this layer's window); Gemma 2's softcap."""
+    """Per block of whole pairs (pack_segments), one SDPA call under its mask: a token sees the earlier tokens of its
+    own sequences (a rejected token the prompt, never a chosen one) within this layer's window; Gemma 2's softcap."""
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise NotImplementedError("attention sinks")
     rm_segments.calls.append(sliding_window)
@@ -848,7 +832,13 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     out = []  # per block (1, heads, tokens, head dim), in the attention's dtype (autocast's, not the query's)
     for b, (s, e) in enumerate(rm_segments.blocks):  # slices stay 4D: 3D inputs miss the fused kernel on CPU
         q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
-        mask = rm_segments.mask(b, sliding_window, query.device)
+        if (b, sliding_window) not in rm_segments.masks:
+            member, pos = rm_segments.member[:, s:e].to(query.device, torch.float32), rm_segments.position[s:e]
+            mask = (member.T @ member > 0) & (pos[None, :] <= pos[:, None])  # (a shared sequence, an earlier position)
+            if sliding_window:  # transformers' sliding window: query i sees key j when i - j < window
+                mask &= pos[:, None] - pos[None, :] < sliding_window
+            rm_segments.masks[b, sliding_window] = mask
+        mask = rm_segments.masks[b, sliding_window]
         if softcap is None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
                                                enable_gqa=q.shape[1] != k.shape[1])
