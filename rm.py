@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 from tqdm import tqdm
 
 import common
@@ -296,8 +297,6 @@ def schedule(args, n_train, global_batch, rank):
 def build_optimizer(model, args, total_steps):
     """AdamW on the trained parameters; transformers' --lr_scheduler_type after linear warm-up, to --lr_end where the
     schedule has an end rate."""
-    from transformers import get_scheduler
-
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay, fused=True)
     end = {"polynomial": {"lr_end": args.lr_end, "power": 1.0},  # power 1: a linear decay to --lr_end
@@ -306,10 +305,10 @@ def build_optimizer(model, args, total_steps):
            "warmup_stable_decay": {"num_decay_steps": total_steps // 5,
                                    "min_lr_ratio": args.lr_end / args.learning_rate if args.learning_rate else 0.0}}
     try:
-        scheduler = get_scheduler(args.lr_scheduler_type, optimizer,
-                                  num_warmup_steps=args.warmup_steps or int(args.warmup_ratio * total_steps),
-                                  num_training_steps=total_steps,
-                                  scheduler_specific_kwargs=end.get(args.lr_scheduler_type))
+        scheduler = transformers.get_scheduler(
+            args.lr_scheduler_type, optimizer, num_training_steps=total_steps,
+            num_warmup_steps=args.warmup_steps or int(args.warmup_ratio * total_steps),
+            scheduler_specific_kwargs=end.get(args.lr_scheduler_type))
     except (ValueError, TypeError) as e:  # e.g. polynomial's --lr_end not below --learning_rate
         raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: {common.first_line(e)}") from None
     return optimizer, scheduler
@@ -401,8 +400,7 @@ def main(args):
 
 
 # ===================================================== FENCE ========================================================
-# The method ends here. Below: what a run calls, each piece trusted by its docstring (start-up, loading, distributed
-# set-up, evaluation, I/O, logging), then the opt-in packed layout.
+# The method ends here. Below: what a run calls, each piece trusted by its docstring, then the opt-in packed layout.
 
 
 # --- Start-up checks, loading the model and the data. ----------------------------------------------------------------
@@ -450,9 +448,7 @@ def start_up(args):
 def load_tokenizer(name):
     if name.startswith("embedded-"):
         return common.embedded_tokenizer()
-    from transformers import AutoTokenizer
-
-    tok = common.load_pretrained(AutoTokenizer, name, "--model_name_or_path")
+    tok = common.load_pretrained(transformers.AutoTokenizer, name, "--model_name_or_path")
     if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:  # transformers pools at the last non-pad id
         tok.add_special_tokens({"pad_token": "<|pad|>"})
     return tok
@@ -461,16 +457,14 @@ def load_tokenizer(name):
 def load_backbone(args, tokenizer, on_meta=False):
     """(the sequence classifier, whether its head is new): float32 (bfloat16 would round AdamW's updates away; a frozen
     LoRA base: bfloat16 with --bf16), dropout off, an adapter folder merged in; on_meta: no weight read."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
     torch.manual_seed(args.seed)
-    name, loader = args.model_name_or_path, AutoModelForSequenceClassification
+    name, loader = args.model_name_or_path, transformers.AutoModelForSequenceClassification
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     if name.startswith("embedded-"):
         config = common.embedded_model_config(name, len(tokenizer), num_labels=1)
         model, needs_head = loader.from_config(config).to(dtype), True
     else:
-        config = without_dropout(common.load_pretrained(AutoConfig, name, "--model_name_or_path"))
+        config = without_dropout(common.load_pretrained(transformers.AutoConfig, name, "--model_name_or_path"))
         # the head is the checkpoint's if it is a classifier, or an adapter folder holding the head (as rm.py saves)
         adapter = common.adapter_base(name) is not None
         needs_head = not (any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or
@@ -569,9 +563,8 @@ def take_share(rows, weight, seed):  # a fraction (weight <= 1) or a count of th
 
 
 def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
-    """(train, eval): whole prompts drawn by seed go to eval until they hold `fraction` of the rows, and their pairs in
-    also_trained (other datasets' training pairs) leave training too: no held-out prompt is trained on. A dataset of
-    one prompt (pairs without one, say) is held out by row instead."""
+    """(train, eval): whole prompts drawn by seed go to eval until they hold `fraction` of the rows; their pairs in
+    also_trained (other datasets') leave training too: no held-out prompt is trained on (one prompt in all: by row)."""
     prompt = lambda row: common.split_pair(row, tokenizer, common.where(row))[0]  # noqa: E731
     keys = [prompt(r) for r in rows]
     keys = keys if len(set(keys)) > 1 else list(range(len(rows)))
@@ -640,10 +633,10 @@ def parallelize(model, args, device):
             fully_shard(model, mp_policy=mp)
 
         return common.shard_from_rank0(model, shard, device)
-    model.to(device)
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else
-                                                     None, broadcast_buffers=False, gradient_as_bucket_view=True)
+    return torch.nn.parallel.DistributedDataParallel(
+        model.to(device), device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+        gradient_as_bucket_view=True)
 
 
 def all_pair_rewards(model, pairs, args, pad_id, device, rank, world):
@@ -854,18 +847,14 @@ def sdpa_takes_groups_with_mask(device):  # not on CUDA: with a boolean mask, gr
 
 
 def use_segment_attention(hf_model):  # and no mask of transformers' own (a dense N x N one would go unread)
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register("rm_segments", segment_attention)
-    AttentionMaskInterface.register("rm_segments", lambda *args, **kwargs: None)
+    transformers.AttentionInterface.register("rm_segments", segment_attention)
+    transformers.AttentionMaskInterface.register("rm_segments", lambda *args, **kwargs: None)
     hf_model.config._attn_implementation = "rm_segments"
 
 
 def declared_windows(config):  # each layer's sliding window (None: full attention)
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * \
-        config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)  # (no layer_types: every layer its window, if any)
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
     return [window if t == "sliding_attention" else None for t in types]
 
 
