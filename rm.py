@@ -430,7 +430,7 @@ def start_up(args):
         raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: sets the rate from a metric, which "
                                "rm.py's loop, scheduled by steps, does not pass; pick one by steps (e.g. cosine)")
     common.check_source(args.model_name_or_path, "--model_name_or_path")
-    for name, _ in mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
+    for name, _ in common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
         common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
@@ -493,7 +493,7 @@ def load_data(args, tokenizer, rank):
     if args.max_length <= args.max_prompt_length:
         raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
                                f"{args.max_length} to leave room for the responses")
-    mixer = mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
+    mixer = common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
     names = " ".join(n for n, _ in mixer)
     fit = f"--max_length {args.max_length} with the prompt cut to --max_prompt_length {args.max_prompt_length}"
     train_rows, eval_rows, pool, eval_sets = [], [], [], {}
@@ -540,20 +540,6 @@ def load_data(args, tokenizer, rank):
     return train, evals, eval_sets
 
 
-def mixture(mixer):  # open-instruct's dataset mixer: [name, weight, ...] -> [(name, weight), ...]
-    if len(mixer) % 2:
-        raise common.UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
-    pairs = []
-    for name, weight in zip(mixer[::2], mixer[1::2]):
-        try:
-            pairs.append((name, float(weight)))
-        except ValueError:
-            pairs.append((name, math.nan))
-        if not 0 < pairs[-1][1] < math.inf:
-            raise common.UserError(f"--dataset_mixer_list: weight {weight!r} of {name} must be a number above 0")
-    return pairs
-
-
 def take_share(rows, weight, seed):  # a fraction (weight <= 1) or a count of the rows, drawn by seed
     n = int(round(weight * len(rows))) if weight <= 1 else int(weight)
     if n < len(rows):
@@ -584,10 +570,7 @@ def tokenize_pairs(rows, tokenizer, args):
     for i in in_file_order:  # the first bad row of a file is the one reported, however the rows were shuffled
         texts[i] = common.split_pair(rows[i], tokenizer, common.where(rows[i]))
         margin = rows[i].get("margin")  # a number, or text that reads as one (CSV cells); absent or empty: 0
-        try:
-            margins[i] = 0.0 if margin is None or margin == "" else float(margin)
-        except (TypeError, ValueError):
-            margins[i] = math.nan
+        margins[i] = 0.0 if margin is None or margin == "" else common.as_number(margin)
         if isinstance(margin, bool) or not math.isfinite(margins[i]):
             raise common.UserError(f"{common.where(rows[i])}: field 'margin' is {margin!r}; expected a finite number")
     prompts = common.tokenize_prompts(tokenizer, [t[0] for t in texts])
@@ -827,9 +810,8 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
         if (b, sliding_window) not in rm_segments.masks:
             member, pos = rm_segments.member[:, s:e].to(query.device, torch.float32), rm_segments.position[s:e]
-            mask = (member.T @ member > 0) & (pos[None, :] <= pos[:, None])  # (a shared sequence, an earlier position)
-            if sliding_window:  # transformers' sliding window: query i sees key j when i - j < window
-                mask &= pos[:, None] - pos[None, :] < sliding_window
+            behind = pos[:, None] - pos[None, :]  # transformers' sliding window: query i sees key j if i - j < window
+            mask = (member.T @ member > 0) & (behind >= 0) & (behind < (sliding_window or math.inf))
             rm_segments.masks[b, sliding_window] = mask
         mask = rm_segments.masks[b, sliding_window]
         if softcap is None:

@@ -734,13 +734,13 @@ def test_packed_checkpointed_and_bf16_training_curves_track_the_plain_run(tmp_pa
 def test_dataset_mixer_takes_fractions_and_counts_and_evaluates_each_dataset_on_its_split_or_held_out_pairs(tmp_path):
     for name, n in (("a.jsonl", 40), ("b.jsonl", 30)):
         write_jsonl(tmp_path / name, [{"chosen": f" {name} {i}", "rejected": " x"} for i in range(n)])
-    rows = [r for name, weight in rm.mixture([str(tmp_path / "a.jsonl"), "0.5", str(tmp_path / "b.jsonl"), "12"])
+    rows = [r for name, weight in common.mixture([str(tmp_path / "a.jsonl"), "0.5", str(tmp_path / "b.jsonl"), "12"])
             for r in rm.take_share(common.load_rows(name), weight, seed=0)]
     sources = [os.path.basename(r["_source"]) for r in rows]
     assert sources.count("a.jsonl") == 20 and sources.count("b.jsonl") == 12
     assert all(r["chosen"] == f" {os.path.basename(r['_source'])} {r['_row']}" for r in rows)  # rows keep their number
     with pytest.raises(common.UserError, match="weight 'many' of"):
-        rm.mixture([str(tmp_path / "a.jsonl"), "many"])
+        common.mixture([str(tmp_path / "a.jsonl"), "many"])
     # each mixed dataset is evaluated on its own eval split, or on its own held-out pairs
     with_split = tmp_path / "with_split"
     with_split.mkdir()
