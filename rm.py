@@ -808,12 +808,11 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     out = []  # per block (1, heads, tokens, head dim), in the attention's dtype (autocast's, not the query's)
     for b, (s, e) in enumerate(rm_segments.blocks):  # slices stay 4D: 3D inputs miss the fused kernel on CPU
         q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
-        if (b, sliding_window) not in rm_segments.masks:
+        if (key := (b, sliding_window)) not in rm_segments.masks:
             member, pos = rm_segments.member[:, s:e].to(query.device, torch.float32), rm_segments.position[s:e]
             behind = pos[:, None] - pos[None, :]  # transformers' sliding window: query i sees key j if i - j < window
-            mask = (member.T @ member > 0) & (behind >= 0) & (behind < (sliding_window or math.inf))
-            rm_segments.masks[b, sliding_window] = mask
-        mask = rm_segments.masks[b, sliding_window]
+            rm_segments.masks[key] = (member.T @ member > 0) & (behind >= 0) & (behind < (sliding_window or math.inf))
+        mask = rm_segments.masks[key]
         if softcap is None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
                                                enable_gqa=q.shape[1] != k.shape[1])
@@ -883,8 +882,7 @@ def packed_layout_fault(model, args, vocab_size):
             inputs = model_inputs(pairs, 0, dataclasses.replace(args, padding_free=True), device)
             rewards = model(**inputs)
             if inputs["packed"].calls != windows:
-                why_not = f"its layers called segment_attention with windows {inputs['packed'].calls}, not the " \
-                    f"config's {windows}"
+                why_not = f"its layers called segment_attention with windows {inputs['packed'].calls}, not {windows}"
             elif not torch.allclose(rewards, reference, rtol=tol, atol=tol * reference.abs().max().item() + 1e-6):
                 why_not = "its packed rewards differ from the padded batch's"
         except Exception as e:
