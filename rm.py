@@ -808,11 +808,11 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     out = []  # per block (1, heads, tokens, head dim), in the attention's dtype (autocast's, not the query's)
     for b, (s, e) in enumerate(rm_segments.blocks):  # slices stay 4D: 3D inputs miss the fused kernel on CPU
         q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
-        if (key := (b, sliding_window)) not in rm_segments.masks:
+        if (slot := (b, sliding_window)) not in rm_segments.masks:
             member, pos = rm_segments.member[:, s:e].to(query.device, torch.float32), rm_segments.position[s:e]
             behind = pos[:, None] - pos[None, :]  # transformers' sliding window: query i sees key j if i - j < window
-            rm_segments.masks[key] = (member.T @ member > 0) & (behind >= 0) & (behind < (sliding_window or math.inf))
-        mask = rm_segments.masks[key]
+            rm_segments.masks[slot] = (member.T @ member > 0) & (behind >= 0) & (behind < (sliding_window or math.inf))
+        mask = rm_segments.masks[slot]
         if softcap is None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
                                                enable_gqa=q.shape[1] != k.shape[1])
