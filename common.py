@@ -8,11 +8,13 @@ import contextlib
 import copy
 import dataclasses
 import gzip
+import io
 import json
 import math
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import sys
@@ -20,10 +22,13 @@ import time
 import traceback
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401 (before any process group: see leave_together)
 import torch.nn.functional as F
+import transformers
+import tyro
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Errors: a mistake a user can fix is one line and exit code 2, no traceback, on every rank at once.
@@ -35,10 +40,6 @@ class UserError(Exception):
 
 def cli(args_class):
     """The command line, parsed by tyro (a field's docstring is its help); help and errors printed by rank 0 only."""
-    import io
-
-    import tyro
-
     quiet = int(os.environ.get("RANK", 0)) != 0
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \
             contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
@@ -156,8 +157,6 @@ def check_source(name, flag, repo_type="model"):
 
 def seed_of(*keys):
     """A seed for the stream named by keys (seed, "prompt order", epoch), hashed: seed s + 1 never replays seed s."""
-    import numpy as np
-
     return int(np.random.SeedSequence([k if isinstance(k, int) else int.from_bytes(k.encode(), "little")
                                        for k in keys]).generate_state(1, np.uint64)[0] >> 1)
 
@@ -187,13 +186,12 @@ MIN_WORDS, MAX_WORDS = 3, 10
 def embedded_tokenizer():
     """A word-level tokenizer over the task's words, built locally (and saved beside every model trained on it)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIAL + TEMPLATE + list(TOPICS) + WORDS)},
                                          unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
-                                  eos_token="<eos>")
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
+                                               bos_token="<bos>", eos_token="<eos>")
     tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
                          "{% if add_generation_prompt %}assistant:{% endif %}")
     return tok
@@ -201,15 +199,13 @@ def embedded_tokenizer():
 
 def embedded_model_config(name, vocab_size, num_labels=None, flag="--model_name_or_path"):
     """Tiny Llama- and GPT-NeoX-shaped configs, both code paths exercised offline; flag: the option naming the model."""
-    from transformers import GPTNeoXConfig, LlamaConfig
-
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=2, eos_token_id=3,
                   tie_word_embeddings=False)
     if name not in ("embedded-llama", "embedded-neox"):
         raise UserError(f"{flag} {name}: unknown embedded model; use embedded-llama or embedded-neox")
-    cfg = LlamaConfig(num_key_value_heads=4, **common) if name == "embedded-llama" else \
-        GPTNeoXConfig(use_parallel_residual=True, rotary_pct=0.25, **common)
+    cfg = transformers.LlamaConfig(num_key_value_heads=4, **common) if name == "embedded-llama" else \
+        transformers.GPTNeoXConfig(use_parallel_residual=True, rotary_pct=0.25, **common)
     cfg.num_labels = num_labels or cfg.num_labels
     return cfg
 
@@ -260,6 +256,16 @@ def embedded_pairs(n, seed):
 
 EMBEDDED_SPLITS = {"train": 0, "test": 1, "validation": 2}  # the seed of each split's pairs
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def mixture(mixer):
+    """open-instruct's dataset mixer (--dataset_mixer_list): [name, weight, ...] -> [(name, weight), ...]."""
+    if len(mixer) % 2:
+        raise UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
+    for name, weight in zip(mixer[::2], mixer[1::2]):
+        if not 0 < as_number(weight) < math.inf:
+            raise UserError(f"--dataset_mixer_list: weight {weight!r} of {name} must be a number above 0")
+    return [(name, float(weight)) for name, weight in zip(mixer[::2], mixer[1::2])]
 
 
 def load_rows(name, config=None, split="train"):
@@ -361,6 +367,14 @@ def read_jsonl(path):
 def where(row):
     """'file: line N' (JSON lines, CSV) or 'dataset: row N', for error messages."""
     return f"{row['_source']}: " + (f"line {row['_line']}" if "_line" in row else f"row {row['_row']}")
+
+
+def as_number(value):
+    """float(value) of a number or of text that reads as one (a CSV cell, an argument), else NaN."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def shared_prefix_split(a, b):
@@ -540,17 +554,15 @@ def attention_without_nan(device):
     """1. transformers' SDPA mask, patched globally, lets each position see itself: left padding sees no real key,
     some kernels answer NaN, and 0 x NaN reaches real tokens (which see themselves already: unchanged).
     2. cuDNN's SDPA off on CUDA: with a boolean mask its backward gives NaN at some lengths (pytorch #196678)."""
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     def sdpa_mask_with_diagonal(*args, q_offset=0, kv_offset=0, **kwargs):
-        mask = sdpa_mask(*args, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
+        mask = transformers.masking_utils.sdpa_mask(*args, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
         if not torch.is_tensor(mask):  # None: no mask needed (is_causal)
             return mask
         q = torch.arange(mask.shape[-2], device=mask.device) + q_offset
         kv = torch.arange(mask.shape[-1], device=mask.device) + kv_offset
         return mask | (q[:, None] == kv[None, :])
 
-    AttentionMaskInterface.register("sdpa", sdpa_mask_with_diagonal)
+    transformers.AttentionMaskInterface.register("sdpa", sdpa_mask_with_diagonal)
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
 
@@ -635,14 +647,13 @@ def load_model(loader, name, flag, on_meta=False, **kwargs):
     reward normalization rm.py saved beside the adapter). on_meta (FSDP's ranks but 0): built from the config on the
     meta device, no weight read; shard_from_rank0 fills it with rank 0's."""
     from peft import PeftConfig, PeftModel
-    from transformers import AutoConfig, AutoTokenizer
 
     if on_meta and not adapter_base(name):
-        config = kwargs.get("config") or load_pretrained(AutoConfig, name, flag)
+        config = kwargs.get("config") or load_pretrained(transformers.AutoConfig, name, flag)
         return meta_model(lambda: loader.from_config(config, dtype=kwargs.get("dtype")))
     model = load_pretrained(loader, name, flag, **kwargs)
     if adapter_base(name):
-        vocab = len(load_pretrained(AutoTokenizer, name, flag))  # a pad token added in training: its embedding row
+        vocab = len(load_pretrained(transformers.AutoTokenizer, name, flag))  # with a pad token added in training
         if vocab > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(vocab, mean_resizing=False)
         config = PeftConfig.from_pretrained(name)
@@ -1077,8 +1088,6 @@ def shard_input_embeddings(model, fully_shard, **options):
 def peak_memory(device):
     """memory/peak_gb_rank<r>: the most memory each rank has held so far, GB: allocated on its GPU, else its process's
     peak resident set (what a CPU run can show)."""
-    import resource
-
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (ru_maxrss: kilobytes on Linux)
     peaks = torch.tensor([peak / 1e9], dtype=torch.float64, device=device)

@@ -24,11 +24,13 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 from tqdm import tqdm
 
 import common
@@ -295,8 +297,6 @@ def schedule(args, n_train, global_batch, rank):
 def build_optimizer(model, args, total_steps):
     """AdamW on the trained parameters; transformers' --lr_scheduler_type after linear warm-up, to --lr_end where the
     schedule has an end rate."""
-    from transformers import get_scheduler
-
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay, fused=True)
     end = {"polynomial": {"lr_end": args.lr_end, "power": 1.0},  # power 1: a linear decay to --lr_end
@@ -305,10 +305,10 @@ def build_optimizer(model, args, total_steps):
            "warmup_stable_decay": {"num_decay_steps": total_steps // 5,
                                    "min_lr_ratio": args.lr_end / args.learning_rate if args.learning_rate else 0.0}}
     try:
-        scheduler = get_scheduler(args.lr_scheduler_type, optimizer,
-                                  num_warmup_steps=args.warmup_steps or int(args.warmup_ratio * total_steps),
-                                  num_training_steps=total_steps,
-                                  scheduler_specific_kwargs=end.get(args.lr_scheduler_type))
+        scheduler = transformers.get_scheduler(
+            args.lr_scheduler_type, optimizer, num_training_steps=total_steps,
+            num_warmup_steps=args.warmup_steps or int(args.warmup_ratio * total_steps),
+            scheduler_specific_kwargs=end.get(args.lr_scheduler_type))
     except (ValueError, TypeError) as e:  # e.g. polynomial's --lr_end not below --learning_rate
         raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: {common.first_line(e)}") from None
     return optimizer, scheduler
@@ -400,8 +400,7 @@ def main(args):
 
 
 # ===================================================== FENCE ========================================================
-# The method ends here. Below: what a run calls, each piece trusted by its docstring (start-up, loading, distributed
-# set-up, evaluation, I/O, logging), then the opt-in packed layout.
+# The method ends here. Below: what a run calls, each piece trusted by its docstring, then the opt-in packed layout.
 
 
 # --- Start-up checks, loading the model and the data. ----------------------------------------------------------------
@@ -431,7 +430,7 @@ def start_up(args):
         raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: sets the rate from a metric, which "
                                "rm.py's loop, scheduled by steps, does not pass; pick one by steps (e.g. cosine)")
     common.check_source(args.model_name_or_path, "--model_name_or_path")
-    for name, _ in mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
+    for name, _ in common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
         common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
@@ -449,9 +448,7 @@ def start_up(args):
 def load_tokenizer(name):
     if name.startswith("embedded-"):
         return common.embedded_tokenizer()
-    from transformers import AutoTokenizer
-
-    tok = common.load_pretrained(AutoTokenizer, name, "--model_name_or_path")
+    tok = common.load_pretrained(transformers.AutoTokenizer, name, "--model_name_or_path")
     if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:  # transformers pools at the last non-pad id
         tok.add_special_tokens({"pad_token": "<|pad|>"})
     return tok
@@ -460,16 +457,14 @@ def load_tokenizer(name):
 def load_backbone(args, tokenizer, on_meta=False):
     """(the sequence classifier, whether its head is new): float32 (bfloat16 would round AdamW's updates away; a frozen
     LoRA base: bfloat16 with --bf16), dropout off, an adapter folder merged in; on_meta: no weight read."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
     torch.manual_seed(args.seed)
-    name, loader = args.model_name_or_path, AutoModelForSequenceClassification
+    name, loader = args.model_name_or_path, transformers.AutoModelForSequenceClassification
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     if name.startswith("embedded-"):
         config = common.embedded_model_config(name, len(tokenizer), num_labels=1)
         model, needs_head = loader.from_config(config).to(dtype), True
     else:
-        config = without_dropout(common.load_pretrained(AutoConfig, name, "--model_name_or_path"))
+        config = without_dropout(common.load_pretrained(transformers.AutoConfig, name, "--model_name_or_path"))
         # the head is the checkpoint's if it is a classifier, or an adapter folder holding the head (as rm.py saves)
         adapter = common.adapter_base(name) is not None
         needs_head = not (any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or
@@ -498,7 +493,7 @@ def load_data(args, tokenizer, rank):
     if args.max_length <= args.max_prompt_length:
         raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
                                f"{args.max_length} to leave room for the responses")
-    mixer = mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
+    mixer = common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
     names = " ".join(n for n, _ in mixer)
     fit = f"--max_length {args.max_length} with the prompt cut to --max_prompt_length {args.max_prompt_length}"
     train_rows, eval_rows, pool, eval_sets = [], [], [], {}
@@ -545,20 +540,6 @@ def load_data(args, tokenizer, rank):
     return train, evals, eval_sets
 
 
-def mixture(mixer):  # open-instruct's dataset mixer: [name, weight, ...] -> [(name, weight), ...]
-    if len(mixer) % 2:
-        raise common.UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
-    pairs = []
-    for name, weight in zip(mixer[::2], mixer[1::2]):
-        try:
-            pairs.append((name, float(weight)))
-        except ValueError:
-            pairs.append((name, math.nan))
-        if not 0 < pairs[-1][1] < math.inf:
-            raise common.UserError(f"--dataset_mixer_list: weight {weight!r} of {name} must be a number above 0")
-    return pairs
-
-
 def take_share(rows, weight, seed):  # a fraction (weight <= 1) or a count of the rows, drawn by seed
     n = int(round(weight * len(rows))) if weight <= 1 else int(weight)
     if n < len(rows):
@@ -568,9 +549,8 @@ def take_share(rows, weight, seed):  # a fraction (weight <= 1) or a count of th
 
 
 def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
-    """(train, eval): whole prompts drawn by seed go to eval until they hold `fraction` of the rows, and their pairs in
-    also_trained (other datasets' training pairs) leave training too: no held-out prompt is trained on. A dataset of
-    one prompt (pairs without one, say) is held out by row instead."""
+    """(train, eval): whole prompts drawn by seed go to eval until they hold `fraction` of the rows; their pairs in
+    also_trained (other datasets') leave training too: no held-out prompt is trained on (one prompt in all: by row)."""
     prompt = lambda row: common.split_pair(row, tokenizer, common.where(row))[0]  # noqa: E731
     keys = [prompt(r) for r in rows]
     keys = keys if len(set(keys)) > 1 else list(range(len(rows)))
@@ -590,10 +570,7 @@ def tokenize_pairs(rows, tokenizer, args):
     for i in in_file_order:  # the first bad row of a file is the one reported, however the rows were shuffled
         texts[i] = common.split_pair(rows[i], tokenizer, common.where(rows[i]))
         margin = rows[i].get("margin")  # a number, or text that reads as one (CSV cells); absent or empty: 0
-        try:
-            margins[i] = 0.0 if margin is None or margin == "" else float(margin)
-        except (TypeError, ValueError):
-            margins[i] = math.nan
+        margins[i] = 0.0 if margin is None or margin == "" else common.as_number(margin)
         if isinstance(margin, bool) or not math.isfinite(margins[i]):
             raise common.UserError(f"{common.where(rows[i])}: field 'margin' is {margin!r}; expected a finite number")
     prompts = common.tokenize_prompts(tokenizer, [t[0] for t in texts])
@@ -639,10 +616,10 @@ def parallelize(model, args, device):
             fully_shard(model, mp_policy=mp)
 
         return common.shard_from_rank0(model, shard, device)
-    model.to(device)
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else
-                                                     None, broadcast_buffers=False, gradient_as_bucket_view=True)
+    return torch.nn.parallel.DistributedDataParallel(
+        model.to(device), device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+        gradient_as_bucket_view=True)
 
 
 def all_pair_rewards(model, pairs, args, pad_id, device, rank, world):
@@ -787,9 +764,10 @@ BLOCK_TOKENS = 256
 
 
 def pack_segments(pairs, device="cpu"):
-    """(ids of one row, its Segments): per pair prompt + chosen + rejected, end to end, rejected's positions continuing
+    """(ids of one row, its segments): per pair prompt + chosen + rejected, end to end, rejected's positions continuing
     from the prompt's end (Wang et al. 2024, arXiv 2410.20305). `member` marks each sequence's tokens (chosen, then
-    rejected): its reward is read at its last token by last_token_index, as in the padded batch."""
+    rejected), `read` its last (where its reward is read: last_token_index, as in the padded batch), `blocks` (start,
+    end) whole pairs; segment_attention fills `masks` (each block's by window, built once) and `calls` (its windows)."""
     ids, positions, blocks = [], [], []
     member = torch.zeros(2 * len(pairs), sum(len(p["prompt"] + p["chosen"] + p["rejected"]) for p in pairs), dtype=bool)
     for i, p in enumerate(pairs):
@@ -800,29 +778,10 @@ def pack_segments(pairs, device="cpu"):
         positions += list(range(P + C)) + list(range(P, P + R))
         blocks[-1][1] = len(ids)
         member[i, s:s + P + C] = member[len(pairs) + i, s:s + P] = member[len(pairs) + i, s + P + C:len(ids)] = True
-    return torch.tensor([ids]), Segments(member, torch.tensor(positions, device=device), [tuple(b) for b in blocks],
-                                         last_token_index(member).to(device))
-
-
-class Segments:
-    """A packed row for segment_attention: each token's sequences and position, blocks (start, end) of whole pairs,
-    and each sequence's read point."""
-
-    def __init__(self, member, position, blocks, read):
-        self.member, self.position, self.blocks, self.read = member, position, blocks, read
-        self.masks, self.calls = {}, []  # each block's mask by window, built once; each layer's window, as called
-
-    def mask(self, b, window, device):
-        if (b, window) not in self.masks:
-            s, e = self.blocks[b]
-            member, pos = self.member[:, s:e], self.position[s:e].to(device)
-            member = member[member.any(1)].to(device, torch.float32)
-            # a token sees the earlier tokens of its own sequences: a rejected token the prompt, never a chosen one
-            m = (member.T @ member > 0) & (pos[None, :] <= pos[:, None])
-            if window:  # transformers' sliding window: query i sees key j when i - j < window
-                m &= pos[:, None] - pos[None, :] < window
-            self.masks[(b, window)] = m
-        return self.masks[(b, window)]
+    # a namespace, not a tuple or a dataclass: DDP and FSDP pass on copies of those, `masks` and `calls` with them
+    return torch.tensor([ids]), SimpleNamespace(
+        member=member, position=torch.tensor(positions, device=device), blocks=[tuple(b) for b in blocks],
+        read=last_token_index(member).to(device), masks={}, calls=[])
 
 
 def packed_rewards(hf_model, input_ids, segments):
@@ -837,7 +796,8 @@ def packed_rewards(hf_model, input_ids, segments):
 
 def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                       sliding_window=None, rm_segments=None, **kwargs):
-    """Per block of whole pairs, one SDPA call under Segments.mask (with this layer's window); Gemma 2's softcap."""
+    """Per block of whole pairs (pack_segments), one SDPA call under its mask: a token sees the earlier tokens of its
+    own sequences (a rejected token the prompt, never a chosen one) within this layer's window; Gemma 2's softcap."""
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise NotImplementedError("attention sinks")
     rm_segments.calls.append(sliding_window)
@@ -848,7 +808,11 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     out = []  # per block (1, heads, tokens, head dim), in the attention's dtype (autocast's, not the query's)
     for b, (s, e) in enumerate(rm_segments.blocks):  # slices stay 4D: 3D inputs miss the fused kernel on CPU
         q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
-        mask = rm_segments.mask(b, sliding_window, query.device)
+        if (slot := (b, sliding_window)) not in rm_segments.masks:
+            member, pos = rm_segments.member[:, s:e].to(query.device, torch.float32), rm_segments.position[s:e]
+            behind = pos[:, None] - pos[None, :]  # transformers' sliding window: query i sees key j if i - j < window
+            rm_segments.masks[slot] = (member.T @ member > 0) & (behind >= 0) & (behind < (sliding_window or math.inf))
+        mask = rm_segments.masks[slot]
         if softcap is None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
                                                enable_gqa=q.shape[1] != k.shape[1])
@@ -864,18 +828,14 @@ def sdpa_takes_groups_with_mask(device):  # not on CUDA: with a boolean mask, gr
 
 
 def use_segment_attention(hf_model):  # and no mask of transformers' own (a dense N x N one would go unread)
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register("rm_segments", segment_attention)
-    AttentionMaskInterface.register("rm_segments", lambda *args, **kwargs: None)
+    transformers.AttentionInterface.register("rm_segments", segment_attention)
+    transformers.AttentionMaskInterface.register("rm_segments", lambda *args, **kwargs: None)
     hf_model.config._attn_implementation = "rm_segments"
 
 
 def declared_windows(config):  # each layer's sliding window (None: full attention)
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * \
-        config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)  # (no layer_types: every layer its window, if any)
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
     return [window if t == "sliding_attention" else None for t in types]
 
 
@@ -922,8 +882,7 @@ def packed_layout_fault(model, args, vocab_size):
             inputs = model_inputs(pairs, 0, dataclasses.replace(args, padding_free=True), device)
             rewards = model(**inputs)
             if inputs["packed"].calls != windows:
-                why_not = f"its layers called segment_attention with windows {inputs['packed'].calls}, not the " \
-                    f"config's {windows}"
+                why_not = f"its layers called segment_attention with windows {inputs['packed'].calls}, not {windows}"
             elif not torch.allclose(rewards, reference, rtol=tol, atol=tol * reference.abs().max().item() + 1e-6):
                 why_not = "its packed rewards differ from the padded batch's"
         except Exception as e:

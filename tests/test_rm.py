@@ -598,12 +598,15 @@ def test_prefix_shared_mask_hides_chosen_from_rejected_and_blocks_hold_whole_pai
     assert ids[0].tolist() == [30, 31, 40, 3, 50, 51, 3] * 3
     assert segments.position.tolist() == [0, 1, 2, 3, 2, 3, 4] * 3  # rejected continues from the prompt's end
     assert segments.blocks == [(0, 14), (14, 21)]
-    m = segments.mask(0, None, "cpu").int()
+    q = torch.zeros(1, 1, 21, 2)  # (batch, heads, tokens, head size): segment_attention builds each mask it uses
+    for window in (None, 2):
+        rm.segment_attention(None, q, q, q, None, sliding_window=window, rm_segments=segments)
+    m = segments.masks[0, None].int()
     assert m[4].tolist() == [1, 1, 0, 0, 1, 0, 0] + [0] * 7  # first rejected token: prompt and itself only
     assert m[6].tolist() == [1, 1, 0, 0, 1, 1, 1] + [0] * 7
     assert m[3].tolist() == [1, 1, 1, 1, 0, 0, 0] + [0] * 7
     assert m[7].tolist() == [0] * 7 + [1] + [0] * 6  # the second pair sees nothing of the first
-    window = segments.mask(0, 2, "cpu").int()  # a sliding window of 2 positions: i - j < 2
+    window = segments.masks[0, 2].int()  # a sliding window of 2 positions: i - j < 2
     assert window[6].tolist() == [0, 0, 0, 0, 0, 1, 1] + [0] * 7
     assert window[4].tolist() == [0, 1, 0, 0, 1, 0, 0] + [0] * 7  # position 2 sees the prompt's position 1
     assert segments.read.tolist() == [3, 10, 17, 6, 13, 20]  # chosen rewards, then rejected
@@ -731,13 +734,13 @@ def test_packed_checkpointed_and_bf16_training_curves_track_the_plain_run(tmp_pa
 def test_dataset_mixer_takes_fractions_and_counts_and_evaluates_each_dataset_on_its_split_or_held_out_pairs(tmp_path):
     for name, n in (("a.jsonl", 40), ("b.jsonl", 30)):
         write_jsonl(tmp_path / name, [{"chosen": f" {name} {i}", "rejected": " x"} for i in range(n)])
-    rows = [r for name, weight in rm.mixture([str(tmp_path / "a.jsonl"), "0.5", str(tmp_path / "b.jsonl"), "12"])
+    rows = [r for name, weight in common.mixture([str(tmp_path / "a.jsonl"), "0.5", str(tmp_path / "b.jsonl"), "12"])
             for r in rm.take_share(common.load_rows(name), weight, seed=0)]
     sources = [os.path.basename(r["_source"]) for r in rows]
     assert sources.count("a.jsonl") == 20 and sources.count("b.jsonl") == 12
     assert all(r["chosen"] == f" {os.path.basename(r['_source'])} {r['_row']}" for r in rows)  # rows keep their number
     with pytest.raises(common.UserError, match="weight 'many' of"):
-        rm.mixture([str(tmp_path / "a.jsonl"), "many"])
+        common.mixture([str(tmp_path / "a.jsonl"), "many"])
     # each mixed dataset is evaluated on its own eval split, or on its own held-out pairs
     with_split = tmp_path / "with_split"
     with_split.mkdir()
