@@ -276,8 +276,7 @@ def test_sampler_draws_from_the_learning_distribution_and_does_not_depend_on_bat
     policy = ppo.embedded_sft_policy(arch, TOK, seed=0, steps=20)
     args = ppo.Args(temperature=0.7, response_length=8)
     prompts = sample_prompts(5)
-    width = max(map(len, prompts))
-    query, qmask = ppo.pad_left(prompts, width, TOK.pad_token_id)
+    query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
     seeds = torch.arange(100, 105)
     raw = ppo.generate(policy, query, qmask, seeds, args, TOK.eos_token_id, TOK.pad_token_id)
     drawn, steps = replayed_samples(policy, query, qmask, raw, seeds, args.temperature, TOK.eos_token_id)
@@ -290,7 +289,6 @@ def test_sampler_draws_from_the_learning_distribution_and_does_not_depend_on_bat
                              TOK.pad_token_id)
         alone, alone_mask = ppo.truncate_after_stop(alone, TOK.eos_token_id, TOK.pad_token_id)
         assert alone[0][alone_mask[0]].tolist() == responses[i][mask[i]].tolist()
-
 
 
 def test_sampling_noise_is_gumbel_per_episode_and_step_whatever_the_batch():
