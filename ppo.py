@@ -436,7 +436,7 @@ def score(critic, reward, batch, rows, prompt_texts, tokenizer, stop_id, args, c
                 scores[f.rows] = (output - reward.shift) / reward.scale
     scores = scores[rows]
     if reward.fn is not None:
-        scores += common.agreed(lambda: call_reward_fn(reward, prompt_texts, texts)).to(scores.device)
+        scores += common.agreed(lambda: reward.fn(prompt_texts, texts)).to(scores.device)
     batch.has_stop = (batch.responses == stop_id).any(1) if stop_id is not None else None
     if args.missing_eos_penalty is not None:
         scores -= args.missing_eos_penalty * (~batch.has_stop[rows]).float()
@@ -644,28 +644,24 @@ def main(args):
 # --- Checks and sizes, before anything is loaded or written. ---------------------------------------------------------
 def check_args(args):
     """Every size and range, and every model and dataset found, before anything is loaded or written."""
-    for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-                 "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every", "kl_horizon",
-                 "num_samples_per_prompt"):
-        if (value := getattr(args, name)) is not None and value < 1:
-            raise common.UserError(f"--{name} {value}: must be at least 1")
-    for name in ("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
-                 "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples",
-                 "missing_eos_penalty", "lora_r", "lora_alpha"):
-        if (value := getattr(args, name)) is not None and not (value >= 0 and math.isfinite(value)):
-            raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
-    for name in ("gamma", "lam"):
-        if not 0 <= getattr(args, name) <= 1:
-            raise common.UserError(f"--{name} {getattr(args, name)}: must be within [0, 1]")
+    for names, ok, must in (
+            (("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+              "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every", "kl_horizon",
+              "num_samples_per_prompt"), lambda v: v >= 1, "at least 1"),
+            (("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
+              "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples", "missing_eos_penalty",
+              "lora_r", "lora_alpha"), lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0"),
+            (("gamma", "lam"), lambda v: 0 <= v <= 1, "within [0, 1]"),
+            (("temperature", "target_kl"), lambda v: v > 0, "above 0")):
+        for name in names:  # (None: a default filled later)
+            if (value := getattr(args, name)) is not None and not ok(value):
+                raise common.UserError(f"--{name} {value}: must be {must}")
     if args.advantage_estimator in ("rloo", "grpo") and args.num_samples_per_prompt == 1:
         raise common.UserError(f"--num_samples_per_prompt 1: --advantage_estimator {args.advantage_estimator} "
                                "compares each response with the others to its prompt; it needs at least 2")
     if not args.scale_rewards and args.advantage_estimator != "grpo":
         raise common.UserError(f"--no_scale_rewards is grpo's (Dr. GRPO); --advantage_estimator "
                                f"{args.advantage_estimator} does not divide by a group's std")
-    for name in ("temperature", "target_kl"):
-        if (value := getattr(args, name)) is not None and not value > 0:
-            raise common.UserError(f"--{name} {value}: must be above 0")
     if args.missing_eos_penalty is not None and args.stop_token == "none":
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
@@ -903,9 +899,8 @@ def load_prompts(args, tokenizer):
     texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
     ids = common.tokenize_prompts(tokenizer, texts)
     common.check_vocabulary(tokenizer, ids, args.dataset_name, args.sft_model_path, "--sft_model_path")
-    empty = next((i for i, p in enumerate(ids) if not p), None)
-    if empty is not None:  # no BOS and no text: the first response token would attend to nothing
-        raise common.UserError(f"{common.where(rows[empty])}: the prompt is empty and {args.sft_model_path}'s "
+    if not all(ids):  # no BOS and no text: the first response token would attend to nothing
+        raise common.UserError(f"{common.where(rows[ids.index([])])}: the prompt is empty and {args.sft_model_path}'s "
                                "tokenizer adds no BOS token, so the policy has nothing to continue; give it a prompt")
     return ids, texts
 
@@ -949,10 +944,9 @@ def pad_left(seqs, width, pad_id):
 def episode_prompts(episodes, n_prompts, seed, orders):
     """Each episode's prompt: pass e = episode // n_prompts over the prompts follows a permutation seeded by (seed, e),
     so an episode's prompt depends only on its index (the same on any rank count, after any resume)."""
-    for e in episodes:
-        if e // n_prompts not in orders:
-            orders[e // n_prompts] = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(
-                common.seed_of(seed, "prompt order", e // n_prompts)))
+    for p in {e // n_prompts for e in episodes} - orders.keys():  # (each pass's permutation drawn once)
+        orders[p] = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(
+            common.seed_of(seed, "prompt order", p)))
     return [orders[e // n_prompts][e % n_prompts].item() for e in episodes]
 
 
@@ -994,8 +988,7 @@ class Reward:
     tokenizer: object = None  # None: the model reads the policy's tokens; else its own, reading the decoded text
     shift: float = 0.0  # rm.py's normalization: score = (model output - shift) / scale
     scale: float = 1.0
-    fn: object = None
-    fn_name: str | None = None
+    fn: object = None  # (prompts, responses) -> (B,) scores: load_reward_fn's
     reads_policy_tokens: bool = False  # a reward model that reads the policy's tokens (tokenizer None)
     in_critic: object = None  # LoRA, critic from the reward model: the critic's adapter switched off (a context) is
     # the reward model (its head divided by scale; model is then None: not held twice)
@@ -1012,7 +1005,7 @@ def reward_model_source(args):
 
 
 def load_reward(args, tokenizer, on_meta=False):
-    reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None, fn_name=args.reward_fn)
+    reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None)
     if (path := reward_model_source(args)) is None:
         return reward
     config = without_dropout(common.load_pretrained(transformers.AutoConfig, path, "--reward_model_path"))
@@ -1044,7 +1037,7 @@ def load_reward(args, tokenizer, on_meta=False):
 
 
 def load_reward_fn(spec):
-    """module:function, the module importable from the working directory or given as a path to a .py file."""
+    """module:function (the module importable from the working directory, or a .py file), each call's output checked."""
     module, _, name = spec.rpartition(":")
     if not module or not name:
         raise common.UserError(f"--reward_fn {spec}: expected module:function, e.g. my_rewards:exact_match")
@@ -1058,23 +1051,21 @@ def load_reward_fn(spec):
         raise common.UserError(f"--reward_fn {spec}: cannot import {module} ({type(e).__name__}: {e})") from None
     if not callable(fn):
         raise common.UserError(f"--reward_fn {spec}: {module} has no function {name}")
-    return fn
 
-
-def call_reward_fn(reward, prompts, responses):
-    try:
-        out = list(reward.fn(prompts, responses))
-    except Exception as e:  # the user's own code: its traceback (from the function in), then where it was called
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        raise common.UserError(f"--reward_fn {reward.fn_name} raised {type(e).__name__}: {e} (traceback above; called "
-                               f"by ppo.py's score() on {len(prompts)} prompts and responses)") from None
-    bad = next((i for i, v in enumerate(out) if isinstance(v, bool) or not isinstance(v, (int, float))
-                or not math.isfinite(v)), None)
-    if len(out) != len(prompts) or bad is not None:
-        got = f"{len(out)} values for {len(prompts)} episodes" if len(out) != len(prompts) else f"{out[bad]!r}"
-        raise common.UserError(f"--reward_fn {reward.fn_name} returned {got}; it must return one finite number per "
-                               "episode")
-    return torch.tensor(out, dtype=torch.float)
+    def checked(prompts, responses):
+        try:
+            out = list(fn(prompts, responses))
+        except Exception as e:  # the user's own code: its traceback (from the function in), then where it was called
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+            raise common.UserError(f"--reward_fn {spec} raised {type(e).__name__}: {e} (traceback above; called by "
+                                   f"ppo.py's score() on {len(prompts)} prompts and responses)") from None
+        bad = next((i for i, v in enumerate(out) if isinstance(v, bool) or not isinstance(v, (int, float))
+                    or not math.isfinite(v)), None)
+        if len(out) != len(prompts) or bad is not None:
+            got = f"{len(out)} values for {len(prompts)} episodes" if len(out) != len(prompts) else f"{out[bad]!r}"
+            raise common.UserError(f"--reward_fn {spec} returned {got}; it must return one finite number per episode")
+        return torch.tensor(out, dtype=torch.float)
+    return checked
 
 
 def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
@@ -1235,7 +1226,7 @@ def setup_distributed():
 
 
 def parallelize(model, args, device, frozen=False):
-    """DDP, or FSDP2 (a unit per transformer block, the input embeddings, float32_head) filled with rank 0's weights. A
+    """DDP, or FSDP2 (a unit per transformer block, the input embeddings, a float32 head) from rank 0's weights. A
     frozen model: sharded too under FSDP (on the host with --offload_inference_models), a replica under DDP."""
     host = frozen and args.offload_inference_models and device.type == "cuda"
     if not dist.is_initialized() or (frozen and not args.fsdp):
@@ -1250,7 +1241,11 @@ def parallelize(model, args, device, frozen=False):
 
         def shard(model):
             hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
-            head = float32_head(hf)
+            # its own unit, gathered in float32: a causal LM's untied float32 output layer (gathered only to compute
+            # logits, not held with the root), or a scalar head (common.scalar_head: Float32Linear, or peft's wrapper)
+            output = hf.get_output_embeddings() if getattr(hf, "score", None) is None else None
+            untied = isinstance(output, torch.nn.Linear) and output.weight is not hf.get_input_embeddings().weight
+            head = output if untied and output.weight.dtype == torch.float32 else common.scalar_head(hf)
             in_float32 = {id(p) for p in head.parameters()} if head is not None else set()
             if frozen and args.bf16:  # gathered in bfloat16 to compute: held so, the same numbers at half the memory
                 for p in model.parameters():  # (parameters only: RoPE's buffers stay float32)
@@ -1275,16 +1270,6 @@ def heads_in_float32(model):
     """A sequence classifier's scalar head held in float32 (the rest may be bfloat16: README's precision table)."""
     (getattr(model, "score", None) or getattr(model, "classifier", None) or torch.nn.Identity()).float()
     return model
-
-
-def float32_head(hf):
-    """The head that is its own FSDP unit gathered in float32, or None: a scalar head (Float32Linear, or peft's wrapper
-    of it), or a causal LM's untied float32 output layer (gathered only to compute logits, not held with the root)."""
-    if getattr(hf, "score", None) is not None:
-        return common.scalar_head(hf)
-    head = hf.get_output_embeddings()
-    untied = isinstance(head, torch.nn.Linear) and head.weight is not hf.get_input_embeddings().weight
-    return head if untied and head.weight.dtype == torch.float32 else None
 
 
 @contextlib.contextmanager
@@ -1392,24 +1377,9 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
         policy_hf = common.save_lora(policy_hf, lora, policy_sd, tokenizer, args.output_dir)
         policy_sd = policy_hf.state_dict()
     common.save_pretrained_atomic(policy_hf, tokenizer, args.output_dir, state_dict=policy_sd)
-    plot_curves(history, os.path.join(args.output_dir, "curves.png"))
-    summary = {}
-    for key, name in {"objective/scores": "proxy", "objective/kl": "kl", "gold/mean": "gold",
-                      "gold/std": "gold_std"}.items():
-        if xs := [h[key] for h in history if key in h]:
-            summary[f"{name}_first"], summary[f"{name}_last"] = (sum(p) / len(p) for p in (xs[:5], xs[-5:]))
-    common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
-                             {**summary, "args": dataclasses.asdict(args)})
-    for log in logs:
-        log.close()
-    print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
-
-
-def plot_curves(history, path):
-    """Proxy and gold score and KL against episodes, and the scores against sqrt(KL): the axis on which Gao et al. 2022
-    show the gold score rising, then falling (reward model overoptimization)."""
+    # scores and KL against episodes, and the scores against sqrt(KL): the axis on which Gao et al. 2022 show the gold
+    # score rising, then falling (reward model overoptimization)
     from matplotlib.figure import Figure
-
     episodes, kl = [h["episodes"] for h in history], [h["objective/kl"] for h in history]
     scores = {"proxy": [h["objective/scores"] for h in history]}
     if any("gold/mean" in h for h in history):
@@ -1423,7 +1393,17 @@ def plot_curves(history, path):
     axes[1].set(title="KL to the reference (summed over the response)", xlabel="episodes")
     axes[2].set(title="Score against sqrt(KL), one dot per update", xlabel="sqrt(KL)")
     axes[0].legend()
-    common.save_figure(axes[0].figure, path)
+    common.save_figure(axes[0].figure, os.path.join(args.output_dir, "curves.png"))
+    summary = {}
+    for key, name in {"objective/scores": "proxy", "objective/kl": "kl", "gold/mean": "gold",
+                      "gold/std": "gold_std"}.items():
+        if xs := [h[key] for h in history if key in h]:
+            summary[f"{name}_first"], summary[f"{name}_last"] = (sum(p) / len(p) for p in (xs[:5], xs[-5:]))
+    common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
+                             {**summary, "args": dataclasses.asdict(args)})
+    for log in logs:
+        log.close()
+    print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
 
 
 # --- Opt-in: length grouping (--group_by_length). Less padding, the same numbers (tests/test_ppo.py checks a run). ---
