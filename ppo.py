@@ -753,8 +753,7 @@ def load_tokenizer(args):
 
 
 def stop_token_id(args, tokenizer):
-    stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
-        args.stop_token, -1))
+    stop_id = {**tokenizer.get_vocab(), "eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, -1)
     if stop_id == -1 or (args.stop_token == "eos" and stop_id is None):
         raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
                                "pass eos (if it has one), none, or one token as the tokenizer spells it")
@@ -1097,10 +1096,9 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
 
 # --- The sampler: each episode its own noise (seeded by its index, whatever the batch or ranks), its cache. ----------
 def sampling_noise(seeds, step, vocab_size, device):
-    """Gumbel(0, 1) noise (rows, vocab_size) for token `step` of each row's episode. Counter-based (as Salmon et al.
-    2011): entry (b, v) is a hash of (seeds[b], step, v) alone, so an episode draws the same noise in any batch, on
-    any number of ranks, compiled or not, with no generator and no kernel per row. (seed, step) gives a 64-bit row key,
-    each v 32 random bits, u = (bits + 1/2) / 2^32 in float64 (never 0 nor 1), noise -log(-log u)."""
+    """Gumbel(0, 1) noise (rows, vocab_size) for token `step` of each row's episode, counter-based (Salmon et al. 2011):
+    entry (b, v) a hash of (seeds[b], step, v) alone, the same in any batch, on any number of ranks, compiled or not (no
+    generator, no kernel per row); 32 bits, u = (bits + 1/2) / 2^32 in float64 (never 0 nor 1), noise -log(-log u)."""
     low32 = 0xFFFFFFFF
 
     def mix(x):  # lowbias32 (Wellons 2018), a bijection; x * c mod 2^32, c in 16-bit halves: no product reaches 2^63
@@ -1327,9 +1325,8 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
     """The update's metrics to every log; every --sample_every updates, and at the last, a table of samples."""
     logger, samples_file = logs
     logger.log(m)
-    gold = "gold/mean" in m
-    bar.set_postfix(score=f"{m['objective/scores']:.3f}", kl=f"{m['objective/kl']:.3f}",
-                    **({"gold": f"{m['gold/mean']:.3f}"} if gold else {}))
+    shown = {"score": "objective/scores", "kl": "objective/kl", "gold": "gold/mean"}  # (gold: the embedded task's)
+    bar.set_postfix(**{name: f"{m[key]:.3f}" for name, key in shown.items() if key in m})
     if (m["step"] - 1) % args.sample_every and not last:
         return
     bar.write(common.format_metrics(m))
@@ -1337,9 +1334,9 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
     for i in range(min(args.num_samples, len(batch.scores))):
         prompt = tokenizer.decode(batch.query_response[i, :c][batch.attention_mask[i, :c].bool()])
         row = {"step": m["step"], "prompt": prompt, "response": tokenizer.decode(batch.responses[i][batch.mask[i]]),
-               "score": batch.scores[i].item(), **({"gold": batch.gold[i].item()} if gold else {})}
-        bar.write(f"  {prompt[-60:]!r} -> {row['response'][:80]!r}  score {row['score']:.3f}"
-                  + (f"  gold {row['gold']:.3f}" if gold else ""))
+               **{name: v[i].item() for name, v in (("score", batch.scores), ("gold", batch.gold)) if v is not None}}
+        bar.write(f"  {prompt[-60:]!r} -> {row['response'][:80]!r}"
+                  + "".join(f"  {name} {row[name]:.3f}" for name in ("score", "gold") if name in row))
         samples_file.write(json.dumps(row) + "\n")
     samples_file.flush()
 
@@ -1352,8 +1349,7 @@ def update_metrics(batch, kl, non_score_reward, times, args):
          "objective/non_score_reward": non_score_reward.sum(1).mean(), "objective/scores": batch.scores.mean(),
          "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean(),
          "response/length": mask.sum(1).mean(), "perf/episodes_per_s": len(mask) / elapsed,
-         "perf/time_rollout": times[1] - times[0], "perf/time_score": times[2] - times[1],
-         "perf/time_learn": times[3] - times[2],
+         **{f"perf/time_{p}": t1 - t0 for p, t0, t1 in zip(("rollout", "score", "learn"), times, times[1:])},
          "perf/tokens_per_s": batch.attention_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
     if batch.values is not None:
         m["val/mean"] = masked_mean(batch.values, mask)
@@ -1538,16 +1534,14 @@ def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
     logits = model(input_ids=query, attention_mask=mask, past_key_values=decode.cache, use_cache=True,
                    position_ids=position, **last_only).logits[:, -1].float() / args.temperature
     tokens = [(logits + sampling_noise(seeds, 0, logits.shape[-1], logits.device)).argmax(-1)]
-    done = torch.zeros(len(query), dtype=torch.bool, device=query.device) | (tokens[0] == stop_id)  # (None: never)
     step = torch.zeros((), dtype=torch.long, device=query.device)  # (the index: on device)
     position = position[:, -1:].contiguous()  # (strides too the same for every rollout)
     for t in range(1, args.response_length):
-        if t % STOP_CHECK_EVERY == 0 and done.all():
+        if t % STOP_CHECK_EVERY == 0 and stop_id is not None and (torch.stack(tokens, 1) == stop_id).any(1).all():
             break
         step.fill_(t)
         torch.compiler.cudagraph_mark_step_begin()
         tokens.append(decode.step(model, tokens[-1], step, position, mask, seeds).clone())  # (graphs reuse outputs)
-        done |= tokens[-1] == stop_id
     responses = torch.stack(tokens, 1)
     if stop_id is not None:  # as generate: padding after the first token where every row had stopped
         all_stopped = (responses == stop_id).cumsum(1).gt(0).all(0)  # (T,)
