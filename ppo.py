@@ -664,11 +664,10 @@ def check_args(args):
                                f"{args.advantage_estimator} does not divide by a group's std")
     if args.missing_eos_penalty is not None and args.stop_token == "none":
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
     try:  # the schedule built and stepped as the run does: once per update, no metric, no arguments of its own
-        scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0,
-                                               num_training_steps=2)
-        optimizer.step()
+        scheduler = transformers.get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=0, num_training_steps=2)
+        opt.step()
         scheduler.step()
     except (ValueError, TypeError) as e:
         raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: {common.first_line(e)} (ppo.py steps "
@@ -1244,11 +1243,10 @@ def parallelize(model, args, device, frozen=False):
             output = hf.get_output_embeddings() if getattr(hf, "score", None) is None else None
             untied = isinstance(output, torch.nn.Linear) and output.weight is not hf.get_input_embeddings().weight
             head = output if untied and output.weight.dtype == torch.float32 else common.scalar_head(hf)
-            in_float32 = {id(p) for p in head.parameters()} if head is not None else set()
+            in_float32 = set(head.parameters()) if head is not None else set()
             if frozen and args.bf16:  # gathered in bfloat16 to compute: held so, the same numbers at half the memory
-                for p in model.parameters():  # (parameters only: RoPE's buffers stay float32)
-                    if id(p) not in in_float32:
-                        p.data = p.data.to(torch.bfloat16)
+                for p in set(model.parameters()) - in_float32:  # (parameters only: RoPE's buffers stay float32)
+                    p.data = p.data.to(torch.bfloat16)
             for block in next(m for m in model.modules()
                               if isinstance(m, torch.nn.ModuleList) and len(m) == hf.config.num_hidden_layers):
                 fully_shard(block, mp_policy=mp, **offload)
