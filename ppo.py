@@ -1057,10 +1057,9 @@ def load_reward_fn(spec):
             traceback.print_exception(type(e), e, e.__traceback__.tb_next)
             raise common.UserError(f"--reward_fn {spec} raised {type(e).__name__}: {e} (traceback above; called by "
                                    f"ppo.py's score() on {len(prompts)} prompts and responses)") from None
-        bad = next((i for i, v in enumerate(out) if isinstance(v, bool) or not isinstance(v, (int, float))
-                    or not math.isfinite(v)), None)
-        if len(out) != len(prompts) or bad is not None:
-            got = f"{len(out)} values for {len(prompts)} episodes" if len(out) != len(prompts) else f"{out[bad]!r}"
+        bad = [v for v in out if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+        if len(out) != len(prompts) or bad:
+            got = f"{len(out)} values for {len(prompts)} episodes" if len(out) != len(prompts) else f"{bad[0]!r}"
             raise common.UserError(f"--reward_fn {spec} returned {got}; it must return one finite number per episode")
         return torch.tensor(out, dtype=torch.float)
     return checked
@@ -1375,9 +1374,8 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
     # score rising, then falling (reward model overoptimization)
     from matplotlib.figure import Figure
     episodes, kl = [h["episodes"] for h in history], [h["objective/kl"] for h in history]
-    scores = {"proxy": [h["objective/scores"] for h in history]}
-    if any("gold/mean" in h for h in history):
-        scores["gold"] = [h.get("gold/mean", float("nan")) for h in history]
+    scores = {name: [h.get(key, float("nan")) for h in history]  # (gold: the embedded task's true reward)
+              for name, key in (("proxy", "objective/scores"), ("gold", "gold/mean")) if any(key in h for h in history)}
     axes = Figure(figsize=(15, 4)).subplots(1, 3)
     for name, ys in scores.items():
         axes[0].plot(episodes, ys, label=name)
@@ -1529,18 +1527,16 @@ def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
     mask = F.pad(query_mask.long(), (0, decode.cache_length - query.shape[1]), value=1)
     last_only = {"logits_to_keep": 1} if takes_argument(type(model), "logits_to_keep") else {}
-    logits = model(input_ids=query, attention_mask=mask, past_key_values=decode.cache, use_cache=True,
-                   position_ids=position, **last_only).logits[:, -1].float() / args.temperature
-    tokens = [(logits + sampling_noise(seeds, 0, logits.shape[-1], logits.device)).argmax(-1)]
+    tokens = [decode.forward(model, query, 0, position, mask, seeds, **last_only)]  # (the prompt: not compiled)
     step = torch.zeros((), dtype=torch.long, device=query.device)  # (the index: on device)
     position = position[:, -1:].contiguous()  # (strides too the same for every rollout)
     for t in range(1, args.response_length):
-        if t % STOP_CHECK_EVERY == 0 and stop_id is not None and (torch.stack(tokens, 1) == stop_id).any(1).all():
+        if t % STOP_CHECK_EVERY == 0 and stop_id is not None and (torch.cat(tokens, 1) == stop_id).any(1).all():
             break
         step.fill_(t)
         torch.compiler.cudagraph_mark_step_begin()
         tokens.append(decode.step(model, tokens[-1], step, position, mask, seeds).clone())  # (graphs reuse outputs)
-    responses = torch.stack(tokens, 1)
+    responses = torch.cat(tokens, 1)
     if stop_id is not None:  # as generate: padding after the first token where every row had stopped
         all_stopped = (responses == stop_id).cumsum(1).gt(0).all(0)  # (T,)
         responses = responses.masked_fill(F.pad(all_stopped[:-1], (1, 0), value=False), pad_id)
@@ -1557,10 +1553,10 @@ class CompiledDecode:
         self.cache = ComputeDtypeCache(config=model.config, max_cache_len=self.cache_length)
         self.step = torch.compile(self.forward, mode="reduce-overhead", dynamic=False)
 
-    def forward(self, model, token, t, position, mask, seeds):  # token t from token t - 1 (B,)
-        logits = model(input_ids=token[:, None], attention_mask=mask, past_key_values=self.cache, use_cache=True,
-                       position_ids=position + t).logits[:, -1].float() / self.temperature
-        return (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
+    def forward(self, model, ids, t, position, mask, seeds, **last_only):  # token t (B, 1) from the prompt or t - 1
+        logits = model(input_ids=ids, attention_mask=mask, past_key_values=self.cache, use_cache=True,
+                       position_ids=position + t, **last_only).logits[:, -1].float() / self.temperature
+        return (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1, keepdim=True)
 
 
 if __name__ == "__main__":
