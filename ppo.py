@@ -727,17 +727,15 @@ def position_limit(args):
 # --- Models and data. -------------------------------------------------------------------------------------------------
 def without_dropout(config):
     """Every dropout probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout)."""
-    for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-            setattr(config, key, 0.0)
+    for key in [k for k, v in vars(config).items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float)]:
+        setattr(config, key, 0.0)
     return config
 
 
 def disable_dropout(model):
     without_dropout(model.config)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    for module in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)):
+        module.p = 0.0
     return model
 
 
@@ -1062,6 +1060,7 @@ def load_reward_fn(spec):
             got = f"{len(out)} values for {len(prompts)} episodes" if len(out) != len(prompts) else f"{bad[0]!r}"
             raise common.UserError(f"--reward_fn {spec} returned {got}; it must return one finite number per episode")
         return torch.tensor(out, dtype=torch.float)
+
     return checked
 
 
@@ -1176,9 +1175,8 @@ def ptx_backward(policy, ptx, step, update, epoch, mb, args, rank, world, pad_id
 
 def sync_gradients(models, last):
     """DDP all-reduces gradients in a step's last backward only (FSDP2, as left, reduce-scatters every backward's)."""
-    for model in models:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model.require_backward_grad_sync = last
+    for model in (m for m in models if isinstance(m, torch.nn.parallel.DistributedDataParallel)):
+        model.require_backward_grad_sync = last
 
 
 def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
@@ -1231,8 +1229,7 @@ def parallelize(model, args, device, frozen=False):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         # bf16 is compute only: the sharded parameters, and so the optimizer's steps, stay in their own dtype
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
-            MixedPrecisionPolicy()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None, reduce_dtype=torch.float32)
         offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
 
         def shard(model):
