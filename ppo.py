@@ -1094,8 +1094,8 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
 # --- The sampler: each episode its own noise (seeded by its index, whatever the batch or ranks), its cache. ----------
 def sampling_noise(seeds, step, vocab_size, device):
     """Gumbel(0, 1) noise (rows, vocab_size) for token `step` of each row's episode, counter-based (Salmon et al. 2011):
-    entry (b, v) a hash of (seeds[b], step, v) alone, the same in any batch, on any number of ranks, compiled or not (no
-    generator, no kernel per row); 32 bits, u = (bits + 1/2) / 2^32 in float64 (never 0 nor 1), noise -log(-log u)."""
+    entry (b, v) 32 random bits hashed from (seeds[b], step, v) alone, the same in any batch, on any number of ranks,
+    compiled or not (no generator, no kernel per row); u = (bits + 1/2) / 2^32 (float64, never 0 or 1), -log(-log u)."""
     low32 = 0xFFFFFFFF
 
     def mix(x):  # lowbias32 (Wellons 2018), a bijection; x * c mod 2^32, c in 16-bit halves: no product reaches 2^63
