@@ -436,7 +436,7 @@ def score(critic, reward, batch, rows, prompt_texts, tokenizer, stop_id, args, c
                 scores[f.rows] = (output - reward.shift) / reward.scale
     scores = scores[rows]
     if reward.fn is not None:
-        scores += common.agreed(lambda: call_reward_fn(reward, prompt_texts, texts)).to(scores.device)
+        scores += common.agreed(lambda: reward.fn(prompt_texts, texts)).to(scores.device)
     batch.has_stop = (batch.responses == stop_id).any(1) if stop_id is not None else None
     if args.missing_eos_penalty is not None:
         scores -= args.missing_eos_penalty * (~batch.has_stop[rows]).float()
@@ -644,35 +644,30 @@ def main(args):
 # --- Checks and sizes, before anything is loaded or written. ---------------------------------------------------------
 def check_args(args):
     """Every size and range, and every model and dataset found, before anything is loaded or written."""
-    for name in ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-                 "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every", "kl_horizon",
-                 "num_samples_per_prompt"):
-        if (value := getattr(args, name)) is not None and value < 1:
-            raise common.UserError(f"--{name} {value}: must be at least 1")
-    for name in ("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
-                 "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples",
-                 "missing_eos_penalty", "lora_r", "lora_alpha"):
-        if (value := getattr(args, name)) is not None and not (value >= 0 and math.isfinite(value)):
-            raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
-    for name in ("gamma", "lam"):
-        if not 0 <= getattr(args, name) <= 1:
-            raise common.UserError(f"--{name} {getattr(args, name)}: must be within [0, 1]")
+    for names, ok, must in (
+            (("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+              "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every", "kl_horizon",
+              "num_samples_per_prompt"), lambda v: v >= 1, "at least 1"),
+            (("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
+              "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples", "missing_eos_penalty",
+              "lora_r", "lora_alpha"), lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0"),
+            (("gamma", "lam"), lambda v: 0 <= v <= 1, "within [0, 1]"),
+            (("temperature", "target_kl"), lambda v: v > 0, "above 0")):
+        for name in names:  # (None: a default filled later)
+            if (value := getattr(args, name)) is not None and not ok(value):
+                raise common.UserError(f"--{name} {value}: must be {must}")
     if args.advantage_estimator in ("rloo", "grpo") and args.num_samples_per_prompt == 1:
         raise common.UserError(f"--num_samples_per_prompt 1: --advantage_estimator {args.advantage_estimator} "
                                "compares each response with the others to its prompt; it needs at least 2")
     if not args.scale_rewards and args.advantage_estimator != "grpo":
         raise common.UserError(f"--no_scale_rewards is grpo's (Dr. GRPO); --advantage_estimator "
                                f"{args.advantage_estimator} does not divide by a group's std")
-    for name in ("temperature", "target_kl"):
-        if (value := getattr(args, name)) is not None and not value > 0:
-            raise common.UserError(f"--{name} {value}: must be above 0")
     if args.missing_eos_penalty is not None and args.stop_token == "none":
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
     try:  # the schedule built and stepped as the run does: once per update, no metric, no arguments of its own
-        scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0,
-                                               num_training_steps=2)
-        optimizer.step()
+        scheduler = transformers.get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=0, num_training_steps=2)
+        opt.step()
         scheduler.step()
     except (ValueError, TypeError) as e:
         raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: {common.first_line(e)} (ppo.py steps "
@@ -732,17 +727,15 @@ def position_limit(args):
 # --- Models and data. -------------------------------------------------------------------------------------------------
 def without_dropout(config):
     """Every dropout probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout)."""
-    for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-            setattr(config, key, 0.0)
+    for key in [k for k, v in vars(config).items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float)]:
+        setattr(config, key, 0.0)
     return config
 
 
 def disable_dropout(model):
     without_dropout(model.config)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    for module in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)):
+        module.p = 0.0
     return model
 
 
@@ -757,8 +750,7 @@ def load_tokenizer(args):
 
 
 def stop_token_id(args, tokenizer):
-    stop_id = {"eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, tokenizer.get_vocab().get(
-        args.stop_token, -1))
+    stop_id = {**tokenizer.get_vocab(), "eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, -1)
     if stop_id == -1 or (args.stop_token == "eos" and stop_id is None):
         raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
                                "pass eos (if it has one), none, or one token as the tokenizer spells it")
@@ -903,9 +895,8 @@ def load_prompts(args, tokenizer):
     texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
     ids = common.tokenize_prompts(tokenizer, texts)
     common.check_vocabulary(tokenizer, ids, args.dataset_name, args.sft_model_path, "--sft_model_path")
-    empty = next((i for i, p in enumerate(ids) if not p), None)
-    if empty is not None:  # no BOS and no text: the first response token would attend to nothing
-        raise common.UserError(f"{common.where(rows[empty])}: the prompt is empty and {args.sft_model_path}'s "
+    if not all(ids):  # no BOS and no text: the first response token would attend to nothing
+        raise common.UserError(f"{common.where(rows[ids.index([])])}: the prompt is empty and {args.sft_model_path}'s "
                                "tokenizer adds no BOS token, so the policy has nothing to continue; give it a prompt")
     return ids, texts
 
@@ -949,10 +940,9 @@ def pad_left(seqs, width, pad_id):
 def episode_prompts(episodes, n_prompts, seed, orders):
     """Each episode's prompt: pass e = episode // n_prompts over the prompts follows a permutation seeded by (seed, e),
     so an episode's prompt depends only on its index (the same on any rank count, after any resume)."""
-    for e in episodes:
-        if e // n_prompts not in orders:
-            orders[e // n_prompts] = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(
-                common.seed_of(seed, "prompt order", e // n_prompts)))
+    for p in {e // n_prompts for e in episodes} - orders.keys():  # (each pass's permutation drawn once)
+        orders[p] = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(
+            common.seed_of(seed, "prompt order", p)))
     return [orders[e // n_prompts][e % n_prompts].item() for e in episodes]
 
 
@@ -994,8 +984,7 @@ class Reward:
     tokenizer: object = None  # None: the model reads the policy's tokens; else its own, reading the decoded text
     shift: float = 0.0  # rm.py's normalization: score = (model output - shift) / scale
     scale: float = 1.0
-    fn: object = None
-    fn_name: str | None = None
+    fn: object = None  # (prompts, responses) -> (B,) scores: load_reward_fn's
     reads_policy_tokens: bool = False  # a reward model that reads the policy's tokens (tokenizer None)
     in_critic: object = None  # LoRA, critic from the reward model: the critic's adapter switched off (a context) is
     # the reward model (its head divided by scale; model is then None: not held twice)
@@ -1012,7 +1001,7 @@ def reward_model_source(args):
 
 
 def load_reward(args, tokenizer, on_meta=False):
-    reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None, fn_name=args.reward_fn)
+    reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None)
     if (path := reward_model_source(args)) is None:
         return reward
     config = without_dropout(common.load_pretrained(transformers.AutoConfig, path, "--reward_model_path"))
@@ -1044,7 +1033,7 @@ def load_reward(args, tokenizer, on_meta=False):
 
 
 def load_reward_fn(spec):
-    """module:function, the module importable from the working directory or given as a path to a .py file."""
+    """module:function (the module importable from the working directory, or a .py file), each call's output checked."""
     module, _, name = spec.rpartition(":")
     if not module or not name:
         raise common.UserError(f"--reward_fn {spec}: expected module:function, e.g. my_rewards:exact_match")
@@ -1058,23 +1047,21 @@ def load_reward_fn(spec):
         raise common.UserError(f"--reward_fn {spec}: cannot import {module} ({type(e).__name__}: {e})") from None
     if not callable(fn):
         raise common.UserError(f"--reward_fn {spec}: {module} has no function {name}")
-    return fn
 
+    def checked(prompts, responses):
+        try:
+            out = list(fn(prompts, responses))
+        except Exception as e:  # the user's own code: its traceback (from the function in), then where it was called
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+            raise common.UserError(f"--reward_fn {spec} raised {type(e).__name__}: {e} (traceback above; called by "
+                                   f"ppo.py's score() on {len(prompts)} prompts and responses)") from None
+        bad = [v for v in out if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+        if len(out) != len(prompts) or bad:
+            got = f"{len(out)} values for {len(prompts)} episodes" if len(out) != len(prompts) else f"{bad[0]!r}"
+            raise common.UserError(f"--reward_fn {spec} returned {got}; it must return one finite number per episode")
+        return torch.tensor(out, dtype=torch.float)
 
-def call_reward_fn(reward, prompts, responses):
-    try:
-        out = list(reward.fn(prompts, responses))
-    except Exception as e:  # the user's own code: its traceback (from the function in), then where it was called
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        raise common.UserError(f"--reward_fn {reward.fn_name} raised {type(e).__name__}: {e} (traceback above; called "
-                               f"by ppo.py's score() on {len(prompts)} prompts and responses)") from None
-    bad = next((i for i, v in enumerate(out) if isinstance(v, bool) or not isinstance(v, (int, float))
-                or not math.isfinite(v)), None)
-    if len(out) != len(prompts) or bad is not None:
-        got = f"{len(out)} values for {len(prompts)} episodes" if len(out) != len(prompts) else f"{out[bad]!r}"
-        raise common.UserError(f"--reward_fn {reward.fn_name} returned {got}; it must return one finite number per "
-                               "episode")
-    return torch.tensor(out, dtype=torch.float)
+    return checked
 
 
 def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
@@ -1106,10 +1093,9 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
 
 # --- The sampler: each episode its own noise (seeded by its index, whatever the batch or ranks), its cache. ----------
 def sampling_noise(seeds, step, vocab_size, device):
-    """Gumbel(0, 1) noise (rows, vocab_size) for token `step` of each row's episode. Counter-based (as Salmon et al.
-    2011): entry (b, v) is a hash of (seeds[b], step, v) alone, so an episode draws the same noise in any batch, on
-    any number of ranks, compiled or not, with no generator and no kernel per row. (seed, step) gives a 64-bit row key,
-    each v 32 random bits, u = (bits + 1/2) / 2^32 in float64 (never 0 nor 1), noise -log(-log u)."""
+    """Gumbel(0, 1) noise (rows, vocab_size) for token `step` of each row's episode, counter-based (Salmon et al. 2011):
+    entry (b, v) 32 random bits hashed from (seeds[b], step, v) alone, the same in any batch, on any number of ranks,
+    compiled or not (no generator, no kernel per row); u = (bits + 1/2) / 2^32 (float64, never 0 or 1), -log(-log u)."""
     low32 = 0xFFFFFFFF
 
     def mix(x):  # lowbias32 (Wellons 2018), a bijection; x * c mod 2^32, c in 16-bit halves: no product reaches 2^63
@@ -1189,9 +1175,8 @@ def ptx_backward(policy, ptx, step, update, epoch, mb, args, rank, world, pad_id
 
 def sync_gradients(models, last):
     """DDP all-reduces gradients in a step's last backward only (FSDP2, as left, reduce-scatters every backward's)."""
-    for model in models:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model.require_backward_grad_sync = last
+    for model in (m for m in models if isinstance(m, torch.nn.parallel.DistributedDataParallel)):
+        model.require_backward_grad_sync = last
 
 
 def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
@@ -1235,7 +1220,7 @@ def setup_distributed():
 
 
 def parallelize(model, args, device, frozen=False):
-    """DDP, or FSDP2 (a unit per transformer block, the input embeddings, float32_head) filled with rank 0's weights. A
+    """DDP, or FSDP2 (a unit per transformer block, the input embeddings, a float32 head) from rank 0's weights. A
     frozen model: sharded too under FSDP (on the host with --offload_inference_models), a replica under DDP."""
     host = frozen and args.offload_inference_models and device.type == "cuda"
     if not dist.is_initialized() or (frozen and not args.fsdp):
@@ -1244,18 +1229,24 @@ def parallelize(model, args, device, frozen=False):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         # bf16 is compute only: the sharded parameters, and so the optimizer's steps, stay in their own dtype
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
-            MixedPrecisionPolicy()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None, reduce_dtype=torch.float32)
         offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
 
         def shard(model):
             hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
-            head = float32_head(hf)
-            in_float32 = {id(p) for p in head.parameters()} if head is not None else set()
+            # its own unit, gathered in float32: a scalar head (a Float32Linear, or peft's wrapper of one), or a causal
+            # LM's untied float32 output layer (gathered only to compute logits, not held with the root)
+            if getattr(hf, "score", None) is not None:
+                linears = [m for m in hf.score.modules() if isinstance(m, torch.nn.Linear)]
+                head = hf.score if linears and all(isinstance(m, common.Float32Linear) for m in linears) else None
+            else:
+                output = hf.get_output_embeddings()
+                untied = isinstance(output, torch.nn.Linear) and output.weight is not hf.get_input_embeddings().weight
+                head = output if untied and output.weight.dtype == torch.float32 else None
+            in_float32 = set(head.parameters()) if head is not None else set()
             if frozen and args.bf16:  # gathered in bfloat16 to compute: held so, the same numbers at half the memory
-                for p in model.parameters():  # (parameters only: RoPE's buffers stay float32)
-                    if id(p) not in in_float32:
-                        p.data = p.data.to(torch.bfloat16)
+                for p in set(model.parameters()) - in_float32:  # (parameters only: RoPE's buffers stay float32)
+                    p.data = p.data.to(torch.bfloat16)
             for block in next(m for m in model.modules()
                               if isinstance(m, torch.nn.ModuleList) and len(m) == hf.config.num_hidden_layers):
                 fully_shard(block, mp_policy=mp, **offload)
@@ -1275,17 +1266,6 @@ def heads_in_float32(model):
     """A sequence classifier's scalar head held in float32 (the rest may be bfloat16: README's precision table)."""
     (getattr(model, "score", None) or getattr(model, "classifier", None) or torch.nn.Identity()).float()
     return model
-
-
-def float32_head(hf):
-    """The head that is its own FSDP unit gathered in float32, or None: a scalar head (Float32Linear, or peft's wrapper
-    of it), or a causal LM's untied float32 output layer (gathered only to compute logits, not held with the root)."""
-    if (head := getattr(hf, "score", None)) is not None:
-        linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
-        return head if linears and all(isinstance(m, common.Float32Linear) for m in linears) else None
-    head = hf.get_output_embeddings()
-    untied = isinstance(head, torch.nn.Linear) and head.weight is not hf.get_input_embeddings().weight
-    return head if untied and head.weight.dtype == torch.float32 else None
 
 
 @contextlib.contextmanager
@@ -1343,9 +1323,8 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
     """The update's metrics to every log; every --sample_every updates, and at the last, a table of samples."""
     logger, samples_file = logs
     logger.log(m)
-    gold = "gold/mean" in m
-    bar.set_postfix(score=f"{m['objective/scores']:.3f}", kl=f"{m['objective/kl']:.3f}",
-                    **({"gold": f"{m['gold/mean']:.3f}"} if gold else {}))
+    shown = {"score": "objective/scores", "kl": "objective/kl", "gold": "gold/mean"}  # (gold: the embedded task's)
+    bar.set_postfix(**{name: f"{m[key]:.3f}" for name, key in shown.items() if key in m})
     if (m["step"] - 1) % args.sample_every and not last:
         return
     bar.write(common.format_metrics(m))
@@ -1353,9 +1332,9 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
     for i in range(min(args.num_samples, len(batch.scores))):
         prompt = tokenizer.decode(batch.query_response[i, :c][batch.attention_mask[i, :c].bool()])
         row = {"step": m["step"], "prompt": prompt, "response": tokenizer.decode(batch.responses[i][batch.mask[i]]),
-               "score": batch.scores[i].item(), **({"gold": batch.gold[i].item()} if gold else {})}
-        bar.write(f"  {prompt[-60:]!r} -> {row['response'][:80]!r}  score {row['score']:.3f}"
-                  + (f"  gold {row['gold']:.3f}" if gold else ""))
+               **{name: v[i].item() for name, v in (("score", batch.scores), ("gold", batch.gold)) if v is not None}}
+        bar.write(f"  {prompt[-60:]!r} -> {row['response'][:80]!r}"
+                  + "".join(f"  {name} {row[name]:.3f}" for name in ("score", "gold") if name in row))
         samples_file.write(json.dumps(row) + "\n")
     samples_file.flush()
 
@@ -1368,8 +1347,7 @@ def update_metrics(batch, kl, non_score_reward, times, args):
          "objective/non_score_reward": non_score_reward.sum(1).mean(), "objective/scores": batch.scores.mean(),
          "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean(),
          "response/length": mask.sum(1).mean(), "perf/episodes_per_s": len(mask) / elapsed,
-         "perf/time_rollout": times[1] - times[0], "perf/time_score": times[2] - times[1],
-         "perf/time_learn": times[3] - times[2],
+         **{f"perf/time_{p}": t1 - t0 for p, t0, t1 in zip(("rollout", "score", "learn"), times, times[1:])},
          "perf/tokens_per_s": batch.attention_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
     if batch.values is not None:
         m["val/mean"] = masked_mean(batch.values, mask)
@@ -1393,7 +1371,22 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
         policy_hf = common.save_lora(policy_hf, lora, policy_sd, tokenizer, args.output_dir)
         policy_sd = policy_hf.state_dict()
     common.save_pretrained_atomic(policy_hf, tokenizer, args.output_dir, state_dict=policy_sd)
-    plot_curves(history, os.path.join(args.output_dir, "curves.png"))
+    # scores and KL against episodes, and the scores against sqrt(KL): the axis on which Gao et al. 2022 show the gold
+    # score rising, then falling (reward model overoptimization)
+    from matplotlib.figure import Figure
+    episodes, kl = [h["episodes"] for h in history], [h["objective/kl"] for h in history]
+    scores = {name: [h.get(key, float("nan")) for h in history]  # (gold: the embedded task's true reward)
+              for name, key in (("proxy", "objective/scores"), ("gold", "gold/mean")) if any(key in h for h in history)}
+    axes = Figure(figsize=(15, 4)).subplots(1, 3)
+    for name, ys in scores.items():
+        axes[0].plot(episodes, ys, label=name)
+        axes[2].plot([max(k, 0.0) ** 0.5 for k in kl], ys, ".", alpha=0.5, label=name)
+    axes[1].plot(episodes, kl)
+    axes[0].set(title="Score (mean per episode)", xlabel="episodes")
+    axes[1].set(title="KL to the reference (summed over the response)", xlabel="episodes")
+    axes[2].set(title="Score against sqrt(KL), one dot per update", xlabel="sqrt(KL)")
+    axes[0].legend()
+    common.save_figure(axes[0].figure, os.path.join(args.output_dir, "curves.png"))
     summary = {}
     for key, name in {"objective/scores": "proxy", "objective/kl": "kl", "gold/mean": "gold",
                       "gold/std": "gold_std"}.items():
@@ -1404,27 +1397,6 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
     for log in logs:
         log.close()
     print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
-
-
-def plot_curves(history, path):
-    """Proxy and gold score and KL against episodes, and the scores against sqrt(KL): the axis on which Gao et al. 2022
-    show the gold score rising, then falling (reward model overoptimization)."""
-    from matplotlib.figure import Figure
-
-    episodes, kl = [h["episodes"] for h in history], [h["objective/kl"] for h in history]
-    scores = {"proxy": [h["objective/scores"] for h in history]}
-    if any("gold/mean" in h for h in history):
-        scores["gold"] = [h.get("gold/mean", float("nan")) for h in history]
-    axes = Figure(figsize=(15, 4)).subplots(1, 3)
-    for name, ys in scores.items():
-        axes[0].plot(episodes, ys, label=name)
-        axes[2].plot([max(k, 0.0) ** 0.5 for k in kl], ys, ".", alpha=0.5, label=name)
-    axes[1].plot(episodes, kl)
-    axes[0].set(title="Score (mean per episode)", xlabel="episodes")
-    axes[1].set(title="KL to the reference (summed over the response)", xlabel="episodes")
-    axes[2].set(title="Score against sqrt(KL), one dot per update", xlabel="sqrt(KL)")
-    axes[0].legend()
-    common.save_figure(axes[0].figure, path)
 
 
 # --- Opt-in: length grouping (--group_by_length). Less padding, the same numbers (tests/test_ppo.py checks a run). ---
@@ -1556,20 +1528,16 @@ def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
     mask = F.pad(query_mask.long(), (0, decode.cache_length - query.shape[1]), value=1)
     last_only = {"logits_to_keep": 1} if takes_argument(type(model), "logits_to_keep") else {}
-    logits = model(input_ids=query, attention_mask=mask, past_key_values=decode.cache, use_cache=True,
-                   position_ids=position, **last_only).logits[:, -1].float() / args.temperature
-    tokens = [(logits + sampling_noise(seeds, 0, logits.shape[-1], logits.device)).argmax(-1)]
-    done = torch.zeros(len(query), dtype=torch.bool, device=query.device) | (tokens[0] == stop_id)  # (None: never)
+    tokens = [decode.forward(model, query, 0, position, mask, seeds, **last_only)]  # (the prompt: not compiled)
     step = torch.zeros((), dtype=torch.long, device=query.device)  # (the index: on device)
     position = position[:, -1:].contiguous()  # (strides too the same for every rollout)
     for t in range(1, args.response_length):
-        if t % STOP_CHECK_EVERY == 0 and done.all():
+        if t % STOP_CHECK_EVERY == 0 and stop_id is not None and (torch.cat(tokens, 1) == stop_id).any(1).all():
             break
         step.fill_(t)
         torch.compiler.cudagraph_mark_step_begin()
         tokens.append(decode.step(model, tokens[-1], step, position, mask, seeds).clone())  # (graphs reuse outputs)
-        done |= tokens[-1] == stop_id
-    responses = torch.stack(tokens, 1)
+    responses = torch.cat(tokens, 1)
     if stop_id is not None:  # as generate: padding after the first token where every row had stopped
         all_stopped = (responses == stop_id).cumsum(1).gt(0).all(0)  # (T,)
         responses = responses.masked_fill(F.pad(all_stopped[:-1], (1, 0), value=False), pad_id)
@@ -1586,10 +1554,10 @@ class CompiledDecode:
         self.cache = ComputeDtypeCache(config=model.config, max_cache_len=self.cache_length)
         self.step = torch.compile(self.forward, mode="reduce-overhead", dynamic=False)
 
-    def forward(self, model, token, t, position, mask, seeds):  # token t from token t - 1 (B,)
-        logits = model(input_ids=token[:, None], attention_mask=mask, past_key_values=self.cache, use_cache=True,
-                       position_ids=position + t).logits[:, -1].float() / self.temperature
-        return (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
+    def forward(self, model, ids, t, position, mask, seeds, **last_only):  # token t (B, 1) from the prompt or t - 1
+        logits = model(input_ids=ids, attention_mask=mask, past_key_values=self.cache, use_cache=True,
+                       position_ids=position + t, **last_only).logits[:, -1].float() / self.temperature
+        return (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1, keepdim=True)
 
 
 if __name__ == "__main__":
