@@ -456,7 +456,7 @@ def advantages(batch, kl_coef, args):
     non_score_reward = -kl_coef * kl if args.kl_penalty == "reward" else torch.zeros_like(kl)
     rewards = non_score_reward.clone()
     rewards[torch.arange(len(rewards), device=rewards.device), last_token_index(mask)] += batch.scores
-    if args.whiten_rewards:
+    if args.whiten_rewards and args.advantage_estimator in ("gae", "reinforce_pp"):  # (as its help says)
         rewards = masked_whiten(rewards, mask, shift_mean=False)
     if args.advantage_estimator == "gae":
         adv, batch.returns = gae(rewards, batch.values, mask, args.gamma, args.lam)

@@ -164,8 +164,9 @@ def test_advantages_phase_puts_the_kl_where_asked(estimator, kl_penalty):
     returns = batch.scores + non_score.sum(1)
     if estimator in ("rloo", "grpo"):
         adv = (ppo.rloo_advantages if estimator == "rloo" else ppo.grpo_advantages)(returns, 4)
-        assert torch.allclose(batch.advantages, adv[:, None] * mask, atol=1e-6)
-        assert batch.returns is None
+        for whiten in (False, True):  # (--whiten_rewards: gae's and reinforce_pp's alone, as its help says)
+            ppo.advantages(batch, coef, dataclasses.replace(args, whiten_rewards=whiten))
+            assert torch.allclose(batch.advantages, adv[:, None] * mask, atol=1e-6) and batch.returns is None
     else:
         rewards = non_score.clone()
         for b in range(B):
@@ -266,9 +267,8 @@ def test_length_groups_cover_every_row_once_near_the_least_padded_cost():
 
 
 def sample_prompts(n, seed=0):
-    rng = random.Random(seed)
-    texts = [common.embedded_prompt(rng) + " cat" * rng.randint(0, 3) for _ in range(n)]  # varied lengths
-    return common.tokenize_prompts(TOK, texts)
+    rng = random.Random(seed)  # (varied lengths)
+    return common.tokenize_prompts(TOK, [common.embedded_prompt(rng) + " cat" * rng.randint(0, 3) for _ in range(n)])
 
 
 @pytest.mark.parametrize("arch", ["embedded-llama", "embedded-neox"])
