@@ -96,6 +96,12 @@ def run_ranks(jobs, folder, check=True):
     return proc, errors
 
 
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
 def read_metrics(output_dir):
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -112,11 +118,7 @@ def assert_saved_models_equal(dirs, auto_class):
 @pytest.fixture(scope="session")
 def small_pairs_file(tmp_path_factory):
     """A small local copy of the embedded task (exercises the local-file path; far quicker than 40k pairs)."""
-    path = tmp_path_factory.mktemp("data") / "pairs.jsonl"
-    with open(path, "w") as f:
-        for row in common.embedded_pairs(600, seed=5):
-            f.write(json.dumps(row) + "\n")
-    return str(path)
+    return write_jsonl(tmp_path_factory.mktemp("data") / "pairs.jsonl", common.embedded_pairs(600, seed=5))
 
 
 @pytest.fixture

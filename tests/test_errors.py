@@ -334,15 +334,16 @@ def test_help_is_printed_once_under_torchrun_the_methods_options_first():
     assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--advantage_estimator", "--num_samples_per_prompt"]
 
 
-def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_reported(family_dir, tmp_path):
+def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_reported(family_dir, tmp_path,
+                                                                                         small_pairs_file):
     """A causal LM as rm.py's start: its new head and unused LM head in one line; a missing backbone weight reported."""
     source = tmp_path / "lm"
     shutil.copytree(family_dir("llama"), source)
     weights = load_file(source / "model.safetensors")
     del weights["model.norm.weight"]
     save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
-    proc = run_script(["rm.py", "--model_name_or_path", str(source), "--max_steps", "1", "--num_evals", "1",
-                       "--output_dir", str(tmp_path / "out")])
+    proc = run_script(["rm.py", "--model_name_or_path", str(source), "--dataset_name", small_pairs_file, "--max_steps",
+                       "1", "--num_evals", "1", "--output_dir", str(tmp_path / "out")])
     out = proc.stdout + proc.stderr
     assert out.count("a new reward head (score, 32 -> 1) on its backbone") == 1 and "--head_init_std 0.1741" in out, out
     assert "model.norm.weight" in out and "score.weight" not in out and "lm_head.weight" not in out, out

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import assert_saved_models_equal, read_metrics, replayed_samples, run_main, run_ranks
+from conftest import assert_saved_models_equal, read_metrics, replayed_samples, run_main, run_ranks, write_jsonl
 from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, WINDOW, WINDOWED, save_family  # noqa: F401
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -31,13 +31,6 @@ def preference_rows(family, n, seed=0):
         else:
             rows.append({k: r[k] for k in ("prompt", "chosen", "rejected")})
     return rows
-
-
-def write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    return str(path)
 
 
 @pytest.fixture(scope="session")

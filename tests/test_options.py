@@ -99,8 +99,7 @@ def runs(script, args, out, first=None):
     --overwrite_output_dir the (first) run replaces an earlier finished run, of whose checkpoints none is left."""
     if args["overwrite_output_dir"]:
         save_checkpoint(out, 99, {"step": 99})
-        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
-            f.write(json.dumps({"step": 99}) + "\n")
+        write_jsonl(os.path.join(out, "metrics.jsonl"), [{"step": 99}])
     each = [dict(args, resume=False, save_steps=1, **first), dict(args, resume=True, overwrite_output_dir=False)] \
         if args.pop("resume") else [args]
     return [[script, *flags(a, ppo.Args if script == "ppo.py" else rm.Args), "--output_dir", out] for a in each]

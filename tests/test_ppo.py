@@ -19,7 +19,7 @@ import torch
 import torch._inductor.config
 import tyro
 from conftest import (ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, replayed_samples, run_main,
-                      run_ranks, run_script)
+                      run_ranks, run_script, write_jsonl)
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, SchedulerType,
                           get_scheduler)
 
@@ -574,14 +574,11 @@ def test_gradient_checkpointing_changes_no_number(tmp_path, reward_model_path):
 
 
 def test_neox_policy_with_chat_template_prompts_and_ptx(tmp_path, reward_model_path):
-    prompts = tmp_path / "chat.jsonl"
     rng = random.Random(0)
-    with open(prompts, "w") as f:
-        for _ in range(64):
-            topic = rng.choice(list(common.TOPICS))
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"tell me about {topic}"}]}) + "\n")
+    prompts = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "tell me about "
+                                                    + rng.choice(list(common.TOPICS))}]} for _ in range(64)])
     run_main(["ppo.py", "--sft_model_path", "embedded-neox", "--reward_model_path", reward_model_path,
-                "--dataset_name", str(prompts), "--critic_init", "policy", "--ptx_coef", "0.1", "--ptx_dataset_name",
+                "--dataset_name", prompts, "--critic_init", "policy", "--ptx_coef", "0.1", "--ptx_dataset_name",
                 "embedded", "--kl_estimator", "k3", "--missing_eos_penalty", "1.0", *TINY,
                 "--output_dir", str(tmp_path / "out")])
     samples = [json.loads(line) for line in open(tmp_path / "out" / "samples.jsonl")]

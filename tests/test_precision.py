@@ -56,6 +56,7 @@ def test_bf16_first_mini_batch_is_on_policy_and_the_kl_at_initialisation_is_zero
 
 SPIED = """import json, os, sys
 sys.path.insert(0, {root!r})
+import torch.distributed as dist
 import common, ppo, rm
 calls, seen, loss, linear = [], set(), ppo.policy_loss, common.Float32Linear.forward
 def spy_loss(new, old, adv, *a, **k):
@@ -65,15 +66,20 @@ def spy_linear(self, x):
     seen.add(("head" if self.out_features == 1 else "output layer", str(self.weight.dtype)))
     return linear(self, x)
 ppo.policy_loss, common.Float32Linear.forward = spy_loss, spy_linear
-script = {{"rm": rm, "ppo": ppo}}[sys.argv[1]]
-script.main(script.Args(**json.loads(sys.argv[2])))
-json.dump(dict(calls=calls, seen=sorted(seen)), open(sys.argv[3] + os.environ["RANK"], "w"))
+dist.init_process_group("gloo")
+dist.init_process_group = dist.destroy_process_group = lambda *a, **k: None  # (one group, every run: tests/jobs.py)
+for name, (script, kwargs) in json.loads(sys.argv[1]).items():
+    calls.clear(), seen.clear()
+    {{"rm": rm, "ppo": ppo}}[script].main({{"rm": rm, "ppo": ppo}}[script].Args(**kwargs))
+    with open(os.path.join(sys.argv[2], name + "." + os.environ["RANK"]), "w") as f:
+        json.dump(dict(calls=calls, seen=sorted(seen)), f)
+sys.stdout.flush(), os._exit(0)
 """
 
 
 @pytest.fixture(scope="module")
 def bf16_fsdp_runs(reward_model_path, tmp_path_factory):
-    """rm.py and ppo.py under FSDP2 --bf16 on 2 ranks, full and LoRA (a launch each), spied on: ppo.py's largest
+    """rm.py and ppo.py under FSDP2 --bf16 on 2 ranks, full and LoRA (one launch), spied on: ppo.py's largest
     |new - old| log-prob at each policy-loss call; the weights' dtypes each Float32Linear computed from."""
     tmp = tmp_path_factory.mktemp("bf16_fsdp")
     (tmp / "spied.py").write_text(SPIED.format(root=ROOT))
@@ -84,9 +90,8 @@ def bf16_fsdp_runs(reward_model_path, tmp_path_factory):
     runs = {"rm0": ("rm", rm_run), "ppo0": ("ppo", ppo_run), "rm4": ("rm", dict(rm_run, lora_r=4)),
             "ppo4": ("ppo", dict(ppo_run, lora_r=4)), "ppo4_policy_critic": ("ppo", dict(ppo_run, lora_r=4,
                                                                                           critic_init="policy"))}
-    for name, (script, kwargs) in runs.items():
-        run_script([str(tmp / "spied.py"), script, json.dumps(dict(kwargs, output_dir=str(tmp / name))),
-                    str(tmp / f"{name}.")], nproc=2)
+    runs = {name: (script, dict(kwargs, output_dir=str(tmp / name))) for name, (script, kwargs) in runs.items()}
+    run_script([str(tmp / "spied.py"), json.dumps(runs), str(tmp)], nproc=2)
     return tmp, [{name: json.load(open(tmp / f"{name}.{r}")) for name in runs} for r in (0, 1)]
 
 

@@ -304,7 +304,7 @@ def test_two_process_ddp_and_fsdp_match_one_process_in_full_and_with_lora(tmp_pa
 def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     out = tmp_path / "rm"
     # the default task and model, a shorter schedule (the full default run is measured in README)
-    run_main(["rm.py", "--output_dir", str(out), "--max_steps", "1200", "--num_evals", "1",
+    run_main(["rm.py", "--output_dir", str(out), "--max_steps", "800", "--num_evals", "1",
               "--per_device_train_batch_size", "32"])
     results = json.load(open(out / "eval_results.json"))
     assert results["accuracy_vs_bayes"] >= 0.95, results
