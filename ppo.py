@@ -334,7 +334,7 @@ class Rollout:
 
 def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collective):
     """1. A response to each of this rank's episodes, sampled from softmax(logits / --temperature) with the episode's
-    own random stream (sampling_noise, generate); tokens after the stop token become padding. All ranks get all rows."""
+    own random stream (sample_tokens); tokens after the stop token become padding. All ranks get all rows."""
     width = all_reduce(torch.tensor(max(map(len, prompt_ids)), device=device), dist.ReduceOp.MAX)  # same on all ranks
     query, query_mask = (t.to(device) for t in pad_left(prompt_ids, int(width), pad_id))
     seeds = torch.tensor([common.seed_of(args.seed, "sampling", e) for e in episodes], device=device)
@@ -347,9 +347,8 @@ def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collect
 
 @torch.no_grad()
 def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=False):
-    """KV-cached sampling (Gumbel-max) from softmax(logits / --temperature), the logits float32 as response_logprobs
-    reads them; each episode's noise a function of its seed, the token's index and the vocabulary index alone
-    (sampling_noise: the same in any batch, on any number of ranks). The cache is allocated once for prompt + response,
+    """KV-cached sampling from softmax(logits / --temperature), the logits float32 as response_logprobs reads them, each
+    token drawn by sample_tokens with its episode's own uniform. The cache is allocated once for prompt + response,
     the mask that width from the start, causality hiding tokens not yet sampled (--compile: compiled_generate)."""
     if args.compile:
         return compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id)
@@ -363,7 +362,7 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=
     done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
     for t in range(args.response_length):
         logits = model(**inputs).logits[:, -1].float() / args.temperature
-        token = (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
+        token = sample_tokens(logits, seeds, t)
         tokens.append(token)
         done |= token == stop_id
         all_done = done.all()
@@ -375,6 +374,16 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=
                       position_ids=position[:, -1:] + t + 1)
     responses = torch.stack(tokens, 1)
     return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
+
+
+def sample_tokens(logits, seeds, step):
+    """Token `step` of each row's episode drawn from softmax(logits) by inversion: the first token whose cumulative
+    probability (float64) exceeds the episode's uniform u for this step (episode_uniform: a function of its seed and the
+    step alone). Row by row: the same token in any batch, on any number of ranks, compiled or not."""
+    logits = logits.double()
+    cdf = torch.exp(logits - logits.amax(-1, keepdim=True)).cumsum(-1)  # unnormalized: the last entry is the total
+    target = episode_uniform(seeds, step).to(cdf.device)[:, None] * cdf[:, -1:]  # u < 1: below the total
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)  # (a zero weight: never)
 
 
 class Critic(torch.nn.Module):
@@ -1091,11 +1100,11 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
     return batch["input_ids"], batch["attention_mask"]
 
 
-# --- The sampler: each episode its own noise (seeded by its index, whatever the batch or ranks), its cache. ----------
-def sampling_noise(seeds, step, vocab_size, device):
-    """Gumbel(0, 1) noise (rows, vocab_size) for token `step` of each row's episode, counter-based (Salmon et al. 2011):
-    entry (b, v) 32 random bits hashed from (seeds[b], step, v) alone, the same in any batch, on any number of ranks,
-    compiled or not (no generator, no kernel per row); u = (bits + 1/2) / 2^32 (float64, never 0 or 1), -log(-log u)."""
+# --- The sampler: each episode its own uniforms (seeded by its index, whatever the batch or ranks), its cache. --------
+def episode_uniform(seeds, step):
+    """u ~ Uniform(0, 1) for token `step` of each row's episode, counter-based (Salmon et al. 2011): 52 random bits
+    hashed from (seeds[b], step) alone, the same in any batch, on any number of ranks, compiled or not (no generator,
+    no kernel per row); u = (bits + 1/2) / 2^52 (float64, never 0 or 1)."""
     low32 = 0xFFFFFFFF
 
     def mix(x):  # lowbias32 (Wellons 2018), a bijection; x * c mod 2^32, c in 16-bit halves: no product reaches 2^63
@@ -1104,11 +1113,9 @@ def sampling_noise(seeds, step, vocab_size, device):
             x = (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & low32
         return x ^ (x >> 16)
 
-    seeds = seeds.to(device)
     low, high, at = seeds & low32, seeds >> 32, mix(step & low32)  # (step: an int, or a tensor in a compiled graph)
-    key1, key2 = mix(low ^ mix(high ^ at)), mix(high ^ mix(low ^ mix(at ^ 0x9E3779B9)))  # (rows,) each
-    bits = mix(mix((torch.arange(vocab_size, device=device) + key1[:, None]) & low32) ^ key2[:, None])
-    return -torch.log(-torch.log((bits.double() + 0.5) / 2 ** 32)).float()
+    bits = (mix(low ^ mix(high ^ at)) << 20) | (mix(high ^ mix(low ^ mix(at ^ 0x9E3779B9))) >> 12)  # 32 + 20 bits
+    return (bits.double() + 0.5) / 2 ** 52
 
 
 class ComputeDtypeCache(transformers.StaticCache):
@@ -1557,7 +1564,7 @@ class CompiledDecode:
     def forward(self, model, ids, t, position, mask, seeds, **last_only):  # token t (B, 1) from the prompt or t - 1
         logits = model(input_ids=ids, attention_mask=mask, past_key_values=self.cache, use_cache=True,
                        position_ids=position + t, **last_only).logits[:, -1].float() / self.temperature
-        return (logits + sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1, keepdim=True)
+        return sample_tokens(logits, seeds, t)[:, None]
 
 
 if __name__ == "__main__":

@@ -216,10 +216,11 @@ def check_8b_shapes(device, quick):
     seeds = torch.arange(n_prompts, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         rollout = timed(lambda: ppo.generate(policy, query, qmask, seeds, args, None, 0), device)
-    noise = timed(lambda: [ppo.sampling_noise(seeds, t, shape["vocab_size"], device) for t in range(new)], device)
+    logits = torch.randn(n_prompts, shape["vocab_size"], device=device)
+    noise = timed(lambda: [ppo.sample_tokens(logits, seeds, t) for t in range(new)], device)
     if "seconds" in rollout:
         rollout["ms_per_token"] = round(rollout["seconds"] / new * 1000, 2)
-        rollout["noise_share"] = round(noise.get("seconds", 0) / rollout["seconds"], 3)
+        rollout["sampler_share"] = round(noise.get("seconds", 0) / rollout["seconds"], 3)
     result["rollout"] = rollout
     return result
 

@@ -147,7 +147,7 @@ def family_dir(tmp_path_factory):
 def replayed_samples(policy, query, query_mask, responses, seeds, temperature, stop_id):
     """The tokens the sampler should have drawn, recomputed without its KV cache: a whole-sequence forward's logits
     (the model's own float32 logits at each response position / temperature, as ppo.response_logprobs reads them)
-    plus each episode's Gumbel noise at each step (ppo.sampling_noise; seeds: (B,) int64), argmax. Equal to `responses`
+    drawn with each episode's uniform at each step (ppo.sample_tokens; seeds: (B,) int64). Equal to `responses`
     (generate's raw output) iff the cached decode samples from the distribution the learning forward computes."""
     stopped = [(r == stop_id).nonzero() for r in responses]
     steps = responses.shape[1] if any(len(s) == 0 for s in stopped) else max(int(s[0]) + 1 for s in stopped)
@@ -156,6 +156,5 @@ def replayed_samples(policy, query, query_mask, responses, seeds, temperature, s
     with torch.no_grad():
         logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
         logits = logits[:, query.shape[1] - 1:-1].float() / temperature
-    drawn = [(logits[:, t] + ppo.sampling_noise(seeds, t, logits.shape[-1], logits.device)).argmax(-1)
-             for t in range(steps)]
+    drawn = [ppo.sample_tokens(logits[:, t], seeds, t) for t in range(steps)]
     return torch.stack(drawn, 1), steps

@@ -102,7 +102,7 @@ def test_packed_layout_gives_the_padded_rewards_and_gradients_and_no_dropout_any
 
 @pytest.mark.parametrize("family", DECODERS)
 def test_sampler_draws_from_the_learning_forwards_distribution(family, family_dir):
-    """The KV-cached decode draws the argmax of the whole-sequence forward's logits plus the episode's Gumbel noise."""
+    """The KV-cached decode draws from the whole-sequence forward's logits with the episode's uniforms."""
     args = ppo.Args(sft_model_path=family_dir(family), response_length=6, temperature=0.8)
     tokenizer = ppo.load_tokenizer(args)
     policy = ppo.load_policy(args, tokenizer).eval()
