@@ -66,8 +66,7 @@ class Args:
     num_samples_per_prompt: int | None = None  # K responses per prompt in a batch (default 4 for rloo, grpo; else 1)
     scale_rewards: bool = True  # grpo: divide by the std of the prompt's returns (no: Dr. GRPO, Liu et al. 2025)
     kl_penalty: Literal["reward", "loss"] = "reward"  # KL in the per-token reward (Ziegler et al. 2019) or loss (GRPO)
-    # token_mean: over a mini-batch's tokens; sequence_mean: of each response's token mean (GRPO); constant: the sum /
-    # (responses x --response_length) (Dr. GRPO: no bias for or against length)
+    # token_mean: of its tokens; sequence_mean: of responses' means (GRPO); constant (Dr. GRPO): sum / (responses x T)
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"  # A mini-batch's loss mean
     kl_coef: float = 0.1  # Initial coefficient of the per-token KL penalty
     # k1 = log p - log q; k3 = (q/p - 1) - log(q/p) (Schulman 2020). k3 in the loss: k1's gradient there is zero in
@@ -252,12 +251,11 @@ def truncate_after_stop(responses, stop_id, pad_id):
 
 def response_logprobs(model, query_response, attention_mask, context_length, temperature, entropy=False,
                       entropy_grad=True, blocked=False):
-    """THE log-probs of every phase (the old ones, the reference's, the learning forward's, ptx's): each response
-    token's log-prob at the sampling temperature, position t predicting token t + 1. The model's logits at the
-    positions that predict a response token only (logits_to_keep), float32 (its output layer computes in float32:
-    output_layer_in_float32; its own transforms, e.g. Gemma's softcapping, applied by itself), / temperature, a
-    float32 log-softmax, gathered. entropy: each position's entropy too (with its gradient if entropy_grad).
-    blocked (--blocked_logits): the same numbers in memory bounded whatever the vocabulary (below the fence)."""
+    """THE log-probs of every phase (old, reference, learning, ptx): each response token's at the sampling temperature,
+    position t predicting token t + 1. The model's float32 logits (output_layer_in_float32; its own transforms, e.g.
+    Gemma's softcapping, its own) at those positions only (logits_to_keep), / temperature, a float32 log-softmax,
+    gathered. entropy: each position's too (its gradient if entropy_grad). blocked (--blocked_logits): the same
+    numbers in memory bounded whatever the vocabulary (below the fence)."""
     predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 .. T - 1
     keep = {"logits_to_keep": predicting} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     inputs = dict(input_ids=query_response, attention_mask=attention_mask, use_cache=False, **keep,
@@ -272,15 +270,6 @@ def response_logprobs(model, query_response, attention_mask, context_length, tem
         return logprobs, None
     with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
         return logprobs, -(logp_all.exp() * logp_all).sum(-1)
-
-
-def language_modelling_loss(policy, seqs, pad_id, n_tokens, device, blocked=False):
-    """The ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy on pretraining text, summed over real
-    transitions and divided by n_tokens (those of the whole mini-batch)."""
-    ids, ids_mask = (t.to(device) for t in pad_left(seqs, max(map(len, seqs)), pad_id))
-    logprobs, _ = response_logprobs(policy, ids, ids_mask.long(), 1, 1.0, blocked=blocked)
-    real = (ids_mask[:, 1:] & ids_mask[:, :-1]).float()  # a target counts only after a real token (left padding)
-    return (-logprobs * real).sum() / n_tokens
 
 
 # --- The method's conventions, the same as rm.py's (tests/test_rm.py checks that they agree). Dropout is off in every
@@ -365,9 +354,7 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=
         token = sample_tokens(logits, seeds, t)
         tokens.append(token)
         done |= token == stop_id
-        all_done = done.all()
-        if collective:  # FSDP: every rank must run the same number of forward passes
-            all_done = all_reduce(all_done.float(), dist.ReduceOp.MIN)
+        all_done = all_reduce(done.all().float(), dist.ReduceOp.MIN) if collective else done.all()  # (FSDP: on all)
         if all_done or t == args.response_length - 1:
             break
         inputs = dict(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
@@ -403,10 +390,10 @@ class Critic(torch.nn.Module):
 
 @torch.no_grad()
 def logprobs_and_values(policy, ref_policy, critic, batch, args, update, rank, world, reference_mode):
-    """2. Each sampled token's log-prob under the policy (the ratio's "old") and under the reference, and the critic's
-    values, on the micro-batches of epoch 0's plan, as learn() computes its first steps (the same rows, columns and
-    autocast): in any precision the first ratio is exactly 1, the KL at initialisation 0, and the first value clip
-    centred on the learning forward's values. Each rank computes its rows; the sum over ranks gives every rank all."""
+    """2. Each sampled token's log-prob under the policy (the ratio's "old") and the reference, and the critic's values,
+    on epoch 0's micro-batches, as learn() computes its first steps (the same rows, columns and autocast): in any
+    precision the first ratio is exactly 1, the KL at initialisation 0, the first value clip centred on the learning
+    forward's values. Each rank computes its rows; the sum over ranks gives every rank all."""
     out = torch.zeros(3, *batch.mask.shape, device=batch.mask.device)  # old log-probs, the reference's, values
     with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for step in epoch_plan(batch, args, update, 0, rank, world):
@@ -424,10 +411,9 @@ def logprobs_and_values(policy, ref_policy, critic, batch, args, update, rank, w
 
 @torch.no_grad()
 def score(critic, reward, batch, rows, prompt_texts, tokenizer, stop_id, args, collective=False):
-    """3. The score of this rank's rows of the batch (every rank gets all of them): the reward model's output at the
-    response's last real token (rm.py trains it to read there), normalized as rm.py saved it, (output - shift) /
-    scale; in the policy's tokens, or on the decoded text in its own (reward_model_tokens). Plus --reward_fn on the
-    texts, minus --missing_eos_penalty. Returns the rows' response texts."""
+    """3. The score of this rank's rows (every rank gets all): the reward model's output at the response's last real
+    token (where rm.py trains it), normalized as rm.py saved it, (output - shift) / scale, in the policy's tokens or
+    on the text in its own (reward_model_tokens); plus --reward_fn, minus --missing_eos_penalty. Returns the texts."""
     responses, mask = batch.responses[rows], batch.mask[rows]
     texts = [tokenizer.decode(r[m & (r != stop_id)] if stop_id is not None else r[m], skip_special_tokens=True)
              for r, m in zip(responses.cpu(), mask.cpu())]
@@ -480,9 +466,32 @@ def advantages(batch, kl_coef, args):
     return kl, non_score_reward
 
 
+@dataclass
+class MicroBatch:
+    """One forward's rows of the batch, every column (--group_by_length: less those all padding in these rows)."""
+    rows: torch.Tensor
+    ids: torch.Tensor
+    attention_mask: torch.Tensor
+    context: int  # the response starts at this column
+    kept: int  # response columns kept
+
+    def take(self, field):  # a (B, response_length) field at these rows and columns
+        return field[self.rows][:, :self.kept]
+
+
+def micro_batches(batch, rows, args, collective):
+    """rows as forwards of --per_device_train_batch_size rows each, in order (--group_by_length: length_grouped; not
+    under FSDP on several ranks, where every rank must make the same calls)."""
+    if args.group_by_length and not collective:
+        return length_grouped(batch, rows, args.per_device_train_batch_size)
+    return [MicroBatch(r, batch.query_response[r], batch.attention_mask[r], batch.context_length, batch.mask.shape[1])
+            for r in rows.split(args.per_device_train_batch_size)]
+
+
 def epoch_plan(batch, args, update, epoch, rank, world):
-    """One PPO epoch's optimizer steps: the batch shuffled (seeded by update and epoch), cut into --num_mini_batches;
-    of each, this rank's gradient_accumulation_steps x per_device_train_batch_size rows, its micro-batches in order."""
+    """One PPO epoch's optimizer steps: the batch shuffled (seeded by update and epoch), cut into --num_mini_batches.
+    Each an OptimizerStep: rows, the mini-batch's (every rank's); forwards, this rank's gradient_accumulation_steps
+    micro-batches of it (its per_device_train_batch_size x gradient_accumulation_steps rows, in order)."""
     share = args.per_device_train_batch_size * args.gradient_accumulation_steps  # a rank's rows of a mini-batch
     order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(
         common.seed_of(args.seed, "mini-batches", update, epoch))).to(batch.mask.device)
@@ -519,10 +528,9 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
                 sums["loss/ptx"] = ptx_backward(policy, ptx, step, update, epoch, mb, args, rank, world, pad_id,
                                                 backward)
             for i, f in enumerate(step.forwards):
-                sync_gradients([policy, critic], last=i == len(step.forwards) - 1)
+                sync_gradients([policy, critic], last=i == len(step.forwards) - 1)  # (DDP: all-reduce once)
                 mask = f.take(batch.mask).float()
-                # Policy and critic share no weights: each loss goes backward on its own graph, so that only one
-                # model's activations are alive at a time.
+                # (policy and critic share no weights: each loss backward on its own graph, one's activations at a time)
                 with autocast():
                     new_logprobs, entropy = response_logprobs(
                         policy, f.ids, f.attention_mask, f.context, args.temperature, entropy=True,
@@ -550,7 +558,7 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
                 for name, value in per_token.items():  # statistics: plain means over the mini-batch's tokens
                     sums[name] = sums.get(name, 0) + (value.detach() * mask).sum() / tokens_in_mini_batch
             norms.append(clip_and_step(trainable, optimizer, args.max_grad_norm, update, losses["loss/policy"]))
-            stats.append(sums)
+            stats.append(sums)  # (this rank's shares: mean_over_steps sums them over ranks)
     return {**mean_over_steps(stats), **{k: sum(n[k] for n in norms) / len(norms) for k in norms[0]}}
 
 
@@ -570,7 +578,7 @@ def main(args):
     # (critic_from); the reward: a frozen reward model and/or a function.
     models = build_models(args, tokenizer, device, rank, world)
     policy, critic, reward, lora = models.policy, models.critic, models.reward, models.lora
-    bos_id = common.leading_id(tokenizer)
+    bos_id = common.leading_id(tokenizer)  # (once: it tokenizes)
     prompts = [truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]
     ptx = ptx and [ids[:args.max_prompt_length + args.response_length] for ids in ptx]
     # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type, stepped once per update
@@ -620,9 +628,8 @@ def main(args):
 
         # 6. Adapt the KL coefficient; log; save samples and checkpoints.
         m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef, "lr": lr, **update_stats,
-             **update_metrics(batch, kl, non_score_reward, [t0, t_rollout, t_score, t_learn, time.time()], args)}
-        if update == start:  # what each rank held at most
-            m.update(common.peak_memory(device))
+             **update_metrics(batch, kl, non_score_reward, [t0, t_rollout, t_score, t_learn, time.time()], args,
+                              peak_memory_of=device if update == start else None)}
         if args.target_kl is not None:
             kl_coef = adaptive_kl_coef(kl_coef, m["objective/kl"], args.target_kl, args.kl_horizon, batch_size)
         history.append({k: m[k] for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean",
@@ -684,8 +691,7 @@ def check_args(args):
     if args.compile and args.fsdp:
         raise common.UserError("--compile compiles the decode of a whole model; --fsdp shards it: drop one of them")
     if args.offload_inference_models and not args.fsdp:
-        raise common.UserError("--offload_inference_models holds the frozen models' FSDP shards on the host: pass "
-                               "--fsdp too")
+        raise common.UserError("--offload_inference_models holds FSDP shards on the host: pass --fsdp too")
     if args.ptx_coef > 0 and args.ptx_dataset_name is None:
         raise common.UserError(f"--ptx_coef {args.ptx_coef} needs --ptx_dataset_name (a dataset with a 'text' column)")
     for name, flag, kind in ((args.sft_model_path, "--sft_model_path", "model"),
@@ -711,9 +717,8 @@ def start_up(args, rank, world):
     if num_updates == 0:
         raise common.UserError(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
     if args.total_episodes % batch_size and rank == 0:
-        trained = num_updates * batch_size
-        print(f"--total_episodes {args.total_episodes}: {trained} trained, whole rollout batches of {batch_size} (the "
-              f"nearest to train all: {trained} or {trained + batch_size})")
+        print(f"--total_episodes {args.total_episodes}: {(trained := num_updates * batch_size)} trained, whole rollout "
+              f"batches of {batch_size} (the nearest to train all: {trained} or {trained + batch_size})")
     if batch_size % args.num_samples_per_prompt:
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
                                f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
@@ -1107,11 +1112,10 @@ def episode_uniform(seeds, step):
     no kernel per row); u = (bits + 1/2) / 2^52 (float64, never 0 or 1)."""
     low32 = 0xFFFFFFFF
 
-    def mix(x):  # lowbias32 (Wellons 2018), a bijection; x * c mod 2^32, c in 16-bit halves: no product reaches 2^63
-        for shift, c in ((16, 0x7FEB352D), (15, 0x846CA68B)):
-            x = x ^ (x >> shift)
-            x = (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & low32
-        return x ^ (x >> 16)
+    def mix(x):  # lowbias32 (Wellons 2018), a bijection of 32 bits; its constants < 2^31, so x * c < 2^63 (int64)
+        for shift, c in ((16, 0x21F0AAAD), (15, 0x735A2D97)):
+            x = (x ^ (x >> shift)) * c & low32
+        return x ^ (x >> 15)
 
     low, high, at = seeds & low32, seeds >> 32, mix(step & low32)  # (step: an int, or a tensor in a compiled graph)
     bits = (mix(low ^ mix(high ^ at)) << 20) | (mix(high ^ mix(low ^ mix(at ^ 0x9E3779B9))) >> 12)  # 32 + 20 bits
@@ -1137,31 +1141,18 @@ def takes_argument(model_class, name):
 
 # --- The learning phase's bookkeeping. --------------------------------------------------------------------------------
 @dataclass
-class MicroBatch:
-    """One forward's rows of the batch, every column (--group_by_length: less those all padding in these rows)."""
-    rows: torch.Tensor
-    ids: torch.Tensor
-    attention_mask: torch.Tensor
-    context: int  # the response starts at this column
-    kept: int  # response columns kept
-
-    def take(self, field):  # a (B, response_length) field at these rows and columns
-        return field[self.rows][:, :self.kept]
-
-
-def micro_batches(batch, rows, args, collective):
-    """rows as forwards of --per_device_train_batch_size rows each, in order (--group_by_length: length_grouped; not
-    under FSDP on several ranks, where every rank must make the same calls)."""
-    if args.group_by_length and not collective:
-        return length_grouped(batch, rows, args.per_device_train_batch_size)
-    return [MicroBatch(r, batch.query_response[r], batch.attention_mask[r], batch.context_length, batch.mask.shape[1])
-            for r in rows.split(args.per_device_train_batch_size)]
-
-
-@dataclass
 class OptimizerStep:  # one mini-batch of a PPO epoch, as this rank runs it
     rows: torch.Tensor  # the mini-batch's rows (every rank's)
     forwards: list  # this rank's MicroBatches: its rows of each of the step's gradient_accumulation_steps
+
+
+def language_modelling_loss(policy, seqs, pad_id, n_tokens, device, blocked=False):
+    """The ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy on pretraining text, summed over real
+    transitions and divided by n_tokens (those of the whole mini-batch)."""
+    ids, ids_mask = (t.to(device) for t in pad_left(seqs, max(map(len, seqs)), pad_id))
+    logprobs, _ = response_logprobs(policy, ids, ids_mask.long(), 1, 1.0, blocked=blocked)
+    real = (ids_mask[:, 1:] & ids_mask[:, :-1]).float()  # a target counts only after a real token (left padding)
+    return (-logprobs * real).sum() / n_tokens
 
 
 def ptx_backward(policy, ptx, step, update, epoch, mb, args, rank, world, pad_id, backward):
@@ -1346,8 +1337,9 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
     samples_file.flush()
 
 
-def update_metrics(batch, kl, non_score_reward, times, args):
-    """The rollout's statistics (TRL's names), episodes and tokens per second, and each phase's time."""
+def update_metrics(batch, kl, non_score_reward, times, args, peak_memory_of=None):
+    """The rollout's statistics (TRL's names), episodes and tokens per second, each phase's time; peak_memory_of: a
+    device, whose peak memory so far (what each rank held at most) is added."""
     mask, elapsed = batch.mask.float(), times[-1] - times[0]
     # objective/entropy: -log p of the sampled tokens, summed over the response (TRL's name): a one-sample estimate
     m = {"objective/kl": kl.sum(1).mean(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean(),
@@ -1362,7 +1354,7 @@ def update_metrics(batch, kl, non_score_reward, times, args):
         m["response/eos_rate"] = batch.has_stop.float().mean()
     if batch.gold is not None:
         m["gold/mean"], m["gold/std"] = batch.gold.mean(), batch.gold.std()
-    return {k: float(v) for k, v in m.items()}
+    return {**{k: float(v) for k, v in m.items()}, **(common.peak_memory(peak_memory_of) if peak_memory_of else {})}
 
 
 def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank):

@@ -46,6 +46,25 @@ def main(out="benchmarks/results/embedded_gold_vs_kl.png"):
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     print(f"wrote {out}")
+    summary()
+
+
+def summary(n=5):
+    """README's table: rm.py's held-out accuracy against Bayes; each PPO run's means over its first and last n updates."""
+    if os.path.exists("runs/rm/eval_results.json"):
+        with open("runs/rm/eval_results.json") as f:
+            ev = json.load(f)
+        print("rm: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if isinstance(v, float) and "eval/" in k))
+    for path in RUNS:
+        with open(os.path.join(path, "metrics.jsonl")) as f:
+            ms = [json.loads(line) for line in f]
+        first, last = ms[:n], ms[-n:]
+        mean = lambda rows, k: np.mean([m[k] for m in rows])  # noqa: E731
+        print(f"{path}: {len(ms)} updates of {ms[0]['episodes']} episodes; gold {mean(first, 'gold/mean'):.3f} -> "
+              f"{mean(last, 'gold/mean'):.3f} (initial std {mean(first, 'gold/std'):.3f}: "
+              f"{(mean(last, 'gold/mean') - mean(first, 'gold/mean')) / mean(first, 'gold/std'):+.1f} std); proxy "
+              f"{mean(first, 'objective/scores'):.2f} -> {mean(last, 'objective/scores'):.2f}; KL "
+              f"{mean(last, 'objective/kl'):.1f}; EOS rate {mean(last, 'response/eos_rate'):.2f}")
 
 
 if __name__ == "__main__":
