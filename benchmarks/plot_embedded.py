@@ -54,7 +54,8 @@ def summary(n=5):
     if os.path.exists("runs/rm/eval_results.json"):
         with open("runs/rm/eval_results.json") as f:
             ev = json.load(f)
-        print("rm: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if isinstance(v, float) and "eval/" in k))
+        print("rm: " + ", ".join(f"{k} {ev[k]:.4f}" for k in ("accuracy", "bayes_accuracy", "accuracy_vs_bayes",
+                                                               "calibration_error")))
     for path in RUNS:
         with open(os.path.join(path, "metrics.jsonl")) as f:
             ms = [json.loads(line) for line in f]
