@@ -365,10 +365,9 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=
 
 def sample_tokens(logits, seeds, step):
     """Token `step` of each row's episode drawn from softmax(logits) by inversion: the first token whose cumulative
-    probability (float64) exceeds the episode's uniform u for this step (episode_uniform: a function of its seed and the
-    step alone). Row by row: the same token in any batch, on any number of ranks, compiled or not."""
-    logits = logits.double()
-    cdf = torch.exp(logits - logits.amax(-1, keepdim=True)).cumsum(-1)  # unnormalized: the last entry is the total
+    probability (summed in float64) exceeds the episode's uniform u for this step (episode_uniform: a function of its
+    seed and the step alone). Row by row: the same token in any batch, on any number of ranks, compiled or not."""
+    cdf = torch.exp(logits - logits.amax(-1, keepdim=True)).cumsum(-1, dtype=torch.float64)  # the last: the total
     target = episode_uniform(seeds, step).to(cdf.device)[:, None] * cdf[:, -1:]  # u < 1: below the total
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)  # (a zero weight: never)
 
