@@ -216,8 +216,7 @@ def reinforce_pp_advantages(rewards, mask, gamma):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, cliprange):
-    """The clipped surrogate objective (Schulman et al. 2017, eq. 7) as a loss, per token, and per-token statistics
-    (learn() takes their means)."""
+    """The clipped surrogate objective (Schulman et al. 2017, eq. 7) as a per-token loss; per-token statistics."""
     ratio = (logprobs - old_logprobs).exp()
     unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
     stats = {"clipfrac": (clipped > unclipped).float(), "approxkl": 0.5 * (logprobs - old_logprobs) ** 2,
@@ -374,8 +373,10 @@ def sample_tokens(logits, seeds, step):
 
 class Critic(torch.nn.Module):
     """The value of each state: a sequence classifier's scalar head (float32) at every position, minus an offset. Its
-    start (critic_from): --critic_init reward, the reward model, head / rm.py's scale, offset shift / scale (it starts
-    out reading the normalized score); policy, its backbone and a new head as rm.py's (std 1 / sqrt(hidden + 1))."""
+    start (critic_from): --critic_init reward, a copy of the reward model, head / rm.py's scale, offset shift / scale
+    (its value at the last token starts as the normalized score); policy, the policy's backbone and a new head as
+    rm.py's (std 1 / sqrt(hidden + 1)). With LoRA: an adapter on that network, and a critic from the reward model is,
+    with its adapter off, the reward model itself (score(): reward.in_critic; no second copy)."""
 
     def __init__(self, hf_model, offset=0.0):
         super().__init__()
@@ -419,7 +420,7 @@ def score(critic, reward, batch, rows, prompt_texts, tokenizer, stop_id, args, c
     scores = torch.zeros(len(batch.mask), device=mask.device)  # (by the batch's rows; this rank's filled)
     with torch.autocast(mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for f in micro_batches(batch, rows, args, collective):  # one micro-batch's forwards at a time, as in learning
-            if reward.in_critic is not None:  # LoRA: the reward model is the critic with its adapter off
+            if reward.in_critic is not None:  # LoRA: the critic, adapter off, is the reward model (normalized)
                 with reward.in_critic():
                     values = critic(f.ids, f.attention_mask)
                 scores[f.rows] = values.gather(1, last_token_index(f.attention_mask)[:, None])[:, 0]
