@@ -268,7 +268,7 @@ def response_logprobs(model, query_response, attention_mask, context_length, tem
     if not entropy:
         return logprobs, None
     with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-        return logprobs, -(logp_all.exp() * logp_all).sum(-1)
+        return logprobs, -(logp_all.exp() * logp_all.clamp(min=torch.finfo(torch.float32).min)).sum(-1)  # (-inf: 0)
 
 
 # --- The method's conventions, the same as rm.py's (tests/test_rm.py checks that they agree). Dropout is off in every
@@ -740,8 +740,10 @@ def position_limit(args):
 
 # --- Models and data. -------------------------------------------------------------------------------------------------
 def without_dropout(config):
-    """Every dropout probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout)."""
-    for key in [k for k, v in vars(config).items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float)]:
+    """Every dropout probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout), and other
+    training-mode randomness: layer drop (OPT, BART), MoE routers' jitter."""
+    for key in [k for k, v in vars(config).items() if isinstance(v, float) and any(
+            s in k for s in ("dropout", "pdrop", "layerdrop", "jitter"))]:
         setattr(config, key, 0.0)
     return config
 
@@ -1484,7 +1486,7 @@ def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, 
             return logprobs, torch.zeros_like(logprobs)
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad), \
                 torch.autocast(h.device.type, enabled=False):  # (vecdot is on autocast's bfloat16 list)
-            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all)  # -sum p log p, no V-wide temporary
+            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all.clamp(min=torch.finfo(torch.float32).min))
 
     step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
     recompute = torch.is_grad_enabled() and step < hidden.shape[1]  # (one block: computed directly)

@@ -164,9 +164,9 @@ def sequence_reward(model, ids, mask):
 
 def without_dropout(config):
     """Dropout off, so that a pair's two passes see one network: every dropout probability of the config 0 (some
-    models, OPT, call F.dropout with it)."""
+    models, OPT, call F.dropout with it), and other training-mode randomness: layer drop, MoE routers' jitter."""
     for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+        if any(s in key for s in ("dropout", "pdrop", "layerdrop", "jitter")) and isinstance(value, float):
             setattr(config, key, 0.0)
     return config
 

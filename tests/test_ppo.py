@@ -761,8 +761,10 @@ def test_an_empty_prompt_without_bos_is_named(tmp_path, monkeypatch):
 def test_blocked_logits_give_the_plain_paths_log_probs_entropies_and_gradients(monkeypatch):
     """--blocked_logits computes response logits in blocks (recomputed in the backward pass): the plain path's
     (response_logprobs) numbers and gradients, and no block above LOGIT_BLOCK elements; the plain path's are the
-    formula written out on the model's own logits at temperature 0.7."""
+    formula written out on the model's own logits at temperature 0.7, two of them -inf (0 log 0 = 0: no NaN)."""
     policy = ppo.output_layer_in_float32(ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=5))
+    policy.get_output_embeddings().register_forward_hook(lambda m, i, out: out.index_fill(-1, torch.tensor([3, 7]),
+                                                                                          -float("inf")))
     prompts = sample_prompts(4)
     query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
     responses = torch.randint(20, len(TOK), (4, 7), generator=torch.Generator().manual_seed(0))
@@ -785,7 +787,8 @@ def test_blocked_logits_give_the_plain_paths_log_probs_entropies_and_gradients(m
         logp = torch.log_softmax(policy(input_ids=qr, attention_mask=qr_mask.long()).logits[:, query.shape[1] - 1:-1]
                                  / 0.7, -1)
     assert torch.allclose(results[False][0], logp.gather(-1, responses[..., None])[..., 0], atol=1e-5)
-    assert torch.allclose(results[False][1], -(logp.exp() * logp).sum(-1), atol=1e-5)
+    assert torch.isfinite(results[True][2]).all() and (logp[..., 3] == -float("inf")).all()
+    assert torch.allclose(results[False][1], -torch.xlogy(logp.exp(), logp.exp()).sum(-1), atol=1e-5)
 
 
 def test_a_model_whose_output_transform_is_unknown_is_named_before_training(monkeypatch):

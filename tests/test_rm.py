@@ -66,13 +66,15 @@ def test_rm_and_ppo_state_the_same_conventions():
     mask = (torch.rand(16, 12, generator=torch.Generator().manual_seed(0)) > 0.3).long()
     assert torch.equal(rm.last_token_index(mask), ppo.last_token_index(mask))
     config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=40, num_labels=1, pad_token_id=0,
-                        resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3, summary_first_dropout=0.3)
+                        resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3, summary_first_dropout=0.3, layerdrop=0.3,
+                        router_jitter_noise=0.3)  # (the last two: OPT's and MoE routers' training-mode randomness)
     models = [AutoModelForSequenceClassification.from_config(copy.deepcopy(config)) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     for model, script in zip(models, (rm, ppo)):
         script.disable_dropout(model).train()  # (training mode: only dropout's probability can differ)
         assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
-        assert all(v == 0 for k, v in vars(model.config).items() if "pdrop" in k or "dropout" in k)
+        assert model.config.layerdrop == model.config.router_jitter_noise == 0 and all(
+            v == 0 for k, v in vars(model.config).items() if "pdrop" in k or "dropout" in k)
     ids, right = torch.randint(1, 40, (4, 9)), torch.tensor([[1] * 9, [1] * 5 + [0] * 4, [0] * 3 + [1] * 6, [1] * 2 +
                                                              [0] * 7])
     rewards = [script.sequence_reward(model, ids, right) for model, script in zip(models, (rm, ppo))]
