@@ -239,8 +239,7 @@ def adaptive_kl_coef(kl_coef, kl, target, horizon, n_episodes):
 
 
 def truncate_after_stop(responses, stop_id, pad_id):
-    """Tokens after the first stop token become padding. Returns the responses and their real-token mask (the stop
-    token itself is real: the reward model reads the response there)."""
+    """Tokens after the first stop token become padding; returns them and their real-token mask (the stop is real)."""
     if stop_id is None:
         return responses, torch.ones_like(responses, dtype=torch.bool)
     is_stop = responses == stop_id
@@ -267,8 +266,10 @@ def response_logprobs(model, query_response, attention_mask, context_length, tem
     logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     if not entropy:
         return logprobs, None
-    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-        return logprobs, -(logp_all.exp() * logp_all.clamp(min=torch.finfo(torch.float32).min)).sum(-1)  # (-inf: 0)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):  # -sum p log p, 0 log 0 = 0 (not NaN)
+        if torch.is_grad_enabled():  # (p = 0 below -104: the clamp changes no term, and keeps the gradient finite)
+            return logprobs, -(logp_all.exp() * logp_all.clamp(min=-1e4)).sum(-1)
+        return logprobs, torch.special.entr(logp_all.exp()).sum(-1)  # (no third vocabulary-wide temporary)
 
 
 # --- The method's conventions, the same as rm.py's (tests/test_rm.py checks that they agree). Dropout is off in every
@@ -288,8 +289,7 @@ def last_token_index(mask):
 
 
 def sequence_reward(model, ids, mask):
-    """A reward model's output: a decoder's scalar head at the last real token, where rm.py trains it; an encoder's
-    pooled head ([CLS])."""
+    """A reward model's output: a decoder's scalar head at the last real token (where rm.py trains it); an encoder's."""
     if not hasattr(model, "score"):  # BERT, RoBERTa, DeBERTa: a pooled `classifier`
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
     hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
@@ -1486,7 +1486,7 @@ def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, 
             return logprobs, torch.zeros_like(logprobs)
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad), \
                 torch.autocast(h.device.type, enabled=False):  # (vecdot is on autocast's bfloat16 list)
-            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all.clamp(min=torch.finfo(torch.float32).min))
+            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all.clamp(min=-1e4))  # (0 log 0 = 0)
 
     step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
     recompute = torch.is_grad_enabled() and step < hidden.shape[1]  # (one block: computed directly)

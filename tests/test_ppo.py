@@ -763,8 +763,7 @@ def test_blocked_logits_give_the_plain_paths_log_probs_entropies_and_gradients(m
     (response_logprobs) numbers and gradients, and no block above LOGIT_BLOCK elements; the plain path's are the
     formula written out on the model's own logits at temperature 0.7, two of them -inf (0 log 0 = 0: no NaN)."""
     policy = ppo.output_layer_in_float32(ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=5))
-    policy.get_output_embeddings().register_forward_hook(lambda m, i, out: out.index_fill(-1, torch.tensor([3, 7]),
-                                                                                          -float("inf")))
+    policy.lm_head.register_forward_hook(lambda m, i, out: out.index_fill(-1, torch.tensor([3, 7]), -torch.inf))
     prompts = sample_prompts(4)
     query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
     responses = torch.randint(20, len(TOK), (4, 7), generator=torch.Generator().manual_seed(0))
@@ -778,17 +777,19 @@ def test_blocked_logits_give_the_plain_paths_log_probs_entropies_and_gradients(m
         logprobs, entropy = ppo.response_logprobs(policy, qr, qr_mask.long(), query.shape[1], 0.7, entropy=True,
                                                   blocked=blocked)
         (logprobs.sum() + entropy.sum()).backward()
-        grads = torch.cat([p.grad.flatten() for p in policy.parameters()])
-        results[blocked] = logprobs.detach(), entropy.detach(), grads
+        results[blocked] = logprobs.detach(), entropy.detach(), torch.cat([p.grad.ravel() for p in policy.parameters()])
     assert len(blocks) == 8 and max(b * t for b, t in blocks) <= 8  # 7 positions in 4 blocks, each recomputed backward
     for plain, blocked in zip(results[False], results[True]):
         assert torch.allclose(plain, blocked, atol=1e-6, rtol=1e-5)
     with torch.no_grad():
         logp = torch.log_softmax(policy(input_ids=qr, attention_mask=qr_mask.long()).logits[:, query.shape[1] - 1:-1]
                                  / 0.7, -1)
+        no_grad = [ppo.response_logprobs(policy, qr, qr_mask.long(), query.shape[1], 0.7, entropy=True, blocked=b)[1]
+                   for b in (False, True)]  # (without a graph: another formula)
     assert torch.allclose(results[False][0], logp.gather(-1, responses[..., None])[..., 0], atol=1e-5)
     assert torch.isfinite(results[True][2]).all() and (logp[..., 3] == -float("inf")).all()
-    assert torch.allclose(results[False][1], -torch.xlogy(logp.exp(), logp.exp()).sum(-1), atol=1e-5)
+    for entropy in (results[False][1], *no_grad):
+        assert torch.allclose(entropy, -torch.xlogy(logp.exp(), logp.exp()).sum(-1), atol=1e-5)
 
 
 def test_a_model_whose_output_transform_is_unknown_is_named_before_training(monkeypatch):
