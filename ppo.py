@@ -717,8 +717,9 @@ def start_up(args, rank, world):
     if num_updates == 0:
         raise common.UserError(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
     if args.total_episodes % batch_size and rank == 0:
-        print(f"--total_episodes {args.total_episodes}: {(trained := num_updates * batch_size)} trained, whole rollout "
-              f"batches of {batch_size} (the nearest to train all: {trained} or {trained + batch_size})")
+        trained = num_updates * batch_size
+        print(f"--total_episodes {args.total_episodes}: {trained} trained, whole rollout batches of {batch_size} (the "
+              f"nearest to train all: {trained} or {trained + batch_size})")
     if batch_size % args.num_samples_per_prompt:
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
                                f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
