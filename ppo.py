@@ -264,12 +264,8 @@ def response_logprobs(model, query_response, attention_mask, context_length, tem
     logits = model(**inputs).logits[:, -predicting:-1]  # (the last position predicts nothing)
     logp_all = torch.log_softmax(logits.float() / temperature, -1)
     logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-    if not entropy:
-        return logprobs, None
-    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):  # -sum p log p, 0 log 0 = 0 (not NaN)
-        if torch.is_grad_enabled():  # (p = 0 below -104: the clamp changes no term, and keeps the gradient finite)
-            return logprobs, -(logp_all.exp() * logp_all.clamp(min=-1e4)).sum(-1)
-        return logprobs, torch.special.entr(logp_all.exp()).sum(-1)  # (no third vocabulary-wide temporary)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):  # (entropy_of: -sum p log p, 0 log 0 = 0)
+        return logprobs, entropy_of(logp_all) if entropy else None
 
 
 # --- The method's conventions, the same as rm.py's (tests/test_rm.py checks that they agree). Dropout is off in every
@@ -376,7 +372,7 @@ class Critic(torch.nn.Module):
     start (critic_from): --critic_init reward, a copy of the reward model, head / rm.py's scale, offset shift / scale
     (its value at the last token starts as the normalized score); policy, the policy's backbone and a new head as
     rm.py's (std 1 / sqrt(hidden + 1)). With LoRA: an adapter on that network, and a critic from the reward model is,
-    with its adapter off, the reward model itself (score(): reward.in_critic; no second copy)."""
+    with its adapter off, the reward model (reward.model: critic_as_reward; no second copy)."""
 
     def __init__(self, hf_model, offset=0.0):
         super().__init__()
@@ -410,25 +406,19 @@ def logprobs_and_values(policy, ref_policy, critic, batch, args, update, rank, w
 
 
 @torch.no_grad()
-def score(critic, reward, batch, rows, prompt_texts, tokenizer, stop_id, args, collective=False):
+def score(reward, batch, rows, prompt_texts, tokenizer, stop_id, args, collective=False):
     """3. The score of this rank's rows (every rank gets all): the reward model's output at the response's last real
-    token (where rm.py trains it), normalized as rm.py saved it, (output - shift) / scale, in the policy's tokens or
-    on the text in its own (reward_model_tokens); plus --reward_fn, minus --missing_eos_penalty. Returns the texts."""
+    token (sequence_reward), normalized as rm.py saved it, (output - shift) / scale, in the policy's tokens or on the
+    text in its own (reward_model_tokens); plus --reward_fn, minus --missing_eos_penalty. Returns the texts."""
     responses, mask = batch.responses[rows], batch.mask[rows]
     texts = [tokenizer.decode(r[m & (r != stop_id)] if stop_id is not None else r[m], skip_special_tokens=True)
              for r, m in zip(responses.cpu(), mask.cpu())]
     scores = torch.zeros(len(batch.mask), device=mask.device)  # (by the batch's rows; this rank's filled)
     with torch.autocast(mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        for f in micro_batches(batch, rows, args, collective):  # one micro-batch's forwards at a time, as in learning
-            if reward.in_critic is not None:  # LoRA: the critic, adapter off, is the reward model (normalized)
-                with reward.in_critic():
-                    values = critic(f.ids, f.attention_mask)
-                scores[f.rows] = values.gather(1, last_token_index(f.attention_mask)[:, None])[:, 0]
-            elif reward.model is not None:  # (its own tokens: another vocabulary, an encoder, reads the text)
-                ids, ids_mask = (f.ids, f.attention_mask) if reward.tokenizer is None else reward_model_tokens(
-                    batch, f.rows, stop_id, tokenizer, reward, args)
-                output = reward.model(ids.to(mask.device), ids_mask.to(mask.device))
-                scores[f.rows] = (output - reward.shift) / reward.scale
+        for f in micro_batches(batch, rows, args, collective) if reward.model is not None else []:
+            ids, ids_mask = (f.ids, f.attention_mask) if reward.tokenizer is None else reward_model_tokens(
+                batch, f.rows, stop_id, tokenizer, reward, args)  # (its own tokens: the text, as rm.py made a pair)
+            scores[f.rows] = reward.model(ids.to(mask.device), ids_mask.to(mask.device))  # (output - shift) / scale
     scores = scores[rows]
     if reward.fn is not None:
         scores += common.agreed(lambda: reward.fn(prompt_texts, texts)).to(scores.device)
@@ -612,7 +602,7 @@ def main(args):
         # 3. Score: the reward at the response's last real token.
         texts = [prompt_texts[i] for i in prompt_index]
         with resharded([reward.model]):
-            score(critic, reward, batch, mine, texts, tokenizer, stop_id, args, collective)
+            score(reward, batch, mine, texts, tokenizer, stop_id, args, collective)
         t_score = time.time()
 
         # 4. Advantages: KL-penalised per-token rewards; GAE, whitened, or a critic-free estimator.
@@ -630,7 +620,7 @@ def main(args):
         m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef, "lr": lr, **update_stats,
              **update_metrics(batch, kl, non_score_reward, [t0, t_rollout, t_score, t_learn, time.time()], args,
                               peak_memory_of=device if update == start else None)}
-        if args.target_kl is not None:
+        if args.target_kl is not None:  # (objective/kl: the KL summed over each response, mean over the batch)
             kl_coef = adaptive_kl_coef(kl_coef, m["objective/kl"], args.target_kl, args.kl_horizon, batch_size)
         history.append({k: m[k] for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean",
                                           "gold/std") if k in m})
@@ -860,24 +850,25 @@ def build_models(args, tokenizer, device, rank, world):
     for model in [policy_hf] + ([reward.model.hf] if reward.reads_policy_tokens else []):
         common.check_position_table(model, length, f"--max_prompt_length + --response_length ({length})")
     critic_hf = critic_init and critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
+    offset = reward.model.shift / reward.model.scale if critic_init == "reward" else 0.0
     lora = None
     if args.lora_r:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         lora = common.add_lora(policy_hf.to(dtype), args, "CAUSAL_LM")
         if critic_hf is not None:  # (its head float32: the trained copy peft makes of it, and the reward model's)
             critic_lora = common.add_lora(heads_in_float32(critic_hf.to(dtype)), args, "SEQ_CLS")
-        if critic_init == "reward":  # the reward model is the critic with its adapter off: no second copy
-            reward = dataclasses.replace(reward, model=None, in_critic=critic_lora.disable_adapter)
+    shared = lora and critic_init == "reward"  # the reward model is the critic with its adapter off: no second copy
     if reward.model is not None:  # sharded first, so that rank 0 holds at most three models whole
-        reward.model = parallelize(reward.model, args, device, frozen=True)
+        reward.model = None if shared else parallelize(reward.model, args, device, frozen=True)
     if not lora:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
         ref_policy = parallelize(copy.deepcopy(policy_hf).eval().requires_grad_(False), args, device, frozen=True)
     if args.gradient_checkpointing:  # (in training mode only: sampling keeps its KV cache)
         for model in [m for m in (policy_hf, critic_hf) if m is not None]:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     policy = parallelize(policy_hf, args, device)
-    offset = reward.shift / reward.scale if critic_init == "reward" else 0.0
     critic = None if critic_hf is None else parallelize(Critic(critic_hf, offset), args, device)
+    if shared:
+        reward.model = functools.partial(critic_as_reward, critic, critic_lora.disable_adapter)
     if rank == 0:
         n_trained = sum(p.numel() for m in (policy, critic) if m is not None for p in m.parameters() if p.requires_grad)
         path = reward_model_source(args)  # (None: no reward model)
@@ -970,7 +961,7 @@ def critic_from(args, policy, reward):
         critic = copy.deepcopy(reward.model.hf).requires_grad_(True)
         with torch.no_grad():
             for p in critic.score.parameters():  # (a bias too, where a head has one)
-                p /= reward.scale
+                p /= reward.model.scale
         return critic
     config = without_dropout(copy.deepcopy(policy.config))
     config.num_labels = 1
@@ -984,27 +975,31 @@ def critic_from(args, policy, reward):
 
 
 class SequenceReward(torch.nn.Module):
-    """A sequence classifier whose forward is sequence_reward: one module, so FSDP gathers every weight it reads."""
+    """rm.py's normalized reward, (sequence_reward - shift) / scale, one module (FSDP gathers every weight it reads)."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, shift, scale):
         super().__init__()
-        self.hf = hf_model
+        self.hf, self.shift, self.scale = hf_model, shift, scale
 
     def forward(self, input_ids, attention_mask):
-        return sequence_reward(self.hf, input_ids, attention_mask)
+        return (sequence_reward(self.hf, input_ids, attention_mask) - self.shift) / self.scale
+
+
+def critic_as_reward(critic, adapter_off, input_ids, attention_mask):
+    """LoRA, a critic from the reward model: with its adapter off, the reward model normalized (Critic's docstring),
+    read at the response's last real token as sequence_reward reads it."""
+    with adapter_off():
+        values = critic(input_ids, attention_mask)
+    return values.gather(1, last_token_index(attention_mask)[:, None])[:, 0]
 
 
 @dataclass
 class Reward:
     """Where an episode's score comes from: a reward model, a function, or both."""
-    model: object = None  # a SequenceReward (sharded like the policy under FSDP)
+    model: object = None  # (ids, mask) -> normalized scores: a SequenceReward (sharded like the policy under FSDP)
     tokenizer: object = None  # None: the model reads the policy's tokens; else its own, reading the decoded text
-    shift: float = 0.0  # rm.py's normalization: score = (model output - shift) / scale
-    scale: float = 1.0
     fn: object = None  # (prompts, responses) -> (B,) scores: load_reward_fn's
     reads_policy_tokens: bool = False  # a reward model that reads the policy's tokens (tokenizer None)
-    in_critic: object = None  # LoRA, critic from the reward model: the critic's adapter switched off (a context) is
-    # the reward model (its head divided by scale; model is then None: not held twice)
 
 
 def reward_model_source(args):
@@ -1044,9 +1039,9 @@ def load_reward(args, tokenizer, on_meta=False):
         own.pad_token = own.eos_token  # read by the mask, never by pad ids
     same_tokens = hasattr(model, "score") and all(own.convert_tokens_to_ids(t) == i
                                                   for t, i in tokenizer.get_vocab().items())
-    return dataclasses.replace(reward, model=SequenceReward(model), tokenizer=None if same_tokens else own,
-                               reads_policy_tokens=same_tokens, shift=getattr(model.config, "reward_shift", 0.0),
-                               scale=getattr(model.config, "reward_scale", 1.0))
+    shift, scale = getattr(model.config, "reward_shift", 0.0), getattr(model.config, "reward_scale", 1.0)
+    return dataclasses.replace(reward, model=SequenceReward(model, shift, scale),  # rm.py's normalization
+                               tokenizer=None if same_tokens else own, reads_policy_tokens=same_tokens)
 
 
 def load_reward_fn(spec):
@@ -1143,6 +1138,15 @@ def takes_argument(model_class, name):
 
 
 # --- The learning phase's bookkeeping. --------------------------------------------------------------------------------
+def entropy_of(logp_all):
+    """-sum p log p over the last dimension, 0 log 0 = 0 (a -inf logit gives 0, not NaN). With a graph, a clamp that
+    changes no term (p = 0 below -104) keeps the gradient finite; without one, the terms are computed in p's memory."""
+    p = logp_all.exp()
+    if torch.is_grad_enabled():
+        return -(p * logp_all.clamp(min=-1e4)).sum(-1)
+    return torch.special.entr(p, out=p).sum(-1)
+
+
 @dataclass
 class OptimizerStep:  # one mini-batch of a PPO epoch, as this rank runs it
     rows: torch.Tensor  # the mini-batch's rows (every rank's)
@@ -1309,7 +1313,7 @@ def resharded(models):
     try:
         yield
     finally:
-        for unit in (u for m in models if m is not None for u in m.modules() if hasattr(u, "reshard")):
+        for unit in (u for m in models if isinstance(m, torch.nn.Module) for u in m.modules() if hasattr(u, "reshard")):
             unit.reshard()
 
 
@@ -1483,11 +1487,8 @@ def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, 
     def block(h, y):  # float32 throughout: logits, log-softmax and entropy
         logp_all = torch.log_softmax(output_logits(model, h, temperature), -1)
         logprobs = logp_all.gather(-1, y[..., None]).squeeze(-1)
-        if not entropy:
-            return logprobs, torch.zeros_like(logprobs)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad), \
-                torch.autocast(h.device.type, enabled=False):  # (vecdot is on autocast's bfloat16 list)
-            return logprobs, -torch.linalg.vecdot(logp_all.exp(), logp_all.clamp(min=-1e4))  # (0 log 0 = 0)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            return logprobs, entropy_of(logp_all) if entropy else torch.zeros_like(logprobs)
 
     step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
     recompute = torch.is_grad_enabled() and step < hidden.shape[1]  # (one block: computed directly)

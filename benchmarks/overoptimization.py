@@ -74,7 +74,7 @@ def best_of_n_pool(seed, pool, rm_dirs):
         batch = ppo.rollout(policy, [p_ids] * pool, episodes, args, stop_id, tokenizer.pad_token_id,
                             torch.device("cpu"), False)
         for j, reward in enumerate(rewards):
-            texts = ppo.score(None, reward, batch, torch.arange(pool), [p] * pool, tokenizer, stop_id, args)
+            texts = ppo.score(reward, batch, torch.arange(pool), [p] * pool, tokenizer, stop_id, args)
             proxy[j, i] = batch.scores.numpy()
         gold[i] = common.gold_rewards([p] * pool, texts)
     return gold, proxy

@@ -159,7 +159,7 @@ def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike
     shift = json.load(open(out / "eval_results.json"))["reward_shift"]
     tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=family_dir("llama")))
     rewards = [ppo.load_reward(ppo.Args(reward_model_path=str(p)), tokenizer) for p in (out, out / "adapter")]
-    assert rewards[0].shift == rewards[1].shift != 0 and shift != 0
+    assert rewards[0].model.shift == rewards[1].model.shift != 0 and shift != 0
     ids = torch.tensor([tokenizer("tell me about animals such as cat dog")["input_ids"]])
     with torch.no_grad():
         scores = [r.model(ids, torch.ones_like(ids)) for r in rewards]
@@ -208,7 +208,7 @@ def test_ppo_lora_bf16_holds_every_frozen_weight_in_bfloat16_and_trains_in_float
     policy, critic, reward = models.policy, models.critic, models.reward
     assert models.reference is policy  # the reference is the policy with its adapter off: no copy
     if critic_init == "reward":  # ... and the reward model is the critic with its adapter off
-        assert reward.model is None and reward.in_critic is not None
+        assert reward.model.func is ppo.critic_as_reward
     else:  # (its scalar head float32, as every scalar head: README's precision table)
         assert {(".score." in n, p.dtype) for n, p in reward.model.named_parameters()} == {
             (False, torch.bfloat16), (True, torch.float32)}
@@ -230,7 +230,8 @@ def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_re
     models = ppo.build_models(args, tokenizer, torch.device("cpu"), 0, 1)
     critic, reward = models.critic, models.reward
     separate = ppo.load_reward(args, tokenizer)
-    assert reward.model is None and separate.model is not None and separate.scale != 1 and separate.shift != 0
+    assert reward.model.func is ppo.critic_as_reward and isinstance(separate.model, ppo.SequenceReward)
+    assert separate.model.scale != 1 and separate.model.shift != 0
     perturb_adapters(critic)
     rng = random.Random(0)
     texts = [common.embedded_prompt(rng) for _ in range(6)]
@@ -243,7 +244,7 @@ def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_re
                         query.shape[1], mask)
     out = []
     for r in (reward, separate):
-        ppo.score(critic, r, batch, torch.arange(6), texts, tokenizer, tokenizer.eos_token_id, args)
+        ppo.score(r, batch, torch.arange(6), texts, tokenizer, tokenizer.eos_token_id, args)
         out.append(batch.scores)
     assert torch.allclose(out[0], out[1], atol=1e-4), out
     with torch.no_grad():  # with its adapter on, the critic reads otherwise: the switch is what makes them equal

@@ -713,24 +713,24 @@ def test_a_reward_function_that_raises_mid_run_leaves_a_folder_that_resume_conti
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
 
 
-def test_the_critic_scores_in_evaluation_mode_and_learns_in_training_mode(tmp_path, monkeypatch):
-    """score() reads the values with the critic in evaluation mode after every update, as the policy samples in it;
-    learn() trains both in training mode. (With the gold reward, the critic at its own learning rate.)"""
-    modes, real_score, real_learn = [], ppo.score, ppo.learn
+def test_the_critic_reads_values_in_evaluation_mode_and_learns_in_training_mode(tmp_path, monkeypatch):
+    """logprobs_and_values() reads the values with the critic in evaluation mode after every update, as the policy
+    samples in it; learn() trains both in training mode. (With the gold reward, the critic at its own learning rate.)"""
+    modes, real_values, real_learn = [], ppo.logprobs_and_values, ppo.learn
 
-    def score(critic, *args, **kwargs):
-        modes.append(("score", critic.training))
-        return real_score(critic, *args, **kwargs)
+    def logprobs_and_values(policy, ref_policy, critic, *args, **kwargs):
+        modes.append(("values", critic.training))
+        return real_values(policy, ref_policy, critic, *args, **kwargs)
 
     def learn(policy, critic, *args, **kwargs):
         modes.append(("learn", policy.training and critic.training))
         return real_learn(policy, critic, *args, **kwargs)
 
-    monkeypatch.setattr(ppo, "score", score)
+    monkeypatch.setattr(ppo, "logprobs_and_values", logprobs_and_values)
     monkeypatch.setattr(ppo, "learn", learn)
     history = ppo.main(ppo.Args(reward_fn="common:gold_rewards", critic_learning_rate=1e-4, total_episodes=96,
                                 output_dir=str(tmp_path)))
-    assert modes == [("score", False), ("learn", True)] * 3
+    assert modes == [("values", False), ("learn", True)] * 3
     assert all(m["objective/scores"] == pytest.approx(m["gold/mean"], abs=1e-5) for m in read_metrics(tmp_path))
     assert len(history) == 3 and os.path.getsize(tmp_path / "curves.png") > 10_000
 
@@ -815,7 +815,7 @@ def test_a_reward_model_with_its_own_tokens_reads_within_its_position_table(fami
     position table are cut to fit it (the prompt keeps its end and [CLS]; the response whole), not read past it."""
     path = family_dir("bert")
     rm_tokenizer = AutoTokenizer.from_pretrained(path)
-    reward = ppo.Reward(model=ppo.SequenceReward(AutoModelForSequenceClassification.from_pretrained(path)),
+    reward = ppo.Reward(model=ppo.SequenceReward(AutoModelForSequenceClassification.from_pretrained(path), 0.0, 1.0),
                         tokenizer=rm_tokenizer)
     prompt = "User: tell me about foods such as pear and rice and honey and soup and bread Assistant:"
     query = torch.tensor(common.tokenize_prompts(TOK, [prompt]))
