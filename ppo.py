@@ -370,7 +370,7 @@ def sample_tokens(logits, seeds, step):
 class Critic(torch.nn.Module):
     """The value of each state: a sequence classifier's scalar head (float32) at every position, minus an offset. Its
     start (critic_from): --critic_init reward, a copy of the reward model, head / rm.py's scale, offset shift / scale
-    (its value at the last token starts as the normalized score); policy, the policy's backbone and a new head as
+    (each prefix's value starts as the normalized score of that prefix); policy, the policy's backbone and a new head as
     rm.py's (std 1 / sqrt(hidden + 1)). With LoRA: an adapter on that network, and a critic from the reward model is,
     with its adapter off, the reward model (reward.model: critic_as_reward; no second copy)."""
 

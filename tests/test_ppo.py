@@ -718,16 +718,10 @@ def test_the_critic_reads_values_in_evaluation_mode_and_learns_in_training_mode(
     samples in it; learn() trains both in training mode. (With the gold reward, the critic at its own learning rate.)"""
     modes, real_values, real_learn = [], ppo.logprobs_and_values, ppo.learn
 
-    def logprobs_and_values(policy, ref_policy, critic, *args, **kwargs):
-        modes.append(("values", critic.training))
-        return real_values(policy, ref_policy, critic, *args, **kwargs)
-
-    def learn(policy, critic, *args, **kwargs):
-        modes.append(("learn", policy.training and critic.training))
-        return real_learn(policy, critic, *args, **kwargs)
-
-    monkeypatch.setattr(ppo, "logprobs_and_values", logprobs_and_values)
-    monkeypatch.setattr(ppo, "learn", learn)
+    monkeypatch.setattr(ppo, "logprobs_and_values", lambda policy, ref, critic, *a, **k: modes.append(
+        ("values", critic.training)) or real_values(policy, ref, critic, *a, **k))
+    monkeypatch.setattr(ppo, "learn", lambda policy, critic, *a, **k: modes.append(
+        ("learn", policy.training and critic.training)) or real_learn(policy, critic, *a, **k))
     history = ppo.main(ppo.Args(reward_fn="common:gold_rewards", critic_learning_rate=1e-4, total_episodes=96,
                                 output_dir=str(tmp_path)))
     assert modes == [("values", False), ("learn", True)] * 3
@@ -761,7 +755,8 @@ def test_an_empty_prompt_without_bos_is_named(tmp_path, monkeypatch):
 def test_blocked_logits_give_the_plain_paths_log_probs_entropies_and_gradients(monkeypatch):
     """--blocked_logits computes response logits in blocks (recomputed in the backward pass): the plain path's
     (response_logprobs) numbers and gradients, and no block above LOGIT_BLOCK elements; the plain path's are the
-    formula written out on the model's own logits at temperature 0.7, two of them -inf (0 log 0 = 0: no NaN)."""
+    formula written out on the model's own logits at temperature 0.7, two of them -inf (0 log 0 = 0: no NaN); the
+    entropy without a graph in one vocabulary-wide buffer (p's own)."""
     policy = ppo.output_layer_in_float32(ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=5))
     policy.lm_head.register_forward_hook(lambda m, i, out: out.index_fill(-1, torch.tensor([3, 7]), -torch.inf))
     prompts = sample_prompts(4)
@@ -790,6 +785,9 @@ def test_blocked_logits_give_the_plain_paths_log_probs_entropies_and_gradients(m
     assert torch.isfinite(results[True][2]).all() and (logp[..., 3] == -float("inf")).all()
     for entropy in (results[False][1], *no_grad):
         assert torch.allclose(entropy, -torch.xlogy(logp.exp(), logp.exp()).sum(-1), atol=1e-5)
+    with torch.no_grad(), torch.profiler.profile(profile_memory=True) as prof:  # no graph: one vocabulary-wide buffer
+        ppo.entropy_of(logp)
+    assert sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.self_cpu_memory_usage > 0) < 1.5 * logp.nbytes
 
 
 def test_a_model_whose_output_transform_is_unknown_is_named_before_training(monkeypatch):
