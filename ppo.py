@@ -88,7 +88,7 @@ class Args:
     sft_model_path: str = "embedded-llama"  # The initial policy: a causal LM or peft adapter, or embedded-llama/-neox
     # rm.py's (its normalization applied), or any sequence classifier, decoder or encoder
     reward_model_path: str | None = None  # The reward model (default: runs/rm; none with --reward_fn)
-    reward_fn: str | None = None  # A rule `module:function`: fn(prompts, responses) -> floats, added to the score
+    reward_fn: str | None = None  # A rule `module:function`: fn(full prompts, responses) -> scores to add
     # auto: the reward model where it reads the policy's tokens (its head the value head), else the policy, new head
     critic_init: Literal["auto", "reward", "policy"] = "auto"  # The critic's start
     # a file with `prompt` (text or messages), `messages` or preference pairs
