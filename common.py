@@ -4,11 +4,13 @@ heads, attention without NaN, position tables); LoRA and loading; logging; a run
 (atomic files, sharded checkpoints); FSDP2 (rank 0's weights broadcast into the shards; peak memory)."""
 
 import codecs
+import collections
 import contextlib
 import copy
 import dataclasses
 import gzip
 import io
+import itertools
 import json
 import math
 import os
@@ -297,6 +299,16 @@ def load_rows(name, config=None, split="train"):
     except Exception as e:
         raise UserError(f"{name}: cannot load dataset ({first_line(e)}); check the name, config and file "
                         "format") from None
+
+
+def hold_out(keys, fraction, seed):
+    """The keys held out for evaluation, one per row: whole keys drawn by seed until their rows hold `fraction` of the
+    rows, and at least one row. Every row of a held key is held, so a repeated prompt is never both trained on and
+    evaluated. rm.py holds out preference pairs by prompt with it, and ppo.py prompts by their text."""
+    order, size = list(dict.fromkeys(keys)), collections.Counter(keys)
+    random.Random(seed).shuffle(order)
+    before = itertools.accumulate((size[k] for k in order), initial=0)  # rows held before each key in turn
+    return {k for k, n in zip(order, before) if n < max(1, int(len(keys) * fraction))}
 
 
 def hf_datasets():

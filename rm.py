@@ -18,7 +18,6 @@ import collections
 import dataclasses
 import datetime
 import inspect
-import itertools
 import math
 import os
 import random
@@ -549,15 +548,12 @@ def take_share(rows, weight, seed):  # a fraction (weight <= 1) or a count of th
 
 
 def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
-    """(train, eval): whole prompts drawn by seed go to eval until they hold `fraction` of the rows; their pairs in
-    also_trained (other datasets') leave training too: no held-out prompt is trained on (one prompt in all: by row)."""
+    """(train, eval): whole prompts drawn by seed go to eval until they hold `fraction` of the rows (common.hold_out).
+    Their pairs in also_trained, other datasets' rows, leave training too. With one prompt in all, rows are drawn."""
     prompt = lambda row: common.split_pair(row, tokenizer, common.where(row))[0]  # noqa: E731
     keys = [prompt(r) for r in rows]
     keys = keys if len(set(keys)) > 1 else list(range(len(rows)))
-    order, size = list(dict.fromkeys(keys)), collections.Counter(keys)
-    random.Random(seed).shuffle(order)
-    before = itertools.accumulate((size[k] for k in order), initial=0)  # rows held before each key in turn
-    held = {k for k, n in zip(order, before) if n < max(1, int(len(rows) * fraction))}
+    held = common.hold_out(keys, fraction, seed)
     train = [r for r, k in zip(rows, keys) if k not in held] + [r for r in also_trained if prompt(r) not in held]
     return train, [r for r, k in zip(rows, keys) if k in held]
 
