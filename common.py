@@ -1,7 +1,4 @@
-"""What rm.py and ppo.py share: plumbing, no method (each script states its own). Sections: errors (one line, exit
-code 2, every rank); the embedded task; preference data (hub, file, folder, any pair format); tokens; models (float32
-heads, attention without NaN, position tables); LoRA and loading; logging; a run's life in its --output_dir; saving
-(atomic files, sharded checkpoints); FSDP2 (rank 0's weights broadcast into the shards; peak memory)."""
+"""Plumbing shared by rm.py and ppo.py, in sections. Each script states its own method."""
 
 import codecs
 import collections
@@ -22,43 +19,53 @@ import signal
 import sys
 import time
 import traceback
+import typing
 import warnings
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401 (before any process group: see leave_together)
+import torch.distributed.nn  # noqa: F401 (imported before any process group, see leave_together)
 import torch.nn.functional as F
 import transformers
 import tyro
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Errors: a mistake a user can fix is one line and exit code 2, no traceback, on every rank at once.
+# Errors. A mistake the user can fix is said in one line with exit code 2, on every rank at once.
 
 
 class UserError(Exception):
-    """Bad input (file, row, field, value): main() prints the message and exits with code 2."""
+    """Bad input the user can fix, such as a file, row, field or value. main() prints it and exits with code 2."""
 
 
 def cli(args_class):
-    """The command line, parsed by tyro (a field's docstring is its help); help and errors printed by rank 0 only."""
+    """Parses the command line into an args_class with tyro. A field's trailing comment is its help, printed by rank 0."""
+    registry, inside, unhinted = tyro.constructors.ConstructorRegistry(), [], tyro.conf.arg(help_behavior_hint="")
+
+    @registry.struct_rule
+    def without_none_hint(info):  # no "(default: None)": such a field's help says what None stands for
+        if info.type is args_class and not inside:
+            inside.append(info)
+            spec = registry.get_struct_spec(info)  # tyro's own
+            inside.pop()
+            return dataclasses.replace(spec, fields=tuple(dataclasses.replace(f, type=typing.Annotated[f.type, unhinted])
+                                                          if f.default is None else f for f in spec.fields))
     quiet = int(os.environ.get("RANK", 0)) != 0
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \
             contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
-        return tyro.cli(args_class, use_underscores=True)
+        return tyro.cli(args_class, use_underscores=True, registry=registry)
 
 
-LEFT = []  # the process groups of runs that have ended, held until the process ends (see leave_together)
+LEFT = []  # the process groups of ended runs, held until the process ends; see leave_together
 
 
 def leave_together():
-    """The end of a run on several ranks: every rank waits for the others, then the process group is destroyed but
-    held (DDP's reducer releasing it would join gloo's threads, which can wait an hour on a peer already gone).
-    A group's threads end only when nothing holds it: torch.distributed.nn binds the group that exists when it is
-    first imported (torch._dynamo imports it, with the first optimizer) as its functions' default argument, so this
-    file imports it before any group. Else a process that ends through the interpreter's teardown, with gloo's
-    threads still releasing the tensors of the last collectives, can abort (SIGABRT, "terminate called without an
-    active exception"); the command line under torchrun leaves with os._exit (exit_on_user_error)."""
+    """Ends a run on several ranks. Every rank waits, then destroys the process group but holds it in LEFT. DDP's
+    reducer, releasing it, would join gloo's threads, which can wait an hour on a peer already gone. A group's threads
+    end only when nothing holds it. torch._dynamo imports torch.distributed.nn with the first optimizer, binding the
+    group of that moment as a default argument, so this file imports it before any group. Else the interpreter's
+    teardown can abort with SIGABRT ("terminate called without an active exception"), as gloo's threads release the
+    last tensors. So under torchrun exit_on_user_error leaves with os._exit."""
     if dist.is_initialized():
         dist.barrier()
         LEFT.append(dist.group.WORLD)
@@ -66,23 +73,23 @@ def leave_together():
 
 
 def first_line(error):
-    """The first line of an exception's message (a library's own errors can run to pages), or its type's name."""
+    """Returns the first line of an exception's message, or its type's name. A library's errors can run to pages."""
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def exit_on_user_error(fn, *args):
-    """The command line's main: a UserError printed in one line, exit code 2. Under torchrun the process then leaves
-    at once (os._exit), however main ended: the interpreter's teardown would destroy the groups leave_together held."""
+    """Runs the command line's main and prints a UserError in one line, with exit code 2. Under torchrun the process
+    then leaves at once with os._exit, however main ended. Teardown would destroy the groups leave_together holds."""
     distributed, result = int(os.environ.get("WORLD_SIZE", "1")) > 1, None
     try:
         result, code = fn(*args), 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
-    except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it (stop_on_signals)
+    except KeyboardInterrupt:  # Ctrl-C before training, or a second Ctrl-C during it; see stop_on_signals
         print("stopped at once by Ctrl-C; --resume continues from the last checkpoint, if any", file=sys.stderr)
         code = 128 + signal.SIGINT
-    except BaseException as e:  # exit_stopped's 130 / 143, or a bug
+    except BaseException as e:  # exit_stopped's code 130 or 143, or a bug
         if not distributed:
             raise
         code = e.code if isinstance(e, SystemExit) else traceback.print_exc() or 1
@@ -96,7 +103,7 @@ def exit_on_user_error(fn, *args):
 
 
 def agreed(check):
-    """check()'s result on every rank, or the first failing rank's error raised on all: none waits for a dead one."""
+    """Returns check()'s result on every rank, or raises the first failing rank's error on all, lest one wait forever."""
     try:
         result, error = check(), None
     except Exception as e:
@@ -114,8 +121,7 @@ def agreed(check):
 
 
 def load_pretrained(loader, name, flag, **kwargs):
-    """loader.from_pretrained(name) (of a peft adapter folder: its base's, but its own tokenizer if it has one), a
-    missing folder or hub repository said in one line naming the flag."""
+    """Returns loader.from_pretrained(name), or its base model's for a peft adapter. A miss is one line naming flag."""
     own_tokenizer = loader.__name__ == "AutoTokenizer" and os.path.exists(os.path.join(name, "tokenizer_config.json"))
     name = name if own_tokenizer else adapter_base(name) or name
     try:
@@ -126,8 +132,7 @@ def load_pretrained(loader, name, flag, **kwargs):
 
 
 def check_source(name, flag, repo_type="model"):
-    """A model or dataset found before any model loads (a path, huggingface_hub's cache or the hub, `datasets`' own
-    cache), or one line naming it."""
+    """Checks that a model or dataset exists, as a path, in a cache or on the hub, before any model loads."""
     if name.startswith("embedded") or os.path.exists(name):
         return
     import huggingface_hub
@@ -138,7 +143,7 @@ def check_source(name, flag, repo_type="model"):
         raise UserError(f"{missing}; check the path")
     if os.path.isdir(os.path.join(huggingface_hub.constants.HF_HUB_CACHE, f"{repo_type}s--{name.replace('/', '--')}")):
         return
-    if repo_type == "dataset":  # prepared once by `datasets` (offline clusters): its own cache, as its loader names it
+    if repo_type == "dataset":  # offline clusters prepare a dataset once, into the cache of `datasets`
         from datasets.naming import camelcase_to_snakecase
 
         *owner, last = name.split("/")
@@ -149,7 +154,7 @@ def check_source(name, flag, repo_type="model"):
         raise UserError(f"{missing}, and not in the hub cache (HF_HUB_OFFLINE is set); pass a local path")
     try:
         exists = huggingface_hub.repo_exists(name, repo_type=repo_type)
-    except Exception as e:  # no network: transformers would retry for half a minute, then say the same
+    except Exception as e:  # no network; transformers would retry for half a minute, then say the same
         raise UserError(f"{missing}, and the hub is unreachable ({first_line(e)}); pass a local path, or set "
                         "HF_HUB_OFFLINE=1 to read the hub cache") from None
     if not exists:
@@ -158,15 +163,14 @@ def check_source(name, flag, repo_type="model"):
 
 
 def seed_of(*keys):
-    """A seed for the stream named by keys (seed, "prompt order", epoch), hashed: seed s + 1 never replays seed s."""
+    """Returns a hashed seed for the stream named by keys, e.g. seed, "prompt order", epoch. Seed s + 1 never replays s."""
     return int(np.random.SeedSequence([k if isinstance(k, int) else int.from_bytes(k.encode(), "little")
                                        for k in keys]).generate_state(1, np.uint64)[0] >> 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The embedded task: no download. A user asks about a topic; a response is a few words, each with a hidden value, one
-# more if of the asked topic, nothing if said again. The gold reward (the mean) is known exactly, a small transformer
-# can learn it, and a policy can raise it or overoptimize a learned proxy of it (benchmarks/overoptimization.py).
+# The embedded task needs no download. A user asks about a topic, and a response is a few words. A small transformer
+# learns its exact gold reward. A policy can raise it, or overoptimize a proxy of it (benchmarks/overoptimization.py).
 
 TOPICS = {
     "animals": "cat dog horse fox owl bear wolf deer frog duck goat lion".split(),
@@ -178,15 +182,15 @@ WORDS = [w for ws in TOPICS.values() for w in ws]
 TOPIC_OF = {w: t for t, ws in TOPICS.items() for w in ws}
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
 TEMPLATE = ["User:", "Assistant:", "tell", "me", "about", "such", "as", "user:", "assistant:", "system:"]
-PREFERENCE_BETA = 3.0  # labels ~ Bernoulli(sigmoid(beta * (gold_a - gold_b))): the Bradley-Terry model of the task
+PREFERENCE_BETA = 3.0  # the task's Bradley-Terry model: P(a preferred) = sigmoid(beta * (gold_a - gold_b))
 _values = random.Random(1234)
 WORD_VALUE = {w: round(_values.gauss(0.0, 1.0), 3) for w in WORDS}
-NON_WORD_VALUE = -3.0  # a token that is not a content word (template, special, unknown) is bad
+NON_WORD_VALUE = -3.0  # the value of a template, special or unknown token
 MIN_WORDS, MAX_WORDS = 3, 10
 
 
 def embedded_tokenizer():
-    """A word-level tokenizer over the task's words, built locally (and saved beside every model trained on it)."""
+    """Returns a word-level tokenizer over the task's words, built locally. It is saved beside every model."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIAL + TEMPLATE + list(TOPICS) + WORDS)},
@@ -200,7 +204,7 @@ def embedded_tokenizer():
 
 
 def embedded_model_config(name, vocab_size, num_labels=None, flag="--model_name_or_path"):
-    """Tiny Llama- and GPT-NeoX-shaped configs, both code paths exercised offline; flag: the option naming the model."""
+    """Returns a tiny Llama- or GPT-NeoX-shaped config, so both code paths run offline. flag names the model's option."""
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=2, eos_token_id=3,
                   tie_word_embeddings=False)
@@ -218,8 +222,9 @@ def embedded_prompt(rng):
 
 
 def gold_reward(prompt, response):
-    """Mean over words of value + 1[of the asked topic], a repeat worth 0: rare in the pairs, so a reward model can
-    miss it and a policy find it, a direction the proxy rewards and the gold does not (Gao et al. 2022, sec. 4)."""
+    """Returns the mean over words of each word's hidden value, plus 1 if of the asked topic. A repeat is worth 0.
+    Repeats are rare in the pairs, so a reward model can miss them and a policy find them. The proxy then rewards a
+    direction the gold reward does not (Gao et al. 2022, sec. 4)."""
     topic = next((w for w in prompt.split() if w in TOPICS), None)
     words = [w for w in response.split() if w != "<eos>"]
     if not words:
@@ -230,7 +235,7 @@ def gold_reward(prompt, response):
 
 
 def gold_rewards(prompts, responses):
-    """The gold reward as a reward function for ppo.py (`--reward_fn common:gold_rewards`): PPO against the truth."""
+    """Returns the gold rewards, a reward function for PPO against the truth (`--reward_fn common:gold_rewards`)."""
     return [gold_reward(p, r) for p, r in zip(prompts, responses)]
 
 
@@ -239,7 +244,7 @@ def embedded_response(rng):
 
 
 def embedded_pairs(n, seed):
-    """n preference pairs with Bradley-Terry labels drawn from the gold reward; gold values kept for the Bayes bound."""
+    """Returns n preference pairs labelled by the gold reward's Bradley-Terry model, with gold values for the Bayes bound."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
@@ -253,15 +258,15 @@ def embedded_pairs(n, seed):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Preference data: a hub name, a local file or folder, or the embedded task, in explicit, implicit or conversational
-# format, read to (prompt, chosen, rejected) text; a bad row is named by its file and line.
+# Preference data from the hub, a local file or folder, or the embedded task, in explicit, implicit or conversational
+# format. An error names the bad row's file and line.
 
 EMBEDDED_SPLITS = {"train": 0, "test": 1, "validation": 2}  # the seed of each split's pairs
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def mixture(mixer):
-    """open-instruct's dataset mixer (--dataset_mixer_list): [name, weight, ...] -> [(name, weight), ...]."""
+    """Returns open-instruct's dataset mixer, --dataset_mixer_list's [name, weight, ...], as [(name, weight), ...]."""
     if len(mixer) % 2:
         raise UserError("--dataset_mixer_list: expected pairs of NAME WEIGHT, e.g. 'data.jsonl 1.0 other 500'")
     for name, weight in zip(mixer[::2], mixer[1::2]):
@@ -271,8 +276,8 @@ def mixture(mixer):
 
 
 def load_rows(name, config=None, split="train"):
-    """One split's rows, each knowing its `_source` and `_row`/`_line`, or None if there is no such split."""
-    if name == "embedded":  # three splits, each its own draw
+    """Returns one split's rows, or None if there is no such split. Each row names its `_source` and `_row` or `_line`."""
+    if name == "embedded":  # three splits, each drawn with its own seed
         rows = embedded_pairs(40000 if split == "train" else 4000, EMBEDDED_SPLITS[split]) \
             if split in EMBEDDED_SPLITS else None
         return rows and [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
@@ -284,11 +289,11 @@ def load_rows(name, config=None, split="train"):
             if not os.path.exists(name):
                 raise UserError(f"{name}: file not found; pass an existing .jsonl/.json/.parquet/.csv(.gz) path")
             if split != "train":
-                return None  # a single local file has one split; the caller holds out an eval fraction
-            if ext == ".jsonl":  # read here: errors name the line, and no Arrow cache is written beside the user's data
+                return None  # a single file has one split, and the caller holds out an eval fraction
+            if ext == ".jsonl":  # read here, so errors name the line and no Arrow cache lands beside the user's data
                 return read_jsonl(name)
             rows = hf_datasets().load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train")
-            return [dict(r, _source=name, _row=i, **({"_line": i + 2} if ext == ".csv" else {}))  # (after the header)
+            return [dict(r, _source=name, _row=i, **({"_line": i + 2} if ext == ".csv" else {}))  # after the header
                     for i, r in enumerate(rows)]
         if split not in hf_datasets().get_dataset_split_names(name, config):
             return None
@@ -302,9 +307,9 @@ def load_rows(name, config=None, split="train"):
 
 
 def hold_out(keys, fraction, seed):
-    """The keys held out for evaluation, one per row: whole keys drawn by seed until their rows hold `fraction` of the
-    rows, and at least one row. Every row of a held key is held, so a repeated prompt is never both trained on and
-    evaluated. rm.py holds out preference pairs by prompt with it, and ppo.py prompts by their text."""
+    """Returns the keys held out for evaluation, given one key per row. Whole keys are drawn by seed until their rows
+    make up `fraction` of the rows, and at least one. Every row of a held key is held, so a repeated prompt is never
+    both trained on and evaluated. rm.py holds out pairs by prompt, and ppo.py holds out prompts by their text."""
     order, size = list(dict.fromkeys(keys)), collections.Counter(keys)
     random.Random(seed).shuffle(order)
     before = itertools.accumulate((size[k] for k in order), initial=0)  # rows held before each key in turn
@@ -312,7 +317,7 @@ def hold_out(keys, fraction, seed):
 
 
 def hf_datasets():
-    """The `datasets` library, imported only where a dataset needs it (90 MB a process), its progress bars off."""
+    """Returns the `datasets` library with its progress bars off. It costs 90 MB a process, so only datasets load it."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -320,7 +325,7 @@ def hf_datasets():
 
 
 def load_folder(path, config, split):
-    """A folder from save_to_disk, a hub clone or of split files: `datasets` resolves the layout, load_rows reads."""
+    """Returns one split's rows of a folder, or None. The folder is from save_to_disk, a hub clone, or of split files."""
     datasets = hf_datasets()
     if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
         ds = datasets.load_from_disk(path)
@@ -329,15 +334,15 @@ def load_folder(path, config, split):
     top = [f for f in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, f))
            and os.path.splitext(f.removesuffix(".gz"))[1] in LOCAL_BUILDERS]
     if any(f.split(".")[0] in ("train", "test", "validation", split) for f in top):
-        # split files at the top (train.jsonl, test.parquet): only those, never files in subfolders (a run's outputs)
+        # Only split files at the top, such as train.jsonl, are read. Subfolders may hold a run's outputs.
         return next((load_rows(os.path.join(path, f)) for f in top if f.split(".")[0] == split), None)
-    # a README.md with `configs:` names the files; otherwise the usual patterns (data/train-*, test.csv, ...)
+    # A README.md with `configs:` names the files. Otherwise the usual patterns apply, such as data/train-*.
     files = {str(k): v for k, v in (datasets.load_dataset_builder(path, config).config.data_files or {}).items()}
     return [row for f in files[split] for row in load_rows(str(f))] if split in files else None
 
 
 def split_names(name, config=None):
-    """The splits a dataset has (as load_rows finds them), to name them where one asked for is missing."""
+    """Returns the splits a dataset has, as load_rows finds them. An error names them when a split is missing."""
     if name == "embedded":
         return list(EMBEDDED_SPLITS)
     if not os.path.isdir(name):  # a local file has one split; else a hub dataset
@@ -356,9 +361,9 @@ def split_names(name, config=None):
 def read_jsonl(path):
     rows = []
     with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
-        for line_number, raw in enumerate(f, 1):  # the line an editor shows: blank lines count
+        for line_number, raw in enumerate(f, 1):  # as an editor numbers lines, blank ones included
             where = f"{path}: line {line_number}"
-            try:  # a byte-order mark (written by some Windows tools) is not part of the first row
+            try:  # the byte-order mark some Windows tools write is not part of the first row
                 line = (raw.removeprefix(codecs.BOM_UTF8) if line_number == 1 else raw).decode("utf-8")
             except UnicodeDecodeError as e:
                 raise UserError(f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as "
@@ -377,12 +382,12 @@ def read_jsonl(path):
 
 
 def where(row):
-    """'file: line N' (JSON lines, CSV) or 'dataset: row N', for error messages."""
+    """Returns 'file: line N' for JSON lines and CSV, else 'dataset: row N', to name a row in error messages."""
     return f"{row['_source']}: " + (f"line {row['_line']}" if "_line" in row else f"row {row['_row']}")
 
 
 def as_number(value):
-    """float(value) of a number or of text that reads as one (a CSV cell, an argument), else NaN."""
+    """Returns float(value) of a number or of text that reads as one, such as a CSV cell, else NaN."""
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -390,7 +395,7 @@ def as_number(value):
 
 
 def shared_prefix_split(a, b):
-    """Implicit prompt: the longest common prefix ending before a space, each response starting with its space."""
+    """Splits an implicit pair at the longest common prefix that ends before a space. Responses start with a space."""
     i = max(0, min(len(os.path.commonprefix([a, b])), len(a) - 1, len(b) - 1))
     while i > 0 and not (a[i].isspace() and b[i].isspace()):
         i -= 1
@@ -401,11 +406,11 @@ def shared_prefix_split(a, b):
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}  # ShareGPT's names for the same turns
-_RENDERED_ROLES = {}  # (tokenizer, role): whether its chat template renders the role
+_RENDERED_ROLES = {}  # whether a tokenizer's chat template renders a role, by (id(tokenizer), role)
 
 
 def renders_role(tokenizer, role):
-    """Whether the chat template writes a message of this role (alone, or after a user turn), rather than drop it."""
+    """Returns whether the chat template writes a message of this role, alone or after a user turn, or drops it."""
     if (id(tokenizer), role) not in _RENDERED_ROLES:
         mark, shown = "\u2042probe\u2042", False
         for context in ([], [{"role": "user", "content": "hi"}]):
@@ -417,7 +422,7 @@ def renders_role(tokenizer, role):
 
 
 def checked_messages(messages, tokenizer, where, field):
-    """A row's messages checked, ShareGPT's roles renamed; a role the chat template would silently drop refused."""
+    """Returns a row's messages checked, ShareGPT's roles renamed. A role the chat template would drop is refused."""
     if not isinstance(messages, list):
         raise UserError(f"{where}: field '{field}' is {type(messages).__name__}; expected a list of messages")
     for k, m in enumerate(messages):
@@ -444,7 +449,7 @@ def render_chat(tokenizer, messages, where, generation_prompt=False):
 
 
 def split_pair(row, tokenizer, where):
-    """(prompt, chosen, rejected) text of one row in any supported format. `where` names the file and row."""
+    """Returns the prompt, chosen and rejected text of one row in any supported format. `where` names the row."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected an object with 'chosen' and 'rejected', got {type(row).__name__}")
     for field in ("chosen", "rejected"):
@@ -462,7 +467,7 @@ def split_pair(row, tokenizer, where):
             while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
                 k += 1
             prompt, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
-        # The prompt as ppo.py renders it (with the generation prompt), so both scripts see the same prompt tokens.
+        # Rendered with the generation prompt, as ppo.py renders prompts, so both scripts see the same tokens.
         p = render_chat(tokenizer, prompt, where, generation_prompt=True)
         full = [render_chat(tokenizer, prompt + m, where) for m in (chosen, rejected)]
         if all(f.startswith(p) for f in full):
@@ -475,12 +480,12 @@ def split_pair(row, tokenizer, where):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Tokens. A prompt is the special tokens the tokenizer puts BEFORE a text (BOS, [CLS]) and the text's tokens, never
-# those it puts after (EOS, [SEP]); a response is tokenized after its prompt, as the policy writes it.
+# Tokens. A prompt is the special tokens a tokenizer puts before a text, such as BOS, then the text's tokens. It never
+# has those put after a text, such as EOS. A response is tokenized after its prompt, as the policy writes it.
 
 
 def special_affixes(tokenizer):
-    """The special token ids the tokenizer's post-processor writes before and after a text."""
+    """Returns the special token ids the tokenizer's post-processor writes before and after a text."""
     plain = tokenizer("a b", add_special_tokens=False)["input_ids"]
     if not plain:  # e.g. a word-level tokenizer saved beside a Qwen2 config, loaded by AutoTokenizer as Qwen2Tokenizer
         raise UserError(f"tokenizer {tokenizer.name_or_path!r} ({type(tokenizer).__name__}) gives no tokens for the "
@@ -491,12 +496,12 @@ def special_affixes(tokenizer):
 
 
 def leading_id(tokenizer):
-    """The special token a prompt starts with (BOS or [CLS]), which truncation keeps; None if there is none."""
+    """Returns the special token a prompt starts with, such as BOS or [CLS], or None. Truncation keeps it."""
     return next(iter(special_affixes(tokenizer)[0]), None)
 
 
 def end_id(tokenizer):
-    """The token that ends a text: EOS, or for an encoder without one, the separator its tokenizer appends."""
+    """Returns the token that ends a text. That is EOS, or for an encoder without one, the separator it appends."""
     if tokenizer.eos_token_id is not None:
         return tokenizer.eos_token_id
     if not (suffix := special_affixes(tokenizer)[1]):
@@ -508,13 +513,13 @@ def tokenize_prompts(tokenizer, texts):
     prefix = special_affixes(tokenizer)[0]
     lead = tokenizer.decode(prefix) if prefix else None
     ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
-    # Chat templates often write the BOS token as text already; adding it again would double it.
+    # Chat templates often write the BOS token as text already. Adding it again would double it.
     return [x if lead and t.startswith(lead) else prefix + x for t, x in zip(texts, ids)]
 
 
 def tokenize_responses(tokenizer, prompts, responses):
-    """Response ids, tokenized after their prompt as the policy writes them, cut after the first end token (end_id:
-    what follows is never generated) or ended with one."""
+    """Returns response ids, tokenized after their prompt as the policy writes them. Each is cut after its first end
+    token, since what follows is never generated, or else ends with one."""
     if not responses:
         return []
     end = end_id(tokenizer)
@@ -524,11 +529,11 @@ def tokenize_responses(tokenizer, prompts, responses):
     return [x[:x.index(end) + 1] if end in x else x + [end] for x in out]
 
 
-UNKNOWN_SHARE = 0.5  # measured (README): English is 95-96% unknown to the embedded tokenizer; covered data <= 28%
+UNKNOWN_SHARE = 0.5  # README: English is 95-96% unknown to the embedded tokenizer, covered data at most 28%
 
 
 def check_vocabulary(tokenizer, ids, data, model, flag):
-    """Stop on a tokenizer that does not cover the data: on its unknown token a model learns nothing, yet exits 0."""
+    """Refuses a tokenizer that does not cover the data. A model learns nothing from unknown tokens, yet exits 0."""
     sample = ids[::max(1, len(ids) // 2000)]
     n_tokens = sum(map(len, sample))
     if tokenizer.unk_token_id is None or not n_tokens:  # byte-level tokenizers have no unknown token
@@ -541,11 +546,11 @@ def check_vocabulary(tokenizer, ids, data, model, flag):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Models: scalar heads computed in float32; attention that never gives NaN; lengths within a learned position table.
+# Models. Scalar heads compute in float32, attention never gives NaN, and lengths fit a learned position table.
 
 
 class Float32Linear(torch.nn.Linear):
-    """Computed in float32 whatever autocast asks: a bfloat16 reward moves in steps of 1/128 of its size, pairs tie."""
+    """A linear layer in float32 whatever autocast asks. A bfloat16 reward moves in steps of 1/128 of its size, so pairs tie."""
 
     def forward(self, x):
         with torch.autocast(x.device.type, enabled=False):
@@ -553,7 +558,7 @@ class Float32Linear(torch.nn.Linear):
 
 
 def scalar_head_in_float32(model):
-    """The model, its scalar head (`score`, or the last linear layer of `classifier`) computed in float32."""
+    """Returns the model with its head computed in float32. The head is `score` or `classifier`'s last linear layer."""
     head = getattr(model, "score", None)
     if head is None and hasattr(model, "classifier"):
         head = [m for m in model.classifier.modules() if isinstance(m, torch.nn.Linear)][-1]
@@ -563,12 +568,12 @@ def scalar_head_in_float32(model):
 
 
 def attention_without_nan(device):
-    """1. transformers' SDPA mask, patched globally, lets each position see itself: left padding sees no real key,
-    some kernels answer NaN, and 0 x NaN reaches real tokens (which see themselves already: unchanged).
-    2. cuDNN's SDPA off on CUDA: with a boolean mask its backward gives NaN at some lengths (pytorch #196678)."""
+    """Makes attention never give NaN. transformers' SDPA mask is patched globally to let each position see itself.
+    Else left padding sees no real key, some kernels answer NaN, and 0 x NaN reaches real tokens, which are unchanged.
+    cuDNN's SDPA is off on CUDA: with a boolean mask, its backward gives NaN at some lengths (pytorch #196678)."""
     def sdpa_mask_with_diagonal(*args, q_offset=0, kv_offset=0, **kwargs):
         mask = transformers.masking_utils.sdpa_mask(*args, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
-        if not torch.is_tensor(mask):  # None: no mask needed (is_causal)
+        if not torch.is_tensor(mask):  # None means no mask is needed (is_causal)
             return mask
         q = torch.arange(mask.shape[-2], device=mask.device) + q_offset
         kv = torch.arange(mask.shape[-1], device=mask.device) + kv_offset
@@ -580,7 +585,7 @@ def attention_without_nan(device):
 
 
 def position_table(model):
-    """The length of a model's learned position table (GPT-2, OPT, BERT); None for rotary and ALiBi models."""
+    """Returns the length of a model's learned position table, as in GPT-2, OPT or BERT. Rotary and ALiBi give None."""
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m is not model.get_input_embeddings()
               and limit and limit <= m.num_embeddings <= limit + 2]  # OPT's table has 2 extra rows
@@ -588,24 +593,23 @@ def position_table(model):
 
 
 def check_position_table(model, length, flag):
-    """A length past the learned position table, refused now rather than as an index error later."""
+    """Refuses a length past the learned position table now, rather than as an index error later."""
     if (limit := position_table(model)) and length > limit:
         raise UserError(f"{flag}: {length} tokens, but {model.config.name_or_path or 'the model'} has a learned "
                         f"position table of {limit}; pass at most {limit}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# LoRA (Hu et al. 2021) through peft: adapters on the backbone's linear layers, merged into the weights when saved; an
-# adapter folder loads as its base model with the adapter merged in. Loading a model, whole or on the meta device.
+# LoRA (Hu et al. 2021) through peft, and loading models whole or on the meta device.
 
 
 def add_lora(model, args, task_type):
-    """Adapters added in place (the model keeps its class and forward), a classifier's head trained in full beside
-    them; only those train, in float32. Returns the peft model."""
+    """Adds LoRA adapters on the backbone's linear layers in place, and returns the peft model. A classifier's head
+    trains in full beside them. Only these train, in float32. The model keeps its class and forward."""
     from peft import LoraConfig, get_peft_model
 
     targets = args.lora_target_modules
-    # no dropout on the adapters, as nowhere: rollout and learning, a pair's two passes, read one network
+    # No dropout, as nowhere else, so rollout and learning, or a pair's two passes, read one network.
     config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                         target_modules="all-linear" if targets == ["all-linear"] else targets)
     try:
@@ -623,19 +627,19 @@ def add_lora(model, args, task_type):
 
 
 def save_lora(model, peft_model, state_dict, tokenizer, output_dir):
-    """The adapter saved in output_dir/adapter; returned, the model with it merged in, which loads without peft."""
+    """Saves the adapter in output_dir/adapter. Returns the model with it merged in, which loads without peft."""
     from peft import get_peft_model
 
-    plain = meta_model(lambda: type(model)(model.config))  # no weights allocated: the state dict's are assigned in
+    plain = meta_model(lambda: type(model)(model.config))  # no weights allocated; the state dict's are assigned
     template = get_peft_model(plain, copy.deepcopy(peft_model.peft_config["default"]))
     plain.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}, assign=True)
-    plain.tie_weights()  # assigned tensors are separate: tie the output layer to the embedding again where tied
+    plain.tie_weights()  # assigned tensors are separate, so a tied output layer is tied to the embedding again
     save_pretrained_atomic(template, tokenizer, os.path.join(output_dir, "adapter"))
     return template.merge_and_unload()
 
 
 def adapter_base(name):
-    """The base model of a peft adapter folder (adapter_config.json, no config.json), or None for a model."""
+    """Returns the base model of a peft adapter folder, or None for a model. An adapter folder has no config.json."""
     path = os.path.join(name, "adapter_config.json")
     if not os.path.exists(path) or os.path.exists(os.path.join(name, "config.json")):
         return None
@@ -648,16 +652,16 @@ def adapter_base(name):
 
 
 def adapter_holds_head(name):
-    """Whether a peft adapter folder holds the weights of a classification head (rm.py's do: peft's modules_to_save)."""
+    """Returns whether a peft adapter folder holds a classifier head's weights, as rm.py's do (modules_to_save)."""
     from peft.utils import load_peft_weights
 
-    return any(".score." in k or ".classifier." in k for k in load_peft_weights(name, device="cpu"))  # (small)
+    return any(".score." in k or ".classifier." in k for k in load_peft_weights(name, device="cpu"))  # small
 
 
 def load_model(loader, name, flag, on_meta=False, **kwargs):
-    """loader.from_pretrained(name); for a peft adapter folder, its base model with the adapter merged in (and the
-    reward normalization rm.py saved beside the adapter). on_meta (FSDP's ranks but 0): built from the config on the
-    meta device, no weight read; shard_from_rank0 fills it with rank 0's."""
+    """Returns loader.from_pretrained(name), or for a peft adapter folder, its base model with the adapter merged in
+    and the reward normalization rm.py saved beside it. With on_meta, the model is built from its config on the meta
+    device, reading no weight. FSDP's ranks but 0 load so, and shard_from_rank0 gives them rank 0's weights."""
     from peft import PeftConfig, PeftModel
 
     if on_meta and not adapter_base(name):
@@ -669,10 +673,10 @@ def load_model(loader, name, flag, on_meta=False, **kwargs):
         if vocab > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(vocab, mean_resizing=False)
         config = PeftConfig.from_pretrained(name)
-        if config.task_type == "CAUSAL_LM" and not model.can_generate():  # an SFT adapter as a classifier's backbone:
-            config.task_type = None  # its layers' adapters merged, the head the classifier's own (new)
+        if config.task_type == "CAUSAL_LM" and not model.can_generate():  # an SFT adapter on a classifier's backbone
+            config.task_type = None  # its layers' adapters merge, and the classifier keeps its own new head
         model = PeftModel.from_pretrained(model, name, config=config).merge_and_unload()
-        model.requires_grad_(True)  # peft loads an adapter for inference, every weight frozen: the merge trains whole
+        model.requires_grad_(True)  # peft loads an adapter frozen, for inference; the merged model trains whole
         if os.path.exists(norm := os.path.join(name, "reward_normalization.json")):
             with open(norm) as f:
                 model.config.update(json.load(f))
@@ -680,12 +684,11 @@ def load_model(loader, name, flag, on_meta=False, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Logging: stdout (through tqdm), metrics.jsonl, and optionally Weights & Biases and TensorBoard.
+# Logging to stdout through tqdm, to metrics.jsonl, and optionally to Weights & Biases and TensorBoard.
 
 
 def open_log(path, resume_step=None):
-    """path opened to append: emptied for a new run; on resume, the lines after the resumed step dropped (they will
-    be redone)."""
+    """Opens path to append. A new run empties it. A resumed run drops the lines after its step, to be redone."""
     kept = []
     if resume_step is not None and os.path.exists(path):
         with open(path) as f:
@@ -695,11 +698,11 @@ def open_log(path, resume_step=None):
 
 
 class Logger:
-    """The same metrics to metrics.jsonl, and to Weights & Biases (--track) and TensorBoard (--tensorboard)."""
+    """Writes the same metrics to metrics.jsonl, Weights & Biases (--track) and TensorBoard (--tensorboard)."""
 
     def __init__(self, args, project, resume_step=None):
         os.makedirs(args.output_dir, exist_ok=True)
-        if args.overwrite_output_dir:  # the run replacing an earlier one starts: --resume must never find its state
+        if args.overwrite_output_dir:  # the replaced run's checkpoints go, so --resume never finds them
             shutil.rmtree(os.path.join(args.output_dir, "checkpoints"), ignore_errors=True)
         self.file = open_log(os.path.join(args.output_dir, "metrics.jsonl"), resume_step)
         self.wandb = self.tensorboard = None
@@ -733,12 +736,12 @@ def format_metrics(m):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# A run's life in its --output_dir: an earlier run's results and checkpoints are never replaced unasked; --resume of a
-# finished run does nothing; SIGINT and SIGTERM end a run at a step boundary with a checkpoint it resumes from.
+# A run's life in its --output_dir. An earlier run's results and checkpoints are never replaced unasked. --resume of
+# a finished run does nothing. SIGINT and SIGTERM end a run at a step boundary, with a checkpoint to resume from.
 
 
 def finished_progress(output_dir):
-    """The last step logged in output_dir's metrics.jsonl, or None."""
+    """Returns the last step logged in output_dir's metrics.jsonl, or None."""
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return None
@@ -747,7 +750,7 @@ def finished_progress(output_dir):
 
 
 def check_output_dir(args, rank):
-    """A finished run or checkpoints in --output_dir are continued or replaced only when asked."""
+    """Refuses to continue or replace a finished run or checkpoints in --output_dir unless asked."""
     logged = finished_progress(args.output_dir) is not None
     held = "a finished run" if logged and os.path.exists(os.path.join(args.output_dir, "config.json")) else \
         "checkpoints" if latest_checkpoint(args.output_dir) else "a run's log" if logged else None
@@ -761,7 +764,7 @@ def check_output_dir(args, rank):
 
 
 def run_complete(args, total, rank):
-    """Whether --resume finds the run in output_dir finished (logged to step `total`, model saved): nothing to do."""
+    """Returns whether --resume finds the run in output_dir logged to step `total` and saved, with nothing to do."""
     logged = finished_progress(args.output_dir) if args.resume else None
     if logged is None or logged < total or not os.path.exists(os.path.join(args.output_dir, "config.json")):
         if logged is not None and latest_checkpoint(args.output_dir) is None:
@@ -776,13 +779,13 @@ def run_complete(args, total, rank):
     return True
 
 
-STOP = {}  # the signal that asked this process to stop at the next step boundary (set by stop_on_signals' handler)
-SAVE_EVERY_S = 1800  # the default checkpoint cadence (--save_steps unset): 30 minutes of training
+STOP = {}  # the signal that asked this process to stop at the next step boundary; see stop_on_signals
+SAVE_EVERY_S = 1800  # without --save_steps, a checkpoint every 30 minutes of training
 
 
 def stop_on_signals(enabled=True):
-    """SIGINT and SIGTERM (preemption's notice) end the run at the next step with a checkpoint; a second SIGINT at
-    once. enabled=False: the handlers from before are back."""
+    """Makes SIGINT and SIGTERM, preemption's notice, end the run at the next step with a checkpoint. A second SIGINT
+    stops it at once. enabled=False restores the handlers from before."""
     if not enabled:
         for s, handler in STOP.pop("previous", {}).items():
             signal.signal(s, handler)
@@ -792,19 +795,20 @@ def stop_on_signals(enabled=True):
         if "signal" in STOP:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            return  # SIGTERM again (a scheduler and torchrun may both send it): the stop is already on its way
+            return  # a second SIGTERM, since a scheduler and torchrun may both send one
         STOP["signal"] = signum
-        if int(os.environ.get("RANK", 0)) == 0:  # os.write: a print could re-enter a write the signal interrupted
+        if int(os.environ.get("RANK", 0)) == 0:  # a print could re-enter a write the signal interrupted
             os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C "
                         "again to stop at once)\n".encode())
-    STOP.pop("signal", None)  # "previous" stays if a run in this process ended by an exception: the handlers before it
+    STOP.pop("signal", None)  # "previous" stays if an earlier run here ended by an exception, with the first handlers
     STOP.setdefault("previous", {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)})
     for s in STOP["previous"]:
         signal.signal(s, ask)
 
 
 def step_end(step, save_steps, last_save, device):
-    """(save, stop), agreed by all ranks: save every save_steps (None: SAVE_EVERY_S s; 0: never) and on a stop."""
+    """Returns (save, stop), agreed by all ranks. A run saves on a stop and every save_steps steps.
+    save_steps=None saves every SAVE_EVERY_S seconds instead, and 0 only on a stop."""
     due = step % save_steps == 0 if save_steps else save_steps is None and time.time() - last_save >= SAVE_EVERY_S
     flags = torch.tensor([float(due), float(STOP.get("signal", 0))], device=device)
     if dist.is_initialized():
@@ -813,7 +817,7 @@ def step_end(step, save_steps, last_save, device):
 
 
 def exit_stopped(signum, step, args, rank, bar):
-    """After a signal's checkpoint: how to resume, then every rank exits with 128 + the signal, as a shell says."""
+    """Says how to resume after a signal's checkpoint. Every rank exits with 128 + the signal, as a shell does."""
     bar.close()
     if rank == 0:
         print(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved in {args.output_dir}: "
@@ -825,7 +829,7 @@ def exit_stopped(signum, step, args, rank, bar):
 
 
 def check_shared_output_dir(output_dir, rank):
-    """Every rank reads back the token rank 0 writes into output_dir: nodes must share the folder of the shards."""
+    """Checks that every rank reads back a token rank 0 writes into output_dir. Nodes must share the shards' folder."""
     if not dist.is_initialized():
         return
     path, token = os.path.join(output_dir, ".rank0"), [os.urandom(8).hex()]
@@ -848,11 +852,9 @@ def check_shared_output_dir(output_dir, rank):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Saving: final artifacts written under a temporary name and renamed, so a crash while saving leaves the previous ones
-# whole; a full disk is one line. Checkpoints: a crash at any moment leaves `latest` naming a complete one; a folder per
-# step, written as NAME.tmp and renamed, then `latest` replaced. Each rank writes its shards of the tensors
-# (torch.distributed.checkpoint, safetensors); rank 0 the rest (schedule, progress, every rank's random streams) in
-# state.pt, read with weights_only: neither runs code on load.
+# Saving. Files and checkpoints are written under a temporary name and renamed. A crash at any moment thus leaves
+# earlier saves whole, and `latest` naming a complete checkpoint. Shards are safetensors written by
+# torch.distributed.checkpoint, and state.pt is read with weights_only, so neither runs code on load.
 
 
 def write_atomic(path, text):
@@ -882,7 +884,7 @@ WEIGHT_FILES = ("model.safetensors", "model-", "pytorch_model", "adapter_model")
 
 
 def save_pretrained_atomic(model, tokenizer, output_dir, **kwargs):
-    """save_pretrained into a temporary folder, moved in over an earlier save, whose other weight files go."""
+    """Saves into a temporary folder, then moves it in over an earlier save, whose other weight files go."""
     tmp = os.path.join(output_dir, ".saving")
     os.makedirs(output_dir, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -908,7 +910,7 @@ def state_bytes(obj):
 
 
 def save_failed(error, partial, folder, needed):
-    """error raised again once `partial` (the save's temporary folder, if given) is removed; a full disk as one line."""
+    """Removes `partial`, the save's temporary folder if given, and raises error again. A full disk is one line."""
     if partial:
         shutil.rmtree(partial, ignore_errors=True)
     free = shutil.disk_usage(folder).free
@@ -920,7 +922,7 @@ def save_failed(error, partial, folder, needed):
 
 
 def new_checkpoint_dir(output_dir, step):
-    """A new, empty root/NAME.tmp for a checkpoint of this step (never an existing checkpoint's name); (root, NAME)."""
+    """Makes a new, empty root/NAME.tmp for this step's checkpoint and returns (root, NAME). NAME is always new."""
     root = os.path.join(output_dir, "checkpoints")
     name, n = f"step_{step:08d}", 1
     while os.path.exists(os.path.join(root, name)):  # a directory from an earlier run into the same output_dir
@@ -931,7 +933,7 @@ def new_checkpoint_dir(output_dir, step):
 
 
 def commit_checkpoint(root, name, state, keep=2):
-    """state.pt beside the shards, made durable, NAME.tmp renamed NAME, `latest` switched, then older ones go."""
+    """Writes state.pt beside the shards, renames NAME.tmp to NAME, and names it in `latest`. Older ones then go."""
     tmp = os.path.join(root, name + ".tmp")
     try:
         with open(os.path.join(tmp, "state.pt"), "wb") as f:
@@ -940,7 +942,7 @@ def commit_checkpoint(root, name, state, keep=2):
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
         save_failed(e, tmp, root, state_bytes(state))
-    def durable(folder):  # its entries (a renamed folder, a new file) on disk before the next step
+    def durable(folder):  # a renamed folder or new file in it is on disk before the next step
         fd = os.open(folder, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
@@ -966,11 +968,11 @@ def latest_checkpoint(output_dir):
 
 def load_latest_checkpoint(output_dir):
     path = latest_checkpoint(output_dir)
-    return None if path is None else torch.load(os.path.join(path, "state.pt"), weights_only=True)  # runs no code
+    return None if path is None else torch.load(os.path.join(path, "state.pt"), weights_only=True)
 
 
 def sharded_state(model, optimizer):
-    """This rank's shards of weights and optimizer state by name, and the param_groups (kept in state.pt)."""
+    """Returns this rank's shards of weights and optimizer state by name, and the param_groups, kept in state.pt."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -978,14 +980,14 @@ def sharded_state(model, optimizer):
 
 
 def save_training(model, optimizer, scheduler, step, rank, output_dir, global_batch, **extra):
-    """A checkpoint, on every rank: its shards, and on rank 0 the rest (a resume checks global_batch against its own).
-    A failure on any rank (a full disk) stops all, the partial checkpoint removed."""
+    """Saves a checkpoint. Each rank writes its shards, and rank 0 the rest: schedule, progress, global_batch and every
+    rank's random streams. A failure on any rank, such as a full disk, stops all and removes the partial checkpoint."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
     from torch.distributed.checkpoint.api import CheckpointException
 
     tensors, param_groups = sharded_state(model, optimizer)
     where = [new_checkpoint_dir(output_dir, step) if rank == 0 else None]
-    rngs = [{"python": random.getstate(), "torch": torch.get_rng_state(),  # (cuda: this rank's device's)
+    rngs = [{"python": random.getstate(), "torch": torch.get_rng_state(),  # cuda: this rank's device's
              "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}]
     if dist.is_initialized():
         dist.broadcast_object_list(where, src=0)
@@ -994,28 +996,28 @@ def save_training(model, optimizer, scheduler, step, rank, output_dir, global_ba
         rngs = gathered
     root, name = where[0]
     try:
-        with warnings.catch_warnings():  # (one process: "assuming the intent is to save in a single process")
+        with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
             save(tensors, storage_writer=HuggingFaceStorageWriter(os.path.join(root, name + ".tmp"),
                                                                   save_distributed=True))
-    except (Exception, CheckpointException) as e:  # every rank learns of any rank's failure (a CheckpointException)
+    except (Exception, CheckpointException) as e:  # a CheckpointException tells every rank of any rank's failure
         save_failed(e, rank == 0 and os.path.join(root, name + ".tmp"), root, state_bytes(tensors))
-    agreed(lambda: rank == 0 and commit_checkpoint(root, name, {  # (after every shard is written and fsynced)
+    agreed(lambda: rank == 0 and commit_checkpoint(root, name, {  # after every shard is written and fsynced
         "optimizer_param_groups": param_groups, "scheduler": scheduler.state_dict(), "step": step,
         "global_batch": global_batch, "rng": rngs, **extra}))
 
 
 def resume_training(model, optimizer, scheduler, output_dir, args, world):
-    """The latest checkpoint in output_dir restored on any number of ranks: weights, optimizer, schedule and every
-    rank's random streams. Returns its state (its "step" is the step to continue from), or None. A checkpoint of
-    another global batch is refused: its step would count other batches."""
+    """Restores the latest checkpoint in output_dir on any number of ranks, random streams included. Returns its
+    state, whose "step" is the step to continue from, or None. A checkpoint of another global batch is refused,
+    because its step would count other batches."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     if (path := latest_checkpoint(output_dir)) is None:
         return None
     ckpt = load_latest_checkpoint(output_dir)
-    other = getattr(args, "num_mini_batches", 1)  # (ppo.py: an update's mini-batches)
+    other = getattr(args, "num_mini_batches", 1)  # ppo.py's mini-batches per update
     batch, saved = args.per_device_train_batch_size * args.gradient_accumulation_steps * other * world, \
         ckpt["global_batch"]
     if batch != saved:
@@ -1025,7 +1027,7 @@ def resume_training(model, optimizer, scheduler, output_dir, args, world):
         raise UserError(f"--resume: the checkpoint was trained in global batches of {saved}, this run's is {batch}; "
                         f"resume with {keep} (or --overwrite_output_dir to train afresh)")
     tensors, _ = sharded_state(model, optimizer)
-    with warnings.catch_warnings():  # (one process: "assuming the intent is to load in a single process")
+    with warnings.catch_warnings():  # one process: "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
         load(tensors, storage_reader=HuggingFaceStorageReader(path))
     set_state_dict(model, optimizer, model_state_dict=tensors["model"],
@@ -1036,32 +1038,30 @@ def resume_training(model, optimizer, scheduler, output_dir, args, world):
         random.setstate(rngs[rank]["python"])
         torch.set_rng_state(rngs[rank]["torch"])
         if rngs[rank]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rngs[rank]["cuda"])  # this rank's device
+            torch.cuda.set_rng_state(rngs[rank]["cuda"])
     return ckpt
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Sharded loading (FSDP2 on several ranks), torchtitan's recipe: rank 0 loads the model whole on its host, the other
-# ranks build it on the meta device; every rank shards it, and rank 0's weights are broadcast into the shards.
+# Sharded loading with FSDP2 on several ranks, as torchtitan does it.
 
 
 def meta_model(build):
-    """build() on the meta device: the model's shape (parameters, modules) without allocating a weight."""
+    """Returns build() run on the meta device. The model has its parameters and modules, but no weight allocated."""
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return build()
 
 
 def shard_from_rank0(model, shard, device, host=False):
-    """model sharded on every rank, its weights rank 0's: rank 0 holds it whole (one model at a time on its host,
-    freed once broadcast), the others a meta-device skeleton. shard(model) applies fully_shard; the shards are
-    allocated on device (host: in host memory, FSDP's CPU offload) and filled by set_model_state_dict's broadcast; the
-    buffers the state dict lacks (RoPE's inverse frequencies) are broadcast after it."""
+    """Shards model on every rank with shard(model), and broadcasts rank 0's weights into the shards. Rank 0 holds
+    the model whole on its host, one at a time, and the other ranks a meta-device skeleton. The shards are allocated
+    on device, or in host memory for FSDP's CPU offload. Buffers the state dict lacks, such as RoPE's, follow."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     rank0 = dist.get_rank() == 0
     weights, buffers = (model.state_dict(), dict(model.named_buffers())) if rank0 else ({}, {})
-    on_meta = {}  # one meta parameter for each parameter, so that tied ones stay tied (Module.to("meta") unties them)
+    on_meta = {}  # one meta parameter per parameter keeps tied ones tied, which Module.to("meta") would not
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:
@@ -1084,24 +1084,22 @@ def shard_from_rank0(model, shard, device, host=False):
 
 
 def shard_input_embeddings(model, fully_shard, **options):
-    """The input embeddings of the transformers model inside model sharded as their own FSDP2 unit, unless an output
-    layer shares their weight (then they stay with it): a rank holds a large vocabulary's whole table only during the
-    lookup, not in the backward pass: a lookup's gradient needs the ids, never the table (set_unshard_in_backward)."""
+    """Shards the input embeddings as their own FSDP2 unit, unless an output layer shares their weight. A rank then
+    holds a large vocabulary's table whole only for the lookup. A lookup's gradient needs the ids, never the table."""
     hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
     table, head = hf.get_input_embeddings(), getattr(hf, "get_output_embeddings", lambda: None)()
     if head is not None and head.weight is table.weight:
         return
     fully_shard(table, **options)
-    # an nn.Embedding's forward is the lookup (Gemma's scaled one multiplies its output by a constant after it)
+    # only a plain lookup; Gemma's scaled embedding multiplies its output by a constant after it
     if isinstance(table, torch.nn.Embedding) and [n for n, _ in table.named_parameters()] == ["weight"]:
         table.set_unshard_in_backward(False)
 
 
 def peak_memory(device):
-    """memory/peak_gb_rank<r>: the most memory each rank has held so far, GB: allocated on its GPU, else its process's
-    peak resident set (what a CPU run can show)."""
+    """Returns memory/peak_gb_rank<r>, the most GB each rank has held so far on its GPU, or else its peak RSS."""
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (ru_maxrss: kilobytes on Linux)
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is in kilobytes on Linux
     peaks = torch.tensor([peak / 1e9], dtype=torch.float64, device=device)
     if dist.is_initialized():
         out = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]

@@ -1,31 +1,40 @@
 """PPO for language models (RLHF) in one file.
 
-    python rm.py && python ppo.py                  # embedded task: reward model, then PPO, CPU, a few minutes
+    python rm.py && python ppo.py                  # the embedded task: a reward model, then PPO, on a CPU in minutes
     torchrun --nproc_per_node 2 ppo.py             # the same PPO on 2 processes
     torchrun --nproc_per_node 8 ppo.py --sft_model_path EleutherAI/pythia-1b-deduped \
         --reward_model_path runs/rm --dataset_name trl-lib/tldr --response_length 53 --bf16
-    python ppo.py --reward_fn common:gold_rewards  # a rule (here the embedded task's true reward) instead of a model
+    python ppo.py --reward_fn common:gold_rewards  # a rule instead of a reward model: the embedded task's true reward
+    python ppo.py --eval_only --sft_model_path runs/ppo  # a policy's scores on the held-out prompts
     python ppo.py --help                           # every option
 
-Models: the policy (trained), a frozen reference (the initial policy; with LoRA, the policy with its adapter off), a
-critic (trained; by default the reward model's network) and the reward (a frozen reward model and/or a function).
 Each update hands one Rollout batch through the phases of main():
-  1. rollout: sample a response to each prompt (K per prompt), token by token, KV-cached, one random stream per episode;
-  2. log-probs and values: the policy's (the ratio's "old"), the reference's and the critic's, each token's;
-  3. score: the reward at the response's last real token;
-  4. advantages: rewards = -kl_coef * KL per token, plus the score at the last token; GAE, whitened;
-  5. learn: num_ppo_epochs passes of the clipped policy loss and clipped value loss over shuffled mini-batches;
-  6. adapt kl_coef, log, checkpoint.
-Sampling and every log-prob of a response use logits / --temperature (no top-k / top-p; the ptx loss: 1), every
-log-prob from one function (response_logprobs). Trained weights and optimizer state are float32; --bf16 autocasts the
-transformer blocks (frozen LoRA bases and FSDP's frozen shards held in bfloat16), while the output layer, log-softmax,
-entropy, values and rewards stay float32.
-Schulman et al. 2017 (PPO); Ziegler et al. 2019, Stiennon et al. 2020 (PPO for language); Huang et al. 2024 ("The N
-implementation details of RLHF with PPO"). Also: critic-free advantages (--advantage_estimator rloo, grpo,
-reinforce_pp), the KL in the loss (--kl_penalty loss), other loss means (--loss_aggregation), PPO-ptx, LoRA, FSDP2.
-Left out (README.md): value-model warm-up, top-k/top-p sampling, several reward models, multi-turn rollouts.
+  1. rollout: sample a response to each prompt, K per prompt, token by token with a KV cache.
+  2. log-probs and values: each response token's log-prob under the policy (the ratio's "old") and the reference,
+     and the critic's value of each state.
+  3. score: the reward of each response, read at its last real token.
+  4. advantages: a reward of -kl_coef * KL at each token, plus the score at the last one; then GAE, whitened.
+  5. learn: num_ppo_epochs passes of the clipped policy loss and clipped value loss over shuffled mini-batches.
+  6. adapt kl_coef, log and checkpoint.
+evaluate() scores the policy on held-out prompts before the first update and --num_evals times during training.
 
-The method is all above the FENCE, after main(); below it, what a reader may trust by its docstring, then opt-in paths.
+The models, and what the options change:
+  policy     trained. With LoRA, an adapter on the initial policy.
+  reference  a frozen copy of the initial policy. With LoRA, the policy with its adapter off.
+  reward     a frozen reward model, a function (--reward_fn), or both added.
+  critic     trained, GAE only. By default a copy of the reward model, its output normalized as the reward is.
+             With --critic_init policy, or when the reward model reads other tokens, the policy's network with a new
+             head. With LoRA, an adapter on that network; a critic from the reward model, with its adapter off, is
+             then the reward model, and no second copy is held.
+Sampling and every log-prob use logits / --temperature, with no top-k or top-p. Trained weights and optimizer state
+are float32. --bf16 autocasts the transformer blocks; the output layer, log-softmax, values and rewards stay float32.
+
+Schulman et al. 2017 (PPO); Ziegler et al. 2019 and Stiennon et al. 2020 (PPO for language); Huang et al. 2024, "The
+N implementation details of RLHF with PPO". Also here: critic-free advantages, the KL in the loss, PPO-ptx, LoRA and
+FSDP2. README.md lists what is left out.
+
+The method ends at the FENCE after main(). Below it are the pieces a reader may trust by their docstrings, then the
+opt-in speed paths.
 """
 
 import contextlib
@@ -59,95 +68,103 @@ import common
 
 @dataclass
 class Args:
-    """ppo.py's options, the method's first (help: the comment after each field; the why of a default: above it)."""
-    # --- the method. gae: a critic and GAE (Schulman et al. 2016). No critic: rloo (Ahmadian et al. 2024), grpo (Shao
-    # et al. 2024), reinforce_pp (Hu 2025)
+    """Train a language model with PPO against a reward model or a reward function (RLHF)."""
+    # --- the method. gae needs a critic (Schulman et al. 2016). The others need none: rloo (Ahmadian et al. 2024),
+    # grpo (Shao et al. 2024) and reinforce_pp (Hu 2025).
     advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = "gae"  # How advantages are estimated
-    num_samples_per_prompt: int | None = None  # K responses per prompt in a batch (default 4 for rloo, grpo; else 1)
-    scale_rewards: bool = True  # grpo: divide by the std of the prompt's returns (no: Dr. GRPO, Liu et al. 2025)
-    kl_penalty: Literal["reward", "loss"] = "reward"  # KL in the per-token reward (Ziegler et al. 2019) or loss (GRPO)
-    # token_mean: of its tokens; sequence_mean: of responses' means (GRPO); constant (Dr. GRPO): sum / (responses x T)
+    num_samples_per_prompt: int | None = None  # Responses per prompt in a batch (default: 4 for rloo and grpo, else 1)
+    scale_rewards: bool = True  # grpo: divide by the std of the prompt's returns; --no_scale_rewards is Dr. GRPO
+    kl_penalty: Literal["reward", "loss"] = "reward"  # The KL in each token's reward (Ziegler 2019) or in the loss
+    # token_mean averages tokens, sequence_mean averages each response's mean (GRPO), and constant divides the sum
+    # by responses x response_length (Dr. GRPO, Liu et al. 2025).
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"  # A mini-batch's loss mean
-    kl_coef: float = 0.1  # Initial coefficient of the per-token KL penalty
-    # k1 = log p - log q; k3 = (q/p - 1) - log(q/p) (Schulman 2020). k3 in the loss: k1's gradient there is zero in
-    # expectation on the policy's own samples
+    kl_coef: float = 0.1  # Initial coefficient of the KL penalty
+    # k1 is log p - log q. k3 is (q/p - 1) - log(q/p) (Schulman 2020). In the loss, k1's gradient is zero in
+    # expectation on the policy's own samples, so k3 is the loss's default.
     kl_estimator: Literal["k1", "k3"] | None = None  # Per-token KL estimate (default: k1 in the reward, k3 in the loss)
-    target_kl: float | None = None  # KL per response the adaptive controller aims at (Ziegler 2019); None: fixed
+    target_kl: float | None = None  # KL per response that the adaptive controller aims at (default: a fixed kl_coef)
     kl_horizon: int = 10000  # Horizon in episodes of the adaptive KL controller
-    gamma: float = 1.0  # Discount factor (gae and reinforce_pp only)
-    lam: float = 0.95  # GAE lambda (gae only)
+    gamma: float = 1.0  # Discount factor (gae and reinforce_pp)
+    lam: float = 0.95  # GAE lambda
     cliprange: float = 0.2  # Clip range of the policy ratio
-    cliprange_value: float = 0.2  # Clip range of the value around its rollout value (gae only)
-    vf_coef: float = 0.1  # Weight of the value loss (gae only)
+    cliprange_value: float = 0.2  # Clip range of the value around its rollout value
+    vf_coef: float = 0.1  # Weight of the value loss
     ent_coef: float = 0.0  # Weight of the entropy bonus
     whiten_rewards: bool = False  # Whiten the per-token rewards, keeping their mean (gae and reinforce_pp)
     missing_eos_penalty: float | None = None  # Subtracted from the score of a response that never stops
     ptx_coef: float = 0.0  # Weight of a language-modelling loss on --ptx_dataset_name (PPO-ptx, Ouyang et al. 2022)
     ptx_dataset_name: str | None = None  # Text for the ptx loss: a dataset with a `text` column, or `embedded`
     # --- models and data
-    sft_model_path: str = "embedded-llama"  # The initial policy: a causal LM or peft adapter, or embedded-llama/-neox
-    # rm.py's (its normalization applied), or any sequence classifier, decoder or encoder
-    reward_model_path: str | None = None  # The reward model (default: runs/rm; none with --reward_fn)
-    reward_fn: str | None = None  # A rule `module:function`: fn(full prompts, responses) -> scores to add
-    # auto: the reward model where it reads the policy's tokens (its head the value head), else the policy, new head
+    sft_model_path: str = "embedded-llama"  # The initial policy: a causal LM, a peft adapter, or embedded-llama/-neox
+    reward_model_path: str | None = None  # rm.py's reward model or any sequence classifier (default: runs/rm)
+    reward_fn: str | None = None  # A rule `module:function`, fn(prompts, responses) -> scores, added to the reward
+    # auto takes the reward model where it reads the policy's tokens, else the policy with a new head.
     critic_init: Literal["auto", "reward", "policy"] = "auto"  # The critic's start
-    # a file with `prompt` (text or messages), `messages` or preference pairs
-    dataset_name: str = "embedded"  # Prompts: hub name, .jsonl/.json/.parquet/.csv(.gz), or `embedded`
+    dataset_name: str = "embedded"  # Prompts: a hub name, a .jsonl/.json/.parquet/.csv(.gz) file, or `embedded`
     dataset_config: str | None = None  # Hub dataset configuration
-    dataset_train_split: str = "train"  # Split to take prompts from
-    max_prompt_length: int | None = None  # Longer prompts keep their end and BOS, as rm.py's (default 256, or less)
-    output_dir: str = "runs/ppo"  # Policy, metrics.jsonl, samples.jsonl, curves.png, checkpoints
-    # --- sizes: rollout batch = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x ranks
-    total_episodes: int = 12288  # Episodes (prompt, response) in all
-    per_device_train_batch_size: int = 16  # Episodes per rank per forward and backward of the learning phase
+    dataset_train_split: str = "train"  # Split to take training prompts from
+    max_prompt_length: int | None = None  # Longer prompts keep their end and BOS (default: 256, or what fits)
+    output_dir: str = "runs/ppo"  # Policy, metrics.jsonl, samples, curves.png and checkpoints
+    # --- held-out evaluation
+    eval_split: str | None = None  # Split of eval prompts (default: validation, else test, else --eval_holdout)
+    eval_holdout: float = 0.1  # Without an eval split, this fraction of the prompts is held out by text
+    num_eval_prompts: int = 256  # Eval prompts, a subset drawn by seed and the same at every evaluation
+    num_evals: int = 5  # Evaluations spread over training, the last at its end, after one before it; 0: none
+    eval_only: bool = False  # Evaluate --sft_model_path on the eval prompts and train nothing
+    # --- sizes. A rollout batch is per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x
+    # the number of processes.
+    total_episodes: int = 12288  # Episodes (prompt and response) in all
+    per_device_train_batch_size: int = 16  # Episodes per process in one forward and backward pass
     gradient_accumulation_steps: int = 1  # Micro-batches per optimizer step
     num_mini_batches: int = 2  # Optimizer steps per PPO epoch
     num_ppo_epochs: int = 4  # Passes over each rollout batch
     # --- optimisation
-    learning_rate: float | None = None  # AdamW learning rate (default 3e-4 for the embedded models, else 3e-6)
-    critic_learning_rate: float | None = None  # The critic's (default: the policy's)
+    learning_rate: float | None = None  # AdamW learning rate (default: 3e-4 for the embedded models, else 3e-6)
+    critic_learning_rate: float | None = None  # The critic's learning rate (default: the policy's)
     weight_decay: float = 0.0  # AdamW weight decay
-    # any of transformers' SchedulerType that needs no metric and no arguments of its own (get_scheduler)
-    lr_scheduler_type: str = "linear"  # Learning-rate schedule over the updates, no warm-up (linear, cosine, ...)
-    # one clip, not one per model: the same gold score at equal KL (benchmarks/README.md, Gradient clipping)
-    max_grad_norm: float = 1.0  # Clip the gradient norm of policy and critic together (0: no clipping)
-    seed: int = 1  # Seed of the data order and of sampling (each episode's stream seeded by its index)
-    # --- sampling. No top-k / top-p: the ratio and KL need the distribution a token was drawn from
+    lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                               "constant_with_warmup", "inverse_sqrt"] = "linear"  # Schedule over updates, no warm-up
+    # One clip for both models gives the same gold score at equal KL (benchmarks/README.md, Gradient clipping).
+    max_grad_norm: float = 1.0  # Clip the gradient norm of policy and critic together; 0: no clipping
+    seed: int = 1  # Seed of the data order, the hold-out and sampling
+    # --- sampling. No top-k or top-p: the ratio and the KL need the distribution a token was drawn from.
     response_length: int = 16  # Maximum new tokens per response
     temperature: float = 1.0  # Sampling temperature, used by every log-prob too
     stop_token: str = "eos"  # Token that ends a response: `eos`, a token as the tokenizer spells it, or `none`
-    # --- LoRA (peft): the reference is the policy with its adapter off
+    # --- LoRA (peft)
     lora_r: int = 0  # LoRA rank (Hu et al. 2021) on the policy's and critic's linear layers; 0: full fine-tuning
     lora_alpha: float = 16.0  # LoRA scale: an adapter adds (lora_alpha / lora_r) B A to its layer
     lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])  # Layers adapted
-    # --- logging, checkpoints, systems
+    # --- logging, checkpoints and systems
     sample_every: int = 10  # Print and save sample completions every this many updates
     num_samples: int = 4  # Rows in each sample table
-    save_steps: int | None = None  # Checkpoint every this many updates (default: every 30 minutes; 0: none)
-    resume: bool = False  # Continue from the latest checkpoint in --output_dir, on any number of ranks
-    overwrite_output_dir: bool = False  # Train afresh where a finished run or checkpoints are (deleted at start)
+    save_steps: int | None = None  # Checkpoint every this many updates (default: every 30 minutes); 0: never
+    resume: bool = False  # Continue from the latest checkpoint in --output_dir, on any number of processes
+    overwrite_output_dir: bool = False  # Train afresh where a finished run or checkpoints are, deleting them
     track: bool = False  # Log to Weights & Biases
     tensorboard: bool = False  # Also write TensorBoard events to --output_dir/tensorboard
     wandb_project: str = "rlhf-ppo"  # Weights & Biases project
     run_name: str | None = None  # Weights & Biases run name
-    fsdp: bool = False  # Shard every model per transformer block with FSDP2 (default: DDP, frozen models replicas)
-    offload_inference_models: bool = False  # --fsdp on GPUs: frozen models' shards in host memory until they compute
+    fsdp: bool = False  # Shard every model per transformer block with FSDP2 (default: DDP and replicated frozen models)
+    offload_inference_models: bool = False  # With --fsdp on GPUs, keep frozen models' shards in host memory
     gradient_checkpointing: bool = False  # Recompute the policy's and critic's activations in the backward pass
-    bf16: bool = False  # bfloat16 autocast (weights, optimizer state float32; a frozen LoRA base in bfloat16)
-    # --- opt-in speed paths, each the plain path's numbers (below the fence)
-    group_by_length: bool = False  # Rows of similar length forward together, less their shared padding
-    blocked_logits: bool = False  # Response logits in checkpointed blocks: memory bounded whatever the vocabulary
-    compile: bool = False  # Decode the rollout compiled: CUDA graphs on a GPU, the same samples (not with --fsdp)
+    bf16: bool = False  # bfloat16 autocast; weights and optimizer state stay float32, a frozen LoRA base bfloat16
+    # --- opt-in speed paths below the fence, each tested to give the plain path's numbers
+    group_by_length: bool = False  # Rows of similar length forward together, with less padding
+    blocked_logits: bool = False  # Response logits in checkpointed blocks, in memory bounded whatever the vocabulary
+    compile: bool = False  # Decode the rollout compiled, with CUDA graphs on a GPU; not with --fsdp
 
 
 def fill_defaults(args, position_limit, rank=0):
-    """The defaults that depend on another option or on the model, filled here only (said at start-up, saved in
-    ppo_results.json): K, the KL estimator, learning rates, --max_prompt_length (256, or a position table's room)."""
+    """Fills the defaults that depend on another option or on the model, and prints them.
+
+    The number of responses per prompt, the KL estimator, the learning rates and --max_prompt_length are filled here
+    only. ppo_results.json saves them with the run."""
     given = {k: v for k, v in vars(args).items() if v is not None}
-    group = args.advantage_estimator in ("rloo", "grpo")  # (a group baseline needs K > 1)
+    group = args.advantage_estimator in ("rloo", "grpo")  # A group baseline needs K > 1.
     args.num_samples_per_prompt = args.num_samples_per_prompt or (4 if group else 1)
     args.kl_estimator = args.kl_estimator or ("k1" if args.kl_penalty == "reward" else "k3")
-    if args.learning_rate is None:  # (the embedded models are tiny and learn fast)
+    if args.learning_rate is None:  # The embedded models are tiny and learn fast.
         args.learning_rate = 3e-4 if args.sft_model_path.startswith("embedded-") else 3e-6
     args.critic_learning_rate = args.learning_rate if args.critic_learning_rate is None else args.critic_learning_rate
     args.max_prompt_length = args.max_prompt_length or min(256, (position_limit or 1 << 30) - args.response_length)
@@ -164,7 +181,9 @@ def masked_mean(x, mask):
 
 
 def masked_whiten(x, mask, shift_mean=True):
-    """(x - mean) / std over the real tokens (unbiased variance); shift_mean=False keeps the mean (reward whitening)."""
+    """Returns (x - mean) / std over the real tokens, with the unbiased variance.
+
+    shift_mean=False adds the mean back, which is how rewards are whitened."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask) * mask.sum() / (mask.sum() - 1).clamp(min=1)
     out = (x - mean) * torch.rsqrt(var + 1e-8)
@@ -172,18 +191,19 @@ def masked_whiten(x, mask, shift_mean=True):
 
 
 def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
-    """KL(policy || reference) estimated from the policy's samples (Schulman 2020, "Approximating KL divergence")."""
+    """Estimates KL(policy || reference) at each sampled token (Schulman 2020, "Approximating KL divergence")."""
     if estimator == "k1":
         return logprobs - ref_logprobs
     if estimator != "k3":
         raise ValueError(f"unknown KL estimator {estimator!r}: k1 or k3")
     log_ratio = ref_logprobs - logprobs
-    return torch.expm1(log_ratio) - log_ratio  # exp(x) - 1 - x, without float32's cancellation near 0 (never < 0)
+    return torch.expm1(log_ratio) - log_ratio  # exp(x) - 1 - x. expm1 avoids float32's cancellation near 0.
 
 
 def gae(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation (Schulman et al. 2016, eq. 16); the value after the last real token is 0, also
-    for a response cut at --response_length (ended, as TRL has it). Returns advantages and returns (targets: A + V)."""
+    """Returns generalized advantage estimates and returns, the critic's targets (Schulman et al. 2016, eq. 16).
+
+    The value after the last real token is 0. A response cut at --response_length is treated as ended, as TRL does."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[:, 0])
@@ -196,50 +216,59 @@ def gae(rewards, values, mask, gamma, lam):
 
 
 def rloo_advantages(returns, k):
-    """RLOO (Ahmadian et al. 2024): each return minus the mean of the other k - 1 of its prompt (consecutive rows)."""
+    """RLOO (Ahmadian et al. 2024): each return minus the mean of its prompt's other k - 1 returns.
+
+    A prompt's k episodes are consecutive rows."""
     group = returns.view(-1, k)
     return (group - (group.sum(1, keepdim=True) - group) / (k - 1)).flatten()
 
 
 def grpo_advantages(returns, k, scale=True, eps=1e-4):
-    """GRPO (Shao et al. 2024, 4.1.2): (return - mean) / (std + eps) over a prompt's k returns (unbiased std, as TRL);
-    scale=False keeps return - mean (Dr. GRPO, Liu et al. 2025)."""
+    """GRPO (Shao et al. 2024, sec. 4.1.2): each return minus its prompt's mean, over the prompt's std plus eps.
+
+    The std is unbiased, as TRL's. scale=False keeps return - mean (Dr. GRPO, Liu et al. 2025)."""
     group = returns.view(-1, k)
     centered = group - group.mean(1, keepdim=True)
     return (centered / (group.std(1, keepdim=True) + eps) if scale else centered).flatten()
 
 
 def reinforce_pp_advantages(rewards, mask, gamma):
-    """REINFORCE++ (Hu 2025): each token's discounted return (GAE with values 0, lambda 1), whitened over the batch."""
-    returns, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)
+    """REINFORCE++ (Hu 2025): each token's discounted return, whitened over the batch."""
+    returns, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)  # GAE with values 0 and lambda 1
     return masked_whiten(returns, mask)
 
 
-def policy_loss(logprobs, old_logprobs, advantages, cliprange):
-    """The clipped surrogate objective (Schulman et al. 2017, eq. 7) as a per-token loss; per-token statistics."""
-    ratio = (logprobs - old_logprobs).exp()
+def policy_loss(logprobs, old_logprobs, advantages, cliprange, mask):
+    """Returns the clipped surrogate objective as a loss per token, and statistics per token.
+
+    Schulman et al. 2017, eq. 7. Padding's log-probs are set to 0 first, so that the statistics stay finite there."""
+    log_ratio = (logprobs - old_logprobs).masked_fill(mask == 0, 0.0)
+    ratio = log_ratio.exp()
     unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
-    stats = {"clipfrac": (clipped > unclipped).float(), "approxkl": 0.5 * (logprobs - old_logprobs) ** 2,
-             "ratio": ratio, "ratio_sq": ratio ** 2}
+    stats = {"clipfrac": (clipped > unclipped).float(), "approxkl": 0.5 * log_ratio ** 2, "ratio": ratio,
+             "ratio_sq": ratio ** 2}
     return torch.maximum(unclipped, clipped), stats
 
 
 def value_loss(values, old_values, returns, cliprange_value):
-    """0.5 * max((v - R)^2, (v_clipped - R)^2) per token, v_clipped within cliprange_value of the rollout value (Huang
-    et al. 2024), and where the clipped term is the larger (the clipped fraction's tokens)."""
+    """Returns 0.5 * max((v - R)^2, (v_clipped - R)^2) per token, and where the clipped term is the larger.
+
+    v_clipped stays within cliprange_value of the rollout's value (Huang et al. 2024)."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_sq, clipped_sq = (values - returns) ** 2, (clipped - returns) ** 2
     return 0.5 * torch.maximum(unclipped_sq, clipped_sq), (clipped_sq > unclipped_sq).float()
 
 
 def adaptive_kl_coef(kl_coef, kl, target, horizon, n_episodes):
-    """Ziegler et al. 2019, eq. 2: move kl_coef by a proportional error clipped to +-20%, at rate n / horizon."""
+    """Moves kl_coef by the error kl / target - 1, clipped to 20%, at rate n_episodes / horizon (Ziegler 2019, eq. 2)."""
     error = min(max(kl / target - 1, -0.2), 0.2)
     return kl_coef * (1 + error * n_episodes / horizon)
 
 
 def truncate_after_stop(responses, stop_id, pad_id):
-    """Tokens after the first stop token become padding; returns them and their real-token mask (the stop is real)."""
+    """Turns the tokens after the first stop token into padding; returns them and the mask of real tokens.
+
+    The stop token itself is a real token."""
     if stop_id is None:
         return responses, torch.ones_like(responses, dtype=torch.bool)
     is_stop = responses == stop_id
@@ -249,29 +278,34 @@ def truncate_after_stop(responses, stop_id, pad_id):
 
 def response_logprobs(model, query_response, attention_mask, context_length, temperature, entropy=False,
                       entropy_grad=True, blocked=False):
-    """THE log-probs of every phase (old, reference, learning, ptx): each response token's at the sampling temperature,
-    position t predicting token t + 1. The model's float32 logits (output_layer_in_float32; its own transforms, e.g.
-    Gemma's softcapping, its own) at those positions only (logits_to_keep), / temperature, a float32 log-softmax,
-    gathered. entropy: each position's too (its gradient if entropy_grad). blocked (--blocked_logits): the same
-    numbers in memory bounded whatever the vocabulary (below the fence)."""
-    predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 .. T - 1
+    """Returns each response token's log-prob at the sampling temperature, and optionally each position's entropy.
+
+    Every phase reads log-probs here: the old ones, the reference's, learning's and the ptx loss's. Position t
+    predicts token t + 1. The model's logits are float32 (output_layer_in_float32) and are computed only at the
+    positions that predict a response token. They are divided by the temperature and go through a float32
+    log-softmax. entropy_grad=False computes the entropy without a graph. --blocked_logits gives the same numbers in
+    memory bounded whatever the vocabulary."""
+    predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 to T - 1
     keep = {"logits_to_keep": predicting} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
+    # Position ids count real tokens only, so that left padding changes nothing.
     inputs = dict(input_ids=query_response, attention_mask=attention_mask, use_cache=False, **keep,
-                  position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0))  # counts real tokens only (left padding)
+                  position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0))
     targets = query_response[:, context_length:]
     if blocked:
         return blocked_response_logprobs(model, inputs, predicting, targets, temperature, entropy, entropy_grad)
-    logits = model(**inputs).logits[:, -predicting:-1]  # (the last position predicts nothing)
+    logits = model(**inputs).logits[:, -predicting:-1]  # The last position predicts nothing.
     logp_all = torch.log_softmax(logits.float() / temperature, -1)
     logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):  # (entropy_of: -sum p log p, 0 log 0 = 0)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
         return logprobs, entropy_of(logp_all) if entropy else None
 
 
-# --- The method's conventions, the same as rm.py's (tests/test_rm.py checks that they agree). Dropout is off in every
-# model (disable_dropout, below): rollout, scoring and learning read one network, and the ratio starts at 1. ----------
+# --- The method's conventions. rm.py states the same ones, and tests/test_rm.py checks that they agree. Dropout is off
+# in every model (disable_dropout, below the fence), so that rollout, scoring and learning read one network. ----------
 def truncate_prompt(ids, max_prompt_length, bos_id=None):
-    """A prompt longer than max_prompt_length keeps its END (the turn being answered) and its leading BOS/[CLS]."""
+    """Cuts a prompt longer than max_prompt_length, keeping its end and its leading BOS or [CLS] token.
+
+    The end is the turn being answered."""
     if len(ids) <= max_prompt_length:
         return ids
     keep = 1 if bos_id is not None and ids and ids[0] == bos_id else 0
@@ -279,69 +313,78 @@ def truncate_prompt(ids, max_prompt_length, bos_id=None):
 
 
 def last_token_index(mask):
-    """Where a response ends: its last real token (its stop token, or the last of a response cut at
-    --response_length), read from the mask (a pad id may equal EOS), right or left padded."""
+    """Returns the index of each row's last real token, where a response ends and its reward is read.
+
+    That token is the stop token, or the last token of a response cut at --response_length. It is read from the
+    mask, right or left padded, because a pad id may equal EOS."""
     return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
 
 
 def sequence_reward(model, ids, mask):
-    """A reward model's output: a decoder's scalar head at the last real token (where rm.py trains it); an encoder's."""
-    if not hasattr(model, "score"):  # BERT, RoBERTa, DeBERTa: a pooled `classifier`
+    """Returns a reward model's output: a decoder's scalar head at the last real token, where rm.py trains it.
+
+    An encoder (BERT, RoBERTa, DeBERTa) returns its pooled classifier's output instead."""
+    if not hasattr(model, "score"):
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
     hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
-                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state  # ALiBi: ignored
+                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
     return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
 
 
 # --- The phases of an update, in the order main() runs them, handing one Rollout batch along. -------------------------
 @dataclass
 class Rollout:
-    """One row per episode (a prompt's K in consecutive rows), every rank's rows (rollout gathers them): learning is the
-    same for any number of ranks. Each phase fills its fields; (B, T): (rows, response_length), 0 after the response."""
-    query_response: torch.Tensor  # (B, context_length + response_length): the left-padded prompt, the response
-    attention_mask: torch.Tensor  # the same shape: 1 on real tokens
-    context_length: int  # prompt columns: the response starts there
+    """One row per episode, and every process holds every row. A prompt's K episodes are consecutive rows.
+
+    Each phase fills its fields. (B, T) is (rows, response_length), and every field is 0 after a response ends."""
+    query_response: torch.Tensor  # (B, context_length + T): the left-padded prompt, then the response
+    attention_mask: torch.Tensor  # the same shape, 1 on real tokens
+    context_length: int  # the response starts at this column
     mask: torch.Tensor  # (B, T) bool: the response's real tokens, through its stop token
-    logprobs: torch.Tensor | None = None  # (B, T) 2. the policy's log-probs of the sampled tokens: the ratio's "old"
-    ref_logprobs: torch.Tensor | None = None  # (B, T) 2. the reference policy's
-    values: torch.Tensor | None = None  # (B, T) 2. the critic's value of each state (None without a critic)
-    scores: torch.Tensor | None = None  # (B,) 3. reward model and/or function, missing-EOS penalty
-    has_stop: torch.Tensor | None = None  # (B,) 3. whether the response emitted the stop token (None: no stop token)
-    gold: torch.Tensor | None = None  # (B,) 3. the embedded task's true reward, for the logs (None elsewhere)
-    advantages: torch.Tensor | None = None  # (B, T) 4.
-    returns: torch.Tensor | None = None  # (B, T) 4. the critic's targets (GAE only)
+    logprobs: torch.Tensor | None = None  # (B, T) phase 2: the policy's log-probs, the ratio's "old" ones
+    ref_logprobs: torch.Tensor | None = None  # (B, T) phase 2: the reference's log-probs
+    values: torch.Tensor | None = None  # (B, T) phase 2: the critic's values; None without a critic
+    scores: torch.Tensor | None = None  # (B,) phase 3: the reward of each response
+    has_stop: torch.Tensor | None = None  # (B,) phase 3: whether the response stopped; None without a stop token
+    gold: torch.Tensor | None = None  # (B,) phase 3: the embedded task's true reward, for the logs; else None
+    advantages: torch.Tensor | None = None  # (B, T) phase 4
+    returns: torch.Tensor | None = None  # (B, T) phase 4: the critic's targets, GAE only
 
     @property
     def responses(self):
         return self.query_response[:, self.context_length:]
 
 
-def rollout(policy, prompt_ids, episodes, args, stop_id, pad_id, device, collective):
-    """1. A response to each of this rank's episodes, sampled from softmax(logits / --temperature) with the episode's
-    own random stream (sample_tokens); tokens after the stop token become padding. All ranks get all rows."""
-    width = all_reduce(torch.tensor(max(map(len, prompt_ids)), device=device), dist.ReduceOp.MAX)  # same on all ranks
-    query, query_mask = (t.to(device) for t in pad_left(prompt_ids, int(width), pad_id))
-    seeds = torch.tensor([common.seed_of(args.seed, "sampling", e) for e in episodes], device=device)
-    with gathered_once(policy, collective), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        responses = generate(policy, query, query_mask, seeds, args, stop_id, pad_id, collective)
-    responses, mask = truncate_after_stop(responses, stop_id, pad_id)
-    batch = Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask)
-    return dataclasses.replace(batch, **{k: all_gather_cat(v) for k, v in vars(batch).items() if torch.is_tensor(v)})
+def rollout(policy, prompt_ids, seeds, args, stop_id, pad_id):
+    """1. Samples a response to each prompt from softmax(logits / --temperature), each with its own random stream.
+
+    seeds holds each episode's seed (sample_tokens). Tokens after the stop token become padding. Each process
+    samples its own share of the rows, and every process receives all of them."""
+    device = next(policy.parameters()).device
+    query, query_mask = (t.to(device) for t in pad_left(prompt_ids, max(map(len, prompt_ids)), pad_id))
+    mine = process_share(torch.arange(len(prompt_ids), device=device))
+    seeds = torch.tensor(seeds, device=device)[mine]
+    with gathered_once(policy, collective(args)), torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):
+        responses = generate(unwrap(policy), query[mine], query_mask[mine], seeds, args, stop_id, pad_id)
+    responses, mask = truncate_after_stop(all_gather_cat(responses), stop_id, pad_id)
+    return Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask)
 
 
 @torch.no_grad()
-def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=False):
-    """KV-cached sampling from softmax(logits / --temperature), the logits float32 as response_logprobs reads them, each
-    token drawn by sample_tokens with its episode's own uniform. The cache is allocated once for prompt + response,
-    the mask that width from the start, causality hiding tokens not yet sampled (--compile: compiled_generate)."""
+def generate(model, query, query_mask, seeds, args, stop_id, pad_id):
+    """Samples up to --response_length tokens after each query with a KV cache, each by sample_tokens.
+
+    The logits are float32, as response_logprobs reads them. The cache holds prompt and response from the start, and
+    the mask covers that width: causality hides the tokens not yet sampled. --compile runs compiled_generate."""
     if args.compile:
         return compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id)
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
     mask = F.pad(query_mask.long(), (0, args.response_length), value=1)
-    cache = ComputeDtypeCache(config=unwrap(model).config, max_cache_len=mask.shape[1])
-    last_only = {"logits_to_keep": 1} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
+    cache = ComputeDtypeCache(config=model.config, max_cache_len=mask.shape[1])
+    # The first forward returns logits at the prompt's last position only, not at every position.
+    last_only = {"logits_to_keep": 1} if takes_argument(type(model), "logits_to_keep") else {}
     inputs = dict(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position,
-                  **last_only)  # the prompt's last position only, not B x prompt x V
+                  **last_only)
     tokens = []
     done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
     for t in range(args.response_length):
@@ -349,8 +392,7 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=
         token = sample_tokens(logits, seeds, t)
         tokens.append(token)
         done |= token == stop_id
-        all_done = all_reduce(done.all().float(), dist.ReduceOp.MIN) if collective else done.all()  # (FSDP: on all)
-        if all_done or t == args.response_length - 1:
+        if all_processes_done(done, args) or t == args.response_length - 1:
             break
         inputs = dict(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
                       position_ids=position[:, -1:] + t + 1)
@@ -359,20 +401,23 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id, collective=
 
 
 def sample_tokens(logits, seeds, step):
-    """Token `step` of each row's episode drawn from softmax(logits) by inversion: the first token whose cumulative
-    probability (summed in float64) exceeds the episode's uniform u for this step (episode_uniform: a function of its
-    seed and the step alone). Row by row: the same token in any batch, on any number of ranks, compiled or not."""
-    cdf = torch.exp(logits - logits.amax(-1, keepdim=True)).cumsum(-1, dtype=torch.float64)  # the last: the total
-    target = episode_uniform(seeds, step).to(cdf.device)[:, None] * cdf[:, -1:]  # u < 1: below the total
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)  # (a zero weight: never)
+    """Draws token `step` of each row's episode from softmax(logits) by inverting its cumulative distribution.
+
+    The token is the first whose cumulative probability, summed in float64, exceeds the episode's uniform for this
+    step. episode_uniform computes that uniform from the seed and the step alone. So a row draws the same token in
+    any batch, on any number of processes, compiled or not."""
+    cdf = torch.exp(logits - logits.amax(-1, keepdim=True)).cumsum(-1, dtype=torch.float64)
+    target = episode_uniform(seeds, step).to(cdf.device)[:, None] * cdf[:, -1:]  # below the total, as u < 1
+    # A token of probability 0 is never drawn. The clamp guards the last index against rounding.
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
 
 
 class Critic(torch.nn.Module):
-    """The value of each state: a sequence classifier's scalar head (float32) at every position, minus an offset. Its
-    start (critic_from): --critic_init reward, a copy of the reward model, head / rm.py's scale, offset shift / scale
-    (each prefix's value starts as the normalized score of that prefix); policy, the policy's backbone and a new head as
-    rm.py's (std 1 / sqrt(hidden + 1)). With LoRA: an adapter on that network, and a critic from the reward model is,
-    with its adapter off, the reward model (reward.model: critic_as_reward; no second copy)."""
+    """Returns the value of each state: a sequence classifier's scalar head at every position, minus an offset.
+
+    A critic from the reward model has rm.py's normalization built in. Its head is divided by the reward's scale and
+    its offset is shift / scale, so each prefix's value starts as that prefix's normalized score. A critic from the
+    policy has the policy's network and a new head, initialized as rm.py's. critic_from builds both."""
 
     def __init__(self, hf_model, offset=0.0):
         super().__init__()
@@ -385,70 +430,75 @@ class Critic(torch.nn.Module):
 
 
 @torch.no_grad()
-def logprobs_and_values(policy, ref_policy, critic, batch, args, update, rank, world, reference_mode):
-    """2. Each sampled token's log-prob under the policy (the ratio's "old") and the reference, and the critic's values,
-    on epoch 0's micro-batches, as learn() computes its first steps (the same rows, columns and autocast): in any
-    precision the first ratio is exactly 1, the KL at initialisation 0, the first value clip centred on the learning
-    forward's values. Each rank computes its rows; the sum over ranks gives every rank all."""
-    out = torch.zeros(3, *batch.mask.shape, device=batch.mask.device)  # old log-probs, the reference's, values
+def logprobs_and_values(policy, reference, critic, batch, args, update, reference_mode):
+    """2. Fills in each response token's log-prob under the policy and the reference, and the critic's values.
+
+    The policy's log-probs are the ratio's "old" ones. Each process computes its own rows in micro-batches of the
+    shape learn() uses, and every process receives all rows. A row gives the same numbers in any micro-batch of one
+    shape, so the first ratio is exactly 1 and the KL is exactly 0 at the first update, in any precision."""
+    out = torch.zeros(3, *batch.mask.shape, device=batch.mask.device)  # the old log-probs, the reference's, values
     with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        for step in epoch_plan(batch, args, update, 0, rank, world):
-            for f in step.forwards:
-                out[0, f.rows, :f.kept] = response_logprobs(policy, f.ids, f.attention_mask, f.context,
+        for f in old_logprob_micro_batches(batch, args, update):
+            out[0, f.rows, :f.kept] = response_logprobs(policy, f.ids, f.attention_mask, f.context,
+                                                        args.temperature, blocked=args.blocked_logits)[0]
+            with reference_mode():
+                out[1, f.rows, :f.kept] = response_logprobs(reference, f.ids, f.attention_mask, f.context,
                                                             args.temperature, blocked=args.blocked_logits)[0]
-                with reference_mode():  # the frozen copy of the initial policy (LoRA: the policy with its adapter off)
-                    out[1, f.rows, :f.kept] = response_logprobs(ref_policy, f.ids, f.attention_mask, f.context,
-                                                                args.temperature, blocked=args.blocked_logits)[0]
-                if critic is not None:
-                    out[2, f.rows, :f.kept] = critic(f.ids, f.attention_mask)[:, f.context - 1:-1]
-    batch.logprobs, batch.ref_logprobs, values = all_reduce(out).masked_fill(~batch.mask, 0.0)
+            if critic is not None:
+                out[2, f.rows, :f.kept] = critic(f.ids, f.attention_mask)[:, f.context - 1:-1]
+    batch.logprobs, batch.ref_logprobs, values = rows_of_every_process(out).masked_fill(~batch.mask, 0.0)
     batch.values = values if critic is not None else None
 
 
 @torch.no_grad()
-def score(reward, batch, rows, prompt_texts, tokenizer, stop_id, args, collective=False):
-    """3. The score of this rank's rows (every rank gets all): the reward model's output at the response's last real
-    token (sequence_reward), normalized as rm.py saved it, (output - shift) / scale, in the policy's tokens or on the
-    text in its own (reward_model_tokens); plus --reward_fn, minus --missing_eos_penalty. Returns the texts."""
+def score(reward, batch, prompt_texts, tokenizer, stop_id, args):
+    """3. Fills in each response's score and returns the responses' texts.
+
+    The score is the reward model's output at the response's last real token, normalized as rm.py saved it, plus
+    --reward_fn, minus --missing_eos_penalty for a response that never stopped. A reward model with other tokens
+    than the policy reads the text in its own tokens (reward_model_tokens). Each process scores its own rows."""
+    rows = process_share(torch.arange(len(batch.mask), device=batch.mask.device))
     responses, mask = batch.responses[rows], batch.mask[rows]
     texts = [tokenizer.decode(r[m & (r != stop_id)] if stop_id is not None else r[m], skip_special_tokens=True)
              for r, m in zip(responses.cpu(), mask.cpu())]
-    scores = torch.zeros(len(batch.mask), device=mask.device)  # (by the batch's rows; this rank's filled)
+    mine = [prompt_texts[i] for i in rows.tolist()]
+    scores = torch.zeros(len(batch.mask), device=mask.device)
     with torch.autocast(mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        for f in micro_batches(batch, rows, args, collective) if reward.model is not None else []:
+        for f in micro_batches(batch, rows, args) if reward.model is not None else []:
             ids, ids_mask = (f.ids, f.attention_mask) if reward.tokenizer is None else reward_model_tokens(
-                batch, f.rows, stop_id, tokenizer, reward, args)  # (its own tokens: the text, as rm.py made a pair)
-            scores[f.rows] = reward.model(ids.to(mask.device), ids_mask.to(mask.device))  # (output - shift) / scale
+                batch, f.rows, stop_id, tokenizer, reward, args)
+            scores[f.rows] = reward.model(ids.to(mask.device), ids_mask.to(mask.device))
     scores = scores[rows]
     if reward.fn is not None:
-        scores += common.agreed(lambda: reward.fn(prompt_texts, texts)).to(scores.device)
+        scores += common.agreed(lambda: reward.fn(mine, texts)).to(scores.device)
     batch.has_stop = (batch.responses == stop_id).any(1) if stop_id is not None else None
     if args.missing_eos_penalty is not None:
         scores -= args.missing_eos_penalty * (~batch.has_stop[rows]).float()
     batch.scores = all_gather_cat(scores)
-    if args.sft_model_path.startswith("embedded-") and args.dataset_name == "embedded":  # (for the logs)
-        batch.gold = all_gather_cat(torch.tensor(common.gold_rewards(prompt_texts, texts), device=scores.device))
-    return texts
+    if args.sft_model_path.startswith("embedded-") and args.dataset_name == "embedded":
+        batch.gold = all_gather_cat(torch.tensor(common.gold_rewards(mine, texts), device=scores.device))
+    return all_gather_objects(texts)
 
 
 def advantages(batch, kl_coef, args):
-    """4. Per-token rewards: -kl_coef * KL to the reference (--kl_penalty reward), plus the score at the last real
-    token (Ziegler et al. 2019, eq. 2); then --advantage_estimator: GAE, whitened (and the critic's targets); RLOO or
-    GRPO from each episode's return and its prompt's other K - 1; REINFORCE++ from each token's return. Returns the
-    per-token KL and the KL part of the rewards, for the logs."""
+    """4. Fills in the advantages and returns the per-token KL and the KL part of the rewards, for the logs.
+
+    Each token's reward is -kl_coef * KL to the reference (--kl_penalty reward), and the last real token's adds the
+    score (Ziegler et al. 2019, eq. 2). GAE gives whitened advantages and the critic's targets. RLOO and GRPO compare
+    each episode's return with its prompt's other K - 1. REINFORCE++ uses each token's return."""
     mask = batch.mask.float()
     kl = kl_per_token(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * mask
     non_score_reward = -kl_coef * kl if args.kl_penalty == "reward" else torch.zeros_like(kl)
     rewards = non_score_reward.clone()
     rewards[torch.arange(len(rewards), device=rewards.device), last_token_index(mask)] += batch.scores
-    if args.whiten_rewards and args.advantage_estimator in ("gae", "reinforce_pp"):  # (as its help says)
+    if args.whiten_rewards:  # gae and reinforce_pp only: check_args refuses it with the others.
         rewards = masked_whiten(rewards, mask, shift_mean=False)
     if args.advantage_estimator == "gae":
         adv, batch.returns = gae(rewards, batch.values, mask, args.gamma, args.lam)
         batch.advantages = masked_whiten(adv, mask)
     elif args.advantage_estimator == "reinforce_pp":
         batch.advantages = reinforce_pp_advantages(rewards, mask, args.gamma)
-    else:  # one advantage per episode, at each of its tokens; a prompt's K episodes are consecutive rows
+    else:  # One advantage per episode, at each of its tokens.
         k, returns = args.num_samples_per_prompt, rewards.sum(1)
         adv = rloo_advantages(returns, k) if args.advantage_estimator == "rloo" else \
             grpo_advantages(returns, k, args.scale_rewards)
@@ -458,83 +508,82 @@ def advantages(batch, kl_coef, args):
 
 @dataclass
 class MicroBatch:
-    """One forward's rows of the batch, every column (--group_by_length: less those all padding in these rows)."""
+    """The rows of one forward pass, with every column of the batch (--group_by_length drops all-padding columns)."""
     rows: torch.Tensor
     ids: torch.Tensor
     attention_mask: torch.Tensor
     context: int  # the response starts at this column
     kept: int  # response columns kept
 
-    def take(self, field):  # a (B, response_length) field at these rows and columns
+    def take(self, field):
+        """A (B, T) field of the batch at these rows and columns."""
         return field[self.rows][:, :self.kept]
 
 
-def micro_batches(batch, rows, args, collective):
-    """rows as forwards of --per_device_train_batch_size rows each, in order (--group_by_length: length_grouped; not
-    under FSDP on several ranks, where every rank must make the same calls)."""
-    if args.group_by_length and not collective:
-        return length_grouped(batch, rows, args.per_device_train_batch_size)
+def micro_batches(batch, rows, args):
+    """Cuts rows, in order, into forwards of --per_device_train_batch_size rows (--group_by_length: length_grouped)."""
+    if args.group_by_length:
+        return length_grouped(batch, rows, args)
     return [MicroBatch(r, batch.query_response[r], batch.attention_mask[r], batch.context_length, batch.mask.shape[1])
             for r in rows.split(args.per_device_train_batch_size)]
 
 
-def epoch_plan(batch, args, update, epoch, rank, world):
-    """One PPO epoch's optimizer steps: the batch shuffled (seeded by update and epoch), cut into --num_mini_batches.
-    Each an OptimizerStep: rows, the mini-batch's (every rank's); forwards, this rank's gradient_accumulation_steps
-    micro-batches of it (its per_device_train_batch_size x gradient_accumulation_steps rows, in order)."""
-    share = args.per_device_train_batch_size * args.gradient_accumulation_steps  # a rank's rows of a mini-batch
+@dataclass
+class OptimizerStep:
+    rows: torch.Tensor  # the mini-batch's rows
+    forwards: list  # the MicroBatches this process computes: its share of the rows, gradient_accumulation_steps of them
+
+
+def epoch_plan(batch, args, update, epoch):
+    """Returns one PPO epoch's optimizer steps: the batch shuffled, seeded by update and epoch, in --num_mini_batches.
+
+    Each process computes its own share of each mini-batch (process_share)."""
     order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(
         common.seed_of(args.seed, "mini-batches", update, epoch))).to(batch.mask.device)
-    collective = args.fsdp and world > 1  # (FSDP: every rank the same calls)
-    return [OptimizerStep(mini, micro_batches(batch, mini[rank * share:(rank + 1) * share], args, collective))
-            for mini in order.split(share * world)]
+    return [OptimizerStep(mini, micro_batches(batch, process_share(mini), args))
+            for mini in order.chunk(args.num_mini_batches)]
 
 
-def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, rank, world, ptx, pad_id):
-    """5. num_ppo_epochs passes over the batch, num_mini_batches optimizer steps each, every loss its mini-batch's mean
-    whatever the micro-batches, accumulation and ranks. Returns each statistic's mean over the optimizer steps, each
-    model's gradient norm (before clipping) among them."""
+def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ptx, pad_id):
+    """5. Runs --num_ppo_epochs passes over the batch, each of --num_mini_batches optimizer steps.
+
+    Each loss is its mini-batch's mean: a micro-batch's loss is its sum over tokens divided by the mini-batch's
+    count. Gradients are summed over micro-batches and processes (sum_gradients, below the fence), so the step's
+    gradient is that of the mini-batch's mean. Returns each statistic's mean over the optimizer steps, and each
+    model's gradient norm before clipping."""
     autocast = functools.partial(torch.autocast, batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16)
-
-    def backward(loss):  # DDP and FSDP average gradients over ranks; the mini-batch's gradient is the sum of theirs
-        (loss * world).backward()
-
-    stats, norms = [], []  # per optimizer step: name -> this rank's share of the mini-batch's value; the norms
+    stats, norms = [], []
     for epoch in range(args.num_ppo_epochs):
-        for mb, step in enumerate(epoch_plan(batch, args, update, epoch, rank, world)):
-            # THE loss mean. Every rank holds the whole batch (rollout gathers it), so each counts the mini-batch's
-            # tokens (every rank's, every accumulation step's) itself: each micro-batch's loss is its share of the mean
+        for mb, step in enumerate(epoch_plan(batch, args, update, epoch)):
             tokens_in_mini_batch, responses = batch.mask[step.rows].sum(), len(step.rows)
 
             def mean(loss_per_token, mask):
                 if args.loss_aggregation == "token_mean":
                     return (loss_per_token * mask).sum() / tokens_in_mini_batch
-                if args.loss_aggregation == "sequence_mean":  # each response's token mean, then over responses (GRPO)
+                if args.loss_aggregation == "sequence_mean":  # each response's token mean, then over responses
                     return ((loss_per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / responses
-                return (loss_per_token * mask).sum() / (responses * args.response_length)  # constant (Dr. GRPO)
+                return (loss_per_token * mask).sum() / (responses * args.response_length)  # constant, Dr. GRPO
 
             sums = {}
             if ptx is not None:  # PPO-ptx (Ouyang et al. 2022, eq. 2): language modelling on pretraining text
-                sums["loss/ptx"] = ptx_backward(policy, ptx, step, update, epoch, mb, args, rank, world, pad_id,
-                                                backward)
+                sums["loss/ptx"] = ptx_backward(policy, ptx, step, update, epoch, mb, args, pad_id)
             for i, f in enumerate(step.forwards):
-                sync_gradients([policy, critic], last=i == len(step.forwards) - 1)  # (DDP: all-reduce once)
+                sync_gradients([policy, critic], last=i == len(step.forwards) - 1)
                 mask = f.take(batch.mask).float()
-                # (policy and critic share no weights: each loss backward on its own graph, one's activations at a time)
                 with autocast():
                     new_logprobs, entropy = response_logprobs(
                         policy, f.ids, f.attention_mask, f.context, args.temperature, entropy=True,
                         entropy_grad=args.ent_coef > 0, blocked=args.blocked_logits)
                 pg_loss, per_token = policy_loss(new_logprobs, f.take(batch.logprobs), f.take(batch.advantages),
-                                                 args.cliprange)
+                                                 args.cliprange, mask)
                 losses = {"loss/policy": mean(pg_loss, mask)}
                 loss = losses["loss/policy"] - args.ent_coef * mean(entropy, mask)
-                if args.kl_penalty == "loss":  # GRPO (Shao et al. 2024, eq. 3): the current policy's KL, in the loss
-                    # (padding's log-probs 0, as the reference's: k3 of a pad token could overflow, and inf x 0 is NaN)
+                if args.kl_penalty == "loss":  # GRPO (Shao et al. 2024, eq. 3): the current policy's KL
+                    # Padding's log-probs are 0, as the reference's are: k3 of a pad token could overflow.
                     losses["loss/kl"] = mean(kl_per_token(new_logprobs.masked_fill(mask == 0, 0.0),
                                                           f.take(batch.ref_logprobs), args.kl_estimator), mask)
                     loss = loss + kl_coef * losses["loss/kl"]
-                backward(loss)
+                loss.backward()  # Policy and critic share no weights, so each loss has its own graph.
                 per_token = {"policy/entropy": entropy, **{f"policy/{k}": v for k, v in per_token.items()}}
                 if critic is not None:
                     with autocast():
@@ -542,90 +591,120 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ra
                     vf_loss, per_token["val/clipfrac"] = value_loss(new_values, f.take(batch.values),
                                                                     f.take(batch.returns), args.cliprange_value)
                     losses["loss/value"] = mean(vf_loss, mask)
-                    backward(args.vf_coef * losses["loss/value"])
+                    (args.vf_coef * losses["loss/value"]).backward()
                 for name, value in losses.items():
                     sums[name] = sums.get(name, 0) + value.detach()
-                for name, value in per_token.items():  # statistics: plain means over the mini-batch's tokens
+                for name, value in per_token.items():  # Statistics are plain means over the mini-batch's tokens.
                     sums[name] = sums.get(name, 0) + (value.detach() * mask).sum() / tokens_in_mini_batch
             norms.append(clip_and_step(trainable, optimizer, args.max_grad_norm, update, losses["loss/policy"]))
-            stats.append(sums)  # (this rank's shares: mean_over_steps sums them over ranks)
+            stats.append(sums)
     return {**mean_over_steps(stats), **{k: sum(n[k] for n in norms) / len(norms) for k in norms[0]}}
+
+
+@torch.no_grad()
+def evaluate(models, prompts, args, tokenizer, stop_id):
+    """Scores the policy on the held-out prompts, one response each, sampled at --temperature.
+
+    Each prompt has its own random stream, the same at every evaluation. Two evaluations then differ only by the
+    policy, and their difference is a paired comparison. The prompts go through phases 1 to 3 in rollout batches.
+    Returns each measure's mean over prompts with its standard error, and one row per prompt for eval_samples.jsonl."""
+    measures, rows = {"score": [], "gold": [], "kl": [], "length": [], "stop_rate": []}, []
+    models.policy.eval()
+    for chunk in eval_batches(prompts, args):
+        seeds = [common.seed_of(args.seed, "evaluation", i) for i in chunk.index]
+        batch = rollout(models.policy, chunk.ids, seeds, args, stop_id, tokenizer.pad_token_id)
+        with resharded([models.separate_reference]):
+            logprobs_and_values(models.policy, models.reference, None, batch, args, 0, models.reference_mode)
+        with resharded([models.reward.model]):
+            texts = score(models.reward, batch, chunk.texts, tokenizer, stop_id, args)
+        kl = (kl_per_token(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * batch.mask).sum(1)
+        n = chunk.real  # The rows after the first n repeat a prompt to fill the batch.
+        new = {"score": batch.scores, "gold": batch.gold, "kl": kl, "length": batch.mask.sum(1),
+               "stop_rate": batch.has_stop}
+        new = {k: v[:n].float().tolist() for k, v in new.items() if v is not None}
+        for name, values in new.items():
+            measures[name] += values
+        rows += [{"prompt": chunk.texts[i], "response": texts[i], **{k: new[k][i] for k in ("score", "gold", "kl")
+                                                                      if k in new}} for i in range(n)]
+    return mean_and_standard_error(measures, prefix="eval/"), rows
 
 
 def main(args):
     check_args(args)
     rank, world, device = setup_distributed()
     fill_defaults(args, position_limit(args), rank)
-    if (sizes := start_up(args, rank, world)) is None:  # finished already: nothing to do
+    if (sizes := start_up(args, rank, world)) is None:  # The run in --output_dir is finished.
         return None
-    batch_size, local_batch, num_updates = sizes.batch_size, sizes.local_batch, sizes.num_updates
+    batch_size, num_updates = sizes.batch_size, sizes.num_updates
 
     tokenizer = load_tokenizer(args)
     stop_id = stop_token_id(args, tokenizer)
-    prompts, prompt_texts = load_prompts(args, tokenizer)  # before the models: a data mistake is found in seconds
-    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
-    # The policy; the reference, a frozen copy of it (LoRA: the policy with its adapter off); GAE's critic
-    # (critic_from); the reward: a frozen reward model and/or a function.
+    # The prompts are read before the models, so that a mistake in the data is found in seconds. No eval prompt is
+    # among the training prompts.
+    prompts, eval_prompts = train_and_eval_prompts(args, tokenizer)
+    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 and not args.eval_only else None
     models = build_models(args, tokenizer, device, rank, world)
-    policy, critic, reward, lora = models.policy, models.critic, models.reward, models.lora
-    bos_id = common.leading_id(tokenizer)  # (once: it tokenizes)
-    prompts = [truncate_prompt(p, args.max_prompt_length, bos_id) for p in prompts]
-    ptx = ptx and [ids[:args.max_prompt_length + args.response_length] for ids in ptx]
-    # AdamW (eps 1e-5) over policy and critic, each at its learning rate; --lr_scheduler_type, stepped once per update
+    policy, critic = models.policy, models.critic
+    if args.eval_only:
+        return evaluate_only(models, eval_prompts, args, tokenizer, stop_id)
+    # AdamW over policy and critic, each at its learning rate; --lr_scheduler_type is stepped once per update.
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
     start, kl_coef, history = 0, args.kl_coef, []
     if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir, args, world)):
         start, kl_coef, history = ckpt["step"], ckpt["kl_coef"], ckpt["history"]
-    logs = open_logs(args, rank, start if args.resume else None)
+    logs = open_logs(args, rank, start or None)
+    evals_at = eval_schedule(args.num_evals, num_updates)  # 0, before the first update, and --num_evals more
+    if start == 0 and 0 in evals_at:  # The initial policy's scores: the baseline of every later evaluation.
+        history.append(log_evaluation(logs, 0, 0, *evaluate(models, eval_prompts, args, tokenizer, stop_id)))
 
-    orders, collective = {}, args.fsdp and world > 1  # under FSDP every rank must make the same forward calls
-    mine = torch.arange(rank * local_batch, (rank + 1) * local_batch, device=device)  # this rank's rows of a batch
+    orders = {}
     bar = tqdm(range(start, num_updates), disable=rank != 0, initial=start, total=num_updates, desc="ppo")
     t_saved = time.time()
     common.stop_on_signals()
     for update in bar:
         t0 = time.time()
-        # 1. Rollout: this rank's share of the update's episodes; then every rank takes the whole batch.
-        episodes = range(update * batch_size + rank * local_batch, update * batch_size + (rank + 1) * local_batch)
-        prompt_index = episode_prompts([e // args.num_samples_per_prompt for e in episodes], len(prompts), args.seed,
-                                       orders)  # the K episodes of a prompt are consecutive
-        trainable.eval()  # (sampling and scoring in evaluation mode)
-        batch = rollout(policy if args.fsdp else unwrap(policy), [prompts[i] for i in prompt_index], episodes, args,
-                        stop_id, tokenizer.pad_token_id, device, collective)
+        # 1. Rollout. An episode's prompt and random stream depend only on its index, whatever the processes.
+        episodes = range(update * batch_size, (update + 1) * batch_size)
+        prompt_index = episode_prompts([e // args.num_samples_per_prompt for e in episodes], len(prompts.ids),
+                                       args.seed, orders)  # A prompt's K episodes are consecutive.
+        seeds = [common.seed_of(args.seed, "sampling", e) for e in episodes]
+        trainable.eval()  # Sampling and scoring run in evaluation mode.
+        batch = rollout(policy, [prompts.ids[i] for i in prompt_index], seeds, args, stop_id, tokenizer.pad_token_id)
         t_rollout = time.time()
 
         # 2. Log-probs under the policy (old) and the reference, and the values.
-        with resharded([None if lora else models.reference]):
-            logprobs_and_values(policy, models.reference, critic, batch, args, update, rank, world,
-                                reference_mode=lora.disable_adapter if lora else contextlib.nullcontext)
+        with resharded([models.separate_reference]):
+            logprobs_and_values(policy, models.reference, critic, batch, args, update, models.reference_mode)
 
         # 3. Score: the reward at the response's last real token.
-        texts = [prompt_texts[i] for i in prompt_index]
-        with resharded([reward.model]):
-            score(reward, batch, mine, texts, tokenizer, stop_id, args, collective)
+        with resharded([models.reward.model]):
+            score(models.reward, batch, [prompts.texts[i] for i in prompt_index], tokenizer, stop_id, args)
         t_score = time.time()
 
-        # 4. Advantages: KL-penalised per-token rewards; GAE, whitened, or a critic-free estimator.
+        # 4. Advantages: KL-penalised per-token rewards, then GAE, whitened, or a critic-free estimator.
         kl, non_score_reward = advantages(batch, kl_coef, args)
 
-        # 5. Learn: num_ppo_epochs x num_mini_batches optimizer steps on the clipped policy loss (and value loss).
+        # 5. Learn: num_ppo_epochs x num_mini_batches optimizer steps on the clipped policy and value losses.
         trainable.train()
-        update_stats = learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, rank, world, ptx,
+        update_stats = learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ptx,
                              tokenizer.pad_token_id)
-        lr = scheduler.get_last_lr()[0]  # (the rate this update's steps used)
+        lr = scheduler.get_last_lr()[0]  # the rate this update's steps used
         scheduler.step()
         t_learn = time.time()
 
-        # 6. Adapt the KL coefficient; log; save samples and checkpoints.
+        # 6. Adapt the KL coefficient. Log, evaluate on held-out prompts when scheduled, save samples and checkpoints.
         m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef, "lr": lr, **update_stats,
              **update_metrics(batch, kl, non_score_reward, [t0, t_rollout, t_score, t_learn, time.time()], args,
                               peak_memory_of=device if update == start else None)}
-        if args.target_kl is not None:  # (objective/kl: the KL summed over each response, mean over the batch)
+        if args.target_kl is not None:  # objective/kl is the KL summed over each response, averaged over the batch.
             kl_coef = adaptive_kl_coef(kl_coef, m["objective/kl"], args.target_kl, args.kl_horizon, batch_size)
         history.append({k: m[k] for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean",
                                           "gold/std") if k in m})
         if rank == 0:
             log_update(logs, bar, m, update == num_updates - 1, args, tokenizer, batch)
+        if update + 1 in evals_at:
+            history.append(log_evaluation(logs, m["step"], m["episodes"],
+                                          *evaluate(models, eval_prompts, args, tokenizer, stop_id)))
         save, stop = common.step_end(update + 1, args.save_steps, t_saved, device)
         if save and update + 1 < num_updates:
             common.save_training(trainable, optimizer, scheduler, update + 1, rank, args.output_dir, batch_size,
@@ -635,31 +714,30 @@ def main(args):
             common.exit_stopped(stop, update + 1, args, rank, bar)
     common.stop_on_signals(False)
 
-    common.agreed(lambda: save_final(trainable, models.policy_hf, lora, tokenizer, history, logs, args, rank))
-    common.leave_together()  # (under torchrun: every rank done)
+    common.agreed(lambda: save_final(trainable, models.policy_hf, models.lora, tokenizer, history, logs, args, rank))
+    common.leave_together()  # Under torchrun, every process is done.
     return history
 
 
 # ======================================================================================================================
-# THE FENCE. The method ends here: a first read can stop. Below, what a default run calls and a reader may trust by its
-# docstring (checks, loading, the reward's plumbing, learning's bookkeeping, distributed set-up, logs); then the opt-in
-# speed paths, each in its own section (--group_by_length, --blocked_logits, --compile), tested equal to the plain path.
+# THE FENCE. The method ends here, and a first read can stop. Below are the pieces a default run calls, each trusted by
+# its docstring: checks, loading, the reward's plumbing, evaluation's plumbing, learning's bookkeeping, processes, logs.
+# Then come the opt-in speed paths, each in its own section and tested equal to the plain path.
 # ======================================================================================================================
-
-
 # --- Checks and sizes, before anything is loaded or written. ---------------------------------------------------------
 def check_args(args):
     """Every size and range, and every model and dataset found, before anything is loaded or written."""
     for names, ok, must in (
             (("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
               "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every", "kl_horizon",
-              "num_samples_per_prompt"), lambda v: v >= 1, "at least 1"),
+              "num_samples_per_prompt", "num_eval_prompts"), lambda v: v >= 1, "at least 1"),
             (("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
               "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples", "missing_eos_penalty",
-              "lora_r", "lora_alpha"), lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0"),
+              "lora_r", "lora_alpha", "num_evals"), lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0"),
             (("gamma", "lam"), lambda v: 0 <= v <= 1, "within [0, 1]"),
+            (("eval_holdout",), lambda v: 0 < v < 1, "a fraction within (0, 1)"),
             (("temperature", "target_kl"), lambda v: v > 0, "above 0")):
-        for name in names:  # (None: a default filled later)
+        for name in names:  # None is a default filled later.
             if (value := getattr(args, name)) is not None and not ok(value):
                 raise common.UserError(f"--{name} {value}: must be {must}")
     if args.advantage_estimator in ("rloo", "grpo") and args.num_samples_per_prompt == 1:
@@ -668,16 +746,14 @@ def check_args(args):
     if not args.scale_rewards and args.advantage_estimator != "grpo":
         raise common.UserError(f"--no_scale_rewards is grpo's (Dr. GRPO); --advantage_estimator "
                                f"{args.advantage_estimator} does not divide by a group's std")
+    if args.whiten_rewards and args.advantage_estimator not in ("gae", "reinforce_pp"):
+        raise common.UserError(f"--whiten_rewards whitens per-token rewards for gae and reinforce_pp; --advantage_"
+                               f"estimator {args.advantage_estimator} compares each response's return with its group's")
+    if args.eval_split is not None and args.eval_split == args.dataset_train_split:
+        raise common.UserError(f"--eval_split {args.eval_split} is the training split: the evaluation would read "
+                               "prompts trained on; pass another split, or none to hold out --eval_holdout of them")
     if args.missing_eos_penalty is not None and args.stop_token == "none":
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
-    try:  # the schedule built and stepped as the run does: once per update, no metric, no arguments of its own
-        scheduler = transformers.get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=0, num_training_steps=2)
-        opt.step()
-        scheduler.step()
-    except (ValueError, TypeError) as e:
-        raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: {common.first_line(e)} (ppo.py steps "
-                               "the schedule once per update, with no metric and no arguments of its own)") from None
     if args.compile and args.fsdp:
         raise common.UserError("--compile compiles the decode of a whole model; --fsdp shards it: drop one of them")
     if args.offload_inference_models and not args.fsdp:
@@ -687,7 +763,8 @@ def check_args(args):
     for name, flag, kind in ((args.sft_model_path, "--sft_model_path", "model"),
                              (reward_model_source(args), "--reward_model_path", "model"),
                              (args.dataset_name, "--dataset_name", "dataset"),
-                             (args.ptx_dataset_name if args.ptx_coef > 0 else None, "--ptx_dataset_name", "dataset")):
+                             (args.ptx_dataset_name if args.ptx_coef > 0 else None, "--ptx_dataset_name", "dataset"),
+                             (reference_source(args)[0] if args.eval_only else None, "--sft_model_path", "model")):
         if name is not None:
             common.check_source(name, flag, kind)
 
@@ -701,6 +778,8 @@ class Sizes:
 
 def start_up(args, rank, world):
     """The run's sizes, checked, and its output folder (one for all ranks, writable); None if it holds this run done."""
+    if args.eval_only and args.output_dir == Args.output_dir:  # A trained policy's own folder is never written.
+        args.output_dir = "runs/ppo-eval"
     common.check_shared_output_dir(args.output_dir, rank)
     local_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size, num_updates = local_batch * world, args.total_episodes // (local_batch * world)
@@ -714,7 +793,8 @@ def start_up(args, rank, world):
         raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
                                f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
     common.check_output_dir(args, rank)
-    return None if common.run_complete(args, num_updates, rank) else Sizes(local_batch, batch_size, num_updates)
+    done = not args.eval_only and common.run_complete(args, num_updates, rank)
+    return None if done else Sizes(local_batch, batch_size, num_updates)
 
 
 def position_limit(args):
@@ -830,13 +910,23 @@ class Models:
     policy_hf: torch.nn.Module  # the policy's transformers model, for the final save
     lora: object = None  # with LoRA: the peft model holding the policy's adapter
 
+    @property
+    def reference_mode(self):
+        """The context in which the reference computes: with LoRA, the policy's adapter off."""
+        return self.lora.disable_adapter if self.lora else contextlib.nullcontext
+
+    @property
+    def separate_reference(self):
+        """The reference when it is a model of its own (not with LoRA), to release its gathered shards after use."""
+        return None if self.lora else self.reference
+
 
 def build_models(args, tokenizer, device, rank, world):
     """The policy and critic (trained; DDP or FSDP), the frozen reference and the reward (under FSDP only rank 0 reads
     weights: parallelize); lengths checked against the position tables of the models reading the policy's tokens."""
     on_meta = args.fsdp and world > 1 and rank != 0
     reward = load_reward(args, tokenizer, on_meta)
-    critic_init = args.critic_init if args.advantage_estimator == "gae" else None  # the others have no critic
+    critic_init = args.critic_init if args.advantage_estimator == "gae" and not args.eval_only else None
     if critic_init == "auto":
         critic_init = "reward" if reward.reads_policy_tokens else "policy"
     elif critic_init == "reward" and not reward.reads_policy_tokens:
@@ -852,7 +942,7 @@ def build_models(args, tokenizer, device, rank, world):
     critic_hf = critic_init and critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
     offset = reward.model.shift / reward.model.scale if critic_init == "reward" else 0.0
     lora = None
-    if args.lora_r:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
+    if args.lora_r and not args.eval_only:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         lora = common.add_lora(policy_hf.to(dtype), args, "CAUSAL_LM")
         if critic_hf is not None:  # (its head float32: the trained copy peft makes of it, and the reward model's)
@@ -861,7 +951,10 @@ def build_models(args, tokenizer, device, rank, world):
     if reward.model is not None:  # sharded first, so that rank 0 holds at most three models whole
         reward.model = None if shared else parallelize(reward.model, args, device, frozen=True)
     if not lora:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
-        ref_policy = parallelize(copy.deepcopy(policy_hf).eval().requires_grad_(False), args, device, frozen=True)
+        path, seed = reference_source(args)
+        ref_hf = copy.deepcopy(policy_hf) if (path, seed) == (args.sft_model_path, args.seed) else \
+            load_policy(dataclasses.replace(args, sft_model_path=path, seed=seed), tokenizer, on_meta)
+        ref_policy = parallelize(ref_hf.eval().requires_grad_(False), args, device, frozen=True)
     if args.gradient_checkpointing:  # (in training mode only: sampling keeps its KV cache)
         for model in [m for m in (policy_hf, critic_hf) if m is not None]:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -875,7 +968,8 @@ def build_models(args, tokenizer, device, rank, world):
         sources = [f"model {path}" + ("" if reward.reads_policy_tokens else " (reads the text)")] * bool(path)
         print(f"policy {args.sft_model_path} ({n_trained / 1e6:.2f}M trained{f', LoRA rank {args.lora_r}' * bool(lora)}"
               f"); reward {' + '.join(sources + [f'function {args.reward_fn}'] * bool(reward.fn))}; "
-              + (f"critic from the {critic_init}" if critic else "no critic") + f"; {world} x {device.type}")
+              + (f"critic from the {critic_init}" if critic else "no critic") + f"; {world} x {device.type}"
+              + (f"; reference {reference_source(args)[0]}" if args.eval_only else ""))
     return Models(policy, critic, policy if lora else ref_policy, reward, policy_hf, lora)
 
 
@@ -891,15 +985,15 @@ def build_optimizer(policy, critic, args, num_updates):
     return trainable, optimizer, scheduler
 
 
-def load_prompts(args, tokenizer):
-    """Prompt token ids (main truncates them) and the prompt texts."""
+def load_prompts(args, tokenizer, split=None):
+    """A split's prompt token ids (main cuts them) and prompt texts; the training split by default."""
     if args.dataset_name == "embedded":
         rng = random.Random(args.seed)
         rows = [{"prompt": common.embedded_prompt(rng), "_source": "embedded", "_row": i} for i in range(4096)]
     else:
-        rows = common.load_rows(args.dataset_name, args.dataset_config, args.dataset_train_split)
+        rows = common.load_rows(args.dataset_name, args.dataset_config, split or args.dataset_train_split)
         if not rows:
-            raise common.UserError(f"{args.dataset_name}: no split '{args.dataset_train_split}'")
+            raise common.UserError(f"{args.dataset_name}: no split '{split or args.dataset_train_split}'")
     texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
     ids = common.tokenize_prompts(tokenizer, texts)
     common.check_vocabulary(tokenizer, ids, args.dataset_name, args.sft_model_path, "--sft_model_path")
@@ -907,6 +1001,56 @@ def load_prompts(args, tokenizer):
         raise common.UserError(f"{common.where(rows[ids.index([])])}: the prompt is empty and {args.sft_model_path}'s "
                                "tokenizer adds no BOS token, so the policy has nothing to continue; give it a prompt")
     return ids, texts
+
+
+@dataclass
+class Prompts:
+    ids: list  # token ids, cut to --max_prompt_length
+    texts: list  # the texts, whole, as --reward_fn receives them
+    index: list = None  # eval prompts: each one's position in the eval set, which seeds its random stream
+
+
+def train_and_eval_prompts(args, tokenizer):
+    """The training prompts and the eval prompts, no eval prompt's text among the training prompts.
+
+    The eval prompts are --eval_split's, else the validation split's, else the test split's. Without any, --eval_holdout
+    of the training prompts are held out by text (common.hold_out), every row of a held text. The embedded prompts have
+    no splits. --num_eval_prompts of them are kept, drawn by seed. Training prompts whose text is an eval prompt's
+    are left out, with a count printed."""
+    ids, texts = load_prompts(args, tokenizer)
+    splits = [args.eval_split] if args.eval_split else [s for s in ("validation", "test") if s !=
+                                                          args.dataset_train_split]
+    found = None if args.dataset_name == "embedded" else next(
+        (s for s in splits if common.load_rows(args.dataset_name, args.dataset_config, s)), None)
+    if args.eval_split and found is None:
+        names = ["none: its prompts are held out"] if args.dataset_name == "embedded" else \
+            common.split_names(args.dataset_name, args.dataset_config)
+        raise common.UserError(f"{args.dataset_name}: no split {args.eval_split!r} (--eval_split); its splits: "
+                               f"{', '.join(map(str, names))}; pass one, or no --eval_split to hold out --eval_holdout "
+                               "of the training prompts")
+    if found is not None:
+        eval_ids, eval_texts = load_prompts(args, tokenizer, found)
+        held, source = set(eval_texts), f"split {found!r}"
+    else:
+        held = common.hold_out(texts, args.eval_holdout, args.seed)
+        eval_ids, eval_texts = [i for i, t in zip(ids, texts) if t in held], [t for t in texts if t in held]
+        source = f"{args.eval_holdout:g} of the prompts, held out by text"
+    trained = [i for i, t in enumerate(texts) if t not in held]
+    if not trained and not args.eval_only:
+        raise common.UserError(f"{args.dataset_name}: every training prompt is an eval prompt ({source}); pass "
+                               "another --eval_split or more distinct prompts")
+    if not eval_ids:
+        raise common.UserError(f"{args.dataset_name}: no eval prompt ({source}); pass --eval_split")
+    chosen = sorted(random.Random(common.seed_of(args.seed, "eval prompts")).sample(
+        range(len(eval_ids)), min(args.num_eval_prompts, len(eval_ids))))
+    bos_id = common.leading_id(tokenizer)
+    cut = lambda p: truncate_prompt(p, args.max_prompt_length, bos_id)  # noqa: E731
+    if (not dist.is_initialized() or dist.get_rank() == 0) and not args.eval_only:
+        dropped = len(texts) - len(trained) if found is not None else 0
+        print(f"prompts: {len(trained)} train, {len(chosen)} eval ({source}, {len(eval_ids)} in all)"
+              + (f"; {dropped} training prompts left out as eval prompts too" if dropped else ""))
+    return (Prompts([cut(ids[i]) for i in trained], [texts[i] for i in trained]),
+            Prompts([cut(eval_ids[i]) for i in chosen], [eval_texts[i] for i in chosen], list(range(len(chosen)))))
 
 
 def prompt_text(row, tokenizer, where):
@@ -934,8 +1078,8 @@ def load_ptx(args, tokenizer):
         if not rows or "text" not in rows[0]:
             raise common.UserError(f"{args.ptx_dataset_name}: --ptx_dataset_name needs a 'text' column")
         texts = [r["text"] for r in rows]
-    end = common.end_id(tokenizer)
-    return [ids + [end] for ids in common.tokenize_prompts(tokenizer, texts)]  # (main cuts them to the length)
+    end, length = common.end_id(tokenizer), args.max_prompt_length + args.response_length
+    return [(ids + [end])[:length] for ids in common.tokenize_prompts(tokenizer, texts)]
 
 
 def pad_left(seqs, width, pad_id):
@@ -1103,6 +1247,80 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
     return batch["input_ids"], batch["attention_mask"]
 
 
+# --- Held-out evaluation: the reference of --eval_only, the batches, the schedule, the statistics and the logs. -----
+def reference_source(args):
+    """The reference's (path, seed). With --eval_only, the initial policy of the run that trained --sft_model_path,
+    read from that run's ppo_results.json (beside an adapter folder, in its parent). Otherwise, or without that file,
+    --sft_model_path itself: the policy is its own reference and its KL is 0."""
+    if args.eval_only and os.path.isdir(args.sft_model_path):
+        for folder in (args.sft_model_path, os.path.dirname(os.path.abspath(args.sft_model_path))):
+            if os.path.isfile(results := os.path.join(folder, "ppo_results.json")):
+                with open(results) as f:
+                    saved = json.load(f)["args"]
+                return saved["sft_model_path"], saved["seed"]
+    return args.sft_model_path, args.seed
+
+
+@dataclass
+class EvalBatch:
+    ids: list
+    texts: list
+    index: list  # each prompt's position in the eval set, which seeds its random stream
+    real: int  # the rows before those that repeat a prompt to fill the batch
+
+
+def eval_batches(prompts, args):
+    """The eval prompts in rollout batches of the training's size, so that they fit where training fits.
+
+    The last batch repeats its first prompt up to that size, so that every process makes the same calls."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches * world
+    for start in range(0, len(prompts.ids), size):
+        part = [x[start:start + size] for x in (prompts.ids, prompts.texts, prompts.index)]
+        fill = size - len(part[0])
+        yield EvalBatch(*[x + x[:1] * fill for x in part], real=len(part[0]))
+
+
+def eval_schedule(num_evals, num_updates):
+    """The updates after which evaluate() runs: 0, before the first, and num_evals spread evenly, the last at the end."""
+    return {0} | {math.ceil(k * num_updates / num_evals) for k in range(1, num_evals + 1)} if num_evals else set()
+
+
+def mean_and_standard_error(measures, prefix):
+    """Each list's mean, and its standard error as NAME_se (the sample std over sqrt(n)), each key prefixed."""
+    out = {f"{prefix}prompts": len(measures["score"])}
+    for name, values in ((k, torch.tensor(v, dtype=torch.float64)) for k, v in measures.items() if v):
+        se = values.std() / len(values) ** 0.5 if len(values) > 1 else torch.tensor(0.0)
+        out[f"{prefix}{name}"], out[f"{prefix}{name}_se"] = values.mean().item(), se.item()
+    return out
+
+
+def log_evaluation(logs, step, episodes, metrics, rows):
+    """Writes an evaluation to metrics.jsonl (its own line) and its rows to eval_samples.jsonl; returns its record."""
+    record = {"step": step, "episodes": episodes, **metrics}
+    if logs is not None:  # rank 0
+        logs[0].log(record)
+        logs[2].writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        logs[2].flush()
+        tqdm.write("evaluation " + common.format_metrics(record))
+    return record
+
+
+def evaluate_only(models, prompts, args, tokenizer, stop_id):
+    """--eval_only: evaluate() once, written to eval_results.json and eval_samples.jsonl in --output_dir."""
+    metrics, rows = evaluate(models, prompts, args, tokenizer, stop_id)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+        common.write_atomic(os.path.join(args.output_dir, "eval_samples.jsonl"),
+                            "".join(json.dumps({"step": 0, **row}) + "\n" for row in rows))
+        common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), {
+            **metrics, "reference": reference_source(args)[0], "args": dataclasses.asdict(args)})
+        print(f"{common.format_metrics(metrics)}\nevaluated {args.sft_model_path} on {len(rows)} prompts; "
+              f"eval_results.json in {args.output_dir}")
+    common.leave_together()
+    return metrics
+
+
 # --- The sampler: each episode its own uniforms (seeded by its index, whatever the batch or ranks), its cache. --------
 def episode_uniform(seeds, step):
     """u ~ Uniform(0, 1) for token `step` of each row's episode, counter-based (Salmon et al. 2011): 52 random bits
@@ -1162,24 +1380,27 @@ def language_modelling_loss(policy, seqs, pad_id, n_tokens, device, blocked=Fals
     return (-logprobs * real).sum() / n_tokens
 
 
-def ptx_backward(policy, ptx, step, update, epoch, mb, args, rank, world, pad_id, backward):
-    """PPO-ptx's gradient for one optimizer step: as many pretraining sequences as the mini-batch has episodes, taken
-    in order by the step's global index (any rank count, any resume), divided by all their tokens; this rank's share."""
+def ptx_backward(policy, ptx, step, update, epoch, mb, args, pad_id):
+    """PPO-ptx's backward pass for one optimizer step, returning the loss of this process's share.
+
+    The step takes as many pretraining sequences as its mini-batch has episodes, in order by the step's index, so
+    the same ones on any number of processes and after any resume. The loss divides by all their tokens, and
+    gradients are summed over processes (sum_gradients)."""
     first = ((update * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb) * len(step.rows)
     seqs = [ptx[i % len(ptx)] for i in range(first, first + len(step.rows))]
-    micro, share, total = args.per_device_train_batch_size, len(step.rows) // world, 0
-    sync_gradients([policy], last=False)  # (all-reduced with the PPO losses' under DDP)
-    for i in range(rank * share, (rank + 1) * share, micro):
+    n_tokens, total = sum(len(s) - 1 for s in seqs), 0
+    sync_gradients([policy], last=False)  # DDP all-reduces them with the PPO losses' gradients.
+    for rows in process_share(torch.arange(len(seqs))).split(args.per_device_train_batch_size):
         with torch.autocast(step.rows.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss = language_modelling_loss(policy, seqs[i:i + micro], pad_id, sum(len(s) - 1 for s in seqs),
+            loss = language_modelling_loss(policy, [seqs[i] for i in rows.tolist()], pad_id, n_tokens,
                                            step.rows.device, args.blocked_logits)
-        backward(args.ptx_coef * loss)
+        (args.ptx_coef * loss).backward()
         total = total + loss.detach()
     return total
 
 
 def sync_gradients(models, last):
-    """DDP all-reduces gradients in a step's last backward only (FSDP2, as left, reduce-scatters every backward's)."""
+    """Makes DDP all-reduce gradients in a step's last backward pass only. FSDP2 reduce-scatters every one's."""
     for model in (m for m in models if isinstance(m, torch.nn.parallel.DistributedDataParallel)):
         model.require_backward_grad_sync = last
 
@@ -1203,7 +1424,9 @@ def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
 
 
 def mean_over_steps(stats):
-    """Each statistic's mean over the update's steps (a step's: its ranks' shares summed), the ratio's variance too."""
+    """Each statistic's mean over the update's optimizer steps, and the ratio's variance.
+
+    A step's statistic is the sum of every process's part, each a sum over its tokens divided by the step's count."""
     names = list(stats[0])
     per_step = dict(zip(names, all_reduce(torch.stack([torch.stack([s[k] for s in stats]) for k in names]))))
     means = {k: v.mean().item() for k, v in per_step.items() if k != "policy/ratio_sq"}
@@ -1260,11 +1483,13 @@ def parallelize(model, args, device, frozen=False):
                 fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **offload)
             fully_shard(model, mp_policy=mp, **offload)
 
-        return common.shard_from_rank0(model, shard, device, host)
+        sharded = common.shard_from_rank0(model, shard, device, host)
+        return sharded if frozen else sum_gradients(sharded)
     model.to(device)
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device.index],
-                                                     broadcast_buffers=False, gradient_as_bucket_view=True)
+    return sum_gradients(torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=None if device.type == "cpu" else [device.index], broadcast_buffers=False,
+        gradient_as_bucket_view=True))
 
 
 def heads_in_float32(model):
@@ -1307,6 +1532,54 @@ def all_reduce(t, op=None):
     return t
 
 
+def all_gather_objects(items):
+    """Every process's list, concatenated in process order."""
+    if not dist.is_initialized():
+        return items
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+def process_share(rows):
+    """This process's equal share of rows, in order: all of them in a single process."""
+    if not dist.is_initialized():
+        return rows
+    return rows.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def rows_of_every_process(t):
+    """A (..., B, T) tensor in which each process filled its own rows, with every process's rows on each.
+
+    The other rows are 0, so their sum over processes is every row once."""
+    return all_reduce(t)
+
+
+def collective(args):
+    """Whether every process must make the same forward calls: FSDP on several processes gathers weights in them."""
+    return args.fsdp and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_processes_done(done, args):
+    """Whether every row has stopped. Under FSDP the answer is every process's, so that all decode the same steps."""
+    return bool(all_reduce(done.all().float(), dist.ReduceOp.MIN)) if collective(args) else bool(done.all())
+
+
+def sum_gradients(model):
+    """Makes DDP or FSDP2 sum gradients over processes instead of averaging them.
+
+    Each process's loss is then its part of the mini-batch's mean, with no factor for the number of processes."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        def all_reduce_sum(state, bucket):
+            return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+        model.register_comm_hook(None, all_reduce_sum)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):  # each FSDP2 unit, summed by SUM on gloo and NCCL alike
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
 @contextlib.contextmanager
 def resharded(models):
     """Frozen sharded models' weights released after they compute (FSDP's root keeps them, for a backward never run)."""
@@ -1319,14 +1592,15 @@ def resharded(models):
 
 # --- Logging, the final save, figures. --------------------------------------------------------------------------------
 def open_logs(args, rank, saved):
-    """Rank 0's metrics logger and samples.jsonl (on resume, continued after the checkpoint's update, saved)."""
-    return None if rank != 0 else (common.Logger(args, args.wandb_project, saved),
-                                   common.open_log(os.path.join(args.output_dir, "samples.jsonl"), saved))
+    """Rank 0's metrics logger, samples.jsonl and eval_samples.jsonl. On resume each continues after the
+    checkpoint's update, `saved`."""
+    return None if rank != 0 else (common.Logger(args, args.wandb_project, saved), *(
+        common.open_log(os.path.join(args.output_dir, name), saved) for name in ("samples.jsonl", "eval_samples.jsonl")))
 
 
 def log_update(logs, bar, m, last, args, tokenizer, batch):
     """The update's metrics to every log; every --sample_every updates, and at the last, a table of samples."""
-    logger, samples_file = logs
+    logger, samples_file, _ = logs
     logger.log(m)
     shown = {"score": "objective/scores", "kl": "objective/kl", "gold": "gold/mean"}  # (gold: the embedded task's)
     bar.set_postfix(**{name: f"{m[key]:.3f}" for name, key in shown.items() if key in m})
@@ -1377,32 +1651,43 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
         policy_hf = common.save_lora(policy_hf, lora, policy_sd, tokenizer, args.output_dir)
         policy_sd = policy_hf.state_dict()
     common.save_pretrained_atomic(policy_hf, tokenizer, args.output_dir, state_dict=policy_sd)
-    # scores and KL against episodes, and the scores against sqrt(KL): the axis on which Gao et al. 2022 show the gold
-    # score rising, then falling (reward model overoptimization)
+    # Scores and KL against episodes, and scores against sqrt(KL), the axis on which Gao et al. 2022 show the gold
+    # score rising, then falling (reward model overoptimization). Held-out evaluations are drawn beside training.
     from matplotlib.figure import Figure
-    episodes, kl = [h["episodes"] for h in history], [h["objective/kl"] for h in history]
-    scores = {name: [h.get(key, float("nan")) for h in history]  # (gold: the embedded task's true reward)
-              for name, key in (("proxy", "objective/scores"), ("gold", "gold/mean")) if any(key in h for h in history)}
+    train, evals = [h for h in history if "objective/kl" in h], [h for h in history if "eval/score" in h]
     axes = Figure(figsize=(15, 4)).subplots(1, 3)
-    for name, ys in scores.items():
-        axes[0].plot(episodes, ys, label=name)
-        axes[2].plot([max(k, 0.0) ** 0.5 for k in kl], ys, ".", alpha=0.5, label=name)
-    axes[1].plot(episodes, kl)
+    for rows, x_key, kl_key, lines in ((train, "episodes", "objective/kl", (("proxy", "objective/scores"),
+                                                                            ("gold", "gold/mean"))),
+                                       (evals, "episodes", "eval/kl", (("held-out proxy", "eval/score"),
+                                                                       ("held-out gold", "eval/gold")))):
+        style = "-" if rows is train else "o--"
+        for name, key in ((n, k) for n, k in lines if rows and k in rows[0]):
+            axes[0].plot([h[x_key] for h in rows], [h[key] for h in rows], style, label=name)
+            axes[2].plot([max(h[kl_key], 0.0) ** 0.5 for h in rows], [h[key] for h in rows],
+                         "." if rows is train else "o", alpha=0.5 if rows is train else 1.0, label=name)
+        if rows:
+            axes[1].plot([h[x_key] for h in rows], [h[kl_key] for h in rows], style,
+                         label="training batches" if rows is train else "held-out prompts")
     axes[0].set(title="Score (mean per episode)", xlabel="episodes")
     axes[1].set(title="KL to the reference (summed over the response)", xlabel="episodes")
-    axes[2].set(title="Score against sqrt(KL), one dot per update", xlabel="sqrt(KL)")
-    axes[0].legend()
+    axes[2].set(title="Score against sqrt(KL), a dot per update or evaluation", xlabel="sqrt(KL)")
+    for ax in axes[:2]:
+        ax.legend()
     common.save_figure(axes[0].figure, os.path.join(args.output_dir, "curves.png"))
     summary = {}
     for key, name in {"objective/scores": "proxy", "objective/kl": "kl", "gold/mean": "gold",
                       "gold/std": "gold_std"}.items():
         if xs := [h[key] for h in history if key in h]:
             summary[f"{name}_first"], summary[f"{name}_last"] = (sum(p) / len(p) for p in (xs[:5], xs[-5:]))
+    final = {k.replace("/", "_"): v for k, v in evals[-1].items()} if evals else {}  # the last evaluation
     common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
-                             {**summary, "args": dataclasses.asdict(args)})
+                             {**summary, **final, "args": dataclasses.asdict(args)})
     for log in logs:
         log.close()
-    print(" ".join(f"{k}={v:.4g}" for k, v in summary.items()) + f"; saved to {args.output_dir}")
+    print(" ".join(f"{k}={v:.4g}" for k, v in {**summary, **final}.items() if k.startswith(("gold", "proxy", "kl",
+                                                                                           "eval_score", "eval_gold",
+                                                                                           "eval_kl")))
+          + f"; saved to {args.output_dir}")
 
 
 # --- Opt-in: length grouping (--group_by_length). Less padding, the same numbers (tests/test_ppo.py checks a run). ---
@@ -1426,10 +1711,13 @@ def length_groups(prompt_lengths, response_lengths, overhead=None):
     return [torch.tensor(g) for g in groups]
 
 
-def length_grouped(batch, rows, micro):
+def length_grouped(batch, rows, args):
     """micro_batches under --group_by_length: each micro-batch's rows as length_groups, each one forward less the
-    columns all padding in its rows (position ids come from the mask: the real tokens' outputs are unchanged)."""
-    context, out = batch.context_length, []
+    columns all padding in its rows (position ids come from the mask: the real tokens' outputs are unchanged). Under
+    FSDP on several processes, where every process must make the same calls, the plain micro-batches."""
+    if collective(args):
+        return micro_batches(batch, rows, dataclasses.replace(args, group_by_length=False))
+    context, out, micro = batch.context_length, [], args.per_device_train_batch_size
     prompt_lengths, response_lengths = batch.attention_mask[:, :context].sum(1), batch.mask.sum(1)
     for r in rows.split(micro):
         for group in (r[g.to(r.device)] for g in length_groups(prompt_lengths[r], response_lengths[r])):
@@ -1439,6 +1727,17 @@ def length_grouped(batch, rows, micro):
             out.append(MicroBatch(group, batch.query_response[group][:, first:last],
                                   batch.attention_mask[group][:, first:last], context - first, last - context))
     return out
+
+
+def old_logprob_micro_batches(batch, args, update):
+    """The micro-batches of phase 2: this process's rows in order, in micro-batches of learn()'s shape.
+
+    Under --group_by_length they are the first epoch's plan instead, the very forwards learn() runs first. Grouped
+    micro-batches differ in shape between the phases, and a row's numbers could differ in the last bits with its
+    micro-batch's shape. With the first epoch's own forwards the first ratio stays exactly 1."""
+    if args.group_by_length and not collective(args):
+        return [f for step in epoch_plan(batch, args, update, 0) for f in step.forwards]
+    return micro_batches(batch, process_share(torch.arange(len(batch.mask), device=batch.mask.device)), args)
 
 
 # --- Opt-in: the output layer in bounded memory (--blocked_logits). response_logprobs' numbers and gradients. --------

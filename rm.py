@@ -1,4 +1,4 @@
-"""Reward modeling (Bradley-Terry) in one file.
+"""Bradley-Terry reward modeling in one file.
 
     python rm.py                                   # embedded task, tiny model, CPU, a few minutes
     torchrun --nproc_per_node 2 rm.py              # the same on 2 processes (gloo on CPU, nccl on GPU)
@@ -6,15 +6,15 @@
         --dataset_name Anthropic/hh-rlhf --bf16 --learning_rate 1e-5 --per_device_train_batch_size 8
     python rm.py --help                            # every option, documented
 
-A reward model is a language model with a scalar head read at the last real token of prompt + response. It is trained
-so that r(prompt, chosen) - r(prompt, rejected) is large: loss = -log sigmoid(r_c - r_r - margin) (Bradley & Terry
-1952; Ouyang et al. 2022, eq. 1; the margin of Touvron et al. 2023), plus optional centering. The whole method reads
-from here to the end of `main` (load model and pairs; train; evaluate; fit the reward normalization; save), where the
-FENCE stands; below it, what a run calls but a reader may trust by its docstring (loading, distributed set-up, I/O,
-logging), then the opt-in packed layout (--padding_free). Left out (README): equal loss variants, figures, upload.
+A reward model is a language model with a scalar head, read at the last real token of prompt + response. It learns to
+make r(prompt, chosen) - r(prompt, rejected) large. The loss is -log sigmoid(r_c - r_r - margin), Bradley and Terry's
+(1952) model as in Ouyang et al. (2022, eq. 1), with Touvron et al.'s (2023) margin and an optional centering term.
+The method reads from here to the end of `main`. Below the FENCE are the parts a reader may trust by their docstrings,
+then the opt-in packed layout of --padding_free. The README lists what is left out, such as other forms of this loss.
 """
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import inspect
@@ -37,95 +37,76 @@ import common
 
 @dataclass
 class Args:
-    """rm.py's options (help: the comment after each field; the why of a default: above it). Each default is the value
-    a run uses, but None where it depends on the model: fill_defaults (below) fills those, and the run records them."""
+    """Train a reward model on preference pairs (Bradley-Terry), or evaluate one with --eval_only."""
     # --- reward model
     center_rewards_coefficient: float = 0.0  # Weight of mean((r_c + r_r)^2), keeping rewards near 0 (Eisenstein 2023)
-    head_init_std: float | None = None  # Std of a new head's weights (None: 1/sqrt(hidden_size + 1), rewards ~1)
-    # fitted after training on 2048 training pairs (never eval ones); config.json: (logit - shift) / scale, as ppo.py
-    reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"  # Saved rewards' mean 0 (and std 1)
+    head_init_std: float | None = None  # Std of a new head's weights (default: 1/sqrt(hidden_size + 1))
+    reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"  # Saved rewards get mean 0 (and std 1)
     # --- model and data
-    model_name_or_path: str = "embedded-llama"  # HF model, path or peft adapter folder; or embedded-llama/-neox
-    dataset_name: str = "embedded"  # Hub dataset, local .jsonl/.json/.parquet/.csv (gzip too), or `embedded`
+    model_name_or_path: str = "embedded-llama"  # Hub model, local or peft adapter folder, or embedded-llama/-neox
+    dataset_name: str = "embedded"  # Hub dataset, local .jsonl/.json/.parquet/.csv, gzipped or not, or `embedded`
     dataset_config: str | None = None  # Hub dataset configuration name
-    dataset_mixer_list: list[str] = field(default_factory=list)  # NAME WEIGHT ... (weight <= 1: fraction, > 1: count)
+    dataset_mixer_list: list[str] = field(default_factory=list)  # NAME WEIGHT ...; weight <= 1: fraction, > 1: count
     train_split: str = "train"  # Split to train on
-    eval_split: str | None = None  # Split evaluated on, refused if absent (None: validation, else test, else held out)
-    eval_holdout: float = 0.1  # Without an eval split: this fraction held out, by whole prompts never trained on
-    max_length: int | None = None  # Max tokens of prompt + response (None: 512, or the model's position table if less)
-    max_prompt_length: int | None = None  # Prompt tokens kept at least if a pair is cut (None: min(256, 3/4 max))
-    output_dir: str = "runs/rm"  # The model, tokenizer, metrics.jsonl, eval_results.json and checkpoints
+    eval_split: str | None = None  # Split to evaluate on (default: validation, else test, else held-out pairs)
+    eval_holdout: float = 0.1  # Fraction of pairs held out by prompt from a dataset without an eval split
+    max_length: int | None = None  # Max tokens of prompt + response (default: 512, or the model's positions if fewer)
+    max_prompt_length: int | None = None  # Fewest prompt tokens a cut keeps (default: min(256, 3/4 of --max_length))
+    output_dir: str = "runs/rm"  # Folder of the model, tokenizer, metrics.jsonl, eval_results.json and checkpoints
     # --- optimisation
-    learning_rate: float | None = None  # AdamW learning rate (None: 1e-5; 1e-3 for the embedded models)
+    learning_rate: float | None = None  # AdamW learning rate (default: 1e-5; 1e-3 for the embedded models)
     weight_decay: float = 0.0  # AdamW weight decay
-    num_train_epochs: float | None = None  # Passes over the pairs (None: 1; 3 for the embedded models)
-    max_steps: int = -1  # Total optimizer steps; overrides --num_train_epochs when > 0
-    per_device_train_batch_size: int = 32  # Pairs per device per micro-step (chosen and rejected in one forward)
-    gradient_accumulation_steps: int = 1  # Micro-steps per optimizer step (global batch: per-device x this x ranks)
+    num_train_epochs: float | None = None  # Passes over the pairs (default: 1; 3 for the embedded models)
+    max_steps: int = -1  # Total optimizer steps, overriding --num_train_epochs when above 0
+    per_device_train_batch_size: int = 32  # Pairs per device per micro-step
+    gradient_accumulation_steps: int = 1  # Micro-steps per optimizer step; global batch = per-device x this x ranks
     per_device_eval_batch_size: int = 32  # Pairs per device per evaluation forward
     lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "inverse_sqrt",
                                "constant_with_warmup", "reduce_lr_on_plateau", "cosine_with_min_lr", "greedy",
-                               "cosine_warmup_with_min_lr", "warmup_stable_decay"] = "cosine"  # LR after warm-up
-    lr_end: float = 0.0  # End LR of polynomial (a linear decay to it), cosine_*min_lr and warmup_stable_decay
-    warmup_steps: int = 0  # Linear warm-up steps (overrides --warmup_ratio when > 0)
+                               "cosine_warmup_with_min_lr", "warmup_stable_decay"] = "cosine"  # Schedule after warm-up
+    lr_end: float = 0.0  # Final learning rate of polynomial, cosine_*min_lr and warmup_stable_decay
+    warmup_steps: int = 0  # Linear warm-up steps, overriding --warmup_ratio when above 0
     warmup_ratio: float = 0.05  # Warm-up as a fraction of the total steps
-    max_grad_norm: float = 1.0  # Gradient clipping norm (0 disables)
+    max_grad_norm: float = 1.0  # Gradient clipping norm; 0 disables clipping
     seed: int = 1  # Seed of the head, data order, hold-out, mixture shares and the normalization sample
-    # --- LoRA (through peft)
-    lora_r: int = 0  # LoRA rank on the backbone's linear layers (Hu et al. 2021), head trained in full; 0: off
-    lora_alpha: float = 16.0  # LoRA scale numerator: an adapter adds (lora_alpha / lora_r) * B A to its layer
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # Layers (or suffixes) adapted
+    # --- LoRA, through peft
+    lora_r: int = 0  # LoRA rank on the backbone's linear layers, 0 for none (Hu et al. 2021)
+    lora_alpha: float = 16.0  # LoRA scale: an adapter adds (lora_alpha / lora_r) * B A to its layer
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # Names or suffixes of layers
     # --- evaluation, logging, checkpoints
     num_evals: int = 5  # Evaluations evenly spread over training, the last at its end
     logging_steps: int = 50  # Log train metrics every this many steps
-    save_steps: int | None = None  # Checkpoint every this many steps (None: every 30 minutes; 0: none)
+    save_steps: int | None = None  # Checkpoint every this many steps, 0 for never (default: every 30 minutes)
     resume: bool = False  # Continue from the latest checkpoint in --output_dir, on any number of ranks
-    overwrite_output_dir: bool = False  # Train afresh where a run or checkpoints are (refused without this or --resume)
-    track: bool = False  # Log to Weights & Biases (works with WANDB_MODE=offline)
+    overwrite_output_dir: bool = False  # Allow training afresh in an --output_dir that holds a run or checkpoints
+    track: bool = False  # Log to Weights & Biases, also with WANDB_MODE=offline
     tensorboard: bool = False  # Also write every logged metric as TensorBoard events to --output_dir/tensorboard
     wandb_project: str = "rlhf-rm"  # Weights & Biases project
-    run_name: str | None = None  # Run name for Weights & Biases (None: its own)
-    eval_only: bool = False  # No training: evaluate --model_name_or_path on the eval split (or every pair)
+    run_name: str | None = None  # Run name for Weights & Biases (default: its own)
+    eval_only: bool = False  # Evaluate --model_name_or_path on the eval split, or every pair if none, without training
     # --- systems
-    # opt-in speed path (below the fence), used if its rewards equal the padded ones on this model (said at start-up)
-    padding_free: bool = False  # Pack each pair in one row, its prompt once, no padding (default: 2B padded rows)
-    fsdp: bool = False  # Shard parameters, gradients and optimizer state per block with FSDP2 (default: DDP)
-    bf16: bool = False  # bfloat16 autocast (weights, optimizer state float32; a frozen LoRA base in bfloat16)
+    padding_free: bool = False  # Pack pairs into one row, each prompt once, if this model passes the check at start-up
+    fsdp: bool = False  # Shard parameters, gradients and optimizer state per block with FSDP2, not DDP
+    bf16: bool = False  # bfloat16 autocast; weights and optimizer state stay float32, a frozen LoRA base bfloat16
     gradient_checkpointing: bool = False  # Recompute activations in the backward pass to save memory
-
-
-def fill_defaults(args, model, rank=0):
-    """The defaults that depend on the model, the only ones not written in Args; printed, and saved with the results."""
-    # pretrained models: 1 epoch, as InstructGPT and Llama 2 (they overfit after one); tiny models from scratch: more
-    embedded = args.model_name_or_path.startswith("embedded-")
-    max_length = args.max_length or min(512, common.position_table(model) or 512)  # (GPT-2: 1024, BERT: 512, ...)
-    head = getattr(model, "score", None)  # a new head's std: first rewards of order 1 (as Ziegler et al. 2019's code)
-    filled = {"learning_rate": 1e-3 if embedded else 1e-5, "num_train_epochs": 3.0 if embedded else 1.0,
-              "max_length": max_length, "max_prompt_length": min(256, max_length * 3 // 4),
-              "head_init_std": 1 / math.sqrt(head.in_features + 1) if head is not None else None}
-    filled = {k: v for k, v in filled.items() if getattr(args, k) is None and v is not None}
-    if filled and rank == 0:
-        print("defaults for this model: " + ", ".join(f"--{k} {v:.4g}" for k, v in filled.items()))
-    return dataclasses.replace(args, **filled)
 
 
 # --- The math. -------------------------------------------------------------------------------------------------------
 def preference_loss(r_chosen, r_rejected, margin):
-    """Per-pair Bradley-Terry negative log-likelihood with the Llama 2 margin (Touvron et al. 2023, eq. 2), stable at
-    any gap; another pair loss goes here (training and evaluation read it through reward_model_loss)."""
+    """Returns each pair's Bradley-Terry negative log-likelihood with Llama 2's margin (Touvron et al. 2023, eq. 2).
+    logsigmoid keeps it exact at any gap. Another pair loss would go here."""
     return -F.logsigmoid(r_chosen - r_rejected - margin)
 
 
 def reward_model_loss(r_chosen, r_rejected, margin, center_coefficient=0.0):
-    """The objective train_step minimises and evaluate reports: the mean over pairs of the preference loss, plus
-    center_coefficient * mean((r_c + r_r)^2) (Eisenstein et al. 2023)."""
+    """Returns the mean preference loss plus center_coefficient * mean((r_c + r_r)^2) (Eisenstein et al. 2023)."""
     return preference_loss(r_chosen, r_rejected, margin).mean() + \
         center_coefficient * ((r_chosen + r_rejected) ** 2).mean()
 
 
-# --- The method's conventions, the same as ppo.py's (tests/test_rm.py checks that they agree). -----------------------
+# --- Conventions shared with ppo.py; tests/test_rm.py checks that they agree. ----------------------------------------
 def truncate_prompt(ids, max_prompt_length, bos_id=None):
-    """A prompt longer than max_prompt_length keeps its END (the turn being answered) and its leading BOS/[CLS]."""
+    """Cuts a long prompt to its end, the turn being answered, keeping a leading BOS or [CLS]."""
     if len(ids) <= max_prompt_length:
         return ids
     keep = 1 if bos_id is not None and ids and ids[0] == bos_id else 0
@@ -133,11 +114,11 @@ def truncate_prompt(ids, max_prompt_length, bos_id=None):
 
 
 def truncate_pair(prompt, chosen, rejected, max_length, max_prompt_length, bos_id=None):
-    """(prompt ids, None), or (None, why the pair is dropped). Responses are never cut: a cut response loses its EOS,
-    and its reward would be read at a token never trained on (TRL's RewardTrainer and open-instruct drop such pairs).
-    A pair past max_length has its prompt cut (truncate_prompt) to what the longer response leaves, but not below
-    max_prompt_length; if the pair still does not fit it is dropped ("too long": over half of the training pairs
-    stops the run). Responses of the same tokens carry no preference ("identical")."""
+    """Returns (prompt ids, None), or (None, why the pair is dropped). Responses are never cut. A cut response would
+    lose its EOS, and its reward would be read at a token never trained on; TRL's RewardTrainer and open-instruct drop
+    such pairs too. A pair past max_length has its prompt cut to fit, keeping at least max_prompt_length tokens of it.
+    A pair that cannot fit is dropped as "too long", and load_data stops the run if over half the training pairs are.
+    A pair whose responses are the same tokens states no preference, and is dropped as "identical"."""
     if chosen == rejected:
         return None, "identical"
     longest = max(len(chosen), len(rejected))
@@ -147,23 +128,26 @@ def truncate_pair(prompt, chosen, rejected, max_length, max_prompt_length, bos_i
 
 
 def last_token_index(mask):
-    """Where a reward is read, in every layout: the last token of each row of the mask (a sequence's EOS: a response
-    is never cut), read from the mask (a pad id may equal EOS), right or left padded."""
+    """Returns the index of each row's last real token, where its reward is read, in every layout. It is the sequence's
+    EOS, since responses are never cut. The index comes from the mask, not the ids, because a pad id may equal EOS's.
+    transformers' own classifiers look in the ids for the last token that is not a pad. So load_tokenizer gives such a
+    tokenizer a pad token of its own, and the saved model reads the same token there."""
     return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
 
 
 def sequence_reward(model, ids, mask):
-    """A padded batch's rewards: a decoder's scalar head at each row's last real token; an encoder's pooled head."""
-    if not hasattr(model, "score"):  # BERT, RoBERTa, DeBERTa: a pooled `classifier`
+    """Returns a padded batch's rewards: a decoder's scalar head at each row's last real token, or an encoder's pooled
+    head. Position ids count real tokens only, so left padding does not move them."""
+    if not hasattr(model, "score"):  # BERT, RoBERTa and DeBERTa have a pooled `classifier`
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
     hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
-                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state  # ALiBi: ignored
+                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state  # ALiBi ignores them
     return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
 
 
 def without_dropout(config):
-    """Dropout off, so that a pair's two passes see one network: every dropout probability of the config 0 (some
-    models, OPT, call F.dropout with it), and other training-mode randomness: layer drop, MoE routers' jitter."""
+    """Returns the config with dropout off, so that a pair's two passes see one network. Every dropout probability
+    becomes 0, since some models, such as OPT, call F.dropout with it. So do layer drop and MoE routers' jitter."""
     for key, value in list(vars(config).items()):
         if any(s in key for s in ("dropout", "pdrop", "layerdrop", "jitter")) and isinstance(value, float):
             setattr(config, key, 0.0)
@@ -179,16 +163,17 @@ def disable_dropout(model):
 
 
 def new_head(model, std):
-    """A new head `score` drawn N(0, std^2) (fill_defaults: 1/sqrt(hidden + 1)); encoders keep their pooled head's.
-    Every head computes in float32 (load_reward_model): a bfloat16 reward moves in steps of 1/128 of its size."""
+    """Draws a new head's weights from N(0, std^2); encoders keep their pooled head. The default std, 1/sqrt(hidden +
+    1), makes the first rewards of order 1, as in Ziegler et al. (2019)'s code. Every head computes in float32, since a
+    bfloat16 reward moves in steps of 1/128 of its size."""
     if hasattr(model, "score"):
         torch.nn.init.normal_(model.score.weight, std=std)
 
 
 def load_reward_model(args, tokenizer, rank=0, on_meta=False):
-    """(the sequence classifier, its peft model with --lora_r, args with the model's defaults filled): the backbone
-    float32 (a frozen LoRA base may be bfloat16), dropout off, an adapter folder merged in (load_backbone); a new head
-    where the start has no trained one (a causal LM, an SFT model); --lora_r's adapters, the head trained in full."""
+    """Returns (the sequence classifier, its peft model with --lora_r, args with the model's defaults filled). It gets a
+    new head if the start has no trained one, like a causal LM or an SFT model. LoRA adapts the backbone, and the head
+    is trained in full."""
     hf_model, needs_head = load_backbone(args, tokenizer, on_meta)
     args = fill_defaults(args, hf_model, rank)
     if needs_head:
@@ -199,8 +184,8 @@ def load_reward_model(args, tokenizer, rank=0, on_meta=False):
 
 # --- The batch, the model, one training step, evaluation. ------------------------------------------------------------
 def collate(pairs, pad_id):
-    """The padded batch (the default layout): 2B rows, the chosen sequences then the rejected ones, right-padded
-    (rewards.chunk(2) splits them); one pass equals two, as rows never attend to each other and dropout is off."""
+    """Returns the padded batch: 2B right-padded rows, the chosen sequences then the rejected ones. One pass over them
+    equals two, because rows never attend to each other and dropout is off."""
     seqs = [p["prompt"] + p["chosen"] for p in pairs] + [p["prompt"] + p["rejected"] for p in pairs]
     ids = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -210,8 +195,8 @@ def collate(pairs, pad_id):
 
 
 def model_inputs(pairs, pad_id, args, device="cpu"):
-    """The model's inputs for B pairs, by name; it returns the B chosen rewards, then the B rejected ones. Padded, or
-    with --padding_free a packed row (pack_segments, below the fence; choose_layout checked it on this model)."""
+    """Returns the model's inputs for B pairs, by name; the model returns the B chosen rewards, then the B rejected.
+    The batch is padded, or with --padding_free a packed row that choose_layout checked."""
     if args.padding_free:
         ids, segments = pack_segments(pairs, device)
         return {"input_ids": ids.to(device), "packed": segments}
@@ -220,7 +205,7 @@ def model_inputs(pairs, pad_id, args, device="cpu"):
 
 
 class RewardModel(torch.nn.Module):
-    """The module DDP and FSDP wrap: a padded batch's rewards (sequence_reward), or a packed row's (packed_rewards)."""
+    """The module DDP and FSDP wrap. It returns the rewards of a padded batch or of a packed row."""
 
     def __init__(self, hf_model):
         super().__init__()
@@ -232,20 +217,20 @@ class RewardModel(torch.nn.Module):
 
 
 def train_step(model, micro_batches, args, pad_id, device):
-    """The forward and backward passes of one optimizer step, the gradients clipped to --max_grad_norm. Returns the
-    step's mean loss, accuracy, reward gap and the gradient norm before clipping."""
+    """Runs the forward and backward passes of one optimizer step and clips the gradients to --max_grad_norm. Returns
+    the step's mean loss, accuracy and reward gap, and the gradient norm before clipping. Each loss is divided by the
+    number of micro-batches and DDP and FSDP average the ranks', so the gradient is that of the global batch's mean."""
     stats = dict.fromkeys(("loss", "accuracy", "reward_gap"), 0.0)
     for m, pairs in enumerate(micro_batches):
         inputs = model_inputs(pairs, pad_id, args, device)
         margin = torch.tensor([p["margin"] for p in pairs], device=device)
-        if hasattr(model, "require_backward_grad_sync"):  # DDP all-reduces the gradients on the last micro-batch only
-            model.require_backward_grad_sync = m == len(micro_batches) - 1  # (FSDP reduce-scatters every one's)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            r_chosen, r_rejected = model(**inputs).chunk(2)
-        loss = reward_model_loss(r_chosen, r_rejected, margin, args.center_rewards_coefficient)
-        # / accumulation: the summed gradients are the mean over this rank's pairs, and DDP/FSDP average the ranks',
-        # so the step's gradient is that of the mean loss over the global batch (equal micro-batches)
-        (loss / len(micro_batches)).backward()
+        # DDP all-reduces the gradients of the last micro-batch only. FSDP2 has no no_sync and reduces every one's.
+        sync = m == len(micro_batches) - 1 or not hasattr(model, "no_sync")
+        with contextlib.nullcontext() if sync else model.no_sync():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                r_chosen, r_rejected = model(**inputs).chunk(2)
+            loss = reward_model_loss(r_chosen, r_rejected, margin, args.center_rewards_coefficient)
+            (loss / len(micro_batches)).backward()
         stats["loss"] += loss.item() / len(micro_batches)
         stats["accuracy"] += (r_chosen > r_rejected).float().mean().item() / len(micro_batches)
         stats["reward_gap"] += (r_chosen - r_rejected).mean().item() / len(micro_batches)
@@ -256,8 +241,8 @@ def train_step(model, micro_batches, args, pad_id, device):
 
 @torch.no_grad()
 def evaluate(model, pairs, args, pad_id, device, rank, world):
-    """(metrics (pair_metrics: of all pairs, and of each dataset of a mixture), per pair (r_chosen, r_rejected)), the
-    pairs shared by the ranks; the model in evaluation mode (dropout is off anyway)."""
+    """Returns the pairs' metrics and each pair's (r_chosen, r_rejected). The ranks share the pairs. The
+    model runs in evaluation mode, though dropout is off anyway."""
     training = model.training
     model.eval()
     rewards = all_pair_rewards(model, pairs, args, pad_id, device, rank, world)
@@ -266,10 +251,55 @@ def evaluate(model, pairs, args, pad_id, device, rank, world):
     return pair_metrics(rewards[:, 0], rewards[:, 1], margin, pairs, args, "eval/"), rewards
 
 
+def pair_metrics(rc, rr, margin, pairs, args, prefix):
+    """Returns the evaluation metrics of pairs from their rewards, each key prefixed, and of each dataset of a mixture.
+    A tie counts as an error. The calibration is that of the model's P(chosen wins) = sigmoid(r_c - r_r), without the
+    margin. Embedded-task pairs know their gold rewards, so they are also compared with the best possible accuracy."""
+    lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
+    metrics = {
+        "accuracy": (rc > rr).float().mean().item(),
+        "loss": reward_model_loss(rc, rr, margin, args.center_rewards_coefficient).item(),
+        "preference_loss": preference_loss(rc, rr, margin).mean().item(),  # without the centering
+        "reward_gap": (rc - rr).mean().item(), "chosen_reward": rc.mean().item(), "rejected_reward": rr.mean().item(),
+        "reward_mean": torch.cat([rc, rr]).mean().item(), "reward_std": torch.cat([rc, rr]).std().item(),
+        "calibration_error": calibration_error(torch.sigmoid(rc - rr)),
+        "length_correlation": pearson(torch.cat([rc, rr]), lengths),
+    }
+    known = torch.tensor([p["gold"] is not None for p in pairs])
+    if known.any():
+        gold, c, r = torch.tensor([p["gold"] for p in pairs if p["gold"] is not None]), rc[known], rr[known]
+        p_gold = torch.sigmoid(common.PREFERENCE_BETA * (gold[:, 0] - gold[:, 1]))
+        metrics["bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
+        metrics["accuracy_vs_bayes"] = (c > r).float().mean().item() / metrics["bayes_accuracy"]
+        metrics["gold_correlation"] = pearson(torch.cat([c, r]), torch.cat([gold[:, 0], gold[:, 1]]))
+    metrics = {prefix + k: v for k, v in metrics.items()}
+    datasets = dict.fromkeys(p.get("dataset") for p in pairs)
+    for name in datasets if len(datasets) > 1 else ():  # keys PREFIX + NAME/...
+        ours = torch.tensor([p.get("dataset") == name for p in pairs])
+        metrics.update(pair_metrics(rc[ours], rr[ours], margin[ours], [p for p, o in zip(pairs, ours) if o], args,
+                                    f"{prefix}{name}/"))
+    return metrics
+
+
+def calibration_error(p_chosen, n_bins=10):
+    """Returns the expected calibration error of P(chosen wins): over bins of predictions, the sum of (bin size / N) *
+    |mean prediction - frequency it came true|. Each pair counts in both orders, as (p, won) and (1 - p, lost)."""
+    p = torch.cat([p_chosen, 1 - p_chosen]).double()
+    won = torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)]).double()
+    bins = (p * n_bins).long().clamp(max=n_bins - 1)
+    total = lambda x: torch.bincount(bins, weights=x, minlength=n_bins)  # noqa: E731
+    return ((total(p) - total(won)).abs().sum() / len(p)).item()
+
+
+def pearson(x, y):
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    return (x * y).sum().item() / max(math.sqrt((x * x).sum().item() * (y * y).sum().item()), 1e-12)
+
+
 def fit_normalization(model, train, args, pad_id, device, rank, world):
-    """--reward_normalization: reward_shift, the mean reward of 2048 training pairs drawn by seed (never eval pairs; its
-    standard error under 1/45 of the rewards' std), with shift_scale reward_scale, their std; ppo.py reads (score -
-    reward_shift) / reward_scale."""
+    """Returns the reward normalization that ppo.py applies as (score - reward_shift) / reward_scale. reward_shift is
+    the mean reward of 2048 training pairs drawn by seed, never eval pairs; its standard error is under 1/45 of the
+    rewards' std. With --reward_normalization shift_scale, reward_scale is their std."""
     if args.reward_normalization == "none":
         return {"reward_shift": 0.0, "reward_scale": 1.0, "reward_normalization_fitted_on": None}
     rng = random.Random(common.seed_of(args.seed, "normalization"))
@@ -280,55 +310,22 @@ def fit_normalization(model, train, args, pad_id, device, rank, world):
             "reward_normalization_fitted_on": f"{len(pairs)} training pairs"}
 
 
-def schedule(args, n_train, global_batch, rank):
-    """(steps per epoch, total steps, the steps after which to evaluate): --max_steps, else ceil(--num_train_epochs x
-    (training pairs // global batch)), each epoch's leftover pairs (fewer than a global batch) left out of it."""
-    steps_per_epoch = n_train // global_batch
-    if steps_per_epoch == 0 and not args.eval_only:
-        raise common.UserError(f"{n_train} training pairs are fewer than one global batch of {global_batch}")
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
-    evals_at = {math.ceil(k * total_steps / args.num_evals) for k in range(1, args.num_evals + 1)}
-    if len(evals_at) < args.num_evals and not args.eval_only and rank == 0:
-        print(f"--num_evals {args.num_evals}: {len(evals_at)}, one after each of the {total_steps} steps")
-    return steps_per_epoch, total_steps, evals_at
-
-
-def build_optimizer(model, args, total_steps):
-    """AdamW on the trained parameters; transformers' --lr_scheduler_type after linear warm-up, to --lr_end where the
-    schedule has an end rate."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay, fused=True)
-    end = {"polynomial": {"lr_end": args.lr_end, "power": 1.0},  # power 1: a linear decay to --lr_end
-           "cosine_with_min_lr": {"min_lr": args.lr_end}, "cosine_warmup_with_min_lr": {"min_lr": args.lr_end},
-           # the last fifth of the steps cools down (Hagele et al. 2024: a 20% cool-down matches cosine)
-           "warmup_stable_decay": {"num_decay_steps": total_steps // 5,
-                                   "min_lr_ratio": args.lr_end / args.learning_rate if args.learning_rate else 0.0}}
-    try:
-        scheduler = transformers.get_scheduler(
-            args.lr_scheduler_type, optimizer, num_training_steps=total_steps,
-            num_warmup_steps=args.warmup_steps or int(args.warmup_ratio * total_steps),
-            scheduler_specific_kwargs=end.get(args.lr_scheduler_type))
-    except (ValueError, TypeError) as e:  # e.g. polynomial's --lr_end not below --learning_rate
-        raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: {common.first_line(e)}") from None
-    return optimizer, scheduler
-
-
 def main(args):
-    args, rank, world, device = start_up(args)  # arguments, sources and output folder checked, before any weight
+    args, rank, world, device = start_up(args)
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
 
-    # 1. Model and data: preference pairs -> token ids (the same on every rank; each takes its slice of every batch).
+    # 1. The model and the pairs. Every rank holds all the pairs and takes its slice of each batch.
     tokenizer = load_tokenizer(args.model_name_or_path)
-    sharded = args.fsdp and world > 1  # then rank 0 loads the model, the others build it on the meta device
+    sharded = args.fsdp and world > 1  # then only rank 0 reads the weights; the others use the meta device
     hf_model, lora, args = load_reward_model(args, tokenizer, rank, on_meta=sharded and rank != 0)
-    # pairs through truncate_pair; eval pairs: each dataset's eval split, else --eval_holdout of it by prompt (Args)
+    # Each dataset is evaluated on its eval split, else on --eval_holdout of its pairs, held out by prompt.
     train, evals, eval_sets = load_data(args, tokenizer, rank)
     steps_per_epoch, total_steps, evals_at = schedule(args, len(train), global_batch, rank)
     if not args.eval_only and common.run_complete(args, total_steps, rank):
         return None
 
-    # 2. DDP or FSDP2; the batch layout: padded, or with --padding_free packed if checked equal on this model.
+    # 2. DDP or FSDP2. With --padding_free, the batch is packed if this model's rewards match the padded ones.
     model, layout = parallelize(RewardModel(hf_model), args, device), "padded (the default)"
     if args.padding_free:
         args, layout = choose_layout(model, args, len(tokenizer), rank)
@@ -340,33 +337,33 @@ def main(args):
     logger = common.Logger(args, args.wandb_project, start_step if args.resume else None) if rank == 0 else None
     describe_run(args, hf_model, lora, layout, optimizer, world, device, steps_per_epoch, total_steps, start_step, rank)
 
-    # 3. Training loop: per step, one forward per micro-batch (chosen and rejected rows together), one optimizer step.
+    # 3. Training: per step, one forward per micro-batch, chosen and rejected rows together, then an optimizer step.
     model.train()
     bar = tqdm(range(start_step, total_steps), disable=rank != 0, initial=start_step, total=total_steps, desc="rm")
     window, t_window, t_saved, ev = [], time.time(), time.time(), None
     common.stop_on_signals()
     for step in bar:
         epoch, offset = divmod(step, steps_per_epoch)
-        if step == start_step or offset == 0:  # the epoch's order depends only on (seed, epoch): resumable anywhere
+        if step == start_step or offset == 0:  # the order depends on seed and epoch only, so a run resumes anywhere
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(
                 common.seed_of(args.seed, "epoch order", epoch))).tolist()
         batch = order[offset * global_batch:(offset + 1) * global_batch]
         mine = batch[rank * micro * accumulation:(rank + 1) * micro * accumulation]
         stats = train_step(model, [[train[i] for i in mine[m * micro:(m + 1) * micro]] for m in range(accumulation)],
                            args, tokenizer.pad_token_id, device)
-        if not math.isfinite(stats["grad_norm"]):  # stop before the step: the last checkpoint stays the last good state
+        if not math.isfinite(stats["grad_norm"]):  # stopping before the step keeps the last checkpoint good
             raise common.UserError(f"step {step + 1}: the gradient norm is {stats['grad_norm']} (loss "
                                    f"{stats['loss']:.4g}); training diverged: lower --learning_rate; --resume "
                                    f"continues from the last checkpoint in {args.output_dir}")
         optimizer.step()
-        lr = scheduler.get_last_lr()[0]  # (the rate this step used)
+        lr = scheduler.get_last_lr()[0]  # the rate this step used
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         window.append(stats)
-        if step == start_step:  # what each rank held at most, in the first log
+        if step == start_step:  # each rank's peak memory goes in the first log
             memory = common.peak_memory(device)
 
-        # 4. Log, evaluate, checkpoint (the speed logged is the training loop's: evaluations and saves are left out).
+        # 4. Log, evaluate and checkpoint. The logged speed leaves out evaluations and saves.
         done = step + 1
         if done % args.logging_steps == 0 or done == total_steps:
             log_train(logger, bar, window, done, steps_per_epoch, lr, global_batch,
@@ -387,26 +384,26 @@ def main(args):
             common.exit_stopped(stop, done, args, rank, bar)
         t_window += time.time() - t_pause
     common.stop_on_signals(False)
-    if ev is None:  # resumed at or past the total: no step ran, so its evaluation too
+    if ev is None:  # a run resumed at its end ran no step, so no evaluation either
         ev = evaluate(model, evals, args, tokenizer.pad_token_id, device, rank, world)[0]
 
-    # 5. Normalize (the training pairs' mean reward, in config.json: see fit_normalization) and save in HF format.
+    # 5. Fit the reward normalization and save in transformers' format.
     normalization = fit_normalization(model, train, args, tokenizer.pad_token_id, device, rank, world)
     common.agreed(lambda: save_final(model, hf_model, lora, tokenizer, ev, logger, args, rank,
                                      dict(normalization, eval_sets=eval_sets)))  # a failing save ends every rank
-    common.leave_together()  # (under torchrun: every rank done)
+    common.leave_together()
     return ev
 
 
 # ===================================================== FENCE ========================================================
-# The method ends here. Below: what a run calls, each piece trusted by its docstring, then the opt-in packed layout.
+# The method ends here. Below are the parts a run calls, each trusted by its docstring, then the opt-in packed layout.
 
 
 # --- Start-up checks, loading the model and the data. ----------------------------------------------------------------
 def start_up(args):
-    """Each check that can fail before a weight is read, in one line (arguments, sources, output folder); (rank, world
-    size, device) from torchrun's variables, the ranks joined."""
-    if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's own results
+    """Returns (args, rank, world size, device) from torchrun's variables, the ranks joined. Every check that can fail
+    before a weight is read comes first, each in one line: arguments, sources and the output folder."""
+    if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's results
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
     for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "per_device_eval_batch_size", "logging_steps", "num_evals"):
@@ -416,7 +413,7 @@ def start_up(args):
                  "max_grad_norm", "center_rewards_coefficient", "save_steps", "head_init_std", "lora_r", "lora_alpha"):
         if (value := getattr(args, name)) is not None and not (value >= 0 and math.isfinite(value)):
             raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
-    if args.num_train_epochs == 0 and args.max_steps <= 0 and not args.eval_only:  # (below 0 or NaN: refused above)
+    if args.num_train_epochs == 0 and args.max_steps <= 0 and not args.eval_only:  # below 0 or NaN was refused above
         raise common.UserError(f"--num_train_epochs {args.num_train_epochs}: must be above 0 (or set --max_steps)")
     if not 0 < args.eval_holdout < 1:
         raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
@@ -425,7 +422,7 @@ def start_up(args):
                                "pairs trained on; pass another split, or none to hold out --eval_holdout of them")
     if not args.warmup_ratio <= 1:
         raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
-    if args.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy"):  # stepped with a metric, not by step count
+    if args.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy"):
         raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: sets the rate from a metric, which "
                                "rm.py's loop, scheduled by steps, does not pass; pick one by steps (e.g. cosine)")
     common.check_source(args.model_name_or_path, "--model_name_or_path")
@@ -437,7 +434,7 @@ def start_up(args):
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        # an hour, not 10 minutes: the ranks wait while rank 0 writes the final model (tens of GB at 7B)
+        # An hour, not 10 minutes: the ranks wait while rank 0 writes the final model, tens of GB at 7B.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
     common.check_shared_output_dir(args.output_dir, rank)
     common.check_output_dir(args, rank)
@@ -448,14 +445,14 @@ def load_tokenizer(name):
     if name.startswith("embedded-"):
         return common.embedded_tokenizer()
     tok = common.load_pretrained(transformers.AutoTokenizer, name, "--model_name_or_path")
-    if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:  # transformers pools at the last non-pad id
+    if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:  # see last_token_index
         tok.add_special_tokens({"pad_token": "<|pad|>"})
     return tok
 
 
 def load_backbone(args, tokenizer, on_meta=False):
-    """(the sequence classifier, whether its head is new): float32 (bfloat16 would round AdamW's updates away; a frozen
-    LoRA base: bfloat16 with --bf16), dropout off, an adapter folder merged in; on_meta: no weight read."""
+    """Returns (the sequence classifier, whether its head is new), dropout off and an adapter folder merged in. Weights
+    are float32, since bfloat16 would round AdamW's updates away; a frozen LoRA base is bfloat16 with --bf16."""
     torch.manual_seed(args.seed)
     name, loader = args.model_name_or_path, transformers.AutoModelForSequenceClassification
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
@@ -464,18 +461,18 @@ def load_backbone(args, tokenizer, on_meta=False):
         model, needs_head = loader.from_config(config).to(dtype), True
     else:
         config = without_dropout(common.load_pretrained(transformers.AutoConfig, name, "--model_name_or_path"))
-        # the head is the checkpoint's if it is a classifier, or an adapter folder holding the head (as rm.py saves)
+        # The head is trained if the checkpoint is a classifier, or an adapter folder that holds one, as rm.py saves.
         adapter = common.adapter_base(name) is not None
         needs_head = not (any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or
                           adapter and common.adapter_holds_head(name))
-        if needs_head and not (adapter or on_meta):  # (common.load_model builds those itself)
+        if needs_head and not (adapter or on_meta):  # common.load_model builds those itself
             cls = loader._model_mapping[type(config)]
-            outside = [rf"^(?!{cls.base_model_prefix}\.)"]  # load report: a missing head is expected, not reported
+            outside = [rf"^(?!{cls.base_model_prefix}\.)"]  # the load report leaves out the new head
             loader = type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_missing": outside,
                                                  "_keys_to_ignore_on_load_unexpected": outside})
         config.num_labels = 1
         model = common.load_model(loader, name, "--model_name_or_path", on_meta, config=config, dtype=dtype)
-    if args.max_length:  # (the default is within the table: fill_defaults)
+    if args.max_length:  # the default fits the table already
         common.check_position_table(model, args.max_length, f"--max_length {args.max_length}")
     disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
@@ -486,9 +483,24 @@ def load_backbone(args, tokenizer, on_meta=False):
     return model, needs_head
 
 
+def fill_defaults(args, model, rank=0):
+    """Returns args with the defaults that depend on the model, and prints them. Pretrained models train 1 epoch, as
+    InstructGPT and Llama 2 do, since they overfit after one; the embedded models start from scratch and need more."""
+    embedded = args.model_name_or_path.startswith("embedded-")
+    max_length = args.max_length or min(512, common.position_table(model) or 512)
+    head = getattr(model, "score", None)
+    filled = {"learning_rate": 1e-3 if embedded else 1e-5, "num_train_epochs": 3.0 if embedded else 1.0,
+              "max_length": max_length, "max_prompt_length": min(256, max_length * 3 // 4),
+              "head_init_std": 1 / math.sqrt(head.in_features + 1) if head is not None else None}
+    filled = {k: v for k, v in filled.items() if getattr(args, k) is None and v is not None}
+    if filled and rank == 0:
+        print("defaults for this model: " + ", ".join(f"--{k} {v:.4g}" for k, v in filled.items()))
+    return dataclasses.replace(args, **filled)
+
+
 def load_data(args, tokenizer, rank):
-    """(train pairs, eval pairs, what each dataset is evaluated on): its eval split whole (--eval_split, else
-    validation, else test), else --eval_holdout of the pooled shares of the others, by prompt (hold_out_by_prompt)."""
+    """Returns (train pairs, eval pairs, what each dataset is evaluated on). A dataset is evaluated on its eval split:
+    --eval_split, else validation, else test. The rest hold out --eval_holdout of their pooled shares, by prompt."""
     if args.max_length <= args.max_prompt_length:
         raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
                                f"{args.max_length} to leave room for the responses")
@@ -510,7 +522,7 @@ def load_data(args, tokenizer, rank):
                 f" nor {' or '.join(repr(s) for s in tried)}" if args.eval_only else "") + "; pass --train_split")
         if args.eval_only and evals is None:
             split, evals, train = args.train_split, train, []
-        share = [dict(r, _dataset=name) for r in take_share(train, weight, args.seed)]
+        share = [dict(r, _dataset=name) for r in take_share(train, weight, args.seed, name)]
         (pool if evals is None else train_rows).extend(share)
         eval_rows += [dict(r, _dataset=name) for r in evals or []]
         eval_sets[name] = f"{args.eval_holdout:g} of its training pairs, held out by prompt" if evals is None else \
@@ -539,8 +551,11 @@ def load_data(args, tokenizer, rank):
     return train, evals, eval_sets
 
 
-def take_share(rows, weight, seed):  # a fraction (weight <= 1) or a count of the rows, drawn by seed
+def take_share(rows, weight, seed, name="the dataset"):  # a fraction of the rows if weight <= 1, else a count
     n = int(round(weight * len(rows))) if weight <= 1 else int(weight)
+    if 0 < len(rows) < n:  # --eval_only may pass no rows
+        raise common.UserError(f"--dataset_mixer_list asks for {n} rows of {name}, but its training split has "
+                               f"{len(rows)}; ask for at most {len(rows)}, or 1.0 for all of them")
     if n < len(rows):
         rows = list(rows)
         random.Random(seed).shuffle(rows)
@@ -548,8 +563,8 @@ def take_share(rows, weight, seed):  # a fraction (weight <= 1) or a count of th
 
 
 def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
-    """(train, eval): whole prompts drawn by seed go to eval until they hold `fraction` of the rows (common.hold_out).
-    Their pairs in also_trained, other datasets' rows, leave training too. With one prompt in all, rows are drawn."""
+    """Returns (train, eval), whole prompts drawn by seed held out until they hold `fraction` of the rows. Their pairs
+    in also_trained, other datasets' rows, leave training too. If all rows share one prompt, rows are drawn instead."""
     prompt = lambda row: common.split_pair(row, tokenizer, common.where(row))[0]  # noqa: E731
     keys = [prompt(r) for r in rows]
     keys = keys if len(set(keys)) > 1 else list(range(len(rows)))
@@ -559,13 +574,13 @@ def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
 
 
 def tokenize_pairs(rows, tokenizer, args):
-    """(pairs: prompt/chosen/rejected ids, margin, dataset, gold rewards; counts of the prompts cut and of the pairs
-    dropped, by reason), each through truncate_pair; the tokenizer's coverage checked first, on every row as read."""
+    """Returns the pairs, each through truncate_pair, and the counts of prompts cut and of pairs dropped by reason. The
+    tokenizer's coverage is checked first, on every row as read."""
     in_file_order = sorted(range(len(rows)), key=lambda i: (str(rows[i]["_source"]), rows[i]["_row"]))
     texts, margins = [None] * len(rows), [None] * len(rows)
     for i in in_file_order:  # the first bad row of a file is the one reported, however the rows were shuffled
         texts[i] = common.split_pair(rows[i], tokenizer, common.where(rows[i]))
-        margin = rows[i].get("margin")  # a number, or text that reads as one (CSV cells); absent or empty: 0
+        margin = rows[i].get("margin")  # a number or text that reads as one, as in CSV; absent or empty means 0
         margins[i] = 0.0 if margin is None or margin == "" else common.as_number(margin)
         if isinstance(margin, bool) or not math.isfinite(margins[i]):
             raise common.UserError(f"{common.where(rows[i])}: field 'margin' is {margin!r}; expected a finite number")
@@ -589,8 +604,8 @@ def tokenize_pairs(rows, tokenizer, args):
 
 # --- Distributed: DDP or FSDP2, and evaluation shared by the ranks. --------------------------------------------------
 def parallelize(model, args, device):
-    """DDP, or FSDP2 per transformer block and input embeddings, filled with rank 0's weights; activations recomputed
-    in the backward pass with --gradient_checkpointing."""
+    """Returns the model under DDP, or under FSDP2 per transformer block and input embeddings, with rank 0's weights.
+    With --gradient_checkpointing, activations are recomputed in the backward pass."""
     if args.gradient_checkpointing:
         model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if not dist.is_initialized():
@@ -598,7 +613,7 @@ def parallelize(model, args, device):
     if args.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        # bf16 is compute only: the sharded parameters, and so the optimizer's steps, stay in their own dtype
+        # bf16 is for compute only, so the sharded parameters and the optimizer's steps keep their own dtype
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
             MixedPrecisionPolicy()
 
@@ -607,78 +622,67 @@ def parallelize(model, args, device):
                               if isinstance(m, torch.nn.ModuleList) and len(m) == model.hf.config.num_hidden_layers):
                 fully_shard(block, mp_policy=mp)
             common.shard_input_embeddings(model, fully_shard, mp_policy=mp)
-            if hasattr(model.hf, "score"):  # gathered in float32, not bfloat16: the head computes from float32 weights
+            if hasattr(model.hf, "score"):  # the head gathers its weights in float32
                 fully_shard(model.hf.score, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
             fully_shard(model, mp_policy=mp)
 
         return common.shard_from_rank0(model, shard, device)
-    # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
+    # gradient_as_bucket_view makes the gradients views into DDP's all-reduce buckets, not a second copy
     return torch.nn.parallel.DistributedDataParallel(
         model.to(device), device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
         gradient_as_bucket_view=True)
 
 
 def all_pair_rewards(model, pairs, args, pad_id, device, rank, world):
-    """Per pair (r_chosen, r_rejected), on CPU, in the pairs' order; each rank computes a slice, longest pairs first
-    (a batch holds pairs of similar length, little padding; the peak memory comes first)."""
+    """Returns each pair's (r_chosen, r_rejected) on CPU, in the pairs' order. Each rank computes a slice, longest pairs
+    first, so that a batch holds pairs of similar length and the peak memory comes first."""
     order = sorted(range(len(pairs)), key=lambda i: -sum(len(pairs[i][k]) for k in ("prompt", "chosen", "rejected")))
     mine, per_rank = order[rank::world], math.ceil(len(pairs) / world)
     valid = torch.arange(per_rank, device=device) < len(mine)
-    mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts (FSDP's forward is collective)
+    mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts: FSDP's forward is collective
     rewards, size = [], args.per_device_eval_batch_size
     for i in range(0, per_rank, size):
         inputs = model_inputs([pairs[j] for j in mine[i:i + size]], pad_id, args, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             rewards.append(torch.stack(model(**inputs).chunk(2), 1))
     index, rewards = torch.tensor(mine, device=device), torch.cat(rewards)
-    if dist.is_initialized():  # every rank's slice
+    if dist.is_initialized():
         index, valid, rewards = (torch.cat(dist.nn.functional.all_gather(t)) for t in (index, valid, rewards))
     return torch.empty(len(pairs), 2).index_copy_(0, index[valid].cpu(), rewards[valid].cpu())
 
 
-# --- Evaluation metrics, logging and the final save. -----------------------------------------------------------------
-def calibration_error(p_chosen, n_bins=10):
-    """Expected calibration error of P(chosen wins): over bins of predictions, sum of (bin size / N) * |mean
-    prediction - frequency it came true|; each pair counted in both orders, (p, won) and (1 - p, lost)."""
-    p = torch.cat([p_chosen, 1 - p_chosen]).double()
-    won = torch.cat([torch.ones_like(p_chosen), torch.zeros_like(p_chosen)]).double()
-    bins = (p * n_bins).long().clamp(max=n_bins - 1)
-    total = lambda x: torch.bincount(bins, weights=x, minlength=n_bins)  # noqa: E731
-    return ((total(p) - total(won)).abs().sum() / len(p)).item()
+# --- The schedule, the optimizer, logging and the final save. ---------------------------------------------------------
+def schedule(args, n_train, global_batch, rank):
+    """Returns (steps per epoch, total steps, the steps after which to evaluate). The total is --max_steps, else
+    ceil(--num_train_epochs x steps per epoch). An epoch leaves out the pairs left over after its last global batch."""
+    steps_per_epoch = n_train // global_batch
+    if steps_per_epoch == 0 and not args.eval_only:
+        raise common.UserError(f"{n_train} training pairs are fewer than one global batch of {global_batch}")
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * max(steps_per_epoch, 1))
+    evals_at = {math.ceil(k * total_steps / args.num_evals) for k in range(1, args.num_evals + 1)}
+    if len(evals_at) < args.num_evals and not args.eval_only and rank == 0:
+        print(f"--num_evals {args.num_evals}: {len(evals_at)}, one after each of the {total_steps} steps")
+    return steps_per_epoch, total_steps, evals_at
 
 
-def pearson(x, y):
-    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
-    return (x * y).sum().item() / max(math.sqrt((x * x).sum().item() * (y * y).sum().item()), 1e-12)
-
-
-def pair_metrics(rc, rr, margin, pairs, args, prefix):
-    """The evaluation metrics of pairs from their rewards, each key prefixed; of a mixture's, each dataset's too."""
-    lengths = torch.tensor([len(p["chosen"]) for p in pairs] + [len(p["rejected"]) for p in pairs], dtype=torch.float)
-    loss = preference_loss(rc, rr, margin)
-    metrics = {
-        "accuracy": (rc > rr).float().mean().item(),  # (a tie counts as an error)
-        "loss": reward_model_loss(rc, rr, margin, args.center_rewards_coefficient).item(),
-        "preference_loss": loss.mean().item(),  # (without the centering)
-        "reward_gap": (rc - rr).mean().item(), "chosen_reward": rc.mean().item(), "rejected_reward": rr.mean().item(),
-        "reward_mean": torch.cat([rc, rr]).mean().item(), "reward_std": torch.cat([rc, rr]).std().item(),
-        "calibration_error": calibration_error(torch.exp(-loss)),  # P(chosen wins) as the loss models it
-        "length_correlation": pearson(torch.cat([rc, rr]), lengths),
-    }
-    known = torch.tensor([p["gold"] is not None for p in pairs])
-    if known.any():  # embedded-task pairs (all, or some of a mixture): compare with the best possible accuracy
-        gold, c, r = torch.tensor([p["gold"] for p in pairs if p["gold"] is not None]), rc[known], rr[known]
-        p_gold = torch.sigmoid(common.PREFERENCE_BETA * (gold[:, 0] - gold[:, 1]))
-        metrics["bayes_accuracy"] = torch.maximum(p_gold, 1 - p_gold).mean().item()
-        metrics["accuracy_vs_bayes"] = (c > r).float().mean().item() / metrics["bayes_accuracy"]
-        metrics["gold_correlation"] = pearson(torch.cat([c, r]), torch.cat([gold[:, 0], gold[:, 1]]))
-    metrics = {prefix + k: v for k, v in metrics.items()}
-    datasets = dict.fromkeys(p.get("dataset") for p in pairs)
-    for name in datasets if len(datasets) > 1 else ():  # a mixture: each dataset's metrics too, PREFIX + NAME/...
-        ours = torch.tensor([p.get("dataset") == name for p in pairs])
-        metrics.update(pair_metrics(rc[ours], rr[ours], margin[ours], [p for p, o in zip(pairs, ours) if o], args,
-                                    f"{prefix}{name}/"))
-    return metrics
+def build_optimizer(model, args, total_steps):
+    """Returns AdamW on the trained parameters and transformers' --lr_scheduler_type after a linear warm-up. A schedule
+    with an end rate ends at --lr_end; polynomial decays to it linearly."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay, fused=True)
+    end = {"polynomial": {"lr_end": args.lr_end, "power": 1.0},
+           "cosine_with_min_lr": {"min_lr": args.lr_end}, "cosine_warmup_with_min_lr": {"min_lr": args.lr_end},
+           # the last fifth of the steps cools down; Hagele et al. (2024) find that a 20% cool-down matches cosine
+           "warmup_stable_decay": {"num_decay_steps": total_steps // 5,
+                                   "min_lr_ratio": args.lr_end / args.learning_rate if args.learning_rate else 0.0}}
+    try:
+        scheduler = transformers.get_scheduler(
+            args.lr_scheduler_type, optimizer, num_training_steps=total_steps,
+            num_warmup_steps=args.warmup_steps or int(args.warmup_ratio * total_steps),
+            scheduler_specific_kwargs=end.get(args.lr_scheduler_type))
+    except (ValueError, TypeError) as e:  # such as polynomial's --lr_end not below --learning_rate
+        raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: {common.first_line(e)}") from None
+    return optimizer, scheduler
 
 
 def describe_run(args, model, lora, layout, optimizer, world, device, steps_per_epoch, total_steps, start_step, rank):
@@ -695,7 +699,7 @@ def describe_run(args, model, lora, layout, optimizer, world, device, steps_per_
 
 
 def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world, **memory):
-    """The statistics of the steps since the last log, averaged over them and over ranks, and the speed."""
+    """Logs the speed and the statistics of the steps since the last log, averaged over them and over the ranks."""
     keys = ("loss", "accuracy", "reward_gap", "grad_norm")
     means = torch.tensor([sum(s[k] for s in window) / len(window) for k in keys], dtype=torch.float64, device=device)
     if dist.is_initialized():
@@ -726,8 +730,8 @@ def save_final(model, hf_model, lora, tokenizer, ev, logger, args, rank, record)
 
 
 def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, scale):
-    """transformers' format (LoRA: merged, adapter in output_dir/adapter); a head without a bias cannot hold a shift, so
-    config.json (and reward_normalization.json) holds it: reward = (score - reward_shift) / reward_scale, as ppo.py."""
+    """Saves the model in transformers' format, LoRA merged and its adapter in output_dir/adapter. A head without a
+    bias cannot hold the shift, so config.json holds the normalization, as does adapter/reward_normalization.json."""
     normalization = {"reward_shift": shift, "reward_scale": scale}
     if lora is not None:
         hf_model = common.save_lora(hf_model, lora, state_dict, tokenizer, output_dir)
@@ -749,21 +753,21 @@ def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, 
             "batch_layout": layout, "eval_sets": eval_sets, "args": dataclasses.asdict(args)})
         print(f"{common.format_metrics(ev)}\nevaluated {args.model_name_or_path} on {len(evals)} pairs; "
               f"eval_results.json in {args.output_dir}")
-    common.leave_together()  # (under torchrun: every rank done)
+    common.leave_together()
     return ev
 
 
-# === The opt-in packed layout (--padding_free): pairs end to end in one row, each prompt once, no padding. ==========
-# segment_attention makes one SDPA call per block of consecutive pairs of at most this many tokens (a longer pair is a
-# block alone): short pairs share a call, long ones pay only for their own length, never for the row's
+# === The opt-in packed layout of --padding_free: pairs end to end in one row, each prompt once, no padding. =========
+# segment_attention makes one SDPA call per block of consecutive pairs of at most this many tokens. A longer pair is a
+# block alone. Short pairs share a call, and a long one pays only for its own length, never for the row's.
 BLOCK_TOKENS = 256
 
 
 def pack_segments(pairs, device="cpu"):
-    """(ids of one row, its segments): per pair prompt + chosen + rejected, end to end, rejected's positions continuing
-    from the prompt's end (Wang et al. 2024, arXiv 2410.20305). `member` marks each sequence's tokens (chosen, then
-    rejected), `read` its last (where its reward is read: last_token_index, as in the padded batch), `blocks` (start,
-    end) whole pairs; segment_attention fills `masks` (each block's by window, built once) and `calls` (its windows)."""
+    """Returns one row's ids and its segments: each pair's prompt + chosen + rejected, end to end. Rejected's positions
+    continue from the prompt's end (Wang et al. 2024, arXiv 2410.20305). `member` marks each sequence's tokens, chosen
+    ones first, and `read` its last token, where its reward is read. `blocks` holds each block's (start, end). Later,
+    segment_attention fills `masks`, each block's per window, and `calls`, the windows it was called with."""
     ids, positions, blocks = [], [], []
     member = torch.zeros(2 * len(pairs), sum(len(p["prompt"] + p["chosen"] + p["rejected"]) for p in pairs), dtype=bool)
     for i, p in enumerate(pairs):
@@ -774,15 +778,15 @@ def pack_segments(pairs, device="cpu"):
         positions += list(range(P + C)) + list(range(P, P + R))
         blocks[-1][1] = len(ids)
         member[i, s:s + P + C] = member[len(pairs) + i, s:s + P] = member[len(pairs) + i, s + P + C:len(ids)] = True
-    # a namespace, not a tuple or a dataclass: DDP and FSDP pass on copies of those, `masks` and `calls` with them
+    # A namespace: DDP and FSDP pass on copies of a tuple or a dataclass, and the copies' masks and calls would be lost.
     return torch.tensor([ids]), SimpleNamespace(
         member=member, position=torch.tensor(positions, device=device), blocks=[tuple(b) for b in blocks],
         read=last_token_index(member).to(device), masks={}, calls=[])
 
 
 def packed_rewards(hf_model, input_ids, segments):
-    """A packed row's rewards (chosen, then rejected): the scalar head at each sequence's last token, under
-    segment_attention (use_segment_attention, which choose_layout sets once checked)."""
+    """Returns a packed row's rewards, chosen then rejected: the scalar head at each sequence's last token. It needs
+    segment_attention, which choose_layout sets once it is checked."""
     if hf_model.config._attn_implementation != "rm_segments":  # the model's own attention would cross pairs
         raise ValueError("a packed row needs the model's attention set by choose_layout")
     hidden = hf_model.base_model(input_ids=input_ids, position_ids=segments.position[None], use_cache=False,
@@ -792,16 +796,16 @@ def packed_rewards(hf_model, input_ids, segments):
 
 def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                       sliding_window=None, rm_segments=None, **kwargs):
-    """Per block of whole pairs (pack_segments), one SDPA call under its mask: a token sees the earlier tokens of its
-    own sequences (a rejected token the prompt, never a chosen one) within this layer's window; Gemma 2's softcap."""
+    """Runs one SDPA call per block of whole pairs, under its mask. A token sees the earlier tokens of its own sequences
+    within this layer's window, so a rejected token sees the prompt but no chosen one. Gemma 2's softcap is applied."""
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise NotImplementedError("attention sinks")
     rm_segments.calls.append(sliding_window)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    groups = query.shape[1] // key.shape[1]  # query heads per key/value head (grouped-query attention)
+    groups = query.shape[1] // key.shape[1]  # query heads per key/value head, as in grouped-query attention
     if groups > 1 and (softcap is not None or not sdpa_takes_groups_with_mask(query.device)):
         key, value = (t.repeat_interleave(groups, 1) for t in (key, value))
-    out = []  # per block (1, heads, tokens, head dim), in the attention's dtype (autocast's, not the query's)
+    out = []  # per block (1, heads, tokens, head dim), in autocast's dtype, not the query's
     for b, (s, e) in enumerate(rm_segments.blocks):  # slices stay 4D: 3D inputs miss the fused kernel on CPU
         q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
         if (slot := (b, sliding_window)) not in rm_segments.masks:
@@ -819,30 +823,30 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return torch.cat(out, 2).transpose(1, 2).contiguous(), None
 
 
-def sdpa_takes_groups_with_mask(device):  # not on CUDA: with a boolean mask, grouped keys can fall to the math kernel
+def sdpa_takes_groups_with_mask(device):  # on CUDA, grouped keys with a boolean mask can fall to the math kernel
     return device.type != "cuda"
 
 
-def use_segment_attention(hf_model):  # and no mask of transformers' own (a dense N x N one would go unread)
+def use_segment_attention(hf_model):  # no mask of transformers' own: a dense N x N one would go unread
     transformers.AttentionInterface.register("rm_segments", segment_attention)
     transformers.AttentionMaskInterface.register("rm_segments", lambda *args, **kwargs: None)
     hf_model.config._attn_implementation = "rm_segments"
 
 
-def declared_windows(config):  # each layer's sliding window (None: full attention)
-    window = getattr(config, "sliding_window", None)  # (no layer_types: every layer its window, if any)
+def declared_windows(config):  # each layer's sliding window, None for full attention
+    window = getattr(config, "sliding_window", None)  # without layer_types, every layer has the window, if any
     types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
     return [window if t == "sliding_attention" else None for t in types]
 
 
 @torch.no_grad()
 def choose_layout(model, args, vocab_size, rank=0):
-    """(args, layout) under --padding_free: packed if this model passes packed_layout_fault, else padded, and why. DDP:
-    rank 0 checks its copy; FSDP: every rank its shards (the forward is collective), rank 0's verdict for all."""
-    sharded, model = hasattr(model, "reshard"), getattr(model, "module", model)  # (DDP's module; FSDP is in place)
+    """Returns (args, layout): packed if this model passes packed_layout_fault, else padded with the reason. Under DDP
+    rank 0 checks its copy. Under FSDP every rank checks its shards, as the forward is collective; rank 0 decides."""
+    sharded, model = hasattr(model, "reshard"), getattr(model, "module", model)  # DDP wraps; FSDP shards in place
     why_not = [common.agreed(lambda: packed_layout_fault(model, args, vocab_size) if rank == 0 or sharded else None)]
     if sharded:
-        model.reshard()  # (FSDP keeps the root's parameters gathered after a forward: the optimizer takes the shards)
+        model.reshard()  # FSDP keeps the root's parameters gathered after a forward; the optimizer needs the shards
     if dist.is_initialized():
         dist.broadcast_object_list(why_not, src=0)
     if why_not[0]:
@@ -853,9 +857,9 @@ def choose_layout(model, args, vocab_size, rank=0):
 
 
 def packed_layout_fault(model, args, vocab_size):
-    """Why the packed layout fails this model (None: it does not), on random pairs, 4 short and 2 longer than a block
-    and the shortest sliding window: each layer must call segment_attention with its declared window, and the rewards
-    must equal the padded batch's on the run's device and precision. Any error of the packed forward is a fault."""
+    """Returns why the packed layout fails this model, or None. It runs 4 short random pairs and 2 longer than a block
+    and the shortest sliding window. Each layer must call segment_attention with its declared window. The rewards must
+    equal the padded batch's on the run's device and precision. Any error of the packed forward is a fault."""
     if not hasattr(model.hf, "score"):
         return "an encoder reads its pooled [CLS] over the whole sequence"
     if "position_ids" not in inspect.signature(model.hf.base_model.forward).parameters:
@@ -873,7 +877,7 @@ def packed_layout_fault(model, args, vocab_size):
     tol, why_not = 5e-2 if low else 1e-3, None
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=low):
         reference = model(**model_inputs(pairs, 0, dataclasses.replace(args, padding_free=False), device))
-        try:  # whatever fails (a base model without the keyword, layers that drop it, odd head sizes): padded
+        try:  # any failure means padded: a model without the keyword, layers that drop it, odd head sizes
             use_segment_attention(model.hf)
             inputs = model_inputs(pairs, 0, dataclasses.replace(args, padding_free=True), device)
             rewards = model(**inputs)

@@ -95,7 +95,7 @@ def test_the_loss_its_probability_and_the_evaluation_losses_match_formulas():
     assert torch.allclose(torch.exp(-rm.preference_loss(rc, rr, m)), torch.tensor(logistic), atol=1e-6)
     pairs = [{"chosen": [1], "rejected": [2], "gold": None}] * 4
     metrics = rm.pair_metrics(rc, rr, m, pairs, rm.Args(center_rewards_coefficient=0.5), "eval/")
-    assert metrics["eval/calibration_error"] == pytest.approx(rm.calibration_error(torch.tensor(logistic)), abs=1e-6)
+    assert metrics["eval/calibration_error"] == pytest.approx(rm.calibration_error(torch.sigmoid(rc - rr)), abs=1e-6)
     pair = -sum(math.log(p) for p in logistic) / 4
     assert metrics["eval/preference_loss"] == pytest.approx(pair, rel=1e-6)
     assert metrics["eval/loss"] == pytest.approx(pair + 0.5 * ((rc + rr) ** 2).mean().item(), rel=1e-6)
@@ -125,6 +125,19 @@ def test_the_loss_its_probability_and_the_evaluation_losses_match_formulas():
                                                                            / 4)
     assert common.gold_reward(prompt, " cat cat cat cat <eos>") == pytest.approx((v["cat"] + 1) / 4)
     assert common.gold_reward(prompt, " cat me") == pytest.approx((v["cat"] + 1 + common.NON_WORD_VALUE) / 2)
+
+
+def test_the_calibration_error_is_of_the_probability_the_model_states_not_of_the_margin_loss():
+    """With margins in the data, the calibration reported is that of P(chosen wins) = sigmoid(r_c - r_r), the model's
+    own probability, and not that of sigmoid(r_c - r_r - margin), which the loss reads."""
+    g = torch.Generator().manual_seed(0)
+    rc, rr, margin = torch.randn(400, generator=g), torch.randn(400, generator=g), torch.full((400,), 1.5)
+    pairs = [{"chosen": [1], "rejected": [2], "gold": None}] * 400
+    reported = rm.pair_metrics(rc, rr, margin, pairs, rm.Args(), "eval/")["eval/calibration_error"]
+    stated = [1 / (1 + math.exp(-(c - r))) for c, r in zip(rc.tolist(), rr.tolist())]
+    with_margin = [1 / (1 + math.exp(-(c - r - 1.5))) for c, r in zip(rc.tolist(), rr.tolist())]
+    assert reported == pytest.approx(rm.calibration_error(torch.tensor(stated)), abs=1e-6)
+    assert abs(reported - rm.calibration_error(torch.tensor(with_margin))) > 0.05
 
 
 # --- the model --------------------------------------------------------------------------------------------------------
@@ -756,6 +769,19 @@ def test_dataset_mixer_takes_fractions_and_counts_and_evaluates_each_dataset_on_
     red, cat = TOK.convert_tokens_to_ids("red"), TOK.convert_tokens_to_ids("cat")
     assert sum(p["chosen"][0] == red for p in evals) == 10 and sum(p["chosen"][0] == cat for p in evals) == 7
     assert len(train) == 40 + 40
+
+
+def test_a_mixture_count_past_the_rows_of_its_dataset_is_refused_in_one_line(tmp_path):
+    """A count (a weight above 1) larger than the dataset is refused, naming the dataset, the count and its rows."""
+    small = write_jsonl(tmp_path / "small.jsonl", [{"chosen": f" cat {i}", "rejected": " dog"} for i in range(30)])
+    other = write_jsonl(tmp_path / "other.jsonl", [{"chosen": f" red {i}", "rejected": " dog"} for i in range(60)])
+    flags = ["--dataset_mixer_list", other, "0.5", small, "500", "--output_dir", str(tmp_path / "out")]
+    proc = run_main(["rm.py", *flags], check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: --dataset_mixer_list asks for 500 rows of {small}, but its training split has 30; ask for at most 30, "
+        "or 1.0 for all of them"), proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "out" / "model.safetensors")
+    assert len(rm.take_share(common.load_rows(small), 30, seed=0)) == 30  # all of its rows, asked by count
 
 
 def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(tmp_path):
