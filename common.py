@@ -39,17 +39,18 @@ class UserError(Exception):
 
 
 def cli(args_class):
-    """Parses the command line into an args_class with tyro. A field's trailing comment is its help, printed by rank 0."""
-    registry, inside, unhinted = tyro.constructors.ConstructorRegistry(), [], tyro.conf.arg(help_behavior_hint="")
+    """Returns args_class parsed by tyro; a field's trailing comment is its help. Only rank 0 prints help and errors."""
+    registry, inside, no_hint = tyro.constructors.ConstructorRegistry(), [], tyro.conf.arg(help_behavior_hint="")
 
     @registry.struct_rule
     def without_none_hint(info):  # no "(default: None)": such a field's help says what None stands for
         if info.type is args_class and not inside:
             inside.append(info)
-            spec = registry.get_struct_spec(info)  # tyro's own
+            spec = registry.get_struct_spec(info)  # the fields as tyro makes them
             inside.pop()
-            return dataclasses.replace(spec, fields=tuple(dataclasses.replace(f, type=typing.Annotated[f.type, unhinted])
+            return dataclasses.replace(spec, fields=tuple(dataclasses.replace(f, type=typing.Annotated[f.type, no_hint])
                                                           if f.default is None else f for f in spec.fields))
+
     quiet = int(os.environ.get("RANK", 0)) != 0
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \
             contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
@@ -62,10 +63,9 @@ LEFT = []  # the process groups of ended runs, held until the process ends; see 
 def leave_together():
     """Ends a run on several ranks. Every rank waits, then destroys the process group but holds it in LEFT. DDP's
     reducer, releasing it, would join gloo's threads, which can wait an hour on a peer already gone. A group's threads
-    end only when nothing holds it. torch._dynamo imports torch.distributed.nn with the first optimizer, binding the
-    group of that moment as a default argument, so this file imports it before any group. Else the interpreter's
-    teardown can abort with SIGABRT ("terminate called without an active exception"), as gloo's threads release the
-    last tensors. So under torchrun exit_on_user_error leaves with os._exit."""
+    end only when nothing holds it. torch._dynamo imports torch.distributed.nn with the first optimizer, which binds
+    the group of that moment as a default argument, so this file imports it before any group. Else teardown can abort
+    with SIGABRT ("terminate called without an active exception") while gloo's threads release the last tensors."""
     if dist.is_initialized():
         dist.barrier()
         LEFT.append(dist.group.WORLD)
@@ -78,8 +78,8 @@ def first_line(error):
 
 
 def exit_on_user_error(fn, *args):
-    """Runs the command line's main and prints a UserError in one line, with exit code 2. Under torchrun the process
-    then leaves at once with os._exit, however main ended. Teardown would destroy the groups leave_together holds."""
+    """Runs main and prints a UserError in one line, with exit code 2. Under torchrun it then leaves by os._exit,
+    however main ended, since the interpreter's teardown would destroy the groups that leave_together holds."""
     distributed, result = int(os.environ.get("WORLD_SIZE", "1")) > 1, None
     try:
         result, code = fn(*args), 0
@@ -103,7 +103,7 @@ def exit_on_user_error(fn, *args):
 
 
 def agreed(check):
-    """Returns check()'s result on every rank, or raises the first failing rank's error on all, lest one wait forever."""
+    """Returns check()'s result on every rank, or raises the first failing rank's error on all, so none hangs."""
     try:
         result, error = check(), None
     except Exception as e:
@@ -121,7 +121,7 @@ def agreed(check):
 
 
 def load_pretrained(loader, name, flag, **kwargs):
-    """Returns loader.from_pretrained(name), or its base model's for a peft adapter. A miss is one line naming flag."""
+    """Returns loader.from_pretrained(name), or its base model's for a peft adapter. An error names the flag."""
     own_tokenizer = loader.__name__ == "AutoTokenizer" and os.path.exists(os.path.join(name, "tokenizer_config.json"))
     name = name if own_tokenizer else adapter_base(name) or name
     try:
@@ -163,14 +163,14 @@ def check_source(name, flag, repo_type="model"):
 
 
 def seed_of(*keys):
-    """Returns a hashed seed for the stream named by keys, e.g. seed, "prompt order", epoch. Seed s + 1 never replays s."""
+    """Hashes keys such as seed, "prompt order" and epoch into a stream's seed, so seed s + 1 never replays seed s."""
     return int(np.random.SeedSequence([k if isinstance(k, int) else int.from_bytes(k.encode(), "little")
                                        for k in keys]).generate_state(1, np.uint64)[0] >> 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The embedded task needs no download. A user asks about a topic, and a response is a few words. A small transformer
-# learns its exact gold reward. A policy can raise it, or overoptimize a proxy of it (benchmarks/overoptimization.py).
+# learns its exact gold reward. A policy can raise it or overoptimize a proxy (benchmarks/overoptimization.py).
 
 TOPICS = {
     "animals": "cat dog horse fox owl bear wolf deer frog duck goat lion".split(),
@@ -204,7 +204,7 @@ def embedded_tokenizer():
 
 
 def embedded_model_config(name, vocab_size, num_labels=None, flag="--model_name_or_path"):
-    """Returns a tiny Llama- or GPT-NeoX-shaped config, so both code paths run offline. flag names the model's option."""
+    """Returns a tiny Llama- or GPT-NeoX-shaped config, so both code paths run offline. flag is the model's option."""
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=2, eos_token_id=3,
                   tie_word_embeddings=False)
@@ -244,7 +244,7 @@ def embedded_response(rng):
 
 
 def embedded_pairs(n, seed):
-    """Returns n preference pairs labelled by the gold reward's Bradley-Terry model, with gold values for the Bayes bound."""
+    """Returns n pairs labelled by the gold reward's Bradley-Terry model. Their gold values give the Bayes bound."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
@@ -258,8 +258,7 @@ def embedded_pairs(n, seed):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Preference data from the hub, a local file or folder, or the embedded task, in explicit, implicit or conversational
-# format. An error names the bad row's file and line.
+# Preference data in explicit, implicit or conversational format, from the hub, a file, a folder or the embedded task.
 
 EMBEDDED_SPLITS = {"train": 0, "test": 1, "validation": 2}  # the seed of each split's pairs
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -276,7 +275,7 @@ def mixture(mixer):
 
 
 def load_rows(name, config=None, split="train"):
-    """Returns one split's rows, or None if there is no such split. Each row names its `_source` and `_row` or `_line`."""
+    """Returns one split's rows, or None if there is none. Each row names its `_source` and its `_row` or `_line`."""
     if name == "embedded":  # three splits, each drawn with its own seed
         rows = embedded_pairs(40000 if split == "train" else 4000, EMBEDDED_SPLITS[split]) \
             if split in EMBEDDED_SPLITS else None
@@ -317,7 +316,7 @@ def hold_out(keys, fraction, seed):
 
 
 def hf_datasets():
-    """Returns the `datasets` library with its progress bars off. It costs 90 MB a process, so only datasets load it."""
+    """Returns the `datasets` library, progress bars off. It is imported only when needed: it costs 90 MB a process."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -325,7 +324,7 @@ def hf_datasets():
 
 
 def load_folder(path, config, split):
-    """Returns one split's rows of a folder, or None. The folder is from save_to_disk, a hub clone, or of split files."""
+    """Returns one split's rows of a folder, or None. It may be from save_to_disk, a hub clone, or of split files."""
     datasets = hf_datasets()
     if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
         ds = datasets.load_from_disk(path)
@@ -333,8 +332,7 @@ def load_folder(path, config, split):
         return None if ds is None else [dict(r, _source=path, _row=i) for i, r in enumerate(ds)]
     top = [f for f in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, f))
            and os.path.splitext(f.removesuffix(".gz"))[1] in LOCAL_BUILDERS]
-    if any(f.split(".")[0] in ("train", "test", "validation", split) for f in top):
-        # Only split files at the top, such as train.jsonl, are read. Subfolders may hold a run's outputs.
+    if any(f.split(".")[0] in ("train", "test", "validation", split) for f in top):  # subfolders may hold outputs
         return next((load_rows(os.path.join(path, f)) for f in top if f.split(".")[0] == split), None)
     # A README.md with `configs:` names the files. Otherwise the usual patterns apply, such as data/train-*.
     files = {str(k): v for k, v in (datasets.load_dataset_builder(path, config).config.data_files or {}).items()}
@@ -467,8 +465,7 @@ def split_pair(row, tokenizer, where):
             while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
                 k += 1
             prompt, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
-        # Rendered with the generation prompt, as ppo.py renders prompts, so both scripts see the same tokens.
-        p = render_chat(tokenizer, prompt, where, generation_prompt=True)
+        p = render_chat(tokenizer, prompt, where, generation_prompt=True)  # as ppo.py renders it, so tokens match
         full = [render_chat(tokenizer, prompt + m, where) for m in (chosen, rejected)]
         if all(f.startswith(p) for f in full):
             return p, full[0][len(p):], full[1][len(p):]
@@ -480,8 +477,7 @@ def split_pair(row, tokenizer, where):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Tokens. A prompt is the special tokens a tokenizer puts before a text, such as BOS, then the text's tokens. It never
-# has those put after a text, such as EOS. A response is tokenized after its prompt, as the policy writes it.
+# Tokens. A prompt is a tokenizer's leading special tokens, such as BOS, then the text's tokens, never trailing ones.
 
 
 def special_affixes(tokenizer):
@@ -511,22 +507,20 @@ def end_id(tokenizer):
 
 def tokenize_prompts(tokenizer, texts):
     prefix = special_affixes(tokenizer)[0]
-    lead = tokenizer.decode(prefix) if prefix else None
+    lead = tokenizer.decode(prefix) if prefix else None  # chat templates often write BOS as text; never add it twice
     ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
-    # Chat templates often write the BOS token as text already. Adding it again would double it.
     return [x if lead and t.startswith(lead) else prefix + x for t, x in zip(texts, ids)]
 
 
 def tokenize_responses(tokenizer, prompts, responses):
-    """Returns response ids, tokenized after their prompt as the policy writes them. Each is cut after its first end
-    token, since what follows is never generated, or else ends with one."""
+    """Returns response ids tokenized after their prompt, as the policy writes them, each ending at one end token."""
     if not responses:
         return []
     end = end_id(tokenizer)
     joint, alone_p, alone_r = (tokenizer(texts, add_special_tokens=False)["input_ids"] for texts in (
         [p + r for p, r in zip(prompts, responses)], list(prompts), list(responses)))
     out = [j[len(p):] if j[:len(p)] == p and len(j) > len(p) else r for j, p, r in zip(joint, alone_p, alone_r)]
-    return [x[:x.index(end) + 1] if end in x else x + [end] for x in out]
+    return [x[:x.index(end) + 1] if end in x else x + [end] for x in out]  # nothing after it is generated
 
 
 UNKNOWN_SHARE = 0.5  # README: English is 95-96% unknown to the embedded tokenizer, covered data at most 28%
@@ -550,7 +544,7 @@ def check_vocabulary(tokenizer, ids, data, model, flag):
 
 
 class Float32Linear(torch.nn.Linear):
-    """A linear layer in float32 whatever autocast asks. A bfloat16 reward moves in steps of 1/128 of its size, so pairs tie."""
+    """Computes in float32 whatever autocast asks. Bfloat16 rewards move in steps of 1/128 their size, so pairs tie."""
 
     def forward(self, x):
         with torch.autocast(x.device.type, enabled=False):
@@ -568,9 +562,9 @@ def scalar_head_in_float32(model):
 
 
 def attention_without_nan(device):
-    """Makes attention never give NaN. transformers' SDPA mask is patched globally to let each position see itself.
-    Else left padding sees no real key, some kernels answer NaN, and 0 x NaN reaches real tokens, which are unchanged.
-    cuDNN's SDPA is off on CUDA: with a boolean mask, its backward gives NaN at some lengths (pytorch #196678)."""
+    """Makes attention never give NaN. transformers' SDPA mask is patched globally to let each position see itself,
+    as real tokens do already. Else left padding sees no real key, some kernels answer NaN, and 0 x NaN reaches real
+    tokens. cuDNN's SDPA is off: with a boolean mask its backward gives NaN at some lengths (pytorch #196678)."""
     def sdpa_mask_with_diagonal(*args, q_offset=0, kv_offset=0, **kwargs):
         mask = transformers.masking_utils.sdpa_mask(*args, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
         if not torch.is_tensor(mask):  # None means no mask is needed (is_causal)
@@ -609,7 +603,7 @@ def add_lora(model, args, task_type):
     from peft import LoraConfig, get_peft_model
 
     targets = args.lora_target_modules
-    # No dropout, as nowhere else, so rollout and learning, or a pair's two passes, read one network.
+    # No dropout here or anywhere, so rollout and learning, or a pair's two passes, read one network.
     config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                         target_modules="all-linear" if targets == ["all-linear"] else targets)
     try:
@@ -655,13 +649,13 @@ def adapter_holds_head(name):
     """Returns whether a peft adapter folder holds a classifier head's weights, as rm.py's do (modules_to_save)."""
     from peft.utils import load_peft_weights
 
-    return any(".score." in k or ".classifier." in k for k in load_peft_weights(name, device="cpu"))  # small
+    return any(".score." in k or ".classifier." in k for k in load_peft_weights(name, device="cpu"))
 
 
 def load_model(loader, name, flag, on_meta=False, **kwargs):
     """Returns loader.from_pretrained(name), or for a peft adapter folder, its base model with the adapter merged in
     and the reward normalization rm.py saved beside it. With on_meta, the model is built from its config on the meta
-    device, reading no weight. FSDP's ranks but 0 load so, and shard_from_rank0 gives them rank 0's weights."""
+    device, reading no weight, for FSDP's ranks other than 0. shard_from_rank0 then gives them rank 0's weights."""
     from peft import PeftConfig, PeftModel
 
     if on_meta and not adapter_base(name):
@@ -736,8 +730,7 @@ def format_metrics(m):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# A run's life in its --output_dir. An earlier run's results and checkpoints are never replaced unasked. --resume of
-# a finished run does nothing. SIGINT and SIGTERM end a run at a step boundary, with a checkpoint to resume from.
+# A run's life in its --output_dir: its start, its resumption, and its stop on a signal.
 
 
 def finished_progress(output_dir):
@@ -800,15 +793,14 @@ def stop_on_signals(enabled=True):
         if int(os.environ.get("RANK", 0)) == 0:  # a print could re-enter a write the signal interrupted
             os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C "
                         "again to stop at once)\n".encode())
-    STOP.pop("signal", None)  # "previous" stays if an earlier run here ended by an exception, with the first handlers
+    STOP.pop("signal", None)  # "previous" keeps the first handlers if an earlier run here ended by an exception
     STOP.setdefault("previous", {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)})
     for s in STOP["previous"]:
         signal.signal(s, ask)
 
 
 def step_end(step, save_steps, last_save, device):
-    """Returns (save, stop), agreed by all ranks. A run saves on a stop and every save_steps steps.
-    save_steps=None saves every SAVE_EVERY_S seconds instead, and 0 only on a stop."""
+    """Returns (save, stop), agreed by all ranks. Saves come on a stop and every save_steps steps or SAVE_EVERY_S."""
     due = step % save_steps == 0 if save_steps else save_steps is None and time.time() - last_save >= SAVE_EVERY_S
     flags = torch.tensor([float(due), float(STOP.get("signal", 0))], device=device)
     if dist.is_initialized():
@@ -852,9 +844,8 @@ def check_shared_output_dir(output_dir, rank):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Saving. Files and checkpoints are written under a temporary name and renamed. A crash at any moment thus leaves
-# earlier saves whole, and `latest` naming a complete checkpoint. Shards are safetensors written by
-# torch.distributed.checkpoint, and state.pt is read with weights_only, so neither runs code on load.
+# Saving. Files and checkpoints are written under a temporary name and renamed, so a crash leaves earlier saves whole
+# and `latest` naming a complete one. Neither safetensors nor state.pt, read with weights_only, runs code on load.
 
 
 def write_atomic(path, text):
@@ -933,7 +924,7 @@ def new_checkpoint_dir(output_dir, step):
 
 
 def commit_checkpoint(root, name, state, keep=2):
-    """Writes state.pt beside the shards, renames NAME.tmp to NAME, and names it in `latest`. Older ones then go."""
+    """Writes state.pt beside the shards, renames NAME.tmp to NAME, and names it in `latest`. The newest `keep` stay."""
     tmp = os.path.join(root, name + ".tmp")
     try:
         with open(os.path.join(tmp, "state.pt"), "wb") as f:
@@ -1008,9 +999,8 @@ def save_training(model, optimizer, scheduler, step, rank, output_dir, global_ba
 
 
 def resume_training(model, optimizer, scheduler, output_dir, args, world):
-    """Restores the latest checkpoint in output_dir on any number of ranks, random streams included. Returns its
-    state, whose "step" is the step to continue from, or None. A checkpoint of another global batch is refused,
-    because its step would count other batches."""
+    """Restores the latest checkpoint in output_dir on any number of ranks. Returns its state, whose "step" is the next
+    step, or None. Another global batch's checkpoint is refused, because its step would count other batches."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -1054,9 +1044,9 @@ def meta_model(build):
 
 
 def shard_from_rank0(model, shard, device, host=False):
-    """Shards model on every rank with shard(model), and broadcasts rank 0's weights into the shards. Rank 0 holds
-    the model whole on its host, one at a time, and the other ranks a meta-device skeleton. The shards are allocated
-    on device, or in host memory for FSDP's CPU offload. Buffers the state dict lacks, such as RoPE's, follow."""
+    """Shards model on every rank with shard(model) and broadcasts rank 0's weights into the shards. Rank 0 holds the
+    whole model on its host, one model at a time, and the others a meta-device skeleton. Shards go on device, or in
+    host memory for FSDP's CPU offload. Buffers the state dict lacks, such as RoPE's inverse frequencies, follow."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     rank0 = dist.get_rank() == 0
@@ -1085,7 +1075,7 @@ def shard_from_rank0(model, shard, device, host=False):
 
 def shard_input_embeddings(model, fully_shard, **options):
     """Shards the input embeddings as their own FSDP2 unit, unless an output layer shares their weight. A rank then
-    holds a large vocabulary's table whole only for the lookup. A lookup's gradient needs the ids, never the table."""
+    holds a large vocabulary's whole table only for the lookup. Its gradient needs the ids, never the table."""
     hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
     table, head = hf.get_input_embeddings(), getattr(hf, "get_output_embeddings", lambda: None)()
     if head is not None and head.weight is table.weight:
@@ -1097,7 +1087,7 @@ def shard_input_embeddings(model, fully_shard, **options):
 
 
 def peak_memory(device):
-    """Returns memory/peak_gb_rank<r>, the most GB each rank has held so far on its GPU, or else its peak RSS."""
+    """Returns memory/peak_gb_rank<r>, the most GB each rank has held so far on its GPU, or on CPU its peak RSS."""
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is in kilobytes on Linux
     peaks = torch.tensor([peak / 1e9], dtype=torch.float64, device=device)

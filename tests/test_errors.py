@@ -13,6 +13,7 @@ import time
 import huggingface_hub
 import pytest
 import torch
+import tyro
 from conftest import ROOT, read_checkpoint, run_main, run_script, save_checkpoint
 from families import build_tokenizer
 from safetensors.torch import load_file, save_file
@@ -332,6 +333,21 @@ def test_help_is_printed_once_under_torchrun_the_methods_options_first():
     assert "warmup_stable_decay" in proc.stdout  # every schedule transformers has
     proc = run_script(["ppo.py", "--help"], env={"COLUMNS": "80"})
     assert re.findall(r"│ (--\w+)", proc.stdout)[:2] == ["--advantage_estimator", "--num_samples_per_prompt"]
+
+
+def test_help_shows_no_default_none_after_a_default_the_help_states(monkeypatch, capsys):
+    """A field whose default is None shows its help's own default, not tyro's "(default: None)". Others keep tyro's."""
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", ["ppo.py", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        common.cli(ppo.Args)
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "--num_samples_per_prompt" in out and "(default: None)" not in out, out
+    assert re.search(r"--kl_coef FLOAT\W*\n\W*[^\n]*\(default: 0\.1\)", out), out
+    flags = ["--num_samples_per_prompt", "2", "--kl_coef", "0.2"]
+    monkeypatch.setattr(sys, "argv", ["ppo.py", *flags])
+    assert common.cli(ppo.Args) == tyro.cli(ppo.Args, args=flags, use_underscores=True)
 
 
 def test_the_new_reward_head_is_said_once_and_only_really_unexpected_keys_are_reported(family_dir, tmp_path,
