@@ -1021,13 +1021,16 @@ def train_and_eval_prompts(args, tokenizer):
     splits = [args.eval_split] if args.eval_split else [s for s in ("validation", "test") if s !=
                                                           args.dataset_train_split]
     found = None if args.dataset_name == "embedded" else next(
-        (s for s in splits if common.load_rows(args.dataset_name, args.dataset_config, s)), None)
+        (s for s in splits if common.load_rows(args.dataset_name, args.dataset_config, s) is not None), None)
     if args.eval_split and found is None:
         names = ["none: its prompts are held out"] if args.dataset_name == "embedded" else \
             common.split_names(args.dataset_name, args.dataset_config)
         raise common.UserError(f"{args.dataset_name}: no split {args.eval_split!r} (--eval_split); its splits: "
                                f"{', '.join(map(str, names))}; pass one, or no --eval_split to hold out --eval_holdout "
                                "of the training prompts")
+    if found is not None and not common.load_rows(args.dataset_name, args.dataset_config, found):
+        raise common.UserError(f"{args.dataset_name}: split {found!r} has no prompt to evaluate on; pass another "
+                               "--eval_split")
     if found is not None:
         eval_ids, eval_texts = load_prompts(args, tokenizer, found)
         held, source = set(eval_texts), f"split {found!r}"

@@ -459,11 +459,12 @@ def logprob_gaps(policy, tok, device):
     out = {"prompt_tokens_max": max(map(len, prompts))}
     for name, dtype in (("bf16_weights", torch.bfloat16), ("fp32_weights_autocast", torch.float32)):
         model = policy.to(dtype)
-        batch = ppo.rollout(model, prompts, range(64), args, tok.eos_token_id, tok.pad_token_id, device, False)
-        ppo.logprobs_and_values(model, model, None, batch, args, 0, 0, 1, contextlib.nullcontext)
+        seeds = [common.seed_of(args.seed, "sampling", e) for e in range(64)]
+        batch = ppo.rollout(model, prompts, seeds, args, tok.eos_token_id, tok.pad_token_id)
+        ppo.logprobs_and_values(model, model, None, batch, args, 0, contextlib.nullcontext)
         new = torch.zeros_like(batch.logprobs)
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):  # learn()'s first forwards
-            for f in (f for step in ppo.epoch_plan(batch, args, 0, 0, 0, 1) for f in step.forwards):
+            for f in (f for step in ppo.epoch_plan(batch, args, 0, 0) for f in step.forwards):
                 new[f.rows, :f.kept] = ppo.response_logprobs(model, f.ids, f.attention_mask, f.context,
                                                              args.temperature)[0]
         real = batch.mask

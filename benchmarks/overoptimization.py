@@ -71,10 +71,10 @@ def best_of_n_pool(seed, pool, rm_dirs):
     gold, proxy = np.zeros((len(prompts), pool)), np.zeros((len(rm_dirs), len(prompts), pool))
     for i, (p, p_ids) in enumerate(zip(prompts, ids)):
         episodes = range(10 ** 9 + i * pool, 10 ** 9 + (i + 1) * pool)  # sampling streams no PPO run of 4,096 uses
-        batch = ppo.rollout(policy, [p_ids] * pool, episodes, args, stop_id, tokenizer.pad_token_id,
-                            torch.device("cpu"), False)
+        seeds = [common.seed_of(seed, "sampling", e) for e in episodes]
+        batch = ppo.rollout(policy, [p_ids] * pool, seeds, args, stop_id, tokenizer.pad_token_id)
         for j, reward in enumerate(rewards):
-            texts = ppo.score(reward, batch, torch.arange(pool), [p] * pool, tokenizer, stop_id, args)
+            texts = ppo.score(reward, batch, [p] * pool, tokenizer, stop_id, args)
             proxy[j, i] = batch.scores.numpy()
         gold[i] = common.gold_rewards([p] * pool, texts)
     return gold, proxy

@@ -1,4 +1,5 @@
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -22,6 +23,17 @@ import common  # noqa: E402
 import ppo  # noqa: E402
 import rm  # noqa: E402
 from families import save_family  # noqa: E402
+
+
+
+@dataclasses.dataclass
+class Args(ppo.Args):
+    """ppo.py's Args, with no held-out evaluation unless a test asks for one (--num_evals). At its default, six
+    evaluations of 256 prompts would cost many times the training of a test's tiny run."""
+    num_evals: int = 0
+
+
+ppo.Args = Args  # also in tests/jobs.py and tests/faults.py, which import this module
 
 # One intra-op thread, as each rank of a subprocess has (OMP_NUM_THREADS=1): tiny models gain nothing from a second,
 # and on busy cores its waits at every parallel region made in-process runs many times slower.

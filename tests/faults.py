@@ -1,7 +1,7 @@
 """`python tests/faults.py rm.py|ppo.py --flags...` (alone or under torchrun): the script's command line, with faults
 set by environment variables: STOP_AFTER_SAVE=N (every rank exits 3 right after step N's checkpoint), TRACE=PATH (each
-rank appends the episodes or pairs of each step to PATH.rank<R>), FULL_DISK_RANK=R (rank R's checkpoint writer fails
-with ENOSPC), FULL_DISK_AT_END=R (rank R's final save_pretrained fails so)."""
+rank appends the sampling seeds of its episodes, or its pairs, of each step to PATH.rank<R>), FULL_DISK_RANK=R (rank
+R's checkpoint writer fails with ENOSPC), FULL_DISK_AT_END=R (rank R's final save_pretrained fails so)."""
 
 import errno
 import json
@@ -12,6 +12,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import conftest  # noqa: E402,F401 (its ppo.Args: no evaluation unless asked)
 import ppo  # noqa: E402
 import rm  # noqa: E402
 
@@ -37,8 +38,8 @@ if "STOP_AFTER_SAVE" in os.environ:
     patch(common, "save_training", stop_after)
 
 if "TRACE" in os.environ:
-    patch(ppo, "rollout", lambda rollout: lambda policy, prompt_ids, episodes, *args: (
-        record(list(episodes)), rollout(policy, prompt_ids, episodes, *args))[1])
+    patch(ppo, "generate", lambda generate: lambda model, query, query_mask, seeds, *args: (
+        record(seeds.tolist()), generate(model, query, query_mask, seeds, *args))[1])
     patch(rm, "train_step", lambda step: lambda model, micro_batches, *args: (
         record([[p["prompt"], p["chosen"], p["rejected"]] for mb in micro_batches for p in mb]),
         step(model, micro_batches, *args))[1])

@@ -12,6 +12,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import conftest  # noqa: E402,F401 (its ppo.Args: no evaluation unless asked)
 import ppo  # noqa: E402
 import rm  # noqa: E402
 

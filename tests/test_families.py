@@ -244,10 +244,10 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
     critic = ppo.critic_from(ppo.Args(critic_init="policy"), policy, reward)
     mine, theirs = critic.base_model.state_dict(), policy.base_model.state_dict()  # the policy's whole backbone
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
-    ppo.score(reward, batch, torch.arange(2), [prompt] * 2, tokenizer, tokenizer.eos_token_id, args)
+    ppo.score(reward, batch, [prompt] * 2, tokenizer, tokenizer.eos_token_id, args)
     scores = batch.scores
     assert torch.allclose(scores, expected, atol=1e-5)
-    ppo.score(reward, batch, torch.arange(2), [prompt] * 2, tokenizer, tokenizer.eos_token_id,
+    ppo.score(reward, batch, [prompt] * 2, tokenizer, tokenizer.eos_token_id,
               ppo.Args(**{**vars(args), "per_device_train_batch_size": 1}))
     assert torch.allclose(batch.scores, scores, atol=1e-6)  # scoring in micro-batches of 1 row changes nothing
     history = ppo.main(ppo.Args(sft_model_path=policy_path, reward_model_path=rm_path, total_episodes=8,

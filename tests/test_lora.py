@@ -244,7 +244,7 @@ def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_re
                         query.shape[1], mask)
     out = []
     for r in (reward, separate):
-        ppo.score(r, batch, torch.arange(6), texts, tokenizer, tokenizer.eos_token_id, args)
+        ppo.score(r, batch, texts, tokenizer, tokenizer.eos_token_id, args)
         out.append(batch.scores)
     assert torch.allclose(out[0], out[1], atol=1e-4), out
     with torch.no_grad():  # with its adapter on, the critic reads otherwise: the switch is what makes them equal
