@@ -49,7 +49,7 @@ class Args:
     dataset_mixer_list: list[str] = field(default_factory=list)  # NAME WEIGHT ...; weight <= 1: fraction, > 1: count
     train_split: str = "train"  # Split to train on
     eval_split: str | None = None  # Split to evaluate on (default: validation, else test, else held-out pairs)
-    eval_holdout: float = 0.1  # Fraction of pairs held out by prompt from a dataset without an eval split
+    eval_holdout: float = 0.1  # Without an eval split, this fraction held out, by whole prompts never trained on
     max_length: int | None = None  # Max tokens of prompt + response (default: 512, or the model's positions if fewer)
     max_prompt_length: int | None = None  # Fewest prompt tokens a cut keeps (default: min(256, 3/4 of --max_length))
     output_dir: str = "runs/rm"  # Folder of the model, tokenizer, metrics.jsonl, eval_results.json and checkpoints
@@ -61,9 +61,10 @@ class Args:
     per_device_train_batch_size: int = 32  # Pairs per device per micro-step
     gradient_accumulation_steps: int = 1  # Micro-steps per optimizer step; global batch = per-device x this x ranks
     per_device_eval_batch_size: int = 32  # Pairs per device per evaluation forward
+    # Learning rate schedule after warm-up
     lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "inverse_sqrt",
                                "constant_with_warmup", "reduce_lr_on_plateau", "cosine_with_min_lr", "greedy",
-                               "cosine_warmup_with_min_lr", "warmup_stable_decay"] = "cosine"  # Schedule after warm-up
+                               "cosine_warmup_with_min_lr", "warmup_stable_decay"] = "cosine"
     lr_end: float = 0.0  # Final learning rate of polynomial, cosine_*min_lr and warmup_stable_decay
     warmup_steps: int = 0  # Linear warm-up steps, overriding --warmup_ratio when above 0
     warmup_ratio: float = 0.05  # Warm-up as a fraction of the total steps
@@ -106,7 +107,7 @@ def reward_model_loss(r_chosen, r_rejected, margin, center_coefficient=0.0):
 
 # --- Conventions shared with ppo.py; tests/test_rm.py checks that they agree. ----------------------------------------
 def truncate_prompt(ids, max_prompt_length, bos_id=None):
-    """Cuts a long prompt to its end, the turn being answered, keeping a leading BOS or [CLS]."""
+    """Cuts a prompt past max_prompt_length to its end, the turn being answered, keeping a leading BOS or [CLS]."""
     if len(ids) <= max_prompt_length:
         return ids
     keep = 1 if bos_id is not None and ids and ids[0] == bos_id else 0
@@ -128,10 +129,10 @@ def truncate_pair(prompt, chosen, rejected, max_length, max_prompt_length, bos_i
 
 
 def last_token_index(mask):
-    """Returns the index of each row's last real token, where its reward is read, in every layout. It is the sequence's
-    EOS, since responses are never cut. The index comes from the mask, not the ids, because a pad id may equal EOS's.
-    transformers' own classifiers look in the ids for the last token that is not a pad. So load_tokenizer gives such a
-    tokenizer a pad token of its own, and the saved model reads the same token there."""
+    """Returns the index of each row's last real token, where its reward is read, in every layout. As responses are
+    never cut, it is the sequence's EOS. The index comes from the mask, not the ids, because a pad id may equal the EOS
+    id. transformers' own classifiers look in the ids for the last token that is not a pad. So load_tokenizer gives
+    such a tokenizer a pad token of its own, and the saved model reads the same token when transformers runs it."""
     return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
 
 
@@ -163,9 +164,9 @@ def disable_dropout(model):
 
 
 def new_head(model, std):
-    """Draws a new head's weights from N(0, std^2); encoders keep their pooled head. The default std, 1/sqrt(hidden +
-    1), makes the first rewards of order 1, as in Ziegler et al. (2019)'s code. Every head computes in float32, since a
-    bfloat16 reward moves in steps of 1/128 of its size."""
+    """Draws a new head's weights from N(0, std^2); encoders keep their pooled head. The default std,
+    1/sqrt(hidden_size + 1), makes the first rewards of order 1, as in Ziegler et al. (2019)'s code. Every head
+    computes in float32, since a bfloat16 reward moves in steps of 1/128 of its size."""
     if hasattr(model, "score"):
         torch.nn.init.normal_(model.score.weight, std=std)
 
@@ -218,13 +219,13 @@ class RewardModel(torch.nn.Module):
 
 def train_step(model, micro_batches, args, pad_id, device):
     """Runs the forward and backward passes of one optimizer step and clips the gradients to --max_grad_norm. Returns
-    the step's mean loss, accuracy and reward gap, and the gradient norm before clipping. Each loss is divided by the
-    number of micro-batches and DDP and FSDP average the ranks', so the gradient is that of the global batch's mean."""
+    the step's mean loss, accuracy and reward gap, and the gradient norm before clipping. Dividing each loss by the
+    number of micro-batches gives the gradient of the mean loss, which DDP and FSDP average over the ranks."""
     stats = dict.fromkeys(("loss", "accuracy", "reward_gap"), 0.0)
     for m, pairs in enumerate(micro_batches):
         inputs = model_inputs(pairs, pad_id, args, device)
         margin = torch.tensor([p["margin"] for p in pairs], device=device)
-        # DDP all-reduces the gradients of the last micro-batch only. FSDP2 has no no_sync and reduces every one's.
+        # DDP all-reduces the summed gradients in the last backward only. FSDP2 has no no_sync and reduce-scatters each.
         sync = m == len(micro_batches) - 1 or not hasattr(model, "no_sync")
         with contextlib.nullcontext() if sync else model.no_sync():
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
@@ -241,8 +242,8 @@ def train_step(model, micro_batches, args, pad_id, device):
 
 @torch.no_grad()
 def evaluate(model, pairs, args, pad_id, device, rank, world):
-    """Returns the pairs' metrics and each pair's (r_chosen, r_rejected). The ranks share the pairs. The
-    model runs in evaluation mode, though dropout is off anyway."""
+    """Returns the pairs' metrics and each pair's (r_chosen, r_rejected). The ranks share the pairs. The model runs in
+    evaluation mode, though dropout is off anyway."""
     training = model.training
     model.eval()
     rewards = all_pair_rewards(model, pairs, args, pad_id, device, rank, world)
@@ -315,11 +316,10 @@ def main(args):
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_batch = micro * accumulation * world
 
-    # 1. The model and the pairs. Every rank holds all the pairs and takes its slice of each batch.
+    # 1. The model and the pairs. A dataset is evaluated on its eval split, else on --eval_holdout held out by prompt.
     tokenizer = load_tokenizer(args.model_name_or_path)
     sharded = args.fsdp and world > 1  # then only rank 0 reads the weights; the others use the meta device
     hf_model, lora, args = load_reward_model(args, tokenizer, rank, on_meta=sharded and rank != 0)
-    # Each dataset is evaluated on its eval split, else on --eval_holdout of its pairs, held out by prompt.
     train, evals, eval_sets = load_data(args, tokenizer, rank)
     steps_per_epoch, total_steps, evals_at = schedule(args, len(train), global_batch, rank)
     if not args.eval_only and common.run_complete(args, total_steps, rank):
@@ -348,7 +348,7 @@ def main(args):
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(
                 common.seed_of(args.seed, "epoch order", epoch))).tolist()
         batch = order[offset * global_batch:(offset + 1) * global_batch]
-        mine = batch[rank * micro * accumulation:(rank + 1) * micro * accumulation]
+        mine = batch[rank * micro * accumulation:(rank + 1) * micro * accumulation]  # this rank's slice
         stats = train_step(model, [[train[i] for i in mine[m * micro:(m + 1) * micro]] for m in range(accumulation)],
                            args, tokenizer.pad_token_id, device)
         if not math.isfinite(stats["grad_norm"]):  # stopping before the step keeps the last checkpoint good
@@ -461,7 +461,7 @@ def load_backbone(args, tokenizer, on_meta=False):
         model, needs_head = loader.from_config(config).to(dtype), True
     else:
         config = without_dropout(common.load_pretrained(transformers.AutoConfig, name, "--model_name_or_path"))
-        # The head is trained if the checkpoint is a classifier, or an adapter folder that holds one, as rm.py saves.
+        # The head comes from the checkpoint if it is a classifier, or an adapter folder that holds one, as rm.py saves.
         adapter = common.adapter_base(name) is not None
         needs_head = not (any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or
                           adapter and common.adapter_holds_head(name))
@@ -563,8 +563,8 @@ def take_share(rows, weight, seed, name="the dataset"):  # a fraction of the row
 
 
 def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
-    """Returns (train, eval), whole prompts drawn by seed held out until they hold `fraction` of the rows. Their pairs
-    in also_trained, other datasets' rows, leave training too. If all rows share one prompt, rows are drawn instead."""
+    """Returns (train, eval). Whole prompts drawn by seed are held out until they hold `fraction` of the rows. Their
+    pairs in also_trained, other datasets' rows, leave training too. If all rows share one prompt, rows are drawn."""
     prompt = lambda row: common.split_pair(row, tokenizer, common.where(row))[0]  # noqa: E731
     keys = [prompt(r) for r in rows]
     keys = keys if len(set(keys)) > 1 else list(range(len(rows)))
@@ -797,7 +797,7 @@ def packed_rewards(hf_model, input_ids, segments):
 def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                       sliding_window=None, rm_segments=None, **kwargs):
     """Runs one SDPA call per block of whole pairs, under its mask. A token sees the earlier tokens of its own sequences
-    within this layer's window, so a rejected token sees the prompt but no chosen one. Gemma 2's softcap is applied."""
+    within this layer's window, so a rejected token sees the prompt but no chosen one. It applies Gemma 2's softcap."""
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise NotImplementedError("attention sinks")
     rm_segments.calls.append(sliding_window)
