@@ -475,7 +475,7 @@ def score(reward, batch, prompt_texts, tokenizer, stop_id, args):
     if args.missing_eos_penalty is not None:
         scores -= args.missing_eos_penalty * (~batch.has_stop[rows]).float()
     batch.scores = all_gather_cat(scores)
-    if args.sft_model_path.startswith("embedded-") and args.dataset_name == "embedded":
+    if args.dataset_name == "embedded":  # the embedded task: its true reward, for the logs
         batch.gold = all_gather_cat(torch.tensor(common.gold_rewards(mine, texts), device=scores.device))
     return all_gather_objects(texts)
 
@@ -633,15 +633,14 @@ def main(args):
     check_args(args)
     rank, world, device = setup_distributed()
     fill_defaults(args, position_limit(args), rank)
+    tokenizer = load_tokenizer(args)
+    stop_id = stop_token_id(args, tokenizer)
+    # The prompts are read before anything is written or loaded, so that a mistake in the data is found in seconds.
+    # No eval prompt is among the training prompts.
+    prompts, eval_prompts = train_and_eval_prompts(args, tokenizer)
     if (sizes := start_up(args, rank, world)) is None:  # The run in --output_dir is finished.
         return None
     batch_size, num_updates = sizes.batch_size, sizes.num_updates
-
-    tokenizer = load_tokenizer(args)
-    stop_id = stop_token_id(args, tokenizer)
-    # The prompts are read before the models, so that a mistake in the data is found in seconds. No eval prompt is
-    # among the training prompts.
-    prompts, eval_prompts = train_and_eval_prompts(args, tokenizer)
     ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 and not args.eval_only else None
     models = build_models(args, tokenizer, device, rank, world)
     policy, critic = models.policy, models.critic
@@ -1682,7 +1681,7 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
                       "gold/std": "gold_std"}.items():
         if xs := [h[key] for h in history if key in h]:
             summary[f"{name}_first"], summary[f"{name}_last"] = (sum(p) / len(p) for p in (xs[:5], xs[-5:]))
-    final = {k.replace("/", "_"): v for k, v in evals[-1].items()} if evals else {}  # the last evaluation
+    final = {k.replace("/", "_") if "/" in k else f"eval_{k}": v for k, v in evals[-1].items()} if evals else {}
     common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
                              {**summary, **final, "args": dataclasses.asdict(args)})
     for log in logs:

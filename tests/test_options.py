@@ -31,7 +31,8 @@ PPO_OPTIONS = OrderedDict(
     advantage_estimator=["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp"], num_samples_per_prompt=[None, 2],
     kl_penalty=["reward", "loss"], loss_aggregation=["token_mean", "sequence_mean", "constant"],
     gradient_checkpointing=[False, True], group_by_length=[False, True], blocked_logits=[False, True],
-    lr_scheduler_type=["linear", "cosine_with_restarts", "polynomial"], compile=[False, True])
+    lr_scheduler_type=["linear", "cosine_with_restarts", "polynomial"], compile=[False, True], num_evals=[0, 2],
+    num_eval_prompts=[3, 7])
 
 RM_OPTIONS = OrderedDict(
     ranks=[1, 2], fsdp=[False, True], bf16=[False, True], lora_r=[0, 4], padding_free=[False, True],
@@ -44,9 +45,11 @@ RM_OPTIONS = OrderedDict(
 def ppo_refused(values):
     """The combinations ppo.py refuses by design: a critic initialised from a reward model that is not there (GAE's
     critic; the other estimators have none, and ignore the critic's options); frozen models held on the host without
-    FSDP's shards to hold; a compiled decode of sharded weights (FSDP's, which offloading needs)."""
+    FSDP's shards to hold; a compiled decode of sharded weights (FSDP's, which offloading needs); reward whitening with an
+    estimator that compares returns within a group."""
     estimator = values.get("advantage_estimator", "gae")
     return (values.get("critic_init") == "reward" and values.get("reward") == "function" and estimator == "gae") or \
+        (values.get("whiten_rewards") and estimator not in ("gae", "reinforce_pp")) or \
         (values.get("offload_inference_models") and not values.get("fsdp", True)) or \
         (values.get("compile") and (values.get("fsdp") or values.get("offload_inference_models")))
 
@@ -185,7 +188,9 @@ def test_every_pair_of_options_runs(key, ran, reward_model_path, sft_folder):
     metrics = read_metrics(out)
     assert metrics and all(math.isfinite(v) for m in metrics for v in m.values() if isinstance(v, float)), metrics
     if key[0] == "ppo.py":
-        assert len(metrics) == ppo_row(PPO_ROWS[key[1]], reward_model_path, sft_folder)[3]
+        evals, row = [m for m in metrics if "eval/score" in m], PPO_ROWS[key[1]]
+        assert len(metrics) - len(evals) == ppo_row(row, reward_model_path, sft_folder)[3]
+        assert bool(evals) == bool(row["num_evals"]) and all(m["eval/prompts"] == row["num_eval_prompts"] for m in evals)
         model = AutoModelForCausalLM.from_pretrained(out)
     else:
         results = json.load(open(os.path.join(out, "eval_results.json")))

@@ -364,7 +364,7 @@ def split_runs(tmp_path_factory, reward_model_path):
     root, jobs = tmp_path_factory.mktemp("split"), []
     for estimator, flags in ESTIMATORS.items():
         base = ["ppo.py", "--reward_model_path", reward_model_path, *TINY, *flags, "--ptx_coef", "0.1",
-                "--ptx_dataset_name", "embedded"]
+                "--ptx_dataset_name", "embedded", "--num_evals", "1", "--num_eval_prompts", "5"]
         run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(root / estimator / "one")])
         jobs += [base + ["--output_dir", str(root / estimator / "ddp")], base + [
             "--fsdp", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--output_dir",
@@ -376,8 +376,13 @@ def split_runs(tmp_path_factory, reward_model_path):
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
 def test_two_process_ddp_and_fsdp_match_one_process(estimator, split_runs):
     tmp_path = split_runs / estimator
-    runs = {k: read_metrics(tmp_path / k) for k in ("one", "ddp", "fsdp")}
-    assert len(runs["one"]) == 4
+    runs = {k: [m for m in read_metrics(tmp_path / k) if "eval/score" not in m] for k in ("one", "ddp", "fsdp")}
+    evals = {k: [m for m in read_metrics(tmp_path / k) if "eval/score" in m] for k in ("one", "ddp", "fsdp")}
+    assert len(runs["one"]) == 4 and [m["step"] for m in evals["one"]] == [0, 4]
+    for key in ("eval/score", "eval/gold", "eval/kl", "eval/length", "eval/score_se"):  # the held-out evaluation too
+        whole = [m[key] for m in evals["one"]]
+        for k in ("ddp", "fsdp"):
+            assert np.allclose([m[key] for m in evals[k]], whole, atol=1e-5, rtol=1e-5), (key, k, evals[k], whole)
     critic = ("loss/value",) if estimator == "gae" else ("loss/kl",)
     assert all((k in runs["one"][0]) == (estimator == "gae") for k in ("loss/value", "val/mean", "val/clipfrac"))
     for key in ("objective/scores", "objective/kl", "gold/mean", "loss/policy", "loss/ptx", "policy/entropy",

@@ -1,0 +1,151 @@
+"""ppo.py's held-out evaluation: which prompts it reads, that it measures the policy alone (the same policy twice, and
+--eval_only of the initial policy, give the same numbers), that a resumed run ends with the same evaluations, and that
+bad evaluation options are refused in one line. 2 ranks against 1: test_ppo.py's split runs and test_lora.py."""
+
+import json
+import os
+
+import pytest
+from conftest import read_metrics, run_main, write_jsonl
+
+import common
+import ppo
+
+TINY = dict(reward_fn="common:gold_rewards", total_episodes=32, per_device_train_batch_size=4, num_mini_batches=2,
+            num_ppo_epochs=1, response_length=8, num_evals=2, num_eval_prompts=10)
+
+
+def evaluations(output_dir):
+    return [m for m in read_metrics(output_dir) if "eval/score" in m]
+
+
+def repeated_prompt_rows(n=120, distinct=12):
+    """Preference rows in which each of `distinct` prompts repeats in many rows, as in HH-RLHF."""
+    rows = common.embedded_pairs(n, seed=7)
+    prompts = sorted({r["prompt"] for r in rows})[:distinct]
+    return [dict(r, prompt=prompts[i % len(prompts)]) for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize("data", ["embedded", "repeated"])
+def test_no_eval_prompt_is_trained_on(data, tmp_path, monkeypatch):
+    """Over a whole run, the prompts of every training episode and of every evaluation share no text: a prompt held
+    out is held out in every row that repeats it."""
+    dataset = "embedded" if data == "embedded" else write_jsonl(tmp_path / "pairs.jsonl", repeated_prompt_rows())
+    seen = {"train": set(), "eval": set()}
+    real_score, real_evaluate, phase = ppo.score, ppo.evaluate, ["train"]
+
+    def spy_score(reward, batch, prompt_texts, *args, **kwargs):
+        seen[phase[0]].update(prompt_texts[:len(batch.mask)])
+        return real_score(reward, batch, prompt_texts, *args, **kwargs)
+
+    def spy_evaluate(*args, **kwargs):
+        phase[0] = "eval"
+        try:
+            return real_evaluate(*args, **kwargs)
+        finally:
+            phase[0] = "train"
+    monkeypatch.setattr(ppo, "score", spy_score)
+    monkeypatch.setattr(ppo, "evaluate", spy_evaluate)
+    args = dict(TINY, dataset_name=dataset, total_episodes=96, num_eval_prompts=40)
+    ppo.main(ppo.Args(**args, output_dir=str(tmp_path / "out")))
+    assert seen["train"] and seen["eval"] and not seen["train"] & seen["eval"]
+    train, evals = ppo.train_and_eval_prompts(ppo.Args(**args, max_prompt_length=64), ppo.load_tokenizer(ppo.Args()))
+    assert seen["eval"] == set(evals.texts) and not set(train.texts) & set(evals.texts)
+    assert len(evaluations(tmp_path / "out")) == 3  # before the first update, then --num_evals 2
+
+
+def test_the_first_evaluation_is_eval_only_of_the_initial_policy_and_the_same_policy_scores_the_same(tmp_path,
+                                                                                                   reward_model_path):
+    """The evaluation before the first update equals --eval_only of the initial policy, number for number and row for
+    row; --eval_only of the trained policy twice gives identical numbers, its KL read against the run's own initial
+    policy (from its ppo_results.json), and it equals the run's last evaluation."""
+    args = dict(TINY, reward_fn=None, reward_model_path=reward_model_path)
+    ppo.main(ppo.Args(**args, output_dir=str(tmp_path / "run")))
+    first, last = evaluations(tmp_path / "run")[0], evaluations(tmp_path / "run")[-1]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "eval_samples.jsonl")]
+    ppo.main(ppo.Args(**args, eval_only=True, output_dir=str(tmp_path / "initial")))
+    initial = json.load(open(tmp_path / "initial" / "eval_results.json"))
+    assert {k: v for k, v in first.items() if k.startswith("eval/")} == \
+        {k: v for k, v in initial.items() if k.startswith("eval/")}
+    assert [json.loads(line) for line in open(tmp_path / "initial" / "eval_samples.jsonl")] == \
+        [r for r in rows if r["step"] == 0]
+    trained = []
+    for i in range(2):
+        ppo.main(ppo.Args(**args, eval_only=True, sft_model_path=str(tmp_path / "run"),
+                          output_dir=str(tmp_path / f"trained{i}")))
+        trained.append(json.load(open(tmp_path / f"trained{i}" / "eval_results.json")))
+    metrics = lambda r: {k: v for k, v in r.items() if k.startswith("eval/")}  # noqa: E731
+    assert metrics(trained[0]) == metrics(trained[1]) and trained[0]["reference"] == "embedded-llama"
+    assert metrics(trained[0]) == pytest.approx({k: v for k, v in last.items() if k.startswith("eval/")}, abs=1e-4)
+    assert last["eval/kl"] > 0 and first["eval/kl"] == 0.0
+    results = json.load(open(tmp_path / "run" / "ppo_results.json"))
+    assert results["eval_score"] == last["eval/score"] and results["eval_step"] == last["step"]
+
+
+def test_a_run_stopped_during_or_after_an_evaluation_resumes_to_the_same_evaluations(tmp_path, monkeypatch):
+    """A run killed right after the checkpoint that follows an evaluation, and one killed inside an evaluation, each
+    resumed, end with the uninterrupted run's metrics, evaluations and eval_samples.jsonl."""
+    args = dict(TINY, total_episodes=64, num_evals=4, save_steps=2)  # 8 updates: evaluations after 0, 2, 4, 6, 8
+    ppo.main(ppo.Args(**args, output_dir=str(tmp_path / "full")))
+    real_save, real_evaluate, calls = common.commit_checkpoint, ppo.evaluate, []
+
+    def save_then_crash(root, name, state, keep=2):
+        real_save(root, name, state, keep)
+        if state["step"] == 4:
+            raise KeyboardInterrupt
+
+    def evaluate_then_crash(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:  # the evaluation after update 6, after the checkpoint of update 6
+            raise KeyboardInterrupt
+        return real_evaluate(*a, **k)
+    for cut, (owner, name, crash) in {"after": (common, "commit_checkpoint", save_then_crash),
+                                      "during": (ppo, "evaluate", evaluate_then_crash)}.items():
+        with monkeypatch.context() as patch:
+            patch.setattr(owner, name, crash)
+            with pytest.raises(KeyboardInterrupt):
+                ppo.main(ppo.Args(**args, output_dir=str(tmp_path / cut)))
+        ppo.main(ppo.Args(**args, resume=True, output_dir=str(tmp_path / cut)))
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
+                        for m in ms]
+    full = strip(read_metrics(tmp_path / "full"))
+    assert [m["step"] for m in full if "eval/score" in m] == [0, 2, 4, 6, 8]
+    for cut in ("after", "during"):
+        assert strip(read_metrics(tmp_path / cut)) == full, cut
+        for name in ("eval_samples.jsonl", "samples.jsonl"):
+            assert open(tmp_path / cut / name).read() == open(tmp_path / "full" / name).read(), (cut, name)
+
+
+def test_a_run_without_evaluations_trains_as_one_with_them(tmp_path):
+    """Evaluation reads the policy and changes nothing of training: --num_evals 0 and 2 log the same updates."""
+    for n in (0, 2):
+        ppo.main(ppo.Args(**dict(TINY, num_evals=n), output_dir=str(tmp_path / str(n))))
+    runs = [[{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))} for m in read_metrics(tmp_path / n)
+             if "eval/score" not in m] for n in ("0", "2")]
+    assert runs[0] == runs[1] and len(runs[0]) == 4
+
+
+@pytest.mark.parametrize("data,flags,expected", [
+    ("pairs", ["--eval_split", "validation"], "pairs.jsonl: no split 'validation' (--eval_split); its splits: train"),
+    ("pairs", ["--eval_split", "train"], "--eval_split train is the training split"),
+    ("pairs", ["--eval_holdout", "0"], "--eval_holdout 0.0: must be a fraction within (0, 1)"),
+    ("pairs", ["--eval_holdout", "1.5"], "--eval_holdout 1.5: must be a fraction within (0, 1)"),
+    ("pairs", ["--num_eval_prompts", "0"], "--num_eval_prompts 0: must be at least 1"),
+    ("pairs", ["--num_evals", "-1"], "--num_evals -1: must be a finite number >= 0"),
+    ("one prompt", [], "every training prompt is an eval prompt"),
+    ("empty eval split", ["--eval_split", "validation"], "split 'validation' has no prompt to evaluate on"),
+])
+def test_bad_evaluation_options_are_one_line_errors_with_nothing_written(tmp_path, data, flags, expected):
+    rows = repeated_prompt_rows(40, distinct=1 if data == "one prompt" else 8)
+    if data == "empty eval split":
+        path = tmp_path / "data"
+        os.makedirs(path)
+        write_jsonl(path / "train.jsonl", rows)
+        (path / "validation.jsonl").write_text("")
+    else:
+        path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "out"
+    proc = run_main(["ppo.py", "--reward_fn", "common:gold_rewards", "--dataset_name", str(path), "--output_dir",
+                     str(out), *flags], check=False)
+    assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
