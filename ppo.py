@@ -10,31 +10,26 @@
 
 Each update hands one Rollout batch through the phases of main():
   1. rollout: sample a response to each prompt, K per prompt, token by token with a KV cache.
-  2. log-probs and values: each response token's log-prob under the policy (the ratio's "old") and the reference,
-     and the critic's value of each state.
+  2. log-probs and values: each response token's log-prob under the policy and the reference, and the critic's values.
   3. score: the reward of each response, read at its last real token.
   4. advantages: a reward of -kl_coef * KL at each token, plus the score at the last one; then GAE, whitened.
-  5. learn: num_ppo_epochs passes of the clipped policy loss and clipped value loss over shuffled mini-batches.
-  6. adapt kl_coef, log and checkpoint.
-evaluate() scores the policy on held-out prompts before the first update and --num_evals times during training.
+  5. learn: num_ppo_epochs passes of the clipped policy and value losses over shuffled mini-batches.
+  6. adapt kl_coef, log, evaluate on held-out prompts when scheduled, and checkpoint.
 
-The models, and what the options change:
-  policy     trained. With LoRA, an adapter on the initial policy.
-  reference  a frozen copy of the initial policy. With LoRA, the policy with its adapter off.
-  reward     a frozen reward model, a function (--reward_fn), or both added.
-  critic     trained, GAE only. By default a copy of the reward model, its output normalized as the reward is.
-             With --critic_init policy, or when the reward model reads other tokens, the policy's network with a new
-             head. With LoRA, an adapter on that network; a critic from the reward model, with its adapter off, is
-             then the reward model, and no second copy is held.
+The models. Each column says what an option changes; a dash means nothing.
+             default                      --critic_init policy   LoRA (--lora_r)                  --reward_fn
+  policy     the initial policy, trained  -                      an adapter on it, trained        -
+  reference  a frozen copy of the policy  -                      the policy with its adapter off  -
+  reward     the frozen reward model      -                      the critic with its adapter off  the function, added
+                                                                 if it is the reward model        to any model
+  critic     the reward model, trained,   the policy's network   an adapter on the critic's       the policy's network
+             its output normalized        and a new head         network, trained                 without a model
 Sampling and every log-prob use logits / --temperature, with no top-k or top-p. Trained weights and optimizer state
 are float32. --bf16 autocasts the transformer blocks; the output layer, log-softmax, values and rewards stay float32.
 
 Schulman et al. 2017 (PPO); Ziegler et al. 2019 and Stiennon et al. 2020 (PPO for language); Huang et al. 2024, "The
-N implementation details of RLHF with PPO". Also here: critic-free advantages, the KL in the loss, PPO-ptx, LoRA and
-FSDP2. README.md lists what is left out.
-
-The method ends at the FENCE after main(). Below it are the pieces a reader may trust by their docstrings, then the
-opt-in speed paths.
+N implementation details of RLHF with PPO". README.md lists what is left out. The method ends at the FENCE after
+main(). Below it are the pieces a reader may trust by their docstrings, then the opt-in speed paths.
 """
 
 import contextlib
@@ -69,8 +64,8 @@ import common
 @dataclass
 class Args:
     """Train a language model with PPO against a reward model or a reward function (RLHF)."""
-    # --- the method. gae needs a critic (Schulman et al. 2016). The others need none: rloo (Ahmadian et al. 2024),
-    # grpo (Shao et al. 2024) and reinforce_pp (Hu 2025).
+    # --- the method. gae needs a critic (Schulman et al. 2016); rloo (Ahmadian et al. 2024), grpo (Shao et al. 2024)
+    # and reinforce_pp (Hu 2025) need none.
     advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = "gae"  # How advantages are estimated
     num_samples_per_prompt: int | None = None  # Responses per prompt in a batch (default: 4 for rloo and grpo, else 1)
     scale_rewards: bool = True  # grpo: divide by the std of the prompt's returns; --no_scale_rewards is Dr. GRPO
@@ -91,17 +86,17 @@ class Args:
     vf_coef: float = 0.1  # Weight of the value loss
     ent_coef: float = 0.0  # Weight of the entropy bonus
     whiten_rewards: bool = False  # Whiten the per-token rewards, keeping their mean (gae and reinforce_pp)
-    missing_eos_penalty: float | None = None  # Subtracted from the score of a response that never stops
+    missing_eos_penalty: float | None = None  # Subtracted from a response's score if it never stops (default: none)
     ptx_coef: float = 0.0  # Weight of a language-modelling loss on --ptx_dataset_name (PPO-ptx, Ouyang et al. 2022)
     ptx_dataset_name: str | None = None  # Text for the ptx loss: a dataset with a `text` column, or `embedded`
     # --- models and data
     sft_model_path: str = "embedded-llama"  # The initial policy: a causal LM, a peft adapter, or embedded-llama/-neox
     reward_model_path: str | None = None  # rm.py's reward model or any sequence classifier (default: runs/rm)
-    reward_fn: str | None = None  # A rule `module:function`, fn(prompts, responses) -> scores, added to the reward
+    reward_fn: str | None = None  # A rule `module:function`, fn(prompts, responses) -> scores (default: none)
     # auto takes the reward model where it reads the policy's tokens, else the policy with a new head.
     critic_init: Literal["auto", "reward", "policy"] = "auto"  # The critic's start
     dataset_name: str = "embedded"  # Prompts: a hub name, a .jsonl/.json/.parquet/.csv(.gz) file, or `embedded`
-    dataset_config: str | None = None  # Hub dataset configuration
+    dataset_config: str | None = None  # Hub dataset configuration (default: none)
     dataset_train_split: str = "train"  # Split to take training prompts from
     max_prompt_length: int | None = None  # Longer prompts keep their end and BOS (default: 256, or what fits)
     output_dir: str = "runs/ppo"  # Policy, metrics.jsonl, samples, curves.png and checkpoints
@@ -111,8 +106,7 @@ class Args:
     num_eval_prompts: int = 256  # Eval prompts, a subset drawn by seed and the same at every evaluation
     num_evals: int = 5  # Evaluations spread over training, the last at its end, after one before it; 0: none
     eval_only: bool = False  # Evaluate --sft_model_path on the eval prompts and train nothing
-    # --- sizes. A rollout batch is per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x
-    # the number of processes.
+    # --- sizes. A rollout batch is micro-batch x gradient_accumulation_steps x num_mini_batches x processes.
     total_episodes: int = 12288  # Episodes (prompt and response) in all
     per_device_train_batch_size: int = 16  # Episodes per process in one forward and backward pass
     gradient_accumulation_steps: int = 1  # Micro-batches per optimizer step
@@ -122,8 +116,9 @@ class Args:
     learning_rate: float | None = None  # AdamW learning rate (default: 3e-4 for the embedded models, else 3e-6)
     critic_learning_rate: float | None = None  # The critic's learning rate (default: the policy's)
     weight_decay: float = 0.0  # AdamW weight decay
+    # The learning-rate schedule over the updates, with no warm-up
     lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-                               "constant_with_warmup", "inverse_sqrt"] = "linear"  # Schedule over updates, no warm-up
+                               "constant_with_warmup", "inverse_sqrt"] = "linear"
     # One clip for both models gives the same gold score at equal KL (benchmarks/README.md, Gradient clipping).
     max_grad_norm: float = 1.0  # Clip the gradient norm of policy and critic together; 0: no clipping
     seed: int = 1  # Seed of the data order, the hold-out and sampling
@@ -144,7 +139,7 @@ class Args:
     track: bool = False  # Log to Weights & Biases
     tensorboard: bool = False  # Also write TensorBoard events to --output_dir/tensorboard
     wandb_project: str = "rlhf-ppo"  # Weights & Biases project
-    run_name: str | None = None  # Weights & Biases run name
+    run_name: str | None = None  # Weights & Biases run name (default: its own)
     fsdp: bool = False  # Shard every model per transformer block with FSDP2 (default: DDP and replicated frozen models)
     offload_inference_models: bool = False  # With --fsdp on GPUs, keep frozen models' shards in host memory
     gradient_checkpointing: bool = False  # Recompute the policy's and critic's activations in the backward pass
@@ -156,10 +151,8 @@ class Args:
 
 
 def fill_defaults(args, position_limit, rank=0):
-    """Fills the defaults that depend on another option or on the model, and prints them.
-
-    The number of responses per prompt, the KL estimator, the learning rates and --max_prompt_length are filled here
-    only. ppo_results.json saves them with the run."""
+    """Fills the defaults that depend on another option or on the model, and prints them: responses per prompt, the
+    KL estimator, the learning rates and --max_prompt_length. ppo_results.json saves them with the run."""
     given = {k: v for k, v in vars(args).items() if v is not None}
     group = args.advantage_estimator in ("rloo", "grpo")  # A group baseline needs K > 1.
     args.num_samples_per_prompt = args.num_samples_per_prompt or (4 if group else 1)
@@ -181,9 +174,8 @@ def masked_mean(x, mask):
 
 
 def masked_whiten(x, mask, shift_mean=True):
-    """Returns (x - mean) / std over the real tokens, with the unbiased variance.
-
-    shift_mean=False adds the mean back, which is how rewards are whitened."""
+    """Returns (x - mean) / std over the real tokens, with the unbiased variance. shift_mean=False adds the mean back,
+    which is how rewards are whitened."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask) * mask.sum() / (mask.sum() - 1).clamp(min=1)
     out = (x - mean) * torch.rsqrt(var + 1e-8)
@@ -216,9 +208,8 @@ def gae(rewards, values, mask, gamma, lam):
 
 
 def rloo_advantages(returns, k):
-    """RLOO (Ahmadian et al. 2024): each return minus the mean of its prompt's other k - 1 returns.
-
-    A prompt's k episodes are consecutive rows."""
+    """RLOO (Ahmadian et al. 2024): each return minus the mean of its prompt's other k - 1 returns. A prompt's k
+    episodes are consecutive rows."""
     group = returns.view(-1, k)
     return (group - (group.sum(1, keepdim=True) - group) / (k - 1)).flatten()
 
@@ -260,15 +251,14 @@ def value_loss(values, old_values, returns, cliprange_value):
 
 
 def adaptive_kl_coef(kl_coef, kl, target, horizon, n_episodes):
-    """Moves kl_coef by the error kl / target - 1, clipped to 20%, at rate n_episodes / horizon (Ziegler 2019, eq. 2)."""
+    """Moves kl_coef by the error kl / target - 1, clipped to 20%, at rate n_episodes / horizon (Ziegler, eq. 2)."""
     error = min(max(kl / target - 1, -0.2), 0.2)
     return kl_coef * (1 + error * n_episodes / horizon)
 
 
 def truncate_after_stop(responses, stop_id, pad_id):
-    """Turns the tokens after the first stop token into padding; returns them and the mask of real tokens.
-
-    The stop token itself is a real token."""
+    """Turns the tokens after the first stop token into padding, and returns them and the mask of real tokens. The
+    stop token itself is a real token."""
     if stop_id is None:
         return responses, torch.ones_like(responses, dtype=torch.bool)
     is_stop = responses == stop_id
@@ -281,10 +271,9 @@ def response_logprobs(model, query_response, attention_mask, context_length, tem
     """Returns each response token's log-prob at the sampling temperature, and optionally each position's entropy.
 
     Every phase reads log-probs here: the old ones, the reference's, learning's and the ptx loss's. Position t
-    predicts token t + 1. The model's logits are float32 (output_layer_in_float32) and are computed only at the
-    positions that predict a response token. They are divided by the temperature and go through a float32
-    log-softmax. entropy_grad=False computes the entropy without a graph. --blocked_logits gives the same numbers in
-    memory bounded whatever the vocabulary."""
+    predicts token t + 1. The logits are float32 (output_layer_in_float32), computed only where a response token is
+    predicted, divided by the temperature and normalized by a float32 log-softmax. --blocked_logits gives the same
+    numbers in memory bounded whatever the vocabulary."""
     predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 to T - 1
     keep = {"logits_to_keep": predicting} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     # Position ids count real tokens only, so that left padding changes nothing.
@@ -303,9 +292,8 @@ def response_logprobs(model, query_response, attention_mask, context_length, tem
 # --- The method's conventions. rm.py states the same ones, and tests/test_rm.py checks that they agree. Dropout is off
 # in every model (disable_dropout, below the fence), so that rollout, scoring and learning read one network. ----------
 def truncate_prompt(ids, max_prompt_length, bos_id=None):
-    """Cuts a prompt longer than max_prompt_length, keeping its end and its leading BOS or [CLS] token.
-
-    The end is the turn being answered."""
+    """Cuts a prompt longer than max_prompt_length, keeping its end, the turn being answered, and its leading BOS or
+    [CLS] token."""
     if len(ids) <= max_prompt_length:
         return ids
     keep = 1 if bos_id is not None and ids and ids[0] == bos_id else 0
@@ -410,23 +398,6 @@ def sample_tokens(logits, seeds, step):
     target = episode_uniform(seeds, step).to(cdf.device)[:, None] * cdf[:, -1:]  # below the total, as u < 1
     # A token of probability 0 is never drawn. The clamp guards the last index against rounding.
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
-
-
-class Critic(torch.nn.Module):
-    """Returns the value of each state: a sequence classifier's scalar head at every position, minus an offset.
-
-    A critic from the reward model has rm.py's normalization built in. Its head is divided by the reward's scale and
-    its offset is shift / scale, so each prefix's value starts as that prefix's normalized score. A critic from the
-    policy has the policy's network and a new head, initialized as rm.py's. critic_from builds both."""
-
-    def __init__(self, hf_model, offset=0.0):
-        super().__init__()
-        self.hf, self.offset = hf_model, offset
-
-    def forward(self, input_ids, attention_mask):
-        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                    position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
-        return self.hf.score(hidden).squeeze(-1).float() - self.offset
 
 
 @torch.no_grad()
@@ -608,8 +579,9 @@ def evaluate(models, prompts, args, tokenizer, stop_id):
     Each prompt has its own random stream, the same at every evaluation. Two evaluations then differ only by the
     policy, and their difference is a paired comparison. The prompts go through phases 1 to 3 in rollout batches.
     Returns each measure's mean over prompts with its standard error, and one row per prompt for eval_samples.jsonl."""
-    measures, rows = {"score": [], "gold": [], "kl": [], "length": [], "stop_rate": []}, []
-    models.policy.eval()
+    rows, start = [], time.time()
+    for model in (m for m in (models.policy, models.critic) if m is not None):  # as sampling in training
+        model.eval()
     for chunk in eval_batches(prompts, args):
         seeds = [common.seed_of(args.seed, "evaluation", i) for i in chunk.index]
         batch = rollout(models.policy, chunk.ids, seeds, args, stop_id, tokenizer.pad_token_id)
@@ -617,16 +589,13 @@ def evaluate(models, prompts, args, tokenizer, stop_id):
             logprobs_and_values(models.policy, models.reference, None, batch, args, 0, models.reference_mode)
         with resharded([models.reward.model]):
             texts = score(models.reward, batch, chunk.texts, tokenizer, stop_id, args)
-        kl = (kl_per_token(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * batch.mask).sum(1)
-        n = chunk.real  # The rows after the first n repeat a prompt to fill the batch.
-        new = {"score": batch.scores, "gold": batch.gold, "kl": kl, "length": batch.mask.sum(1),
-               "stop_rate": batch.has_stop}
-        new = {k: v[:n].float().tolist() for k, v in new.items() if v is not None}
-        for name, values in new.items():
-            measures[name] += values
-        rows += [{"prompt": chunk.texts[i], "response": texts[i], **{k: new[k][i] for k in ("score", "gold", "kl")
-                                                                      if k in new}} for i in range(n)]
-    return mean_and_standard_error(measures, prefix="eval/"), rows
+        measured = {"score": batch.scores, "gold": batch.gold, "length": batch.mask.sum(1), "stop_rate": batch.has_stop,
+                    "kl": (kl_per_token(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * batch.mask).sum(1)}
+        rows += [{"prompt": chunk.texts[i], "response": texts[i], **{k: float(v[i]) for k, v in measured.items()
+                                                                      if v is not None}}
+                 for i in range(chunk.real)]  # The rows after chunk.real repeat a prompt to fill the batch.
+    measures = mean_and_standard_error(rows, ("score", "gold", "kl", "length", "stop_rate"), "eval/")
+    return {**measures, "perf/time_eval": time.time() - start}, rows
 
 
 def main(args):
@@ -635,8 +604,7 @@ def main(args):
     fill_defaults(args, position_limit(args), rank)
     tokenizer = load_tokenizer(args)
     stop_id = stop_token_id(args, tokenizer)
-    # The prompts are read before anything is written or loaded, so that a mistake in the data is found in seconds.
-    # No eval prompt is among the training prompts.
+    # The prompts are read before anything is written or loaded, so that a mistake in the data shows in seconds.
     prompts, eval_prompts = train_and_eval_prompts(args, tokenizer)
     if (sizes := start_up(args, rank, world)) is None:  # The run in --output_dir is finished.
         return None
@@ -941,7 +909,7 @@ def build_models(args, tokenizer, device, rank, world):
     critic_hf = critic_init and critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
     offset = reward.model.shift / reward.model.scale if critic_init == "reward" else 0.0
     lora = None
-    if args.lora_r and not args.eval_only:  # the frozen bases may be held in bfloat16; adapters and value head train in float32
+    if args.lora_r and not args.eval_only:  # frozen bases may be bfloat16; adapters and value head train in float32
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         lora = common.add_lora(policy_hf.to(dtype), args, "CAUSAL_LM")
         if critic_hf is not None:  # (its head float32: the trained copy peft makes of it, and the reward model's)
@@ -961,6 +929,9 @@ def build_models(args, tokenizer, device, rank, world):
     critic = None if critic_hf is None else parallelize(Critic(critic_hf, offset), args, device)
     if shared:
         reward.model = functools.partial(critic_as_reward, critic, critic_lora.disable_adapter)
+        if collective(args):  # FSDP sets its units up at the first forward, which must see the adapter on: off,
+            with torch.no_grad(), resharded([critic]):  # peft marks the head's trained copy frozen
+                critic(*[torch.ones(1, 2, dtype=torch.long, device=device)] * 2)
     if rank == 0:
         n_trained = sum(p.numel() for m in (policy, critic) if m is not None for p in m.parameters() if p.requires_grad)
         path = reward_model_source(args)  # (None: no reward model)
@@ -1118,6 +1089,23 @@ def critic_from(args, policy, reward):
     if critic.score.bias is not None:
         torch.nn.init.zeros_(critic.score.bias)
     return common.scalar_head_in_float32(critic)
+
+
+class Critic(torch.nn.Module):
+    """Returns the value of each state: a sequence classifier's scalar head at every position, minus an offset.
+
+    A critic from the reward model has rm.py's normalization built in. Its head is divided by the reward's scale and
+    its offset is shift / scale, so each prefix's value starts as that prefix's normalized score. A critic from the
+    policy has the policy's network and a new head, initialized as rm.py's. critic_from builds both."""
+
+    def __init__(self, hf_model, offset=0.0):
+        super().__init__()
+        self.hf, self.offset = hf_model, offset
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                    position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+        return self.hf.score(hidden).squeeze(-1).float() - self.offset
 
 
 class SequenceReward(torch.nn.Module):
@@ -1284,14 +1272,18 @@ def eval_batches(prompts, args):
 
 
 def eval_schedule(num_evals, num_updates):
-    """The updates after which evaluate() runs: 0, before the first, and num_evals spread evenly, the last at the end."""
+    """The updates after which evaluate() runs: 0, before the first, and num_evals spread evenly, the last at the
+    end."""
     return {0} | {math.ceil(k * num_updates / num_evals) for k in range(1, num_evals + 1)} if num_evals else set()
 
 
-def mean_and_standard_error(measures, prefix):
-    """Each list's mean, and its standard error as NAME_se (the sample std over sqrt(n)), each key prefixed."""
-    out = {f"{prefix}prompts": len(measures["score"])}
-    for name, values in ((k, torch.tensor(v, dtype=torch.float64)) for k, v in measures.items() if v):
+def mean_and_standard_error(rows, names, prefix):
+    """Each named measure's mean over the rows that have it, and its standard error as NAME_se: the sample standard
+    deviation over sqrt(n). Each key is prefixed."""
+    out = {f"{prefix}prompts": len(rows)}
+    for name, values in ((k, torch.tensor([r[k] for r in rows if k in r], dtype=torch.float64)) for k in names):
+        if not len(values):
+            continue
         se = values.std() / len(values) ** 0.5 if len(values) > 1 else torch.tensor(0.0)
         out[f"{prefix}{name}"], out[f"{prefix}{name}_se"] = values.mean().item(), se.item()
     return out
@@ -1365,12 +1357,6 @@ def entropy_of(logp_all):
     if torch.is_grad_enabled():
         return -(p * logp_all.clamp(min=-1e4)).sum(-1)
     return torch.special.entr(p, out=p).sum(-1)
-
-
-@dataclass
-class OptimizerStep:  # one mini-batch of a PPO epoch, as this rank runs it
-    rows: torch.Tensor  # the mini-batch's rows (every rank's)
-    forwards: list  # this rank's MicroBatches: its rows of each of the step's gradient_accumulation_steps
 
 
 def language_modelling_loss(policy, seqs, pad_id, n_tokens, device, blocked=False):
@@ -1596,8 +1582,9 @@ def resharded(models):
 def open_logs(args, rank, saved):
     """Rank 0's metrics logger, samples.jsonl and eval_samples.jsonl. On resume each continues after the
     checkpoint's update, `saved`."""
-    return None if rank != 0 else (common.Logger(args, args.wandb_project, saved), *(
-        common.open_log(os.path.join(args.output_dir, name), saved) for name in ("samples.jsonl", "eval_samples.jsonl")))
+    files = ("samples.jsonl", "eval_samples.jsonl")
+    return None if rank != 0 else (common.Logger(args, args.wandb_project, saved),
+                                   *(common.open_log(os.path.join(args.output_dir, f), saved) for f in files))
 
 
 def log_update(logs, bar, m, last, args, tokenizer, batch):

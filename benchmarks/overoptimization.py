@@ -15,9 +15,12 @@ their order; of the initial policy and of every sample):
      proxy score, the i-th lowest (1-based) is the best of n with probability C(i-1, n-1) / C(N, n) (the paper's
      unbiased estimator). Its KL to the initial policy is log n - (n-1)/n.
   3. RL: `ppo.py` against each reward model, and against the gold reward itself (the ceiling), with no KL penalty
-     (as the paper's main runs: the KL travelled is the x axis); every 4 updates (128 episodes) one point: the mean
-     gold score, the mean proxy score and d = sqrt(mean KL to the initial policy). ppo.py's defaults otherwise (a
+     (as the paper's main runs: the KL travelled is the x axis). Every 4 updates (128 episodes), ppo.py's held-out
+     evaluation gives one point, as Gao et al. measure it: on prompts never trained on, the mean gold score, the mean
+     proxy score and d = sqrt(mean KL to the initial policy), from the same responses. ppo.py's defaults otherwise (a
      smaller learning rate spread the rise over more points but fitted the RL form worse: benchmarks/README.md).
+     The KL penalty (the paper's sec. 3.6): the same runs against one reward model with --kl_coef above 0, their gold
+     against d beside the run with no penalty (overoptimization_kl.png).
   4. Fits, per reward model, of the gold score relative to the initial policy's: R_bon(d) = d (alpha - beta d) and
      R_RL(d) = d (alpha - beta log d), least squares through the origin on the mean curve over seeds (the mean d and
      score at each n, or after each update), with R^2 and the peak (d* = alpha / 2 beta, height alpha^2 / 4 beta;
@@ -40,8 +43,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
-FULL = dict(sizes=[125, 500, 2000, 8000], seeds=[1, 2, 3, 4], pool=512, max_n=256, episodes=4096)
-QUICK = dict(sizes=[125, 2000], seeds=[1], pool=64, max_n=32, episodes=2048)
+# kl_coefs: the KL-penalty runs, against the reward model of kl_pairs pairs, beside its run with no penalty.
+FULL = dict(sizes=[125, 500, 2000, 8000], seeds=[1, 2, 3, 4], pool=512, max_n=256, episodes=4096, eval_prompts=128,
+            kl_coefs=[0.03, 0.1], kl_pairs=2000)
+QUICK = dict(sizes=[125, 2000], seeds=[1], pool=64, max_n=32, episodes=2048, eval_prompts=64, kl_coefs=[0.1],
+             kl_pairs=2000)
 UPDATES_PER_POINT = 4
 COLORS = ["tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple"]
 
@@ -92,22 +98,19 @@ def best_of_n(proxy, values, n):
     return float((np.take_along_axis(values, order, 1) @ weight).mean())
 
 
-def rl_run(seed, episodes, out, rm_dir=None):
-    """ppo.py against a reward model (or the gold reward, rm_dir None) with no KL penalty: one point per
-    UPDATES_PER_POINT updates, (d, mean gold score, mean proxy score)."""
+def rl_run(seed, episodes, out, rm_dir=None, kl_coef=0.0, eval_prompts=256):
+    """ppo.py against a reward model (or the gold reward, rm_dir None): one point per UPDATES_PER_POINT updates, and
+    one before the first, from its held-out evaluations: (d, mean gold score, mean proxy score)."""
     import ppo
 
     reward = dict(reward_model_path=rm_dir) if rm_dir else dict(reward_fn="common:gold_rewards")
-    args = ppo.Args(**reward, seed=seed, kl_coef=0.0, total_episodes=episodes, output_dir=out, sample_every=10 ** 9,
-                    overwrite_output_dir=True)
+    updates = episodes // (ppo.Args.per_device_train_batch_size * ppo.Args.num_mini_batches)
+    args = ppo.Args(**reward, seed=seed, kl_coef=kl_coef, total_episodes=episodes, output_dir=out,
+                    sample_every=10 ** 9, overwrite_output_dir=True, num_evals=updates // UPDATES_PER_POINT,
+                    num_eval_prompts=eval_prompts)
     history = common.exit_on_user_error(ppo.main, args)
-    points = []
-    for k in range(0, len(history) - UPDATES_PER_POINT + 1, UPDATES_PER_POINT):
-        h = history[k:k + UPDATES_PER_POINT]
-        mean = lambda key: sum(x[key] for x in h) / len(h)  # noqa: E731
-        points.append({"d": math.sqrt(max(mean("objective/kl"), 0.0)), "gold": mean("gold/mean"),
-                       "proxy": mean("objective/scores")})
-    return points
+    return [{"d": math.sqrt(max(h["eval/kl"], 0.0)), "gold": h["eval/gold"], "proxy": h["eval/score"]}
+            for h in history if "eval/score" in h]
 
 
 def fit(d, r, form):
@@ -145,19 +148,25 @@ def measure(setting, scratch, out):
         for size, rm_result, rm_dir, p in zip(setting["sizes"], rms, rm_dirs, proxy):
             bon = [{"n": n, "d": math.sqrt(math.log(n) - (n - 1) / n), "gold": best_of_n(p, gold, n),
                     "proxy": best_of_n(p, p, n)} for n in ns]
-            rl = rl_run(seed, setting["episodes"], os.path.join(scratch, f"ppo-{size}-{seed}"), rm_dir)
-            runs.append(dict(rm_result, pairs=size, seed=seed, gold_init=float(gold.mean()),
-                             proxy_init=float(p.mean()), bon=bon, rl=rl))
-        rl = rl_run(seed, setting["episodes"], os.path.join(scratch, f"ppo-gold-{seed}"))
-        runs.append(dict(pairs=None, seed=seed, gold_init=float(gold.mean()), rl=rl))
+            for kl_coef in [0.0] + (setting["kl_coefs"] if size == setting["kl_pairs"] else []):
+                rl = rl_run(seed, setting["episodes"], os.path.join(scratch, f"ppo-{size}-{seed}-kl{kl_coef}"), rm_dir,
+                            kl_coef, setting["eval_prompts"])
+                runs.append(dict(rm_result, pairs=size, seed=seed, kl_coef=kl_coef, gold_init=float(gold.mean()),
+                                 proxy_init=float(p.mean()), bon=bon, rl=rl))
+        rl = rl_run(seed, setting["episodes"], os.path.join(scratch, f"ppo-gold-{seed}"),
+                    eval_prompts=setting["eval_prompts"])
+        runs.append(dict(pairs=None, seed=seed, kl_coef=0.0, gold_init=float(gold.mean()), rl=rl))
         print(f"seed {seed}: {time.time() - t:.0f} s", flush=True)
         common.write_json_atomic(out, {"date": time.strftime("%Y-%m-%d"), "setting": setting,
                                        "wall_s": time.time() - start, "runs": runs})
 
 
 def relative(run, points, key):
-    """A curve's (d, score relative to the initial policy's); proxy scores divided by PREFERENCE_BETA."""
+    """A curve's (d, score relative to the initial policy's); proxy scores divided by PREFERENCE_BETA. The initial
+    policy's score is the curve's own first point where it is at d = 0 (n = 1; RL's evaluation before the first
+    update, on its held-out prompts), else the pool's mean."""
     base, scale = (run["gold_init"], 1.0) if key == "gold" else (run["proxy_init"], common.PREFERENCE_BETA)
+    base = points[0][key] if points[0]["d"] == 0 else base
     return [p["d"] for p in points], [(p[key] - base) / scale for p in points]
 
 
@@ -172,7 +181,7 @@ def summarize(runs):
     seeds; each seed's own fit gives the spread. A run's collapse onto repeated words comes at a different update in
     each seed, so one fit through every seed's raw points mixes curves of different shapes, while the mean curve is
     the expected gold score after k updates, the quantity the paper's forms describe."""
-    rows = []
+    rows, runs = [], [r for r in runs if not r.get("kl_coef")]  # the KL-penalty runs: kl_report
     for pairs in dict.fromkeys(r["pairs"] for r in runs):
         group = [r for r in runs if r["pairs"] == pairs]
         row = {"pairs": pairs, "seeds": [r["seed"] for r in group]}
@@ -196,7 +205,8 @@ def report(runs, out_png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = summarize(runs)
+    kl_table = kl_report(runs, out_png.replace(".png", "_kl.png"))
+    rows, runs = summarize(runs), [r for r in runs if not r.get("kl_coef")]
 
     def span(xs, p):  # (min–max) over seeds where there are several
         return f" ({min(xs):.{p}f}–{max(xs):.{p}f})" if len(xs) > 1 else ""
@@ -245,7 +255,37 @@ def report(runs, out_png):
     fig.suptitle("Reward-model overoptimization on the embedded task: means over seeds (dots: each seed's gold); "
                  "thick lines: the fitted forms")
     common.save_figure(fig, out_png)
-    return rows, "\n".join(lines)
+    return rows, "\n".join(lines) + "\n\n" + kl_table
+
+
+def kl_report(runs, out_png):
+    """Gold against d for the reward model of the KL-penalty runs, one curve per --kl_coef (means over seeds), and a
+    table: where each run ends and its highest gold point. Curves that coincide make the penalty a stopping point."""
+    import matplotlib.pyplot as plt
+
+    coefs = sorted({r.get("kl_coef", 0.0) for r in runs if r.get("kl_coef")})
+    if not coefs:
+        return ""
+    pairs = next(r["pairs"] for r in runs if r.get("kl_coef"))
+    lines = [f"| {pairs:,} pairs, --kl_coef | last point: d (KL) | last point: gold | highest gold point (its d) | "
+             "gold at the penalised run's last d on the unpenalised curve |", "|---" * 5 + "|"]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    free = mean_curve([r for r in runs if r["pairs"] == pairs and not r.get("kl_coef")], "rl")
+    for color, coef in zip(COLORS, [0.0] + coefs):
+        d, gold = mean_curve([r for r in runs if r["pairs"] == pairs and r.get("kl_coef", 0.0) == coef], "rl")
+        ax.plot(d, gold, "o-", color=color, ms=3, lw=0.8, label=f"--kl_coef {coef:g}")
+        best = int(np.argmax(gold))
+        on_free = np.interp(d[-1], free[0], free[1]) if coef else gold[-1]
+        lines.append(f"| {coef:g} | {d[-1]:.2f} ({d[-1] ** 2:.1f}) | {gold[-1]:+.3f} | {gold[best]:+.3f} "
+                     f"({d[best]:.2f}) | {on_free:+.3f} |")
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set(title=f"KL penalty, reward model of {pairs:,} pairs: held-out gold against d (means over seeds)",
+           xlabel="d = sqrt(KL to the initial policy)", ylabel="gold score - initial policy's")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    common.save_figure(fig, out_png)
+    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 def main():

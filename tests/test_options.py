@@ -45,8 +45,8 @@ RM_OPTIONS = OrderedDict(
 def ppo_refused(values):
     """The combinations ppo.py refuses by design: a critic initialised from a reward model that is not there (GAE's
     critic; the other estimators have none, and ignore the critic's options); frozen models held on the host without
-    FSDP's shards to hold; a compiled decode of sharded weights (FSDP's, which offloading needs); reward whitening with an
-    estimator that compares returns within a group."""
+    FSDP's shards to hold; a compiled decode of sharded weights (FSDP's, which offloading needs); reward whitening
+    with an estimator that compares returns within a group."""
     estimator = values.get("advantage_estimator", "gae")
     return (values.get("critic_init") == "reward" and values.get("reward") == "function" and estimator == "gae") or \
         (values.get("whiten_rewards") and estimator not in ("gae", "reinforce_pp")) or \
@@ -190,7 +190,8 @@ def test_every_pair_of_options_runs(key, ran, reward_model_path, sft_folder):
     if key[0] == "ppo.py":
         evals, row = [m for m in metrics if "eval/score" in m], PPO_ROWS[key[1]]
         assert len(metrics) - len(evals) == ppo_row(row, reward_model_path, sft_folder)[3]
-        assert bool(evals) == bool(row["num_evals"]) and all(m["eval/prompts"] == row["num_eval_prompts"] for m in evals)
+        assert bool(evals) == bool(row["num_evals"])
+        assert all(m["eval/prompts"] == row["num_eval_prompts"] for m in evals)
         model = AutoModelForCausalLM.from_pretrained(out)
     else:
         results = json.load(open(os.path.join(out, "eval_results.json")))
