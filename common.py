@@ -760,7 +760,7 @@ def run_complete(args, total, rank):
     """Returns whether --resume finds the run in output_dir logged to step `total` and saved, with nothing to do."""
     logged = finished_progress(args.output_dir) if args.resume else None
     if logged is None or logged < total or not os.path.exists(os.path.join(args.output_dir, "config.json")):
-        if logged is not None and latest_checkpoint(args.output_dir) is None:
+        if logged and latest_checkpoint(args.output_dir) is None:  # step 0, an evaluation, is redone
             raise UserError(f"--resume: {args.output_dir} holds a run logged to step {logged} and no checkpoint to "
                             f"continue it to step {total}; pass --overwrite_output_dir to train afresh, or another "
                             "--output_dir")

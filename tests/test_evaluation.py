@@ -83,8 +83,9 @@ def test_the_first_evaluation_is_eval_only_of_the_initial_policy_and_the_same_po
 
 
 def test_a_run_stopped_during_or_after_an_evaluation_resumes_to_the_same_evaluations(tmp_path, monkeypatch):
-    """A run killed right after the checkpoint that follows an evaluation, and one killed inside an evaluation, each
-    resumed, end with the uninterrupted run's metrics, evaluations and eval_samples.jsonl."""
+    """A run killed right after the checkpoint that follows an evaluation, one killed inside an evaluation, and one
+    killed in its first update (the first evaluation logged, no checkpoint yet), each resumed, end with the
+    uninterrupted run's metrics, evaluations and eval_samples.jsonl."""
     args = dict(TINY, total_episodes=64, num_evals=4, save_steps=2)  # 8 updates: evaluations after 0, 2, 4, 6, 8
     ppo.main(ppo.Args(**args, output_dir=str(tmp_path / "full")))
     real_save, real_evaluate, calls = common.commit_checkpoint, ppo.evaluate, []
@@ -99,8 +100,11 @@ def test_a_run_stopped_during_or_after_an_evaluation_resumes_to_the_same_evaluat
         if len(calls) == 4:  # the evaluation after update 6, after the checkpoint of update 6
             raise KeyboardInterrupt
         return real_evaluate(*a, **k)
-    for cut, (owner, name, crash) in {"after": (common, "commit_checkpoint", save_then_crash),
-                                      "during": (ppo, "evaluate", evaluate_then_crash)}.items():
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    cuts = {"after": (common, "commit_checkpoint", save_then_crash), "during": (ppo, "evaluate", evaluate_then_crash),
+            "first update": (ppo, "learn", interrupt)}
+    for cut, (owner, name, crash) in cuts.items():
         with monkeypatch.context() as patch:
             patch.setattr(owner, name, crash)
             with pytest.raises(KeyboardInterrupt):
@@ -110,7 +114,7 @@ def test_a_run_stopped_during_or_after_an_evaluation_resumes_to_the_same_evaluat
                         for m in ms]
     full = strip(read_metrics(tmp_path / "full"))
     assert [m["step"] for m in full if "eval/score" in m] == [0, 2, 4, 6, 8]
-    for cut in ("after", "during"):
+    for cut in cuts:
         assert strip(read_metrics(tmp_path / cut)) == full, cut
         for name in ("eval_samples.jsonl", "samples.jsonl"):
             assert open(tmp_path / cut / name).read() == open(tmp_path / "full" / name).read(), (cut, name)
