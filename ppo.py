@@ -688,12 +688,12 @@ def main(args):
 
 # ======================================================================================================================
 # THE FENCE. The method ends here, and a first read can stop. Below are the pieces a default run calls, each trusted by
-# its docstring: checks, loading, the reward's plumbing, evaluation's plumbing, learning's bookkeeping, processes, logs.
-# Then come the opt-in speed paths, each in its own section and tested equal to the plain path.
+# its docstring: checks, loading, the reward, evaluation, learning's bookkeeping, processes and logs. The opt-in speed
+# paths come last, each in its own section and tested to give the plain path's numbers.
 # ======================================================================================================================
 # --- Checks and sizes, before anything is loaded or written. ---------------------------------------------------------
 def check_args(args):
-    """Every size and range, and every model and dataset found, before anything is loaded or written."""
+    """Raises a UserError for an option out of range, options that conflict, or a model or dataset not found."""
     for names, ok, must in (
             (("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
               "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every", "kl_horizon",
@@ -732,19 +732,16 @@ def check_args(args):
                              (args.dataset_name, "--dataset_name", "dataset"),
                              (args.ptx_dataset_name if args.ptx_coef > 0 else None, "--ptx_dataset_name", "dataset"),
                              (reference_source(args)[0] if args.eval_only else None, "--sft_model_path", "model")):
-        if name is not None:
-            common.check_source(name, flag, kind)
-
+        if name is not None: common.check_source(name, flag, kind)
 
 @dataclass
 class Sizes:
-    local_batch: int  # episodes each rank rolls out per update: micro-batch x accumulation x mini-batches
-    batch_size: int  # the rollout batch: local_batch x ranks
+    local_batch: int  # Episodes per process and update: micro-batch x accumulation steps x mini-batches
+    batch_size: int  # The rollout batch, local_batch x processes
     num_updates: int
 
-
 def start_up(args, rank, world):
-    """The run's sizes, checked, and its output folder (one for all ranks, writable); None if it holds this run done."""
+    """Returns the run's sizes, checked, or None if --resume finds the run finished in --output_dir."""
     if args.eval_only and args.output_dir == Args.output_dir:  # A trained policy's own folder is never written.
         args.output_dir = "runs/ppo-eval"
     common.check_shared_output_dir(args.output_dir, rank)
@@ -763,9 +760,8 @@ def start_up(args, rank, world):
     done = not args.eval_only and common.run_complete(args, num_updates, rank)
     return None if done else Sizes(local_batch, batch_size, num_updates)
 
-
 def position_limit(args):
-    """The policy's and reward model's shortest learned position table, from configs (no weight read); else None."""
+    """Returns the shortest learned position table of the policy and reward model, or None. It reads no weight."""
     limits = []
     for path, flag, loader in ((args.sft_model_path, "--sft_model_path", transformers.AutoModelForCausalLM),
                                (reward_model_source(args), "--reward_model_path",
@@ -775,33 +771,27 @@ def position_limit(args):
             limits.append(common.position_table(common.meta_model(lambda: loader.from_config(config))))
     return min((n for n in limits if n), default=None)
 
-
 # --- Models and data. -------------------------------------------------------------------------------------------------
 def without_dropout(config):
-    """Every dropout probability of the config 0 (some models, OPT, call F.dropout with it, past nn.Dropout), and other
-    training-mode randomness: layer drop (OPT, BART), MoE routers' jitter."""
+    """Returns the config with every dropout probability, layer drop (OPT, BART) and MoE router jitter set to 0.
+    Some models, OPT among them, pass the config's dropout to F.dropout rather than use nn.Dropout."""
     for key in [k for k, v in vars(config).items() if isinstance(v, float) and any(
             s in k for s in ("dropout", "pdrop", "layerdrop", "jitter"))]:
         setattr(config, key, 0.0)
     return config
 
-
 def disable_dropout(model):
     without_dropout(model.config)
-    for module in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)):
-        module.p = 0.0
+    for module in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)): module.p = 0.0
     return model
 
-
 def load_tokenizer(args):
-    if args.sft_model_path.startswith("embedded-"):
-        return common.embedded_tokenizer()
+    if args.sft_model_path.startswith("embedded-"): return common.embedded_tokenizer()
     tokenizer = common.load_pretrained(transformers.AutoTokenizer, args.sft_model_path, "--sft_model_path",
                                        padding_side="left")
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # safe here: every mask comes from lengths, never from pad ids
+        tokenizer.pad_token = tokenizer.eos_token  # Safe: every mask comes from lengths, never from pad ids.
     return tokenizer
-
 
 def stop_token_id(args, tokenizer):
     stop_id = {**tokenizer.get_vocab(), "eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, -1)
@@ -810,18 +800,17 @@ def stop_token_id(args, tokenizer):
                                "pass eos (if it has one), none, or one token as the tokenizer spells it")
     return stop_id
 
-
 def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
-    """The embedded task's SFT policy: a tiny causal LM trained briefly to answer with a few words and EOS, cached in
-    ($XDG_CACHE_HOME or ~/.cache)/rlhf by this code and versions; training draws no random number (a run goes on)."""
+    """Returns the embedded task's SFT policy, a tiny causal LM trained briefly to answer with a few words and EOS.
+    It is cached in ($XDG_CACHE_HOME or ~/.cache)/rlhf by code and versions. Its training draws no random number."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer),
                                                                                       flag="--sft_model_path"))
-    code = open(__file__).read() + open(common.__file__).read()  # this function and the task
+    code = open(__file__).read() + open(common.__file__).read()  # This function and the task
     key = hashlib.sha256(repr((len(tokenizer), torch.__version__, transformers.__version__, code)).encode()).hexdigest()
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlhf",
                          f"{name}-seed{seed}-steps{steps}-batch{batch_size}.pt")
-    with contextlib.suppress(Exception):  # (none yet, unreadable, or another key's: trained again)
+    with contextlib.suppress(Exception):  # A missing, unreadable or stale cache is trained again.
         if (saved := torch.load(cache))["key"] == key:
             model.load_state_dict(saved["model"])
             return model.eval()
@@ -833,64 +822,54 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
         batch = tokenizer.pad({"input_ids": [p + r for p, r in zip(prompts, responses)]}, padding_side="right",
                               return_tensors="pt")
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        for i, p in enumerate(prompts):
-            labels[i, :len(p)] = -100  # learn the responses, not the prompts
+        for i, p in enumerate(prompts): labels[i, :len(p)] = -100  # Learn the responses, not the prompts.
         model(**batch, labels=labels).loss.backward()
         opt.step()
         opt.zero_grad()
-    with contextlib.suppress(OSError):  # (a folder that cannot be written: trained again next time)
+    with contextlib.suppress(OSError):  # A folder that cannot be written: trained again next time
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         torch.save({"key": key, "model": model.state_dict()}, f"{cache}.{os.getpid()}.tmp")
-        os.replace(f"{cache}.{os.getpid()}.tmp", cache)  # whole or not at all, whichever rank writes it
+        os.replace(f"{cache}.{os.getpid()}.tmp", cache)  # Whole or not at all, whichever process writes it
     return model.eval()
 
-
 def load_policy(args, tokenizer, on_meta=False):
-    """The initial policy (a causal LM, or a peft adapter folder merged into its base), dropout off, its output layer
-    computing in float32 (output_layer_in_float32). on_meta: no weight read (common.load_model)."""
+    """Returns the initial policy, an adapter merged into its base, with dropout off and a float32 output layer."""
     if args.sft_model_path.startswith("embedded-"):
         return output_layer_in_float32(disable_dropout(embedded_sft_policy(args.sft_model_path, tokenizer, args.seed)))
     config = without_dropout(common.load_pretrained(transformers.AutoConfig, args.sft_model_path, "--sft_model_path"))
-    # float32 whatever the stored dtype: AdamW's updates (lr x ~1e-3) would round away in bfloat16 weights; a frozen
-    # LoRA base is only read, so it may be held in bfloat16
+    # float32, as AdamW's small updates would round away in bfloat16. A frozen LoRA base is only read: bfloat16 will do.
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     model = common.load_model(transformers.AutoModelForCausalLM, args.sft_model_path, "--sft_model_path", on_meta,
                               config=config, dtype=dtype)
     return output_layer_in_float32(disable_dropout(model))
 
-
 def output_layer_in_float32(model):
-    """The causal LM, its output layer (an nn.Linear) computing in float32 whatever autocast asks (Float32Linear):
-    model(...).logits are float32, and so the transforms after the layer. A tied layer keeps the embedding's weight."""
+    """Makes an nn.Linear output layer a Float32Linear, so the logits are float32 under autocast; returns the model."""
     head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear:
-        head.__class__ = common.Float32Linear
+    if type(head) is torch.nn.Linear: head.__class__ = common.Float32Linear
     return model
-
 
 @dataclass
 class Models:
-    policy: torch.nn.Module  # trained: DDP- or FSDP-wrapped
-    critic: torch.nn.Module | None  # trained (a Critic, wrapped so); None without GAE
-    reference: torch.nn.Module  # frozen: the initial policy (LoRA: the policy, read with its adapter off)
+    policy: torch.nn.Module  # Trained, wrapped in DDP or FSDP
+    critic: torch.nn.Module | None  # A trained Critic, wrapped the same way, or None without GAE
+    reference: torch.nn.Module  # The frozen initial policy. With LoRA, the policy with its adapter off.
     reward: "Reward"
-    policy_hf: torch.nn.Module  # the policy's transformers model, for the final save
-    lora: object = None  # with LoRA: the peft model holding the policy's adapter
+    policy_hf: torch.nn.Module  # The policy's transformers model, for the final save
+    lora: object = None  # With LoRA, the peft model that holds the policy's adapter
 
     @property
     def reference_mode(self):
-        """The context in which the reference computes: with LoRA, the policy's adapter off."""
+        """Returns the context in which the reference computes. With LoRA it turns the policy's adapter off."""
         return self.lora.disable_adapter if self.lora else contextlib.nullcontext
 
     @property
     def separate_reference(self):
-        """The reference when it is a model of its own (not with LoRA), to release its gathered shards after use."""
+        """Returns the reference if it is a model of its own, for resharded to release, and None with LoRA."""
         return None if self.lora else self.reference
 
-
 def build_models(args, tokenizer, device, rank, world):
-    """The policy and critic (trained; DDP or FSDP), the frozen reference and the reward (under FSDP only rank 0 reads
-    weights: parallelize); lengths checked against the position tables of the models reading the policy's tokens."""
+    """Returns the trained policy and critic, frozen reference and reward. Under FSDP only rank 0 reads weights."""
     on_meta = args.fsdp and world > 1 and rank != 0
     reward = load_reward(args, tokenizer, on_meta)
     critic_init = args.critic_init if args.advantage_estimator == "gae" and not args.eval_only else None
@@ -901,7 +880,7 @@ def build_models(args, tokenizer, device, rank, world):
                                "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer, on_meta)
-    if args.blocked_logits:  # (its own output_logits: the model's logits, checked)
+    if args.blocked_logits:  # output_logits must reproduce the model's logits.
         common.agreed(lambda: on_meta or check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
     length = args.max_prompt_length + args.response_length
     for model in [policy_hf] + ([reward.model.hf] if reward.reads_policy_tokens else []):
@@ -909,32 +888,32 @@ def build_models(args, tokenizer, device, rank, world):
     critic_hf = critic_init and critic_from(dataclasses.replace(args, critic_init=critic_init), policy_hf, reward)
     offset = reward.model.shift / reward.model.scale if critic_init == "reward" else 0.0
     lora = None
-    if args.lora_r and not args.eval_only:  # frozen bases may be bfloat16; adapters and value head train in float32
+    if args.lora_r and not args.eval_only:  # Frozen bases may be bfloat16. Adapters and heads train in float32.
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         lora = common.add_lora(policy_hf.to(dtype), args, "CAUSAL_LM")
-        if critic_hf is not None:  # (its head float32: the trained copy peft makes of it, and the reward model's)
+        if critic_hf is not None:  # The head stays float32, both the copy peft trains and the reward model's.
             critic_lora = common.add_lora(heads_in_float32(critic_hf.to(dtype)), args, "SEQ_CLS")
-    shared = lora and critic_init == "reward"  # the reward model is the critic with its adapter off: no second copy
-    if reward.model is not None:  # sharded first, so that rank 0 holds at most three models whole
+    shared = lora and critic_init == "reward"  # The reward model is then the critic with its adapter off.
+    if reward.model is not None:  # Sharded first, so that rank 0 holds at most three models whole
         reward.model = None if shared else parallelize(reward.model, args, device, frozen=True)
-    if not lora:  # computed as the policy is (sharded the same way under FSDP): the KL at initialisation is 0
+    if not lora:  # Sharded and computed as the policy is, so that the KL at initialisation is 0
         path, seed = reference_source(args)
         ref_hf = copy.deepcopy(policy_hf) if (path, seed) == (args.sft_model_path, args.seed) else \
             load_policy(dataclasses.replace(args, sft_model_path=path, seed=seed), tokenizer, on_meta)
         ref_policy = parallelize(ref_hf.eval().requires_grad_(False), args, device, frozen=True)
-    if args.gradient_checkpointing:  # (in training mode only: sampling keeps its KV cache)
+    if args.gradient_checkpointing:  # In training mode only, so sampling keeps its KV cache
         for model in [m for m in (policy_hf, critic_hf) if m is not None]:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     policy = parallelize(policy_hf, args, device)
     critic = None if critic_hf is None else parallelize(Critic(critic_hf, offset), args, device)
     if shared:
         reward.model = functools.partial(critic_as_reward, critic, critic_lora.disable_adapter)
-        if collective(args):  # FSDP sets its units up at the first forward, which must see the adapter on: off,
-            with torch.no_grad(), resharded([critic]):  # peft marks the head's trained copy frozen
+        if collective(args):  # FSDP sets its units up at the first forward. It must see the adapter on, or
+            with torch.no_grad(), resharded([critic]):  # peft marks the head's trained copy frozen.
                 critic(*[torch.ones(1, 2, dtype=torch.long, device=device)] * 2)
     if rank == 0:
         n_trained = sum(p.numel() for m in (policy, critic) if m is not None for p in m.parameters() if p.requires_grad)
-        path = reward_model_source(args)  # (None: no reward model)
+        path = reward_model_source(args)  # None without a reward model
         sources = [f"model {path}" + ("" if reward.reads_policy_tokens else " (reads the text)")] * bool(path)
         print(f"policy {args.sft_model_path} ({n_trained / 1e6:.2f}M trained{f', LoRA rank {args.lora_r}' * bool(lora)}"
               f"); reward {' + '.join(sources + [f'function {args.reward_fn}'] * bool(reward.fn))}; "
@@ -942,51 +921,44 @@ def build_models(args, tokenizer, device, rank, world):
               + (f"; reference {reference_source(args)[0]}" if args.eval_only else ""))
     return Models(policy, critic, policy if lora else ref_policy, reward, policy_hf, lora)
 
-
 def build_optimizer(policy, critic, args, num_updates):
-    """AdamW over the trainable parameters of policy and critic, each at its own learning rate, and the schedule."""
+    """Returns policy and critic as one module, AdamW at each one's learning rate, and the learning-rate schedule."""
     trainable = torch.nn.ModuleDict({"policy": policy, **({"critic": critic} if critic is not None else {})})
     rates = {"policy": args.learning_rate, "critic": args.critic_learning_rate}
     optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rates[name]}
                                    for name, model in trainable.items()], lr=args.learning_rate, eps=1e-5,
-                                  weight_decay=args.weight_decay, fused=True)  # (lr: the polynomial schedule's start)
+                                  weight_decay=args.weight_decay, fused=True)  # The polynomial schedule starts at lr.
     scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0,
                                            num_training_steps=num_updates)
     return trainable, optimizer, scheduler
 
-
 def load_prompts(args, tokenizer, split=None):
-    """A split's prompt token ids (main cuts them) and prompt texts; the training split by default."""
+    """Returns a split's prompts as token ids, not yet cut, and as texts. The split is the training split by default."""
     if args.dataset_name == "embedded":
         rng = random.Random(args.seed)
         rows = [{"prompt": common.embedded_prompt(rng), "_source": "embedded", "_row": i} for i in range(4096)]
     else:
         rows = common.load_rows(args.dataset_name, args.dataset_config, split or args.dataset_train_split)
-        if not rows:
-            raise common.UserError(f"{args.dataset_name}: no split '{split or args.dataset_train_split}'")
+        if not rows: raise common.UserError(f"{args.dataset_name}: no split '{split or args.dataset_train_split}'")
     texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
     ids = common.tokenize_prompts(tokenizer, texts)
     common.check_vocabulary(tokenizer, ids, args.dataset_name, args.sft_model_path, "--sft_model_path")
-    if not all(ids):  # no BOS and no text: the first response token would attend to nothing
+    if not all(ids):  # No BOS and no text: the first response token would attend to nothing.
         raise common.UserError(f"{common.where(rows[ids.index([])])}: the prompt is empty and {args.sft_model_path}'s "
                                "tokenizer adds no BOS token, so the policy has nothing to continue; give it a prompt")
     return ids, texts
 
-
 @dataclass
 class Prompts:
-    ids: list  # token ids, cut to --max_prompt_length
-    texts: list  # the texts, whole, as --reward_fn receives them
-    index: list = None  # eval prompts: each one's position in the eval set, which seeds its random stream
-
+    ids: list  # Token ids, cut to --max_prompt_length
+    texts: list  # The whole texts, as --reward_fn receives them
+    index: list = None  # For eval prompts, each one's position in the eval set, which seeds its random stream
 
 def train_and_eval_prompts(args, tokenizer):
-    """The training prompts and the eval prompts, no eval prompt's text among the training prompts.
-
-    The eval prompts are --eval_split's, else the validation split's, else the test split's. Without any, --eval_holdout
-    of the training prompts are held out by text (common.hold_out), every row of a held text. The embedded prompts have
-    no splits. --num_eval_prompts of them are kept, drawn by seed. Training prompts whose text is an eval prompt's
-    are left out, with a count printed."""
+    """Returns the training prompts and the eval prompts, no eval prompt's text among the training prompts.
+    The eval prompts are --eval_split's, else the validation split's, else the test split's. Without one, as for the
+    embedded prompts, --eval_holdout of the texts are held out with all their rows (common.hold_out). --num_eval_prompts
+    of them are kept, drawn by seed. Training prompts with an eval prompt's text are left out."""
     ids, texts = load_prompts(args, tokenizer)
     splits = [args.eval_split] if args.eval_split else [s for s in ("validation", "test") if s !=
                                                           args.dataset_train_split]
@@ -1012,8 +984,7 @@ def train_and_eval_prompts(args, tokenizer):
     if not trained and not args.eval_only:
         raise common.UserError(f"{args.dataset_name}: every training prompt is an eval prompt ({source}); pass "
                                "another --eval_split or more distinct prompts")
-    if not eval_ids:
-        raise common.UserError(f"{args.dataset_name}: no eval prompt ({source}); pass --eval_split")
+    if not eval_ids: raise common.UserError(f"{args.dataset_name}: no eval prompt ({source}); pass --eval_split")
     chosen = sorted(random.Random(common.seed_of(args.seed, "eval prompts")).sample(
         range(len(eval_ids)), min(args.num_eval_prompts, len(eval_ids))))
     bos_id = common.leading_id(tokenizer)
@@ -1025,22 +996,17 @@ def train_and_eval_prompts(args, tokenizer):
     return (Prompts([cut(ids[i]) for i in trained], [texts[i] for i in trained]),
             Prompts([cut(eval_ids[i]) for i in chosen], [eval_texts[i] for i in chosen], list(range(len(chosen)))))
 
-
 def prompt_text(row, tokenizer, where):
-    """A row's prompt as the policy continues it: a preference row's, as rm.py trained on it (common.split_pair); a
-    `prompt` or `messages` list rendered by the chat template up to the assistant's turn; else the text."""
-    if "chosen" in row:
-        return common.split_pair(row, tokenizer, where)[0]
+    """Returns a row's prompt: a pair's as rm.py splits it, a chat rendered up to the assistant's turn, or the text."""
+    if "chosen" in row: return common.split_pair(row, tokenizer, where)[0]
     field = "prompt" if "prompt" in row else "messages"
     prompt = row.get(field)
     if isinstance(prompt, list):
         prompt = common.checked_messages(prompt, tokenizer, where, field)
-        prompt = prompt[:-1] if prompt and prompt[-1]["role"] == "assistant" else prompt  # (up to the assistant's turn)
+        prompt = prompt[:-1] if prompt and prompt[-1]["role"] == "assistant" else prompt
         return common.render_chat(tokenizer, prompt, where, generation_prompt=True)
-    if isinstance(prompt, str):
-        return prompt
+    if isinstance(prompt, str): return prompt
     raise common.UserError(f"{where}: no 'prompt', 'messages' or 'chosen' field to take a prompt from")
-
 
 def load_ptx(args, tokenizer):
     if args.ptx_dataset_name == "embedded":
@@ -1054,31 +1020,26 @@ def load_ptx(args, tokenizer):
     end, length = common.end_id(tokenizer), args.max_prompt_length + args.response_length
     return [(ids + [end])[:length] for ids in common.tokenize_prompts(tokenizer, texts)]
 
-
 def pad_left(seqs, width, pad_id):
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+    for i, s in enumerate(seqs): ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
     return ids, torch.arange(width) >= width - torch.tensor([len(s) for s in seqs])[:, None]
 
-
 def episode_prompts(episodes, n_prompts, seed, orders):
-    """Each episode's prompt: pass e = episode // n_prompts over the prompts follows a permutation seeded by (seed, e),
-    so an episode's prompt depends only on its index (the same on any rank count, after any resume)."""
-    for p in {e // n_prompts for e in episodes} - orders.keys():  # (each pass's permutation drawn once)
+    """Returns each episode's prompt, the same on any number of processes and after any resume.
+    Pass p = episode // n_prompts over the prompts follows a permutation seeded by seed and p."""
+    for p in {e // n_prompts for e in episodes} - orders.keys():  # Each pass's permutation is drawn once.
         orders[p] = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(
             common.seed_of(seed, "prompt order", p)))
     return [orders[e // n_prompts][e % n_prompts].item() for e in episodes]
 
-
-# --- Reward plumbing: a reward model (rm.py's normalization applied), a function, or both. ----------------------------
+# --- Reward plumbing: a reward model with rm.py's normalization, a function, or both. ---------------------------------
 def critic_from(args, policy, reward):
-    """The critic's network, as the Critic's docstring says."""
+    """Returns the critic's network, from the reward model or from the policy, as Critic's docstring says."""
     if args.critic_init == "reward":
         critic = copy.deepcopy(reward.model.hf).requires_grad_(True)
         with torch.no_grad():
-            for p in critic.score.parameters():  # (a bias too, where a head has one)
-                p /= reward.model.scale
+            for p in critic.score.parameters(): p /= reward.model.scale  # A bias too, where the head has one
         return critic
     config = without_dropout(copy.deepcopy(policy.config))
     config.num_labels = 1
@@ -1086,18 +1047,13 @@ def critic_from(args, policy, reward):
     setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))
     critic.score.to_empty(device=policy.device)
     torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
-    if critic.score.bias is not None:
-        torch.nn.init.zeros_(critic.score.bias)
+    if critic.score.bias is not None: torch.nn.init.zeros_(critic.score.bias)
     return common.scalar_head_in_float32(critic)
-
 
 class Critic(torch.nn.Module):
     """Returns the value of each state: a sequence classifier's scalar head at every position, minus an offset.
-
-    A critic from the reward model has rm.py's normalization built in. Its head is divided by the reward's scale and
-    its offset is shift / scale, so each prefix's value starts as that prefix's normalized score. A critic from the
-    policy has the policy's network and a new head, initialized as rm.py's. critic_from builds both."""
-
+    From the reward model, its head is divided by the reward's scale and its offset is shift / scale, so each prefix's
+    value starts as its normalized score. From the policy, it has the policy's network and a new head, as rm.py's."""
     def __init__(self, hf_model, offset=0.0):
         super().__init__()
         self.hf, self.offset = hf_model, offset
@@ -1107,10 +1063,8 @@ class Critic(torch.nn.Module):
                                     position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
         return self.hf.score(hidden).squeeze(-1).float() - self.offset
 
-
 class SequenceReward(torch.nn.Module):
-    """rm.py's normalized reward, (sequence_reward - shift) / scale, one module (FSDP gathers every weight it reads)."""
-
+    """Returns rm.py's normalized reward, (sequence_reward - shift) / scale, as one module that FSDP can gather."""
     def __init__(self, hf_model, shift, scale):
         super().__init__()
         self.hf, self.shift, self.scale = hf_model, shift, scale
@@ -1118,26 +1072,21 @@ class SequenceReward(torch.nn.Module):
     def forward(self, input_ids, attention_mask):
         return (sequence_reward(self.hf, input_ids, attention_mask) - self.shift) / self.scale
 
-
 def critic_as_reward(critic, adapter_off, input_ids, attention_mask):
-    """LoRA, a critic from the reward model: with its adapter off, the reward model normalized (Critic's docstring),
-    read at the response's last real token as sequence_reward reads it."""
-    with adapter_off():
-        values = critic(input_ids, attention_mask)
+    """Returns the normalized reward as a LoRA critic from the reward model computes it with its adapter off."""
+    with adapter_off(): values = critic(input_ids, attention_mask)
     return values.gather(1, last_token_index(attention_mask)[:, None])[:, 0]
-
 
 @dataclass
 class Reward:
-    """Where an episode's score comes from: a reward model, a function, or both."""
-    model: object = None  # (ids, mask) -> normalized scores: a SequenceReward (sharded like the policy under FSDP)
-    tokenizer: object = None  # None: the model reads the policy's tokens; else its own, reading the decoded text
-    fn: object = None  # (prompts, responses) -> (B,) scores: load_reward_fn's
-    reads_policy_tokens: bool = False  # a reward model that reads the policy's tokens (tokenizer None)
-
+    """The sources of an episode's score: a reward model, a function, or both."""
+    model: object = None  # A SequenceReward, sharded like the policy under FSDP
+    tokenizer: object = None  # The reward model's own, for the decoded text; None if it reads the policy's tokens
+    fn: object = None  # load_reward_fn's function, (prompts, responses) -> scores
+    reads_policy_tokens: bool = False  # Whether a reward model reads the policy's tokens
 
 def reward_model_source(args):
-    """The reward model's path or hub name (None: a reward function alone)."""
+    """Returns the reward model's path or hub name, or None for a reward function alone."""
     path = args.reward_model_path if args.reward_model_path is not None else None if args.reward_fn else "runs/rm"
     looks_local = path is not None and (os.path.exists(path) or path.startswith((".", "/")) or path == "runs/rm")
     if looks_local and not any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
@@ -1145,41 +1094,36 @@ def reward_model_source(args):
                                f"`python rm.py --output_dir {path}` (or pass a hub reward model)")
     return path
 
-
 def load_reward(args, tokenizer, on_meta=False):
     reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None)
-    if (path := reward_model_source(args)) is None:
-        return reward
+    if (path := reward_model_source(args)) is None: return reward
     config = without_dropout(common.load_pretrained(transformers.AutoConfig, path, "--reward_model_path"))
     adapter = common.adapter_base(path)
-    if adapter:  # a reward adapter's base config is its causal LM's; the head it saved is a scalar
-        config.num_labels = 1
+    if adapter: config.num_labels = 1  # An adapter's base config is a causal LM's; the head it saved is a scalar.
     if not common.adapter_holds_head(path) if adapter else \
             not any("SequenceClassification" in a for a in config.architectures or ["SequenceClassification"]):
-        # transformers would give it a head at random: a reward of noise, trained on without a word
+        # Else transformers would draw a random head, and PPO would train on noise without a word.
         raise common.UserError(f"--reward_model_path {path}: not a reward model (no trained scalar head: "
                                f"{'an adapter without one' if adapter else config.architectures[0]}); train one with "
                                "rm.py, or pass --reward_fn")
     if config.num_labels != 1:
         raise common.UserError(f"--reward_model_path {path}: the model has {config.num_labels} labels; a reward model "
                                "has one (a scalar)")
-    # float32, as rm.py trained it; with LoRA and --bf16 held in bfloat16, as every frozen base weight is then
+    # float32, as rm.py trained it. With LoRA and --bf16 it is bfloat16, as every frozen base weight is then.
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
     model = disable_dropout(common.load_model(transformers.AutoModelForSequenceClassification, path,
                                               "--reward_model_path", on_meta, config=config, dtype=dtype))
     heads_in_float32(common.scalar_head_in_float32(model)).eval().requires_grad_(False)
     own = common.load_pretrained(transformers.AutoTokenizer, path, "--reward_model_path")
-    if own.pad_token is None:
-        own.pad_token = own.eos_token  # read by the mask, never by pad ids
+    if own.pad_token is None: own.pad_token = own.eos_token  # Padding is read from the mask, never from pad ids.
     same_tokens = hasattr(model, "score") and all(own.convert_tokens_to_ids(t) == i
                                                   for t, i in tokenizer.get_vocab().items())
     shift, scale = getattr(model.config, "reward_shift", 0.0), getattr(model.config, "reward_scale", 1.0)
     return dataclasses.replace(reward, model=SequenceReward(model, shift, scale),  # rm.py's normalization
                                tokenizer=None if same_tokens else own, reads_policy_tokens=same_tokens)
 
-
 def load_reward_fn(spec):
-    """module:function (the module importable from the working directory, or a .py file), each call's output checked."""
+    """Returns --reward_fn's function, wrapped to check each call's output. Its module is a .py file or importable."""
     module, _, name = spec.rpartition(":")
     if not module or not name:
         raise common.UserError(f"--reward_fn {spec}: expected module:function, e.g. my_rewards:exact_match")
@@ -1191,13 +1135,12 @@ def load_reward_fn(spec):
             fn = getattr(importlib.import_module(module), name, None)
     except Exception as e:
         raise common.UserError(f"--reward_fn {spec}: cannot import {module} ({type(e).__name__}: {e})") from None
-    if not callable(fn):
-        raise common.UserError(f"--reward_fn {spec}: {module} has no function {name}")
+    if not callable(fn): raise common.UserError(f"--reward_fn {spec}: {module} has no function {name}")
 
     def checked(prompts, responses):
         try:
             out = list(fn(prompts, responses))
-        except Exception as e:  # the user's own code: its traceback (from the function in), then where it was called
+        except Exception as e:  # The user's code: its traceback from the function in, then where it was called
             traceback.print_exception(type(e), e, e.__traceback__.tb_next)
             raise common.UserError(f"--reward_fn {spec} raised {type(e).__name__}: {e} (traceback above; called by "
                                    f"ppo.py's score() on {len(prompts)} prompts and responses)") from None
@@ -1206,14 +1149,12 @@ def load_reward_fn(spec):
             got = f"{len(out)} values for {len(prompts)} episodes" if len(out) != len(prompts) else f"{bad[0]!r}"
             raise common.UserError(f"--reward_fn {spec} returned {got}; it must return one finite number per episode")
         return torch.tensor(out, dtype=torch.float)
-
     return checked
 
-
 def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
-    """The rows' episodes in the reward model's own tokens (another vocabulary, an encoder), made as rm.py makes a
-    pair: the prompt as the policy saw it (its BOS the reward model's), the response decoded in context (word
-    boundaries kept), ended with the reward model's end token where the policy stopped (always, for an encoder)."""
+    """Returns the rows' episodes in the reward model's own tokens, built as rm.py builds a pair.
+    The prompt is the text the policy saw, with the reward model's BOS. The response is decoded in context, which keeps
+    word boundaries. It ends with the reward model's end token where the policy stopped, and always for an encoder."""
     lead, prompts, texts, stopped = tokenizer.decode(common.special_affixes(tokenizer)[0]), [], [], []
     query, query_mask = (t[rows, :batch.context_length].cpu() for t in (batch.query_response, batch.attention_mask))
     for q, qm, r, m in zip(query, query_mask.bool(), batch.responses[rows].cpu(), batch.mask[rows].cpu()):
@@ -1228,40 +1169,34 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
     bos_id, table = common.leading_id(rm_tokenizer), common.position_table(reward.model.hf)
     r_ids = common.tokenize_responses(rm_tokenizer, prompts, texts)
     r_ids = [r if s or encoder else r[:-1] for r, s in zip(r_ids, stopped)]
-    # within the reward model's position table (its tokens may be more than the policy's): the prompt cut further, its
-    # end and BOS kept, as rm.py cuts a prompt; a response longer than the whole table (never in practice) its start
+    # The reward model may need more tokens than the policy. To fit its position table, the prompt is cut as rm.py cuts
+    # one, keeping its end and BOS. A response longer than the whole table, never seen in practice, loses its start.
     seqs = [truncate_prompt(p, min(args.max_prompt_length, max((table or 1 << 62) - len(r), 1)), bos_id) + r
             for p, r in zip(common.tokenize_prompts(rm_tokenizer, prompts), r_ids)]
     seqs = [s[:1] + s[len(s) - table + 1:] if table and len(s) > table else s for s in seqs]
     batch = rm_tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
     return batch["input_ids"], batch["attention_mask"]
 
-
 # --- Held-out evaluation: the reference of --eval_only, the batches, the schedule, the statistics and the logs. -----
 def reference_source(args):
-    """The reference's (path, seed). With --eval_only, the initial policy of the run that trained --sft_model_path,
-    read from that run's ppo_results.json (beside an adapter folder, in its parent). Otherwise, or without that file,
-    --sft_model_path itself: the policy is its own reference and its KL is 0."""
+    """Returns the reference's path and seed: with --eval_only, those of the run that trained --sft_model_path, read
+    from its ppo_results.json in the folder or an adapter's parent. Else the policy is its own reference, with KL 0."""
     if args.eval_only and os.path.isdir(args.sft_model_path):
         for folder in (args.sft_model_path, os.path.dirname(os.path.abspath(args.sft_model_path))):
             if os.path.isfile(results := os.path.join(folder, "ppo_results.json")):
-                with open(results) as f:
-                    saved = json.load(f)["args"]
+                with open(results) as f: saved = json.load(f)["args"]
                 return saved["sft_model_path"], saved["seed"]
     return args.sft_model_path, args.seed
-
 
 @dataclass
 class EvalBatch:
     ids: list
     texts: list
-    index: list  # each prompt's position in the eval set, which seeds its random stream
-    real: int  # the rows before those that repeat a prompt to fill the batch
-
+    index: list  # Each prompt's position in the eval set, which seeds its random stream
+    real: int  # The rows before those that repeat a prompt to fill the batch
 
 def eval_batches(prompts, args):
-    """The eval prompts in rollout batches of the training's size, so that they fit where training fits.
-
+    """Yields the eval prompts in rollout batches of the training's size, so that they fit where training fits.
     The last batch repeats its first prompt up to that size, so that every process makes the same calls."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches * world
@@ -1270,38 +1205,31 @@ def eval_batches(prompts, args):
         fill = size - len(part[0])
         yield EvalBatch(*[x + x[:1] * fill for x in part], real=len(part[0]))
 
-
 def eval_schedule(num_evals, num_updates):
-    """The updates after which evaluate() runs: 0, before the first, and num_evals spread evenly, the last at the
-    end."""
+    """Returns the updates after which evaluate() runs: 0, before the first, and num_evals spread evenly to the end."""
     return {0} | {math.ceil(k * num_updates / num_evals) for k in range(1, num_evals + 1)} if num_evals else set()
 
-
 def mean_and_standard_error(rows, names, prefix):
-    """Each named measure's mean over the rows that have it, and its standard error as NAME_se: the sample standard
-    deviation over sqrt(n). Each key is prefixed."""
+    """Returns each measure's mean over the rows that have it, and as NAME_se its sample std over sqrt(n)."""
     out = {f"{prefix}prompts": len(rows)}
     for name, values in ((k, torch.tensor([r[k] for r in rows if k in r], dtype=torch.float64)) for k in names):
-        if not len(values):
-            continue
+        if not len(values): continue
         se = values.std() / len(values) ** 0.5 if len(values) > 1 else torch.tensor(0.0)
         out[f"{prefix}{name}"], out[f"{prefix}{name}_se"] = values.mean().item(), se.item()
     return out
 
-
 def log_evaluation(logs, step, episodes, metrics, rows):
-    """Writes an evaluation to metrics.jsonl (its own line) and its rows to eval_samples.jsonl; returns its record."""
+    """Writes an evaluation to metrics.jsonl and its rows to eval_samples.jsonl, and returns its record."""
     record = {"step": step, "episodes": episodes, **metrics}
-    if logs is not None:  # rank 0
+    if logs is not None:  # Rank 0
         logs[0].log(record)
         logs[2].writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
         logs[2].flush()
         tqdm.write("evaluation " + common.format_metrics(record))
     return record
 
-
 def evaluate_only(models, prompts, args, tokenizer, stop_id):
-    """--eval_only: evaluate() once, written to eval_results.json and eval_samples.jsonl in --output_dir."""
+    """Runs evaluate() once for --eval_only and writes eval_results.json and eval_samples.jsonl in --output_dir."""
     metrics, rows = evaluate(models, prompts, args, tokenizer, stop_id)
     if not dist.is_initialized() or dist.get_rank() == 0:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -1314,66 +1242,53 @@ def evaluate_only(models, prompts, args, tokenizer, stop_id):
     common.leave_together()
     return metrics
 
-
-# --- The sampler: each episode its own uniforms (seeded by its index, whatever the batch or ranks), its cache. --------
+# --- The sampler: each episode's own uniforms, seeded by its index, and the KV cache. ---------------------------------
 def episode_uniform(seeds, step):
-    """u ~ Uniform(0, 1) for token `step` of each row's episode, counter-based (Salmon et al. 2011): 52 random bits
-    hashed from (seeds[b], step) alone, the same in any batch, on any number of ranks, compiled or not (no generator,
-    no kernel per row); u = (bits + 1/2) / 2^52 (float64, never 0 or 1)."""
+    """Returns u ~ Uniform(0, 1) for token `step` of each row's episode, in float64 and never 0 or 1.
+    u = (bits + 1/2) / 2^52, the 52 bits hashed from seeds[b] and step alone (counter-based, Salmon et al. 2011). With
+    no generator and no kernel per row, u is the same in any batch, on any number of processes, compiled or not."""
     low32 = 0xFFFFFFFF
 
-    def mix(x):  # lowbias32 (Wellons 2018), a bijection of 32 bits; its constants < 2^31, so x * c < 2^63 (int64)
+    def mix(x):  # lowbias32 (Wellons 2018), a bijection of 32 bits. As c < 2^31, x * c fits in int64.
         for shift, c in ((16, 0x21F0AAAD), (15, 0x735A2D97)):
             x = (x ^ (x >> shift)) * c & low32
         return x ^ (x >> 15)
-
-    low, high, at = seeds & low32, seeds >> 32, mix(step & low32)  # (step: an int, or a tensor in a compiled graph)
+    low, high, at = seeds & low32, seeds >> 32, mix(step & low32)  # step is an int, or a tensor in a compiled graph
     bits = (mix(low ^ mix(high ^ at)) << 20) | (mix(high ^ mix(low ^ mix(at ^ 0x9E3779B9))) >> 12)  # 32 + 20 bits
     return (bits.double() + 0.5) / 2 ** 52
 
-
 class ComputeDtypeCache(transformers.StaticCache):
-    """transformers' StaticCache, keys and values held in the dtype attention computes in (under bfloat16 autocast a
-    rotary family's keys are float32, its values bfloat16: StaticCache sizes both from the keys, then refuses the
-    values). Attention casts both to bfloat16 anyway (autocast's list), so this changes no number."""
-
+    """transformers' StaticCache, holding keys and values in the dtype attention casts them to, so no number changes.
+    Under bfloat16 autocast a rotary family's keys are float32 and its values bfloat16, which StaticCache refuses."""
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         kind = key_states.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else value_states.dtype
         return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
 
-
 @functools.cache
 def takes_argument(model_class, name):
-    """Every causal LM of transformers takes logits_to_keep; a remote-code model may not."""
+    """Returns whether the model's forward takes the argument name. A remote-code model may lack logits_to_keep."""
     return name in inspect.signature(model_class.forward).parameters
-
 
 # --- The learning phase's bookkeeping. --------------------------------------------------------------------------------
 def entropy_of(logp_all):
-    """-sum p log p over the last dimension, 0 log 0 = 0 (a -inf logit gives 0, not NaN). With a graph, a clamp that
-    changes no term (p = 0 below -104) keeps the gradient finite; without one, the terms are computed in p's memory."""
+    """Returns -sum p log p over the last dimension, with 0 log 0 = 0, so a -inf logit gives 0, not NaN.
+    With autograd a clamp keeps gradients finite, changing no term as p is 0 below -104. Else p's memory is reused."""
     p = logp_all.exp()
-    if torch.is_grad_enabled():
-        return -(p * logp_all.clamp(min=-1e4)).sum(-1)
+    if torch.is_grad_enabled(): return -(p * logp_all.clamp(min=-1e4)).sum(-1)
     return torch.special.entr(p, out=p).sum(-1)
 
-
 def language_modelling_loss(policy, seqs, pad_id, n_tokens, device, blocked=False):
-    """The ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy on pretraining text, summed over real
-    transitions and divided by n_tokens (those of the whole mini-batch)."""
+    """Returns the ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy summed, divided by n_tokens."""
     ids, ids_mask = (t.to(device) for t in pad_left(seqs, max(map(len, seqs)), pad_id))
     logprobs, _ = response_logprobs(policy, ids, ids_mask.long(), 1, 1.0, blocked=blocked)
-    real = (ids_mask[:, 1:] & ids_mask[:, :-1]).float()  # a target counts only after a real token (left padding)
+    real = (ids_mask[:, 1:] & ids_mask[:, :-1]).float()  # A target counts only after a real token.
     return (-logprobs * real).sum() / n_tokens
 
-
 def ptx_backward(policy, ptx, step, update, epoch, mb, args, pad_id):
-    """PPO-ptx's backward pass for one optimizer step, returning the loss of this process's share.
-
-    The step takes as many pretraining sequences as its mini-batch has episodes, in order by the step's index, so
-    the same ones on any number of processes and after any resume. The loss divides by all their tokens, and
-    gradients are summed over processes (sum_gradients)."""
+    """Runs PPO-ptx's backward pass for one optimizer step and returns the loss of this process's share.
+    The step takes as many pretraining sequences as its mini-batch has episodes, in order by the step's index. They
+    are the same on any number of processes and after any resume. The loss divides by all their tokens."""
     first = ((update * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb) * len(step.rows)
     seqs = [ptx[i % len(ptx)] for i in range(first, first + len(step.rows))]
     n_tokens, total = sum(len(s) - 1 for s in seqs), 0
@@ -1386,19 +1301,16 @@ def ptx_backward(policy, ptx, step, update, epoch, mb, args, pad_id):
         total = total + loss.detach()
     return total
 
-
 def sync_gradients(models, last):
     """Makes DDP all-reduce gradients in a step's last backward pass only. FSDP2 reduce-scatters every one's."""
     for model in (m for m in models if isinstance(m, torch.nn.parallel.DistributedDataParallel)):
         model.require_backward_grad_sync = last
 
-
 def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
-    """Policy's and critic's gradients clipped together (0: not clipped), the step, the gradients cleared; each model's
-    norm before clipping returned. A norm that is not finite stops the run before the step (the checkpoint good)."""
-    def full(norm):  # (FSDP: a DTensor, each rank's shards' part)
+    """Clips both models' gradients together, steps, clears them, and returns each model's norm before clipping.
+    max_grad_norm 0 clips nothing. A norm that is not finite stops the run before the step, so checkpoints stay good."""
+    def full(norm):  # Under FSDP a DTensor, each rank holding its shards' part
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
     norms = {f"{name}/grad_norm": full(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
                                                                        if p.grad is not None]))
              for name, model in trainable.items()}
@@ -1410,10 +1322,8 @@ def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
     optimizer.zero_grad(set_to_none=True)
     return norms
 
-
 def mean_over_steps(stats):
-    """Each statistic's mean over the update's optimizer steps, and the ratio's variance.
-
+    """Returns each statistic's mean over the update's optimizer steps, and the ratio's variance.
     A step's statistic is the sum of every process's part, each a sum over its tokens divided by the step's count."""
     names = list(stats[0])
     per_step = dict(zip(names, all_reduce(torch.stack([torch.stack([s[k] for s in stats]) for k in names]))))
@@ -1421,37 +1331,32 @@ def mean_over_steps(stats):
     means["policy/ratio_var"] = (per_step["policy/ratio_sq"] - per_step["policy/ratio"] ** 2).mean().item()
     return means
 
-
-# --- Distributed set-up (torchrun's environment variables; `python ppo.py` is world size 1). --------------------------
+# --- Processes: torchrun's environment variables, or one process under `python ppo.py`. -------------------------------
 def setup_distributed():
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
     common.attention_without_nan(device)
     if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        # an hour, not the default 10 minutes: the ranks wait in a collective while rank 0 writes the final model
+        if device.type == "cuda": torch.cuda.set_device(device)
+        # An hour, not the default 10 minutes, as the ranks wait in a collective while rank 0 writes the final model.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
     return rank, world, device
 
-
 def parallelize(model, args, device, frozen=False):
-    """DDP, or FSDP2 (a unit per transformer block, the input embeddings, a float32 head) from rank 0's weights. A
-    frozen model: sharded too under FSDP (on the host with --offload_inference_models), a replica under DDP."""
+    """Returns the model under DDP, or under FSDP2 from rank 0's weights with a unit per block, embeddings and head.
+    A frozen model is a replica under DDP. Under FSDP it is sharded too, on the host with --offload_inference_models."""
     host = frozen and args.offload_inference_models and device.type == "cuda"
-    if not dist.is_initialized() or (frozen and not args.fsdp):
-        return model.to(device)
+    if not dist.is_initialized() or (frozen and not args.fsdp): return model.to(device)
     if args.fsdp:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-        # bf16 is compute only: the sharded parameters, and so the optimizer's steps, stay in their own dtype
+        # bf16 is for compute only. The sharded parameters, and so the optimizer's steps, keep their own dtype.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None, reduce_dtype=torch.float32)
         offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
 
         def shard(model):
             hf = next(m for m in model.modules() if hasattr(m, "get_input_embeddings"))
-            # its own unit, gathered in float32: a scalar head (a Float32Linear, or peft's wrapper of one), or a causal
-            # LM's untied float32 output layer (gathered only to compute logits, not held with the root)
+            # The head is its own unit, gathered in float32: a scalar head of Float32Linear layers, in peft's wrapper
+            # or not, or a causal LM's untied float32 output layer, gathered for the logits rather than with the root.
             if getattr(hf, "score", None) is not None:
                 linears = [m for m in hf.score.modules() if isinstance(m, torch.nn.Linear)]
                 head = hf.score if linears and all(isinstance(m, common.Float32Linear) for m in linears) else None
@@ -1460,141 +1365,115 @@ def parallelize(model, args, device, frozen=False):
                 untied = isinstance(output, torch.nn.Linear) and output.weight is not hf.get_input_embeddings().weight
                 head = output if untied and output.weight.dtype == torch.float32 else None
             in_float32 = set(head.parameters()) if head is not None else set()
-            if frozen and args.bf16:  # gathered in bfloat16 to compute: held so, the same numbers at half the memory
-                for p in set(model.parameters()) - in_float32:  # (parameters only: RoPE's buffers stay float32)
+            if frozen and args.bf16:  # Gathered in bfloat16 anyway, so stored so: the same numbers in half the memory
+                for p in set(model.parameters()) - in_float32:  # Parameters only: RoPE's buffers stay float32.
                     p.data = p.data.to(torch.bfloat16)
             for block in next(m for m in model.modules()
                               if isinstance(m, torch.nn.ModuleList) and len(m) == hf.config.num_hidden_layers):
                 fully_shard(block, mp_policy=mp, **offload)
             common.shard_input_embeddings(model, fully_shard, mp_policy=mp, **offload)
-            if head is not None:  # gathered in float32, its inputs cast to it: the logits, values, rewards in float32
+            if head is not None:  # Its inputs are cast to float32, and so are logits, values and rewards.
                 fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **offload)
             fully_shard(model, mp_policy=mp, **offload)
-
         sharded = common.shard_from_rank0(model, shard, device, host)
         return sharded if frozen else sum_gradients(sharded)
     model.to(device)
-    # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
+    # gradient_as_bucket_view makes the gradients views into DDP's all-reduce buckets, not a second copy.
     return sum_gradients(torch.nn.parallel.DistributedDataParallel(
         model, device_ids=None if device.type == "cpu" else [device.index], broadcast_buffers=False,
         gradient_as_bucket_view=True))
 
-
 def heads_in_float32(model):
-    """A sequence classifier's scalar head held in float32 (the rest may be bfloat16: README's precision table)."""
+    """Returns the sequence classifier with its scalar head in float32, the rest as it is (README's precision table)."""
     (getattr(model, "score", None) or getattr(model, "classifier", None) or torch.nn.Identity()).float()
     return model
 
-
 @contextlib.contextmanager
 def gathered_once(model, enabled):
-    """Under FSDP: the weights gathered at the first forward inside and kept for every forward after (a rollout's
-    one-token decodes: one all-gather per block, not one per token), then sharded again as parallelize left them."""
+    """Under FSDP, keeps the weights gathered through a rollout's decodes, one all-gather per block, then reshards."""
     if not enabled:
         yield
         return
     model.set_reshard_after_forward(False)
     try:
-        with resharded([model]):
-            yield
+        with resharded([model]): yield
     finally:
         model.set_reshard_after_forward(True)
         model.set_reshard_after_forward(False, recurse=False)  # FSDP's own setting for the root
 
-
 def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
-
 def all_gather_cat(t):
-    if not dist.is_initialized():
-        return t
+    if not dist.is_initialized(): return t
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t.contiguous())
     return torch.cat(out)
 
-
 def all_reduce(t, op=None):
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    if dist.is_initialized(): dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
     return t
 
-
 def all_gather_objects(items):
-    """Every process's list, concatenated in process order."""
-    if not dist.is_initialized():
-        return items
+    """Returns every process's list, concatenated in process order."""
+    if not dist.is_initialized(): return items
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, items)
     return [x for part in out for x in part]
 
-
 def process_share(rows):
-    """This process's equal share of rows, in order: all of them in a single process."""
-    if not dist.is_initialized():
-        return rows
+    """Returns this process's equal share of rows, in order, or all of them in a single process."""
+    if not dist.is_initialized(): return rows
     return rows.chunk(dist.get_world_size())[dist.get_rank()]
 
-
 def rows_of_every_process(t):
-    """A (..., B, T) tensor in which each process filled its own rows, with every process's rows on each.
-
-    The other rows are 0, so their sum over processes is every row once."""
+    """Returns the sum over processes of a (..., B, T) tensor in which each filled its own rows, the others 0."""
     return all_reduce(t)
 
-
 def collective(args):
-    """Whether every process must make the same forward calls: FSDP on several processes gathers weights in them."""
+    """Returns whether all processes must make the same forward calls. FSDP on several gathers weights in them."""
     return args.fsdp and dist.is_initialized() and dist.get_world_size() > 1
 
-
 def all_processes_done(done, args):
-    """Whether every row has stopped. Under FSDP the answer is every process's, so that all decode the same steps."""
+    """Returns whether every row has stopped. Under FSDP it asks every process, so that all decode the same steps."""
     return bool(all_reduce(done.all().float(), dist.ReduceOp.MIN)) if collective(args) else bool(done.all())
-
 
 def sum_gradients(model):
     """Makes DDP or FSDP2 sum gradients over processes instead of averaging them.
-
     Each process's loss is then its part of the mini-batch's mean, with no factor for the number of processes."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         def all_reduce_sum(state, bucket):
             return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
         model.register_comm_hook(None, all_reduce_sum)
     for module in model.modules():
-        if hasattr(module, "set_gradient_divide_factor"):  # each FSDP2 unit, summed by SUM on gloo and NCCL alike
+        if hasattr(module, "set_gradient_divide_factor"):  # Each FSDP2 unit, reduced by SUM on gloo and NCCL alike
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
 
-
 @contextlib.contextmanager
 def resharded(models):
-    """Frozen sharded models' weights released after they compute (FSDP's root keeps them, for a backward never run)."""
+    """Releases frozen sharded models' weights after they compute. FSDP's root keeps them for a backward never run."""
     try:
         yield
     finally:
         for unit in (u for m in models if isinstance(m, torch.nn.Module) for u in m.modules() if hasattr(u, "reshard")):
             unit.reshard()
 
-
 # --- Logging, the final save, figures. --------------------------------------------------------------------------------
 def open_logs(args, rank, saved):
-    """Rank 0's metrics logger, samples.jsonl and eval_samples.jsonl. On resume each continues after the
-    checkpoint's update, `saved`."""
+    """Returns rank 0's metrics logger, samples.jsonl and eval_samples.jsonl. On resume they go on after `saved`."""
     files = ("samples.jsonl", "eval_samples.jsonl")
     return None if rank != 0 else (common.Logger(args, args.wandb_project, saved),
                                    *(common.open_log(os.path.join(args.output_dir, f), saved) for f in files))
 
-
 def log_update(logs, bar, m, last, args, tokenizer, batch):
-    """The update's metrics to every log; every --sample_every updates, and at the last, a table of samples."""
+    """Writes the update's metrics to every log, and a table of samples every --sample_every updates and at the last."""
     logger, samples_file, _ = logs
     logger.log(m)
-    shown = {"score": "objective/scores", "kl": "objective/kl", "gold": "gold/mean"}  # (gold: the embedded task's)
+    shown = {"score": "objective/scores", "kl": "objective/kl", "gold": "gold/mean"}  # gold is the embedded task's.
     bar.set_postfix(**{name: f"{m[key]:.3f}" for name, key in shown.items() if key in m})
-    if (m["step"] - 1) % args.sample_every and not last:
-        return
+    if (m["step"] - 1) % args.sample_every and not last: return
     bar.write(common.format_metrics(m))
     c = batch.context_length
     for i in range(min(args.num_samples, len(batch.scores))):
@@ -1606,36 +1485,29 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
         samples_file.write(json.dumps(row) + "\n")
     samples_file.flush()
 
-
 def update_metrics(batch, kl, non_score_reward, times, args, peak_memory_of=None):
-    """The rollout's statistics (TRL's names), episodes and tokens per second, each phase's time; peak_memory_of: a
-    device, whose peak memory so far (what each rank held at most) is added."""
+    """Returns the rollout's statistics under TRL's names, throughput, phase times and the peak memory if asked."""
     mask, elapsed = batch.mask.float(), times[-1] - times[0]
-    # objective/entropy: -log p of the sampled tokens, summed over the response (TRL's name): a one-sample estimate
+    # objective/entropy, TRL's name, is a one-sample estimate: -log p of the sampled tokens, summed over the response.
     m = {"objective/kl": kl.sum(1).mean(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean(),
          "objective/non_score_reward": non_score_reward.sum(1).mean(), "objective/scores": batch.scores.mean(),
          "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean(),
          "response/length": mask.sum(1).mean(), "perf/episodes_per_s": len(mask) / elapsed,
          **{f"perf/time_{p}": t1 - t0 for p, t0, t1 in zip(("rollout", "score", "learn"), times, times[1:])},
          "perf/tokens_per_s": batch.attention_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
-    if batch.values is not None:
-        m["val/mean"] = masked_mean(batch.values, mask)
-    if batch.has_stop is not None:  # None with --stop_token none: no response can stop
+    if batch.values is not None: m["val/mean"] = masked_mean(batch.values, mask)
+    if batch.has_stop is not None:  # None with --stop_token none, where no response can stop
         m["response/eos_rate"] = batch.has_stop.float().mean()
-    if batch.gold is not None:
-        m["gold/mean"], m["gold/std"] = batch.gold.mean(), batch.gold.std()
+    if batch.gold is not None: m["gold/mean"], m["gold/std"] = batch.gold.mean(), batch.gold.std()
     return {**{k: float(v) for k, v in m.items()}, **(common.peak_memory(peak_memory_of) if peak_memory_of else {})}
 
-
 def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank):
-    """The final policy in transformers' format (LoRA: merged, the adapter in output_dir/adapter), its tokenizer, the
-    curves, the first and last 5 updates' means of proxy score, KL and gold score; the logs closed."""
+    """Saves the policy, merged under LoRA with its adapter in output_dir/adapter, its tokenizer, curves and results.
+    ppo_results.json holds the first and last 5 updates' means of proxy score, KL and gold, and the last evaluation."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     policy_sd = get_model_state_dict(trainable["policy"], options=options)
-    if rank != 0:
-        return
+    if rank != 0: return
     if lora is not None:
         policy_hf = common.save_lora(policy_hf, lora, policy_sd, tokenizer, args.output_dir)
         policy_sd = policy_hf.state_dict()
@@ -1660,8 +1532,7 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
     axes[0].set(title="Score (mean per episode)", xlabel="episodes")
     axes[1].set(title="KL to the reference (summed over the response)", xlabel="episodes")
     axes[2].set(title="Score against sqrt(KL), a dot per update or evaluation", xlabel="sqrt(KL)")
-    for ax in axes[:2]:
-        ax.legend()
+    for ax in axes[:2]: ax.legend()
     common.save_figure(axes[0].figure, os.path.join(args.output_dir, "curves.png"))
     summary = {}
     for key, name in {"objective/scores": "proxy", "objective/kl": "kl", "gold/mean": "gold",
@@ -1671,21 +1542,17 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
     final = {k.replace("/", "_") if "/" in k else f"eval_{k}": v for k, v in evals[-1].items()} if evals else {}
     common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
                              {**summary, **final, "args": dataclasses.asdict(args)})
-    for log in logs:
-        log.close()
-    print(" ".join(f"{k}={v:.4g}" for k, v in {**summary, **final}.items() if k.startswith(("gold", "proxy", "kl",
-                                                                                           "eval_score", "eval_gold",
-                                                                                           "eval_kl")))
+    for log in logs: log.close()
+    print(" ".join(f"{k}={v:.4g}" for k, v in {**summary, **final}.items()
+                   if k.startswith(("gold", "proxy", "kl", "eval_score", "eval_gold", "eval_kl")))
           + f"; saved to {args.output_dir}")
 
-
-# --- Opt-in: length grouping (--group_by_length). Less padding, the same numbers (tests/test_ppo.py checks a run). ---
-GROUP_OVERHEAD_TOKENS = 64  # the cost of one more forward and backward, in tokens (~30 on 2 CPU cores; more on GPUs)
-
+# --- Opt-in: --group_by_length, less padding for the same numbers, as tests/test_ppo.py checks. -----------------------
+GROUP_OVERHEAD_TOKENS = 64  # One more forward and backward's cost in tokens: 30 on 2 CPU cores, more on GPUs
 
 def length_groups(prompt_lengths, response_lengths, overhead=None):
-    """Rows in groups of similar length, one trimmed forward each: sorted by length, a row joins the group before it
-    unless the padding that adds (width: longest prompt + longest response) costs more than one more call."""
+    """Returns the rows, sorted by length, in groups that each make one trimmed forward. A group's width is its longest
+    prompt plus its longest response. A row joins the last group unless the padding added costs more than a call."""
     overhead = GROUP_OVERHEAD_TOKENS if overhead is None else overhead
     p, r = prompt_lengths.tolist(), response_lengths.tolist()
     groups, longest = [], (0, 0)
@@ -1699,13 +1566,11 @@ def length_groups(prompt_lengths, response_lengths, overhead=None):
         longest = grown
     return [torch.tensor(g) for g in groups]
 
-
 def length_grouped(batch, rows, args):
-    """micro_batches under --group_by_length: each micro-batch's rows as length_groups, each one forward less the
-    columns all padding in its rows (position ids come from the mask: the real tokens' outputs are unchanged). Under
-    FSDP on several processes, where every process must make the same calls, the plain micro-batches."""
-    if collective(args):
-        return micro_batches(batch, rows, dataclasses.replace(args, group_by_length=False))
+    """Returns micro_batches under --group_by_length: each micro-batch's rows split by length_groups.
+    A group's forward drops the columns that are padding in all its rows. Position ids come from the mask, so the real
+    tokens' outputs do not change. Under collective FSDP the micro-batches stay plain."""
+    if collective(args): return micro_batches(batch, rows, dataclasses.replace(args, group_by_length=False))
     context, out, micro = batch.context_length, [], args.per_device_train_batch_size
     prompt_lengths, response_lengths = batch.attention_mask[:, :context].sum(1), batch.mask.sum(1)
     for r in rows.split(micro):
@@ -1717,59 +1582,47 @@ def length_grouped(batch, rows, args):
                                   batch.attention_mask[group][:, first:last], context - first, last - context))
     return out
 
-
 def old_logprob_micro_batches(batch, args, update):
-    """The micro-batches of phase 2: this process's rows in order, in micro-batches of learn()'s shape.
-
-    Under --group_by_length they are the first epoch's plan instead, the very forwards learn() runs first. Grouped
-    micro-batches differ in shape between the phases, and a row's numbers could differ in the last bits with its
-    micro-batch's shape. With the first epoch's own forwards the first ratio stays exactly 1."""
+    """Returns phase 2's micro-batches: this process's rows in order, in micro-batches of learn()'s shape.
+    Under --group_by_length they are the forwards of learn()'s first epoch, so that the first ratio is exactly 1. A
+    row's numbers may differ in the last bits with its micro-batch's shape, and grouped shapes differ by phase."""
     if args.group_by_length and not collective(args):
         return [f for step in epoch_plan(batch, args, update, 0) for f in step.forwards]
     return micro_batches(batch, process_share(torch.arange(len(batch.mask), device=batch.mask.device)), args)
 
-
-# --- Opt-in: the output layer in bounded memory (--blocked_logits). response_logprobs' numbers and gradients. --------
-LOGIT_BLOCK = 2 ** 25  # elements (128 MB in float32) of one block of response logits
-
+# --- Opt-in: --blocked_logits, response_logprobs' numbers and gradients in bounded memory. ----------------------------
+LOGIT_BLOCK = 2 ** 25  # Elements in one block of response logits, 128 MB in float32
 
 def output_logits(model, hidden, temperature=1.0):
-    """A causal LM's logits / temperature in float32 from the hidden states its output layer reads, whatever the
-    autocast and dtype: the layer, then the families' transforms (Gemma's softcapping, Cohere's logit scale, Granite's
-    scaling; check_output_logits confirms them). All linear: (h / T) W = (h W) / T, hidden- not vocabulary-wide."""
+    """Returns a causal LM's float32 logits / temperature from its output layer's inputs, whatever autocast and dtype.
+    The layer is followed by Gemma's softcapping, Cohere's logit scale or Granite's scaling (check_output_logits). When
+    all is linear, (h / T) W = (h W) / T divides the hidden states rather than the vocabulary-wide logits."""
     head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
     linear = cap is None and getattr(head, "bias", None) is None
     with torch.autocast(hidden.device.type, enabled=False):
         hidden = hidden.float() / temperature if linear else hidden.float()
-        # a module call (FSDP gathers the layer where it is its own unit); in float32 (output_layer_in_float32)
+        # A module call, so that FSDP gathers the layer where it is its own unit. The layer computes in float32.
         logits = head(hidden if isinstance(head, common.Float32Linear) else hidden.to(head.weight.dtype)).float()
-        if cap:
-            logits = cap * torch.tanh(logits / cap)
-        if (scale := getattr(model, "logit_scale", None)) is not None:
-            logits = logits * scale
-        if divisor := getattr(model.config, "logits_scaling", None):
-            logits = logits / divisor
+        if cap: logits = cap * torch.tanh(logits / cap)
+        if (scale := getattr(model, "logit_scale", None)) is not None: logits = logits * scale
+        if divisor := getattr(model.config, "logits_scaling", None): logits = logits / divisor
         return logits if linear else logits / temperature
 
-
 def head_inputs(model, **inputs):
-    """The hidden states the model's output layer reads, from its own forward (through DDP or FSDP), the layer handed
-    an empty slice instead: the model's own logits are never computed."""
+    """Returns the hidden states the output layer reads, from the model's own forward, and never computes its logits."""
     captured = []
 
     def capture(module, args):
         captured.append(args[0])
         return (args[0][:, :0],) + args[1:]
-
     with unwrap(model).get_output_embeddings().register_forward_pre_hook(capture):
         model(**inputs)
     return captured[0]
 
-
 def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, entropy=False, entropy_grad=True):
-    """response_logprobs in memory bounded whatever the vocabulary: its forward's positions predicting a response token
-    through the output layer (head_inputs) in blocks of LOGIT_BLOCK elements, each recomputed in the backward pass
-    (Chen et al. 2016), so a micro-batch's logits (16 x 128 x 152k floats: 1.2 GB) are never held whole."""
+    """Returns response_logprobs' numbers in memory bounded whatever the vocabulary.
+    The output layer reads the response positions in blocks of LOGIT_BLOCK elements, each recomputed in the backward
+    pass (Chen et al. 2016). A micro-batch's logits, 1.2 GB for 16 x 128 x 152k floats, are never held whole."""
     model, hidden = unwrap(policy), head_inputs(policy, **inputs)[:, -predicting:-1]
 
     def block(h, y):  # float32 throughout: logits, log-softmax and entropy
@@ -1777,40 +1630,35 @@ def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, 
         logprobs = logp_all.gather(-1, y[..., None]).squeeze(-1)
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
             return logprobs, entropy_of(logp_all) if entropy else torch.zeros_like(logprobs)
-
     step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
-    recompute = torch.is_grad_enabled() and step < hidden.shape[1]  # (one block: computed directly)
+    recompute = torch.is_grad_enabled() and step < hidden.shape[1]  # A single block is computed directly.
     run = functools.partial(torch.utils.checkpoint.checkpoint, block, use_reentrant=False) if recompute else block
     parts = [run(hidden[:, s:s + step], targets[:, s:s + step]) for s in range(0, hidden.shape[1], step)]
     logprobs, entropies = (torch.cat(t, 1) for t in zip(*parts))
     return logprobs, entropies if entropy else None
 
-
 @torch.no_grad()
 def check_output_logits(model, flag, name):
-    """output_logits must give the model's own logits: an output transform it does not know is named before training."""
+    """Raises a UserError before training if output_logits does not reproduce the model's own logits."""
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % vocab
     own = model(input_ids=ids).logits.float()
     ours = output_logits(model, head_inputs(model, input_ids=ids)).float()
-    # a model held in bfloat16 rounds its own logits to bfloat16 (2^-8 relative); an unknown transform moves them more
+    # bfloat16 weights round the model's own logits by 2^-8 relative. An unknown transform moves them more.
     tol = 1e-4 if model.get_output_embeddings().weight.dtype == torch.float32 else 1e-2
     if not torch.allclose(own, ours, atol=tol, rtol=tol):
         raise common.UserError(f"{flag} {name}: ppo.py's output_logits does not reproduce this model's logits (an "
                                f"output transform it does not know, in {type(model).__name__}); add it there")
 
-
 # --- --compile: the decode step through CUDA graphs. ------------------------------------------------------------------
-STOP_CHECK_EVERY = 16  # --compile: tokens between two reads of whether every row has stopped (a read waits for the GPU)
-DECODES = weakref.WeakKeyDictionary()  # a model -> its CompiledDecode (which holds no reference to the model)
-
+STOP_CHECK_EVERY = 16  # Tokens between two reads of whether every row has stopped. A read waits for the GPU.
+DECODES = weakref.WeakKeyDictionary()  # Each model's CompiledDecode, which holds no reference to the model
 
 @torch.no_grad()
 def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
-    """generate's tokens, each after the first from CompiledDecode's step; whether every row has stopped read every
-    STOP_CHECK_EVERY tokens (a read waits for the device), the tokens after padded as generate pads them (not FSDP)."""
+    """Returns generate's tokens, the first from the prompt's forward and each after it from CompiledDecode's step."""
     model, kind = unwrap(model), query.device.type
-    # the rows and --max_prompt_length + --response_length columns, every rollout's: compiled (its graph recorded) once
+    # Every rollout has these rows and --max_prompt_length + --response_length columns, so it compiles once.
     key = (len(query), max(query.shape[1], args.max_prompt_length or 0) + args.response_length, args.temperature,
            torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
     if (decode := DECODES.get(model)) is None or decode.key != key:
@@ -1819,37 +1667,34 @@ def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
     position = (query_mask.long().cumsum(1) - 1).clamp(min=0)
     mask = F.pad(query_mask.long(), (0, decode.cache_length - query.shape[1]), value=1)
     last_only = {"logits_to_keep": 1} if takes_argument(type(model), "logits_to_keep") else {}
-    tokens = [decode.forward(model, query, 0, position, mask, seeds, **last_only)]  # (the prompt: not compiled)
-    step = torch.zeros((), dtype=torch.long, device=query.device)  # (the index: on device)
-    position = position[:, -1:].contiguous()  # (strides too the same for every rollout)
+    tokens = [decode.forward(model, query, 0, position, mask, seeds, **last_only)]  # The prompt is not compiled.
+    step = torch.zeros((), dtype=torch.long, device=query.device)  # The index lives on the device.
+    position = position[:, -1:].contiguous()  # Strides too are the same in every rollout.
     for t in range(1, args.response_length):
         if t % STOP_CHECK_EVERY == 0 and stop_id is not None and (torch.cat(tokens, 1) == stop_id).any(1).all():
             break
         step.fill_(t)
         torch.compiler.cudagraph_mark_step_begin()
-        tokens.append(decode.step(model, tokens[-1], step, position, mask, seeds).clone())  # (graphs reuse outputs)
+        tokens.append(decode.step(model, tokens[-1], step, position, mask, seeds).clone())  # Graphs reuse outputs.
     responses = torch.cat(tokens, 1)
-    if stop_id is not None:  # as generate: padding after the first token where every row had stopped
+    if stop_id is not None:  # As generate, pad after the first token where every row had stopped.
         all_stopped = (responses == stop_id).cumsum(1).gt(0).all(0)  # (T,)
         responses = responses.masked_fill(F.pad(all_stopped[:-1], (1, 0), value=False), pad_id)
     return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
 
-
 class CompiledDecode:
-    """generate's one-token step through torch.compile(mode="reduce-overhead") (gpt-fast): the plain step's function
-    (in float32 on a CPU the same tokens) on fixed shapes (a static cache of cache_length columns, the step index on
-    the device): compiled once, on a GPU one CUDA graph replayed per token, no host sync. Holds no model reference."""
-
+    """generate's one-token step, compiled once by torch.compile(mode="reduce-overhead") as in gpt-fast.
+    Shapes are fixed: a static cache of cache_length columns and the step index on the device. On a GPU each token
+    replays one CUDA graph, with no host sync. In float32 on a CPU it draws the plain step's tokens."""
     def __init__(self, model, key):
         self.key, self.cache_length, self.temperature = key, key[1], key[2]
         self.cache = ComputeDtypeCache(config=model.config, max_cache_len=self.cache_length)
         self.step = torch.compile(self.forward, mode="reduce-overhead", dynamic=False)
 
-    def forward(self, model, ids, t, position, mask, seeds, **last_only):  # token t (B, 1) from the prompt or t - 1
+    def forward(self, model, ids, t, position, mask, seeds, **last_only):  # Token t from the prompt or token t - 1
         logits = model(input_ids=ids, attention_mask=mask, past_key_values=self.cache, use_cache=True,
                        position_ids=position + t, **last_only).logits[:, -1].float() / self.temperature
         return sample_tokens(logits, seeds, t)[:, None]
-
 
 if __name__ == "__main__":
     common.exit_on_user_error(main, common.cli(Args))
