@@ -56,12 +56,18 @@ def test_fits_are_on_the_mean_curve_over_seeds():
 def test_quick_sweep_shows_overoptimization(tmp_path, monkeypatch):
     """The smallest setting: two reward models (125 and 2,000 pairs), one seed. The larger is more accurate, and its
     best-of-n and RL reach a higher gold score; best-of-n's proxy rises with n; under RL against either, the proxy rises
-    to the end while the gold score turns down, and PPO on the gold reward itself ends higher."""
+    to the end while the held-out gold score turns down, and PPO on the gold reward itself ends higher. A KL penalty
+    against the larger ends at a smaller KL."""
     out = tmp_path / "quick.json"
     monkeypatch.setattr(sys, "argv", ["overoptimization.py", "--quick", "--out", str(out), "--scratch", str(tmp_path)])
     overoptimization.main()  # (in this process: it runs rm.py and ppo.py in its own)
     runs = json.load(open(out))["runs"]
-    small, large, ceiling = runs
+    small, large, penalised, ceiling = runs
+    assert (small["pairs"], large["pairs"], penalised["pairs"], ceiling["pairs"]) == (125, 2000, 2000, None)
+    assert [r["kl_coef"] for r in runs] == [0.0, 0.0, 0.1, 0.0]
+    # RL's points come from the held-out evaluations, the first before any update; a KL penalty ends nearer the start
+    assert all(r["rl"][0]["d"] == 0 and len(r["rl"]) == 17 for r in (small, large, penalised, ceiling))
+    assert penalised["rl"][-1]["d"] < 0.75 * large["rl"][-1]["d"]
     assert small["accuracy"] < large["accuracy"] < large["bayes_accuracy"]
     for r in (small, large):
         assert all(a["proxy"] <= b["proxy"] + 1e-12 for a, b in zip(r["bon"], r["bon"][1:]))
@@ -71,5 +77,5 @@ def test_quick_sweep_shows_overoptimization(tmp_path, monkeypatch):
     assert large["bon"][-1]["gold"] > small["bon"][-1]["gold"] > small["gold_init"]
     assert max(p["gold"] for p in large["rl"]) > max(p["gold"] for p in small["rl"])
     assert ceiling["rl"][-1]["gold"] > max(p["gold"] for r in (small, large) for p in r["rl"])
-    assert os.path.getsize(tmp_path / "quick.png") > 1000
+    assert os.path.getsize(tmp_path / "quick.png") > 1000 and os.path.getsize(tmp_path / "quick_kl.png") > 1000
     assert not math.isnan(overoptimization.summarize(runs)[0]["rl"]["r2"])
