@@ -81,6 +81,20 @@ def test_policy_and_value_losses_match_formulas():
             assert vclip[i, j].item() == float(clipped > unclipped)
 
 
+def test_policy_loss_statistics_stay_finite_on_padding_whose_log_prob_is_minus_infinity():
+    """A model may give a pad token the log-prob -inf (a masked vocabulary entry): the ratio and approxkl statistics
+    are masked before they are computed, so no inf x 0 = NaN reaches the logs, and the real tokens' numbers stand."""
+    new = torch.tensor([[-1.0, -2.0, float("-inf")], [-0.5, float("-inf"), float("-inf")]])
+    old = torch.tensor([[-1.2, -2.0, 0.0], [-0.4, 0.0, 0.0]])
+    adv, mask = torch.tensor([[1.0, -1.0, 0.0], [2.0, 0.0, 0.0]]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    loss, stats = ppo.policy_loss(new, old, adv, 0.2, mask)
+    for name, value in stats.items():
+        assert torch.isfinite(value).all() and torch.isfinite((value * mask).sum()), name
+    assert torch.isfinite(loss * mask).all()
+    assert stats["ratio"][0, 0].item() == pytest.approx(math.exp(0.2)) and stats["approxkl"][1, 0].item() == \
+        pytest.approx(0.5 * 0.1 ** 2)
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
 def test_the_loss_mean_is_its_formula_whatever_the_micro_batches(aggregation):
     """learn()'s policy loss for one mini-batch of 4 responses of 4, 2, 1 and 3 tokens, on-policy (ratio 1: each
