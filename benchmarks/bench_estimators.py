@@ -37,11 +37,11 @@ def run_row(spec):
     """One run in this process: ppo.main on the row's flags; prints its history, wall time and peak memory as JSON."""
     import ppo
 
-    args = ppo.Args(**spec, sample_every=10 ** 9)
+    args = ppo.Args(**{"num_evals": 0, **spec}, sample_every=10 ** 9)  # training alone, unless a row evaluates
     t = time.time()
     history = ppo.main(args)
     wall = time.time() - t
-    metrics = [json.loads(line) for line in open(os.path.join(args.output_dir, "metrics.jsonl"))]
+    metrics = [json.loads(line) for line in open(os.path.join(args.output_dir, "metrics.jsonl")) if "perf/time_rollout" in line]
     with open("/proc/self/status") as f:  # this process's own peak resident set
         peak_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     keep = ("step", "episodes", "gold/mean", "objective/kl", "objective/scores")

@@ -146,9 +146,9 @@ def run_ours(root, workload, episodes=None, fast=False):
                       num_ppo_epochs=SIZES["epochs"], response_length=w["response_length"],
                       temperature=SIZES["temperature"], stop_token="eos" if w["stop"] else "none",
                       learning_rate=SIZES["lr"], kl_coef=SIZES["kl_coef"], seed=SIZES["seed"], sample_every=10**6,
-                      output_dir=out))
+                      num_evals=0, output_dir=out))  # training alone, as TRL's row (no held-out evaluation)
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        ms = [json.loads(line) for line in f]
+        ms = [json.loads(line) for line in f if "perf/episodes_per_s" in line]
     return {"train_s": sum(SIZES["batch"] / m["perf/episodes_per_s"] for m in ms),
             "generation_s": sum(m["perf/time_rollout"] for m in ms), "scoring_s": sum(m["perf/time_score"] for m in ms),
             "learning_s": sum(m["perf/time_learn"] for m in ms),

@@ -325,7 +325,7 @@ def check_ppo_update(device, quick, scratch):
     out = {}
     for compiled in (False, True):
         args = ppo.Args(bf16=True, compile=compiled, reward_fn="common:gold_rewards", total_episodes=96,
-                        sample_every=1000, save_steps=0, overwrite_output_dir=True,
+                        sample_every=1000, save_steps=0, overwrite_output_dir=True, num_evals=0,
                         output_dir=os.path.join(scratch, f"ppo_update_compile{int(compiled)}"))
         if quick:
             args = dataclasses.replace(args, per_device_train_batch_size=4, total_episodes=24)
