@@ -41,7 +41,8 @@ def run_row(spec):
     t = time.time()
     history = ppo.main(args)
     wall = time.time() - t
-    metrics = [json.loads(line) for line in open(os.path.join(args.output_dir, "metrics.jsonl")) if "perf/time_rollout" in line]
+    with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f if "perf/time_rollout" in line]
     with open("/proc/self/status") as f:  # this process's own peak resident set
         peak_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     keep = ("step", "episodes", "gold/mean", "objective/kl", "objective/scores")
