@@ -20,12 +20,12 @@ The models. Each column says what an option changes; a dash means nothing.
              default                      --critic_init policy   LoRA (--lora_r)                  --reward_fn
   policy     the initial policy, trained  -                      an adapter on it, trained        -
   reference  a frozen copy of the policy  -                      the policy with its adapter off  -
-  reward     the frozen reward model      -                      the critic with its adapter off  the function, added
-                                                                 if it is the reward model        to any model
+  reward     the frozen reward model      -                      the critic with its adapter off  the function, plus
+                                                                 if it is the reward model        the model if given
   critic     the reward model, trained,   the policy's network   an adapter on the critic's       the policy's network
-             its output normalized        and a new head         network, trained                 without a model
-Sampling and every log-prob use logits / --temperature, with no top-k or top-p. Trained weights and optimizer state
-are float32. --bf16 autocasts the transformer blocks; the output layer, log-softmax, values and rewards stay float32.
+             its output normalized        and a new head         network, trained                 if no reward model
+Sampling and every response log-prob use logits / --temperature, with no top-k or top-p. In one process, the helpers
+that share rows between processes (process_share, all_gather_cat, rows_of_every_process) return their input.
 
 Schulman et al. 2017 (PPO); Ziegler et al. 2019 and Stiennon et al. 2020 (PPO for language); Huang et al. 2024, "The
 N implementation details of RLHF with PPO". README.md lists what is left out. The method ends at the FENCE after
@@ -232,7 +232,7 @@ def reinforce_pp_advantages(rewards, mask, gamma):
 def policy_loss(logprobs, old_logprobs, advantages, cliprange, mask):
     """Returns the clipped surrogate objective as a loss per token, and statistics per token.
 
-    Schulman et al. 2017, eq. 7. Padding's log-probs are set to 0 first, so that the statistics stay finite there."""
+    Schulman et al. 2017, eq. 7. Padding's log-ratios are set to 0 first, so that the statistics stay finite there."""
     log_ratio = (logprobs - old_logprobs).masked_fill(mask == 0, 0.0)
     ratio = log_ratio.exp()
     unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
@@ -268,12 +268,12 @@ def truncate_after_stop(responses, stop_id, pad_id):
 
 def response_logprobs(model, query_response, attention_mask, context_length, temperature, entropy=False,
                       entropy_grad=True, blocked=False):
-    """Returns each response token's log-prob at the sampling temperature, and optionally each position's entropy.
+    """Returns each response token's log-prob at `temperature`, and optionally each position's entropy.
 
-    Every phase reads log-probs here: the old ones, the reference's, learning's and the ptx loss's. Position t
-    predicts token t + 1. The logits are float32 (output_layer_in_float32), computed only where a response token is
-    predicted, divided by the temperature and normalized by a float32 log-softmax. --blocked_logits gives the same
-    numbers in memory bounded whatever the vocabulary."""
+    Every phase reads log-probs here at --temperature: the old ones, the reference's and learning's; the ptx loss at
+    1. Position t predicts token t + 1. The logits are float32 (output_layer_in_float32), computed only where a
+    response token is predicted, divided by the temperature and normalized by a float32 log-softmax.
+    --blocked_logits gives the same numbers in memory bounded whatever the vocabulary."""
     predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 to T - 1
     keep = {"logits_to_keep": predicting} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     # Position ids count real tokens only, so that left padding changes nothing.
@@ -324,7 +324,7 @@ def sequence_reward(model, ids, mask):
 class Rollout:
     """One row per episode, and every process holds every row. A prompt's K episodes are consecutive rows.
 
-    Each phase fills its fields. (B, T) is (rows, response_length), and every field is 0 after a response ends."""
+    Each phase fills its fields. (B, T) is (rows, response_length); a (B, T) field is 0 after a response ends."""
     query_response: torch.Tensor  # (B, context_length + T): the left-padded prompt, then the response
     attention_mask: torch.Tensor  # the same shape, 1 on real tokens
     context_length: int  # the response starts at this column
@@ -406,7 +406,7 @@ def logprobs_and_values(policy, reference, critic, batch, args, update, referenc
 
     The policy's log-probs are the ratio's "old" ones. Each process computes its own rows in micro-batches of the
     shape learn() uses, and every process receives all rows. A row gives the same numbers in any micro-batch of one
-    shape, so the first ratio is exactly 1 and the KL is exactly 0 at the first update, in any precision."""
+    shape, so each update's first ratio is exactly 1, in any precision. At the first update the KL is exactly 0."""
     out = torch.zeros(3, *batch.mask.shape, device=batch.mask.device)  # the old log-probs, the reference's, values
     with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for f in old_logprob_micro_batches(batch, args, update):
