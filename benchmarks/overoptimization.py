@@ -279,7 +279,7 @@ def kl_report(runs, out_png):
         lines.append(f"| {coef:g} | {d[-1]:.2f} ({d[-1] ** 2:.1f}) | {gold[-1]:+.3f} | {gold[best]:+.3f} "
                      f"({d[best]:.2f}) | {on_free:+.3f} |")
     ax.axhline(0, color="gray", lw=0.5)
-    ax.set(title=f"KL penalty, reward model of {pairs:,} pairs: held-out gold against d (means over seeds)",
+    ax.set(title=f"KL penalty, the {pairs:,}-pair reward model: held-out gold (mean of seeds)",
            xlabel="d = sqrt(KL to the initial policy)", ylabel="gold score - initial policy's")
     ax.grid(alpha=0.3)
     ax.legend()
