@@ -932,12 +932,12 @@ def build_optimizer(policy, critic, args, num_updates):
                                            num_training_steps=num_updates)
     return trainable, optimizer, scheduler
 
-def load_prompts(args, tokenizer, split=None):
-    """Returns a split's prompts as token ids, not yet cut, and as texts. The split is the training split by default."""
+def load_prompts(args, tokenizer, split=None, rows=None):
+    """Returns a split's prompts as token ids, not yet cut, and as texts: the training split's, or `split`'s `rows`."""
     if args.dataset_name == "embedded":
         rng = random.Random(args.seed)
         rows = [{"prompt": common.embedded_prompt(rng), "_source": "embedded", "_row": i} for i in range(4096)]
-    else:
+    elif rows is None:
         rows = common.load_rows(args.dataset_name, args.dataset_config, split or args.dataset_train_split)
         if not rows: raise common.UserError(f"{args.dataset_name}: no split '{split or args.dataset_train_split}'")
     texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
@@ -952,7 +952,6 @@ def load_prompts(args, tokenizer, split=None):
 class Prompts:
     ids: list  # Token ids, cut to --max_prompt_length
     texts: list  # The whole texts, as --reward_fn receives them
-    index: list = None  # For eval prompts, each one's position in the eval set, which seeds its random stream
 
 def train_and_eval_prompts(args, tokenizer):
     """Returns the training prompts and the eval prompts, no eval prompt's text among the training prompts.
@@ -962,19 +961,20 @@ def train_and_eval_prompts(args, tokenizer):
     ids, texts = load_prompts(args, tokenizer)
     splits = [args.eval_split] if args.eval_split else [s for s in ("validation", "test") if s !=
                                                           args.dataset_train_split]
-    found = None if args.dataset_name == "embedded" else next(
-        (s for s in splits if common.load_rows(args.dataset_name, args.dataset_config, s) is not None), None)
+    read = ((s, common.load_rows(args.dataset_name, args.dataset_config, s)) for s in splits)  # each read once
+    found, eval_rows = next(((s, rows) for s, rows in read if rows is not None), (None, None)) \
+        if args.dataset_name != "embedded" else (None, None)
     if args.eval_split and found is None:
         names = ["none: its prompts are held out"] if args.dataset_name == "embedded" else \
             common.split_names(args.dataset_name, args.dataset_config)
         raise common.UserError(f"{args.dataset_name}: no split {args.eval_split!r} (--eval_split); its splits: "
                                f"{', '.join(map(str, names))}; pass one, or no --eval_split to hold out --eval_holdout "
                                "of the training prompts")
-    if found is not None and not common.load_rows(args.dataset_name, args.dataset_config, found):
+    if found is not None and not eval_rows:
         raise common.UserError(f"{args.dataset_name}: split {found!r} has no prompt to evaluate on; pass another "
                                "--eval_split")
     if found is not None:
-        eval_ids, eval_texts = load_prompts(args, tokenizer, found)
+        eval_ids, eval_texts = load_prompts(args, tokenizer, found, eval_rows)
         held, source = set(eval_texts), f"split {found!r}"
     else:
         held = common.hold_out(texts, args.eval_holdout, args.seed)
@@ -994,7 +994,7 @@ def train_and_eval_prompts(args, tokenizer):
         print(f"prompts: {len(trained)} train, {len(chosen)} eval ({source}, {len(eval_ids)} in all)"
               + (f"; {dropped} training prompts left out as eval prompts too" if dropped else ""))
     return (Prompts([cut(ids[i]) for i in trained], [texts[i] for i in trained]),
-            Prompts([cut(eval_ids[i]) for i in chosen], [eval_texts[i] for i in chosen], list(range(len(chosen)))))
+            Prompts([cut(eval_ids[i]) for i in chosen], [eval_texts[i] for i in chosen]))
 
 def prompt_text(row, tokenizer, where):
     """Returns a row's prompt: a pair's as rm.py splits it, a chat rendered up to the assistant's turn, or the text."""
@@ -1201,7 +1201,7 @@ def eval_batches(prompts, args):
     world = dist.get_world_size() if dist.is_initialized() else 1
     size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches * world
     for start in range(0, len(prompts.ids), size):
-        part = [x[start:start + size] for x in (prompts.ids, prompts.texts, prompts.index)]
+        part = [x[start:start + size] for x in (prompts.ids, prompts.texts, list(range(len(prompts.ids))))]
         fill = size - len(part[0])
         yield EvalBatch(*[x + x[:1] * fill for x in part], real=len(part[0]))
 
