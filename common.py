@@ -523,7 +523,7 @@ def tokenize_responses(tokenizer, prompts, responses):
     return [x[:x.index(end) + 1] if end in x else x + [end] for x in out]  # nothing after it is generated
 
 
-UNKNOWN_SHARE = 0.5  # README: English is 95-96% unknown to the embedded tokenizer, covered data at most 28%
+UNKNOWN_SHARE = 0.5  # Measured (benchmarks/README.md): English is 95-96% unknown to the embedded tokenizer
 
 
 def check_vocabulary(tokenizer, ids, data, model, flag):
