@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import gzip
+import hashlib
 import io
 import itertools
 import json
@@ -169,8 +170,10 @@ def seed_of(*keys):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The embedded task needs no download. A user asks about a topic, and a response is a few words. A small transformer
-# learns its exact gold reward. A policy can raise it or overoptimize a proxy (benchmarks/overoptimization.py).
+# The embedded task needs no download. A user asks about a topic, names one or two of its words as examples, and may
+# name another topic to avoid. A response is a few words. Its gold reward is known exactly for any prompt and response,
+# and it depends on the topic avoided as well as the topic asked, so a reward model and a policy must read the prompt.
+# A small transformer learns it. A policy can raise it or overoptimize a proxy (benchmarks/overoptimization.py).
 
 TOPICS = {
     "animals": "cat dog horse fox owl bear wolf deer frog duck goat lion".split(),
@@ -178,15 +181,29 @@ TOPICS = {
     "foods": "bread rice soup cake apple pear plum corn bean salad cheese honey".split(),
     "places": "city lake hill river beach forest farm town island valley desert harbor".split(),
 }
+AVOIDED = {"animals": "animal", "colors": "color", "foods": "food", "places": "place"}  # a topic's name to avoid it
+TOPIC_NAMED = {name: t for t, name in AVOIDED.items()}
 WORDS = [w for ws in TOPICS.values() for w in ws]
 TOPIC_OF = {w: t for t, ws in TOPICS.items() for w in ws}
+# A prompt: an opening, the asked topic, an example clause, and an avoid clause naming another topic, or none.
+OPENINGS = ["tell me about", "name some", "talk about"]
+EXAMPLE_CLAUSES = ["such as", "like", "including"]
+AVOID_CLAUSES = ["but not", "without", "except"]
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
-TEMPLATE = ["User:", "Assistant:", "tell", "me", "about", "such", "as", "user:", "assistant:", "system:"]
+TEMPLATE = ["User:", "Assistant:", "tell", "me", "about", "such", "as", "user:", "assistant:", "system:", "name",
+            "some", "talk", "like", "including", "and", "but", "not", "without", "except"] + list(AVOIDED.values())
 PREFERENCE_BETA = 3.0  # the task's Bradley-Terry model: P(a preferred) = sigmoid(beta * (gold_a - gold_b))
 _values = random.Random(1234)
 WORD_VALUE = {w: round(_values.gauss(0.0, 1.0), 3) for w in WORDS}
-NON_WORD_VALUE = -3.0  # the value of a template, special or unknown token
+TOPIC_BONUS = 1.0  # added to a word of the asked topic
+NON_WORD_VALUE = -3.0  # the value of a template, special or unknown token, and of a word of the avoided topic
 MIN_WORDS, MAX_WORDS = 3, 10
+# The splits. Prompts that ask about OOD_PAIR[0] and avoid OOD_PAIR[1] are the out-of-distribution split, `ood`:
+# both topics occur in training in both roles, but never this pair. The other prompts fall in train, validation or
+# test by a hash of their text.
+OOD_PAIR = ("places", "foods")
+EMBEDDED_SPLITS = {"train": 0, "test": 1, "validation": 2, "ood": 3}  # the seed of each split's pairs
+EMBEDDED_PAIRS = {"train": 40000, "test": 4000, "validation": 4000, "ood": 4000}  # pairs in each split
 
 
 def embedded_tokenizer():
@@ -216,21 +233,47 @@ def embedded_model_config(name, vocab_size, num_labels=None, flag="--model_name_
     return cfg
 
 
-def embedded_prompt(rng):
-    topic = rng.choice(list(TOPICS))
-    return f"User: tell me about {topic} such as {rng.choice(TOPICS[topic])} Assistant:"
+def prompt_parts(prompt):
+    """Returns the asked topic and the avoided topic of a prompt, each None if it names none."""
+    words = prompt.split()
+    asked = next((w for w in words if w in TOPICS), None)
+    avoided = next((TOPIC_NAMED[w] for w in words if w in TOPIC_NAMED), None)
+    return asked, avoided
+
+
+def prompt_split(text):
+    """Returns the split a prompt text belongs to: ood for the held-out pair of topics, else by a hash of the text."""
+    if prompt_parts(text) == OOD_PAIR:
+        return "ood"
+    bucket = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") % 10
+    return "validation" if bucket == 0 else "test" if bucket == 1 else "train"
+
+
+def embedded_prompt(rng, split="train"):
+    """Draws a prompt of the split: a topic, one or two of its words as examples, and a quarter of the time none to
+    avoid, else one of the three other topics."""
+    while True:
+        asked = OOD_PAIR[0] if split == "ood" else rng.choice(list(TOPICS))
+        avoided = OOD_PAIR[1] if split == "ood" else rng.choice([None] + [t for t in TOPICS if t != asked])
+        examples = " and ".join(rng.sample(TOPICS[asked], rng.randint(1, 2)))
+        avoid = f" {rng.choice(AVOID_CLAUSES)} {AVOIDED[avoided]}" if avoided else ""
+        text = f"User: {rng.choice(OPENINGS)} {asked} {rng.choice(EXAMPLE_CLAUSES)} {examples}{avoid} Assistant:"
+        if prompt_split(text) == split:
+            return text
 
 
 def gold_reward(prompt, response):
-    """Returns the mean over words of each word's hidden value, plus 1 if of the asked topic. A repeat is worth 0.
-    Repeats are rare in the pairs, so a reward model can miss them and a policy find them. The proxy then rewards a
-    direction the gold reward does not (Gao et al. 2022, sec. 4)."""
-    topic = next((w for w in prompt.split() if w in TOPICS), None)
+    """Returns the mean over the response's words of each word's value.
+
+    A word's value is its hidden value, plus 1 if of the asked topic. A word of the avoided topic is worth -3, as a
+    non-word. A repeat is worth 0. Long repeats are rare in the pairs, so a reward model can miss them and a policy
+    find them. The proxy then rewards a direction the gold reward does not (Gao et al. 2022, sec. 4)."""
+    asked, avoided = prompt_parts(prompt)
     words = [w for w in response.split() if w != "<eos>"]
     if not words:
         return NON_WORD_VALUE
-    vals = [0.0 if w in words[:i] else WORD_VALUE[w] + (TOPIC_OF[w] == topic) if w in WORD_VALUE else NON_WORD_VALUE
-            for i, w in enumerate(words)]
+    vals = [0.0 if w in words[:i] else NON_WORD_VALUE if w not in WORD_VALUE or TOPIC_OF[w] == avoided else
+            WORD_VALUE[w] + TOPIC_BONUS * (TOPIC_OF[w] == asked) for i, w in enumerate(words)]
     return sum(vals) / len(vals)
 
 
@@ -243,12 +286,13 @@ def embedded_response(rng):
     return " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(MIN_WORDS, MAX_WORDS)))
 
 
-def embedded_pairs(n, seed):
-    """Returns n pairs labelled by the gold reward's Bradley-Terry model. Their gold values give the Bayes bound."""
+def embedded_pairs(n, seed, split="train"):
+    """Returns n pairs of the split labelled by the gold reward's Bradley-Terry model. Their gold values give the
+    Bayes-optimal accuracy."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        prompt = embedded_prompt(rng)
+        prompt = embedded_prompt(rng, split)
         a, b = embedded_response(rng), embedded_response(rng)
         ga, gb = gold_reward(prompt, a), gold_reward(prompt, b)
         if rng.random() >= 1 / (1 + math.exp(-PREFERENCE_BETA * (ga - gb))):
@@ -260,7 +304,6 @@ def embedded_pairs(n, seed):
 # ---------------------------------------------------------------------------------------------------------------------
 # Preference data in explicit, implicit or conversational format, from the hub, a file, a folder or the embedded task.
 
-EMBEDDED_SPLITS = {"train": 0, "test": 1, "validation": 2}  # the seed of each split's pairs
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -276,10 +319,11 @@ def mixture(mixer):
 
 def load_rows(name, config=None, split="train"):
     """Returns one split's rows, or None if there is none. Each row names its `_source` and its `_row` or `_line`."""
-    if name == "embedded":  # three splits, each drawn with its own seed
-        rows = embedded_pairs(40000 if split == "train" else 4000, EMBEDDED_SPLITS[split]) \
-            if split in EMBEDDED_SPLITS else None
-        return rows and [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
+    if name == "embedded":  # four splits, each drawn with its own seed
+        if split not in EMBEDDED_SPLITS:
+            return None
+        rows = embedded_pairs(EMBEDDED_PAIRS[split], EMBEDDED_SPLITS[split], split)
+        return [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
     ext = os.path.splitext(name.removesuffix(".gz"))[1]
     try:
         if os.path.isdir(name):

@@ -578,7 +578,8 @@ def evaluate(models, prompts, args, tokenizer, stop_id):
 
     Each prompt has its own random stream, the same at every evaluation. Two evaluations then differ only by the
     policy, and their difference is a paired comparison. The prompts go through phases 1 to 3 in rollout batches.
-    Returns each measure's mean over prompts with its standard error, and one row per prompt for eval_samples.jsonl."""
+    Returns each measure's mean over the distinct prompts with its standard error, the responses' distinct-n, and one
+    row per prompt for eval_samples.jsonl."""
     rows, start = [], time.time()
     for model in (m for m in (models.policy, models.critic) if m is not None):  # as sampling in training
         model.eval()
@@ -595,7 +596,10 @@ def evaluate(models, prompts, args, tokenizer, stop_id):
                                                                       if v is not None}}
                  for i in range(chunk.real)]  # The rows after chunk.real repeat a prompt to fill the batch.
     measures = mean_and_standard_error(rows, ("score", "gold", "kl", "length", "stop_rate"), "eval/")
-    return {**measures, "perf/time_eval": time.time() - start}, rows
+    # Output diversity across the prompts' responses (Kirk et al. 2024): a policy that says one thing to every prompt
+    # has few distinct words.
+    diversity = {f"eval/distinct_{n}": distinct_ngrams([r["response"] for r in rows], n) for n in (1, 2)}
+    return {**measures, **diversity, "perf/time_eval": time.time() - start}, rows
 
 
 def main(args):
@@ -815,8 +819,8 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
             model.load_state_dict(saved["model"])
             return model.eval()
     opt, rng = torch.optim.AdamW(model.parameters(), lr=2e-3), random.Random(seed)
-    for _ in range(steps):
-        texts = [common.embedded_prompt(rng) for _ in range(batch_size)]
+    for _ in range(steps):  # Training prompts only, answered as the pairs answer them
+        texts = [common.embedded_prompt(rng, "train") for _ in range(batch_size)]
         prompts = common.tokenize_prompts(tokenizer, texts)
         responses = common.tokenize_responses(tokenizer, texts, [common.embedded_response(rng) for _ in texts])
         batch = tokenizer.pad({"input_ids": [p + r for p, r in zip(prompts, responses)]}, padding_side="right",
@@ -934,10 +938,7 @@ def build_optimizer(policy, critic, args, num_updates):
 
 def load_prompts(args, tokenizer, split=None, rows=None):
     """Returns a split's prompts as token ids, not yet cut, and as texts: the training split's, or `split`'s `rows`."""
-    if args.dataset_name == "embedded":
-        rng = random.Random(args.seed)
-        rows = [{"prompt": common.embedded_prompt(rng), "_source": "embedded", "_row": i} for i in range(4096)]
-    elif rows is None:
+    if rows is None:
         rows = common.load_rows(args.dataset_name, args.dataset_config, split or args.dataset_train_split)
         if not rows: raise common.UserError(f"{args.dataset_name}: no split '{split or args.dataset_train_split}'")
     texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
@@ -955,18 +956,17 @@ class Prompts:
 
 def train_and_eval_prompts(args, tokenizer):
     """Returns the training prompts and the eval prompts, no eval prompt's text among the training prompts.
-    The eval prompts are --eval_split's, else the validation split's, else the test split's. Without one, as for the
-    embedded prompts, --eval_holdout of the texts are held out with all their rows (common.hold_out). --num_eval_prompts
-    of them are kept, drawn by seed. Training prompts with an eval prompt's text are left out."""
+    The eval prompts are --eval_split's, else the validation split's, else the test split's. Without one,
+    --eval_holdout of the texts are held out with all their rows (common.hold_out). Eval prompts are deduplicated by
+    text, and --num_eval_prompts distinct ones are drawn by seed, or all if fewer. Training prompts with an eval
+    prompt's text are left out."""
     ids, texts = load_prompts(args, tokenizer)
     splits = [args.eval_split] if args.eval_split else [s for s in ("validation", "test") if s !=
                                                           args.dataset_train_split]
     read = ((s, common.load_rows(args.dataset_name, args.dataset_config, s)) for s in splits)  # each read once
-    found, eval_rows = next(((s, rows) for s, rows in read if rows is not None), (None, None)) \
-        if args.dataset_name != "embedded" else (None, None)
+    found, eval_rows = next(((s, rows) for s, rows in read if rows is not None), (None, None))
     if args.eval_split and found is None:
-        names = ["none: its prompts are held out"] if args.dataset_name == "embedded" else \
-            common.split_names(args.dataset_name, args.dataset_config)
+        names = common.split_names(args.dataset_name, args.dataset_config)
         raise common.UserError(f"{args.dataset_name}: no split {args.eval_split!r} (--eval_split); its splits: "
                                f"{', '.join(map(str, names))}; pass one, or no --eval_split to hold out --eval_holdout "
                                "of the training prompts")
@@ -985,13 +985,19 @@ def train_and_eval_prompts(args, tokenizer):
         raise common.UserError(f"{args.dataset_name}: every training prompt is an eval prompt ({source}); pass "
                                "another --eval_split or more distinct prompts")
     if not eval_ids: raise common.UserError(f"{args.dataset_name}: no eval prompt ({source}); pass --eval_split")
+    # Each distinct text once, so that the standard errors are over distinct prompts.
+    first_of_text = {}
+    for i, text in enumerate(eval_texts): first_of_text.setdefault(text, i)
+    first_of_text = list(first_of_text.values())
     chosen = sorted(random.Random(common.seed_of(args.seed, "eval prompts")).sample(
-        range(len(eval_ids)), min(args.num_eval_prompts, len(eval_ids))))
+        first_of_text, min(args.num_eval_prompts, len(first_of_text))))
     bos_id = common.leading_id(tokenizer)
     cut = lambda p: truncate_prompt(p, args.max_prompt_length, bos_id)  # noqa: E731
-    if (not dist.is_initialized() or dist.get_rank() == 0) and not args.eval_only:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         dropped = len(texts) - len(trained) if found is not None else 0
-        print(f"prompts: {len(trained)} train, {len(chosen)} eval ({source}, {len(eval_ids)} in all)"
+        fewer = f"; only {len(chosen)} distinct, each evaluated once" if len(chosen) < args.num_eval_prompts else ""
+        print(f"prompts: {len(trained)} train, {len(chosen)} distinct eval prompts ({source}, {len(first_of_text)} "
+              f"distinct in {len(eval_ids)} rows{fewer})"
               + (f"; {dropped} training prompts left out as eval prompts too" if dropped else ""))
     return (Prompts([cut(ids[i]) for i in trained], [texts[i] for i in trained]),
             Prompts([cut(eval_ids[i]) for i in chosen], [eval_texts[i] for i in chosen]))
@@ -1217,6 +1223,12 @@ def mean_and_standard_error(rows, names, prefix):
         se = values.std() / len(values) ** 0.5 if len(values) > 1 else torch.tensor(0.0)
         out[f"{prefix}{name}"], out[f"{prefix}{name}_se"] = values.mean().item(), se.item()
     return out
+
+def distinct_ngrams(texts, n):
+    """Returns distinct-n (Li et al. 2016): the distinct word n-grams of all the texts over their count, 0 if none.
+    Words are split at whitespace. A set of responses that repeats one word has distinct-1 near 0."""
+    grams = [tuple(words[i:i + n]) for words in (t.split() for t in texts) for i in range(len(words) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
 
 def log_evaluation(logs, step, episodes, metrics, rows):
     """Writes an evaluation to metrics.jsonl and its rows to eval_samples.jsonl, and returns its record."""

@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import random
 import sys
 import time
 
@@ -63,7 +64,7 @@ def train_reward_model(size, seed, out):
 
 
 def best_of_n_pool(seed, pool, rm_dirs):
-    """A pool of `pool` responses to each of the task's 48 prompts from ppo.py's initial policy of this seed, with
+    """A pool of `pool` responses to each of 48 validation prompts from ppo.py's initial policy of this seed, with
     each response's gold score and every reward model's (normalized, as ppo.py scores it): arrays (48, pool)."""
     import ppo
 
@@ -71,7 +72,9 @@ def best_of_n_pool(seed, pool, rm_dirs):
     tokenizer = ppo.load_tokenizer(args)
     stop_id = ppo.stop_token_id(args, tokenizer)
     policy = ppo.load_policy(args, tokenizer)
-    prompts = [f"User: tell me about {t} such as {w} Assistant:" for t, ws in common.TOPICS.items() for w in ws]
+    rng, prompts = random.Random(0), []
+    while len(prompts) < 48:  # 48 distinct validation prompts, never trained on
+        prompts += [p] if (p := common.embedded_prompt(rng, "validation")) not in prompts else []
     ids = common.tokenize_prompts(tokenizer, prompts)
     rewards = [ppo.load_reward(ppo.Args(seed=seed, reward_model_path=d), tokenizer) for d in rm_dirs]
     gold, proxy = np.zeros((len(prompts), pool)), np.zeros((len(rm_dirs), len(prompts), pool))

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 from conftest import read_metrics, run_main, write_jsonl
 
 import common
@@ -153,3 +154,34 @@ def test_bad_evaluation_options_are_one_line_errors_with_nothing_written(tmp_pat
                      str(out), *flags], check=False)
     assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_eval_prompts_are_distinct_and_their_standard_errors_are_over_distinct_prompts(tmp_path, capsys):
+    """A validation split of 30 rows over 6 prompt texts: each text is evaluated once, the run says there are only 6,
+    eval/prompts counts 6, each standard error is the std over those 6 rows over sqrt(6), and distinct-n is that of
+    the logged responses."""
+    data = tmp_path / "data"
+    os.makedirs(data)
+    write_jsonl(data / "train.jsonl", repeated_prompt_rows(60, distinct=12))
+    validation = common.embedded_pairs(40, seed=11)
+    texts = sorted({r["prompt"] for r in validation})[:6]
+    write_jsonl(data / "validation.jsonl", [dict(r, prompt=texts[i % 6]) for i, r in enumerate(validation[:30])])
+    ppo.main(ppo.Args(**dict(TINY, num_eval_prompts=20, num_evals=1), dataset_name=str(data),
+                      output_dir=str(tmp_path / "out")))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("prompts:"))
+    assert "6 distinct eval prompts" in line and "only 6 distinct, each evaluated once" in line, line
+    samples = [json.loads(x) for x in open(tmp_path / "out" / "eval_samples.jsonl")]
+    for record in evaluations(tmp_path / "out"):
+        rows = [s for s in samples if s["step"] == record["step"]]
+        assert sorted(s["prompt"] for s in rows) == texts and record["eval/prompts"] == 6
+        gold = torch.tensor([s["gold"] for s in rows], dtype=torch.float64)
+        assert record["eval/gold_se"] == pytest.approx((gold.std() / 6 ** 0.5).item(), rel=1e-9)
+        assert record["eval/distinct_1"] == ppo.distinct_ngrams([s["response"] for s in rows], 1)
+
+
+def test_distinct_n_counts_distinct_word_n_grams_over_all():
+    assert ppo.distinct_ngrams(["a b c", "a b d"], 1) == 4 / 6
+    assert ppo.distinct_ngrams(["a b c", "a b d"], 2) == 3 / 4  # a b, b c, a b, b d
+    assert ppo.distinct_ngrams(["horse horse horse"] * 3, 1) == 1 / 9
+    assert ppo.distinct_ngrams(["horse horse horse"] * 3, 2) == 1 / 6
+    assert ppo.distinct_ngrams(["", "a"], 2) == 0.0 and ppo.distinct_ngrams([], 1) == 0.0

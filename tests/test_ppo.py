@@ -767,7 +767,7 @@ def test_an_empty_prompt_without_bos_is_named(tmp_path, monkeypatch):
     assert common.leading_id(TOK) is None  # the embedded tokenizer adds no BOS
     with pytest.raises(common.UserError, match=r"prompts.jsonl: line 2: the prompt is empty and .* adds no BOS"):
         ppo.load_prompts(ppo.Args(dataset_name=str(path), max_prompt_length=256), TOK)
-    monkeypatch.setattr(common, "embedded_prompt", lambda rng: "")
+    monkeypatch.setattr(common, "embedded_prompt", lambda rng, split="train": "")
     with pytest.raises(common.UserError, match=r"^embedded: row 0: the prompt is empty"):
         ppo.load_prompts(ppo.Args(max_prompt_length=256), TOK)
 

@@ -119,12 +119,6 @@ def test_the_loss_its_probability_and_the_evaluation_losses_match_formulas():
     assert rm.calibration_error(torch.tensor(p)) == pytest.approx(ece, abs=1e-9)
     x, y = rng.normal(size=100), rng.normal(size=100)
     assert rm.pearson(torch.tensor(x), torch.tensor(y)) == pytest.approx(np.corrcoef(x, y)[0, 1], abs=1e-9)
-    # the embedded task's gold reward: a word said again counts zero
-    v, prompt = common.WORD_VALUE, "User: tell me about animals such as cat Assistant:"
-    assert common.gold_reward(prompt, " cat red cat dog") == pytest.approx((v["cat"] + 1 + v["red"] + 0 + v["dog"] + 1)
-                                                                           / 4)
-    assert common.gold_reward(prompt, " cat cat cat cat <eos>") == pytest.approx((v["cat"] + 1) / 4)
-    assert common.gold_reward(prompt, " cat me") == pytest.approx((v["cat"] + 1 + common.NON_WORD_VALUE) / 2)
 
 
 def test_the_calibration_error_is_of_the_probability_the_model_states_not_of_the_margin_loss():
@@ -326,7 +320,7 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
 
     hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
-    rows = common.embedded_pairs(16, seed=common.EMBEDDED_SPLITS["validation"])  # the first eval pairs
+    rows = common.load_rows("embedded", split="validation")[:16]  # the first eval pairs
     pairs, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)], tok,
                                  rm.Args(max_length=512, max_prompt_length=384))
     ids, mask = rm.collate(pairs, tok.pad_token_id)
