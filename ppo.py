@@ -12,7 +12,7 @@ Each update hands one Rollout batch through the phases of main():
   1. rollout: sample a response to each prompt, K per prompt, token by token with a KV cache.
   2. log-probs and values: each response token's log-prob under the policy and the reference, and the critic's values.
   3. score: the reward of each response, read at its last real token.
-  4. advantages: a reward of -kl_coef * KL at each token, plus the score at the last one; then GAE, whitened.
+  4. advantages: a reward of -kl_coef * KL at each token (grpo: a loss term), plus the score at the last; GAE, whitened.
   5. learn: num_ppo_epochs passes of the clipped policy and value losses over shuffled mini-batches.
   6. adapt kl_coef if --target_kl is given (else it stays fixed), log, evaluate on held-out prompts when scheduled,
      and checkpoint.

@@ -737,7 +737,9 @@ def save_final(model, hf_model, lora, tokenizer, ev, logger, args, rank, record)
 
 def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, scale):
     """Saves the model in transformers' format, LoRA merged and its adapter in output_dir/adapter. A head without a
-    bias cannot hold the shift, so config.json holds the normalization, as does adapter/reward_normalization.json."""
+    bias cannot hold the shift, so config.json holds the normalization, as does adapter/reward_normalization.json; a
+    user applies it as (score - reward_shift) / reward_scale. The score is read at the EOS that every response here
+    ends with, so a text scored without it is read at a position the model never trained on."""
     normalization = {"reward_shift": shift, "reward_scale": scale}
     if lora is not None:
         hf_model = common.save_lora(hf_model, lora, state_dict, tokenizer, output_dir)
