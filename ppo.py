@@ -12,18 +12,20 @@ Each update hands one Rollout batch through the phases of main():
   1. rollout: sample a response to each prompt, K per prompt, token by token with a KV cache.
   2. log-probs and values: each response token's log-prob under the policy and the reference, and the critic's values.
   3. score: the reward of each response, read at its last real token.
-  4. advantages: a reward of -kl_coef * KL at each token, plus the score at the last one; then GAE, whitened.
+  4. advantages: a reward of -kl_coef * KL at each token (grpo: a loss term), plus the score at the last; GAE, whitened.
   5. learn: num_ppo_epochs passes of the clipped policy and value losses over shuffled mini-batches.
-  6. adapt kl_coef, log, evaluate on held-out prompts when scheduled, and checkpoint.
+  6. adapt kl_coef if --target_kl is given (else it stays fixed), log, evaluate on held-out prompts when scheduled,
+     and checkpoint.
 
-The models. Each column says what an option changes; a dash means nothing.
-             default                      --critic_init policy   LoRA (--lora_r)                  --reward_fn
-  policy     the initial policy, trained  -                      an adapter on it, trained        -
-  reference  a frozen copy of the policy  -                      the policy with its adapter off  -
-  reward     the frozen reward model      -                      the critic with its adapter off  the function, plus
-                                                                 if it is the reward model        the model if given
-  critic     the reward model, trained,   the policy's network   an adapter on the critic's       the policy's network
-             its output normalized        and a new head         network, trained                 if no reward model
+The four models: what each is, and which options change it. build_models prints what each is at start-up.
+  policy     the initial policy (--sft_model_path), trained; with --lora_r, an adapter on it is trained instead.
+  reference  a frozen copy of the initial policy; with --lora_r, the policy itself with its adapter off.
+  reward     the frozen reward model (--reward_model_path), plus the function if --reward_fn is given; with --reward_fn
+             and no --reward_model_path, the function alone. With --lora_r and a critic from the reward model, it is
+             that critic with its adapter off.
+  critic     gae's alone. A copy of the reward model, trained, its output normalized, where the reward model reads the
+             policy's tokens; else, or with --critic_init policy, the policy's network with a new head. With --lora_r,
+             an adapter on it is trained.
 Sampling and every response log-prob use logits / --temperature, with no top-k or top-p. In one process, the helpers
 that share rows between processes (process_share, all_gather_cat, rows_of_every_process) return their input.
 
@@ -66,13 +68,20 @@ class Args:
     """Train a language model with PPO against a reward model or a reward function (RLHF)."""
     # --- the method. gae needs a critic (Schulman et al. 2016); rloo (Ahmadian et al. 2024), grpo (Shao et al. 2024)
     # and reinforce_pp (Hu 2025) need none.
-    advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = "gae"  # How advantages are estimated
+
+    # How advantages are estimated, each with its paper's KL and loss mean, which flags override: gae, rloo and
+    # reinforce_pp put the KL in the reward with k1 and take token_mean; grpo puts it in the loss with k3 and takes
+    # sequence_mean (Shao et al. 2024, eq. 3); rloo and grpo sample 4 responses per prompt (Shao et al. 64), the
+    # others 1
+    advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = "gae"
     num_samples_per_prompt: int | None = None  # Responses per prompt in a batch (default: 4 for rloo and grpo, else 1)
     scale_rewards: bool = True  # grpo: divide by the std of the prompt's returns; --no_scale_rewards is Dr. GRPO
-    kl_penalty: Literal["reward", "loss"] = "reward"  # The KL in each token's reward (Ziegler 2019) or in the loss
-    # token_mean averages tokens, sequence_mean averages each response's mean (GRPO), and constant divides the sum
-    # by responses x response_length (Dr. GRPO, Liu et al. 2025).
-    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"  # A mini-batch's loss mean
+    # The KL in each token's reward (Ziegler et al. 2019) or in the loss (default: loss for grpo, else reward)
+    kl_penalty: Literal["reward", "loss"] | None = None
+    # A mini-batch's loss mean: token_mean averages tokens, sequence_mean averages each response's mean (GRPO), and
+    # constant divides the sum by responses x response_length (Dr. GRPO, Liu et al. 2025) (default: sequence_mean for
+    # grpo, else token_mean)
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] | None = None
     kl_coef: float = 0.1  # Initial coefficient of the KL penalty
     # k1 is log p - log q. k3 is (q/p - 1) - log(q/p) (Schulman 2020). In the loss, k1's gradient is zero in
     # expectation on the policy's own samples, so k3 is the loss's default.
@@ -104,7 +113,9 @@ class Args:
     eval_split: str | None = None  # Split of eval prompts (default: validation, else test, else --eval_holdout)
     eval_holdout: float = 0.1  # Without an eval split, this fraction of the prompts is held out by text
     num_eval_prompts: int = 256  # Eval prompts, a subset drawn by seed and the same at every evaluation
-    num_evals: int = 5  # Evaluations spread over training, the last at its end, after one before it; 0: none
+    # Evaluations spread evenly over training, the last at its end, plus one before it: N + 1 in all (at most one per
+    # update); 0: none
+    num_evals: int = 5
     eval_only: bool = False  # Evaluate --sft_model_path on the eval prompts and train nothing
     # --- sizes. A rollout batch is micro-batch x gradient_accumulation_steps x num_mini_batches x processes.
     total_episodes: int = 12288  # Episodes (prompt and response) in all
@@ -151,11 +162,14 @@ class Args:
 
 
 def fill_defaults(args, position_limit, rank=0):
-    """Fills the defaults that depend on another option or on the model, and prints them: responses per prompt, the
-    KL estimator, the learning rates and --max_prompt_length. ppo_results.json saves them with the run."""
+    """Fills the defaults that depend on another option or on the model, and prints them: the estimator's paper's
+    responses per prompt, KL placement and loss mean, the KL estimator, the learning rates and --max_prompt_length.
+    ppo_results.json saves them with the run."""
     given = {k: v for k, v in vars(args).items() if v is not None}
-    group = args.advantage_estimator in ("rloo", "grpo")  # A group baseline needs K > 1.
-    args.num_samples_per_prompt = args.num_samples_per_prompt or (4 if group else 1)
+    group, grpo = args.advantage_estimator in ("rloo", "grpo"), args.advantage_estimator == "grpo"
+    args.num_samples_per_prompt = args.num_samples_per_prompt or (4 if group else 1)  # A group baseline needs K > 1.
+    args.kl_penalty = args.kl_penalty or ("loss" if grpo else "reward")
+    args.loss_aggregation = args.loss_aggregation or ("sequence_mean" if grpo else "token_mean")
     args.kl_estimator = args.kl_estimator or ("k1" if args.kl_penalty == "reward" else "k3")
     if args.learning_rate is None:  # The embedded models are tiny and learn fast.
         args.learning_rate = 3e-4 if args.sft_model_path.startswith("embedded-") else 3e-6
@@ -251,7 +265,8 @@ def value_loss(values, old_values, returns, cliprange_value):
 
 
 def adaptive_kl_coef(kl_coef, kl, target, horizon, n_episodes):
-    """Moves kl_coef by the error kl / target - 1, clipped to 20%, at rate n_episodes / horizon (Ziegler, eq. 2)."""
+    """Moves kl_coef by the error kl / target - 1, clipped to 20%, at rate n_episodes / horizon (Ziegler et al. 2019,
+    sec. 2.2)."""
     error = min(max(kl / target - 1, -0.2), 0.2)
     return kl_coef * (1 + error * n_episodes / horizon)
 
@@ -567,7 +582,7 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, pt
                     sums[name] = sums.get(name, 0) + value.detach()
                 for name, value in per_token.items():  # Statistics are plain means over the mini-batch's tokens.
                     sums[name] = sums.get(name, 0) + (value.detach() * mask).sum() / tokens_in_mini_batch
-            norms.append(clip_and_step(trainable, optimizer, args.max_grad_norm, update, losses["loss/policy"]))
+            norms.append(clip_and_step(trainable, optimizer, args.max_grad_norm, update, sums["loss/policy"]))
             stats.append(sums)
     return {**mean_over_steps(stats), **{k: sum(n[k] for n in norms) / len(norms) for k in norms[0]}}
 
@@ -624,7 +639,7 @@ def main(args):
     if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir, args, world)):
         start, kl_coef, history = ckpt["step"], ckpt["kl_coef"], ckpt["history"]
     logs = open_logs(args, rank, start or None)
-    evals_at = eval_schedule(args.num_evals, num_updates)  # 0, before the first update, and --num_evals more
+    evals_at = eval_schedule(args.num_evals, num_updates, rank)  # 0, before the first update, and --num_evals more
     if start == 0 and 0 in evals_at:  # The initial policy's scores: the baseline of every later evaluation.
         history.append(log_evaluation(logs, 0, 0, *evaluate(models, eval_prompts, args, tokenizer, stop_id)))
 
@@ -663,7 +678,7 @@ def main(args):
         scheduler.step()
         t_learn = time.time()
 
-        # 6. Adapt the KL coefficient. Log, evaluate on held-out prompts when scheduled, save samples and checkpoints.
+        # 6. With --target_kl, adapt the KL coefficient. Log, evaluate when scheduled, save samples and checkpoints.
         m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef, "lr": lr, **update_stats,
              **update_metrics(batch, kl, non_score_reward, [t0, t_rollout, t_score, t_learn, time.time()], args,
                               peak_memory_of=device if update == start else None)}
@@ -806,7 +821,7 @@ def stop_token_id(args, tokenizer):
 
 def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     """Returns the embedded task's SFT policy, a tiny causal LM trained briefly to answer with a few words and EOS.
-    It is cached in ($XDG_CACHE_HOME or ~/.cache)/rlhf by code and versions. Its training draws no random number."""
+    It is cached in ($XDG_CACHE_HOME or ~/.cache)/rlhf by code and versions. Its draws are seeded by seed."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer),
                                                                                       flag="--sft_model_path"))
@@ -916,14 +931,27 @@ def build_models(args, tokenizer, device, rank, world):
             with torch.no_grad(), resharded([critic]):  # peft marks the head's trained copy frozen.
                 critic(*[torch.ones(1, 2, dtype=torch.long, device=device)] * 2)
     if rank == 0:
-        n_trained = sum(p.numel() for m in (policy, critic) if m is not None for p in m.parameters() if p.requires_grad)
-        path = reward_model_source(args)  # None without a reward model
-        sources = [f"model {path}" + ("" if reward.reads_policy_tokens else " (reads the text)")] * bool(path)
-        print(f"policy {args.sft_model_path} ({n_trained / 1e6:.2f}M trained{f', LoRA rank {args.lora_r}' * bool(lora)}"
-              f"); reward {' + '.join(sources + [f'function {args.reward_fn}'] * bool(reward.fn))}; "
-              + (f"critic from the {critic_init}" if critic else "no critic") + f"; {world} x {device.type}"
-              + (f"; reference {reference_source(args)[0]}" if args.eval_only else ""))
+        print(describe_models(args, policy, critic, critic_init, reward, bool(lora)) + f"; {world} x {device.type}")
     return Models(policy, critic, policy if lora else ref_policy, reward, policy_hf, lora)
+
+def describe_models(args, policy, critic, critic_init, reward, lora):
+    """Returns the start-up line that names what each of the four roles is in this run: policy, reference, reward
+    and critic."""
+    def trained(model):
+        n = sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6
+        return f"trained, {n:.2f}M" + (f", LoRA rank {args.lora_r}" if lora else "")
+    path = reward_model_source(args)  # None without a reward model
+    notes = ["frozen"] + ["reads the text"] * (not reward.reads_policy_tokens) + \
+        ["the critic with its adapter off"] * bool(lora and critic_init == "reward")
+    sources = [f"model {path} ({', '.join(notes)})"] * bool(path) + [f"function {args.reward_fn}"] * bool(reward.fn)
+    policy_text = args.sft_model_path + (" (evaluated, not trained)" if args.eval_only else f" ({trained(policy)})")
+    reference = f"{reference_source(args)[0]}, frozen" if args.eval_only else \
+        "the policy with its adapter off" if lora else "a frozen copy of the initial policy"
+    why_none = "--eval_only trains nothing" if args.eval_only else f"{args.advantage_estimator} learns no values"
+    critic_text = f"none ({why_none})" if critic is None else \
+        f"from the {'reward model' if critic_init == 'reward' else 'policy, with a new head'} ({trained(critic)})"
+    return (f"models: policy {policy_text}; reference {reference}; reward {' + '.join(sources)}; "
+            f"critic {critic_text}")
 
 def build_optimizer(policy, critic, args, num_updates):
     """Returns policy and critic as one module, AdamW at each one's learning rate, and the learning-rate schedule."""
@@ -1211,9 +1239,15 @@ def eval_batches(prompts, args):
         fill = size - len(part[0])
         yield EvalBatch(*[x + x[:1] * fill for x in part], real=len(part[0]))
 
-def eval_schedule(num_evals, num_updates):
-    """Returns the updates after which evaluate() runs: 0, before the first, and num_evals spread evenly to the end."""
-    return {0} | {math.ceil(k * num_updates / num_evals) for k in range(1, num_evals + 1)} if num_evals else set()
+def eval_schedule(num_evals, num_updates, rank=0):
+    """Returns the updates after which evaluate() runs: 0, before the first, and num_evals spread evenly to the end.
+    A num_evals above the updates gives one after each update, and rank 0 says so in one line."""
+    if not num_evals:
+        return set()
+    after = {math.ceil(k * num_updates / num_evals) for k in range(1, num_evals + 1)}
+    if len(after) < num_evals and rank == 0:
+        print(f"--num_evals {num_evals}: {len(after)}, one after each of the {num_updates} updates, and one before")
+    return {0} | after
 
 def mean_and_standard_error(rows, names, prefix):
     """Returns each measure's mean over the rows that have it, and as NAME_se its sample std over sqrt(n)."""
@@ -1314,13 +1348,15 @@ def ptx_backward(policy, ptx, step, update, epoch, mb, args, pad_id):
     return total
 
 def sync_gradients(models, last):
-    """Makes DDP all-reduce gradients in a step's last backward pass only. FSDP2 reduce-scatters every one's."""
+    """Makes DDP all-reduce gradients in a step's last backward pass only. FSDP2 reduce-scatters every one's, since
+    skipping it (set_requires_gradient_sync) would keep whole unsharded gradients on every process."""
     for model in (m for m in models if isinstance(m, torch.nn.parallel.DistributedDataParallel)):
         model.require_backward_grad_sync = last
 
 def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
     """Clips both models' gradients together, steps, clears them, and returns each model's norm before clipping.
-    max_grad_norm 0 clips nothing. A norm that is not finite stops the run before the step, so checkpoints stay good."""
+    max_grad_norm 0 clips nothing. A norm that is not finite stops the run before the step, so checkpoints stay good.
+    pg_loss is the step's policy loss, the sum of its micro-batches' parts on this process."""
     def full(norm):  # Under FSDP a DTensor, each rank holding its shards' part
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     norms = {f"{name}/grad_norm": full(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
@@ -1328,8 +1364,9 @@ def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
              for name, model in trainable.items()}
     norm = full(torch.nn.utils.clip_grad_norm_(trainable.parameters(), max_grad_norm or float("inf")))
     if not math.isfinite(norm):
-        raise common.UserError(f"update {update + 1}: the gradient norm is {norm} (policy loss {pg_loss.item():.4g}); "
-                               "training diverged: lower --learning_rate; --resume continues from the last checkpoint")
+        raise common.UserError(f"update {update + 1}: the gradient norm is {norm} (the step's policy loss "
+                               f"{pg_loss.item():.4g}); training diverged: lower --learning_rate; --resume continues "
+                               "from the last checkpoint")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norms

@@ -41,7 +41,11 @@ class Args:
     # --- reward model
     center_rewards_coefficient: float = 0.0  # Weight of mean((r_c + r_r)^2), keeping rewards near 0 (Eisenstein 2023)
     head_init_std: float | None = None  # Std of a new head's weights (default: 1/sqrt(hidden_size + 1))
-    reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"  # Saved rewards get mean 0 (and std 1)
+    # The normalization fitted on training pairs, saved beside the weights, which do not apply it: config.json's
+    # reward_shift (the mean; none: 0) and reward_scale (shift_scale: the std; else 1), with LoRA also in
+    # adapter/reward_normalization.json. A user of the model computes (score - reward_shift) / reward_scale, as ppo.py
+    # does
+    reward_normalization: Literal["none", "shift", "shift_scale"] = "shift"
     # --- model and data
     model_name_or_path: str = "embedded-llama"  # Hub model, local or peft adapter folder, or embedded-llama/-neox
     dataset_name: str = "embedded"  # Hub dataset, local .jsonl/.json/.parquet/.csv, gzipped or not, or `embedded`
@@ -51,7 +55,10 @@ class Args:
     eval_split: str | None = None  # Split to evaluate on (default: validation, else test, else held-out pairs)
     eval_holdout: float = 0.1  # Without an eval split, this fraction held out, by whole prompts never trained on
     max_length: int | None = None  # Max tokens of prompt + response (default: 512, or the model's positions if fewer)
-    max_prompt_length: int | None = None  # Fewest prompt tokens a cut keeps (default: min(256, 3/4 of --max_length))
+    # A floor, not a cap: a pair past --max_length has its prompt cut to what its longer response leaves, but to
+    # no fewer tokens than this, else the pair is dropped; a prompt is never cut otherwise (default: min(256, 3/4
+    # of --max_length))
+    min_prompt_length: int | None = None
     output_dir: str = "runs/rm"  # Folder of the model, tokenizer, metrics.jsonl, eval_results.json and checkpoints
     # --- optimisation
     learning_rate: float | None = None  # AdamW learning rate (default: 1e-5; 1e-3 for the embedded models)
@@ -63,8 +70,8 @@ class Args:
     per_device_eval_batch_size: int = 32  # Pairs per device per evaluation forward
     # Learning rate schedule after warm-up
     lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "inverse_sqrt",
-                               "constant_with_warmup", "reduce_lr_on_plateau", "cosine_with_min_lr", "greedy",
-                               "cosine_warmup_with_min_lr", "warmup_stable_decay"] = "cosine"
+                               "constant_with_warmup", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                               "warmup_stable_decay"] = "cosine"
     lr_end: float = 0.0  # Final learning rate of polynomial, cosine_*min_lr and warmup_stable_decay
     warmup_steps: int = 0  # Linear warm-up steps, overriding --warmup_ratio when above 0
     warmup_ratio: float = 0.05  # Warm-up as a fraction of the total steps
@@ -114,16 +121,16 @@ def truncate_prompt(ids, max_prompt_length, bos_id=None):
     return ids[:keep] + ids[len(ids) - max_prompt_length + keep:]
 
 
-def truncate_pair(prompt, chosen, rejected, max_length, max_prompt_length, bos_id=None):
+def truncate_pair(prompt, chosen, rejected, max_length, min_prompt_length, bos_id=None):
     """Returns (prompt ids, None), or (None, why the pair is dropped). Responses are never cut. A cut response would
     lose its EOS, and its reward would be read at a token never trained on; TRL's RewardTrainer and open-instruct drop
-    such pairs too. A pair past max_length has its prompt cut to fit, keeping at least max_prompt_length tokens of it.
+    such pairs too. A pair past max_length has its prompt cut to fit, keeping at least min_prompt_length tokens of it.
     A pair that cannot fit is dropped as "too long", and load_data stops the run if over half the training pairs are.
     A pair whose responses are the same tokens states no preference, and is dropped as "identical"."""
     if chosen == rejected:
         return None, "identical"
     longest = max(len(chosen), len(rejected))
-    if min(len(prompt), max_prompt_length) + longest > max_length:
+    if min(len(prompt), min_prompt_length) + longest > max_length:
         return None, "too long"
     return truncate_prompt(prompt, max_length - longest, bos_id), None
 
@@ -138,7 +145,8 @@ def last_token_index(mask):
 
 def sequence_reward(model, ids, mask):
     """Returns a padded batch's rewards: a decoder's scalar head at each row's last real token, or an encoder's pooled
-    head. Position ids count real tokens only, so left padding does not move them."""
+    head. Position ids count real tokens only, so a row's reward is the same right padded, as rm.py pads, or left
+    padded, as ppo.py's prompts are."""
     if not hasattr(model, "score"):  # BERT, RoBERTa and DeBERTa have a pooled `classifier`
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
     hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
@@ -225,7 +233,8 @@ def train_step(model, micro_batches, args, pad_id, device):
     for m, pairs in enumerate(micro_batches):
         inputs = model_inputs(pairs, pad_id, args, device)
         margin = torch.tensor([p["margin"] for p in pairs], device=device)
-        # DDP all-reduces the summed gradients in the last backward only. FSDP2 has no no_sync and reduce-scatters each.
+        # DDP all-reduces the summed gradients in the last backward only. FSDP2 reduce-scatters each backward's:
+        # skipping it (set_requires_gradient_sync) would keep whole unsharded gradients on every rank.
         sync = m == len(micro_batches) - 1 or not hasattr(model, "no_sync")
         with contextlib.nullcontext() if sync else model.no_sync():
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
@@ -242,8 +251,8 @@ def train_step(model, micro_batches, args, pad_id, device):
 
 @torch.no_grad()
 def evaluate(model, pairs, args, pad_id, device, rank, world):
-    """Returns the pairs' metrics and each pair's (r_chosen, r_rejected). The ranks share the pairs. The model runs in
-    evaluation mode, though dropout is off anyway."""
+    """Returns the pairs' metrics and each pair's (r_chosen, r_rejected). The ranks divide the pairs between them, and
+    each rank returns all of them. The model runs in evaluation mode, though dropout is off anyway."""
     training = model.training
     model.eval()
     rewards = all_pair_rewards(model, pairs, args, pad_id, device, rank, world)
@@ -405,7 +414,7 @@ def start_up(args):
     before a weight is read comes first, each in one line: arguments, sources and the output folder."""
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's results
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
-    for name in ("max_length", "max_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
+    for name in ("max_length", "min_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "per_device_eval_batch_size", "logging_steps", "num_evals"):
         if (value := getattr(args, name)) is not None and value < 1:
             raise common.UserError(f"--{name} {value}: must be at least 1")
@@ -422,9 +431,6 @@ def start_up(args):
                                "pairs trained on; pass another split, or none to hold out --eval_holdout of them")
     if not args.warmup_ratio <= 1:
         raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
-    if args.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy"):
-        raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: sets the rate from a metric, which "
-                               "rm.py's loop, scheduled by steps, does not pass; pick one by steps (e.g. cosine)")
     common.check_source(args.model_name_or_path, "--model_name_or_path")
     for name, _ in common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"]):
         common.check_source(name, "--dataset_mixer_list" if args.dataset_mixer_list else "--dataset_name", "dataset")
@@ -490,7 +496,7 @@ def fill_defaults(args, model, rank=0):
     max_length = args.max_length or min(512, common.position_table(model) or 512)
     head = getattr(model, "score", None)
     filled = {"learning_rate": 1e-3 if embedded else 1e-5, "num_train_epochs": 3.0 if embedded else 1.0,
-              "max_length": max_length, "max_prompt_length": min(256, max_length * 3 // 4),
+              "max_length": max_length, "min_prompt_length": min(256, max_length * 3 // 4),
               "head_init_std": 1 / math.sqrt(head.in_features + 1) if head is not None else None}
     filled = {k: v for k, v in filled.items() if getattr(args, k) is None and v is not None}
     if filled and rank == 0:
@@ -501,12 +507,12 @@ def fill_defaults(args, model, rank=0):
 def load_data(args, tokenizer, rank):
     """Returns (train pairs, eval pairs, what each dataset is evaluated on). A dataset is evaluated on its eval split:
     --eval_split, else validation, else test. The rest hold out --eval_holdout of their pooled shares, by prompt."""
-    if args.max_length <= args.max_prompt_length:
-        raise common.UserError(f"--max_prompt_length {args.max_prompt_length} must be below --max_length "
+    if args.max_length <= args.min_prompt_length:
+        raise common.UserError(f"--min_prompt_length {args.min_prompt_length} must be below --max_length "
                                f"{args.max_length} to leave room for the responses")
     mixer = common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
     names = " ".join(n for n, _ in mixer)
-    fit = f"--max_length {args.max_length} with the prompt cut to --max_prompt_length {args.max_prompt_length}"
+    fit = f"--max_length {args.max_length} with the prompt cut to --min_prompt_length {args.min_prompt_length} tokens"
     train_rows, eval_rows, pool, eval_sets = [], [], [], {}
     for name, weight in mixer:
         tried = [args.eval_split] if args.eval_split else [s for s in ("validation", "test") if s != args.train_split]
@@ -533,7 +539,7 @@ def load_data(args, tokenizer, rank):
     train, dropped = tokenize_pairs(train_rows, tokenizer, args)
     if train_rows and dropped["too long"] > len(train_rows) / 2:
         raise common.UserError(f"{names}: {dropped['too long']} of {len(train_rows)} training pairs do not fit {fit}: "
-                               "raise --max_length (or lower --max_prompt_length)")
+                               "raise --max_length (or lower --min_prompt_length)")
     if train_rows and not train:
         raise common.UserError(f"{names}: all {len(train_rows)} training pairs were dropped: chosen and rejected are "
                                "identical token for token; check the data")
@@ -592,7 +598,7 @@ def tokenize_pairs(rows, tokenizer, args):
                             args.model_name_or_path, "--model_name_or_path")
     bos_id, pairs, counts = common.leading_id(tokenizer), [], collections.Counter()
     for row, margin, p, c, r in zip(rows, margins, prompts, chosen, rejected):
-        kept, why = truncate_pair(p, c, r, args.max_length, args.max_prompt_length, bos_id)
+        kept, why = truncate_pair(p, c, r, args.max_length, args.min_prompt_length, bos_id)
         if why or kept != p:
             counts[why or "prompt cut"] += 1
         if kept is not None:
@@ -731,7 +737,9 @@ def save_final(model, hf_model, lora, tokenizer, ev, logger, args, rank, record)
 
 def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, scale):
     """Saves the model in transformers' format, LoRA merged and its adapter in output_dir/adapter. A head without a
-    bias cannot hold the shift, so config.json holds the normalization, as does adapter/reward_normalization.json."""
+    bias cannot hold the shift, so config.json holds the normalization, as does adapter/reward_normalization.json; a
+    user applies it as (score - reward_shift) / reward_scale. The score is read at the EOS that every response here
+    ends with, so a text scored without it is read at a position the model never trained on."""
     normalization = {"reward_shift": shift, "reward_scale": scale}
     if lora is not None:
         hf_model = common.save_lora(hf_model, lora, state_dict, tokenizer, output_dir)

@@ -8,9 +8,9 @@ gold score against episodes and against wall time, the KL reached, time per upda
 Rows: gae (ppo.py's defaults: a critic initialised from the reward model, 1 response per prompt); rloo, grpo, dr_grpo
 (grpo --no_scale_rewards --loss_aggregation constant) and reinforce_pp, each with 4 responses per prompt and no
 critic. Each row trains on the reward model (`proxy`: the gold score is then what the proxy is meant to measure) and
-on the gold reward itself as a rule (`--reward_fn common:gold_rewards`). Everything else is ppo.py's default (KL in the
-reward, k1, kl_coef 0.1, rollout batch 32, 4 PPO epochs), so the rows differ in the estimator alone (and Dr. GRPO's
-average). Every run is its own process, one after the other, on an otherwise idle machine; peak memory is its peak
+on the gold reward itself as a rule (`--reward_fn common:gold_rewards`). Everything else is gae's default (KL in the
+reward, k1, token_mean, kl_coef 0.1, rollout batch 32, 4 PPO epochs), so the rows differ in the estimator alone (and
+Dr. GRPO's average). grpo's own defaults (KL in the loss, k3, sequence_mean) are pinned to gae's here. Every run is its own process, one after the other, on an otherwise idle machine; peak memory is its peak
 resident set (VmHWM).
 """
 
@@ -24,9 +24,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 ESTIMATORS = {"gae": {}, "rloo": dict(advantage_estimator="rloo", num_samples_per_prompt=4),
-              "grpo": dict(advantage_estimator="grpo", num_samples_per_prompt=4),
+              "grpo": dict(advantage_estimator="grpo", num_samples_per_prompt=4, kl_penalty="reward",
+                           loss_aggregation="token_mean"),
               "dr_grpo": dict(advantage_estimator="grpo", num_samples_per_prompt=4, scale_rewards=False,
-                              loss_aggregation="constant"),
+                              kl_penalty="reward", loss_aggregation="constant"),
               "reinforce_pp": dict(advantage_estimator="reinforce_pp", num_samples_per_prompt=4)}
 REWARDS = {"proxy": dict(reward_model_path="runs/rm"), "gold": dict(reward_fn="common:gold_rewards")}
 COLORS = {"gae": "black", "rloo": "tab:blue", "grpo": "tab:orange", "dr_grpo": "tab:green",

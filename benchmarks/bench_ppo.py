@@ -109,7 +109,7 @@ def make_assets(root, workloads):
         tokenizer.save_pretrained(policy)
         rm.main(rm.Args(model_name_or_path=policy, dataset_name=os.path.join(root, "pairs.jsonl"), max_steps=60,
                         per_device_train_batch_size=16, learning_rate=1e-4, num_evals=1, output_dir=rm_dir,
-                        max_length=256, max_prompt_length=128))
+                        max_length=256, min_prompt_length=128))
     rng = random.Random(0)
     short = [common.embedded_prompt(rng) for _ in range(WORKLOADS["short"]["episodes"])]
     long = [common.shared_prefix_split(r["chosen"], r["rejected"])[0] for r in rows[:WORKLOADS["long"]["episodes"]]]

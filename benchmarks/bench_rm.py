@@ -97,7 +97,7 @@ def prepare_task(task, args, work):
         tok.save_pretrained(work)
         rows = common.embedded_pairs(args.pairs + args.eval_pairs, seed=7)
     splits = {"train": rows[:args.pairs], "test": rows[args.pairs:args.pairs + args.eval_pairs]}
-    targs = rm.Args(max_length=args.max_length, max_prompt_length=args.max_length * 3 // 4)
+    targs = rm.Args(max_length=args.max_length, min_prompt_length=args.max_length * 3 // 4)
     ids = {}
     for split, part in splits.items():
         with open(os.path.join(work, f"{split}.jsonl"), "w") as f:
@@ -163,10 +163,13 @@ def child_trl(work, args):
 
 def child_rm(work, args, flags, code_root=ROOT):
     out = os.path.join(work, "rm-" + "-".join(f.strip("-") for f in flags))
+    # The prompt's floor, under the name the rm.py at code_root gives it (--max_prompt_length before issue 67)
+    floor = "--min_prompt_length" if "min_prompt_length" in open(os.path.join(code_root, "rm.py")).read() else \
+        "--max_prompt_length"
     sys.argv = ["rm.py", "--model_name_or_path", os.path.join(work, "model"), "--dataset_name", work,
                 "--output_dir", out, "--overwrite_output_dir", "--learning_rate", str(args.lr), "--num_train_epochs", "1",
                 "--per_device_train_batch_size", str(args.batch), "--per_device_eval_batch_size", str(args.batch),
-                "--max_length", str(args.max_length), "--max_prompt_length", str(args.max_length * 3 // 4),
+                "--max_length", str(args.max_length), floor, str(args.max_length * 3 // 4),
                 "--logging_steps", "10", "--warmup_steps", str(warmup_steps(args)),
                 "--reward_normalization", "none",
                 *(["--bf16"] if args.bf16 else []), *flags]

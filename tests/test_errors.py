@@ -47,8 +47,8 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
     "negative lr": (["--learning_rate", "-1"], {}, "--learning_rate -1.0: must be a finite number >= 0"),
     "holdout": (["--eval_holdout", "1.5"], {}, "--eval_holdout 1.5: must be a fraction within (0, 1)"),
     "zero epochs": (["--num_train_epochs", "0"], {}, "--num_train_epochs 0.0: must be above 0"),
-    "negative prompt length": (["--max_prompt_length", "-1"], {}, "--max_prompt_length -1: must be at least 1"),
-    "no room for responses": (["--max_prompt_length", "600"], {}, "--max_prompt_length 600 must be below --max_length"),
+    "negative prompt length": (["--min_prompt_length", "-1"], {}, "--min_prompt_length -1: must be at least 1"),
+    "no room for responses": (["--min_prompt_length", "600"], {}, "--min_prompt_length 600 must be below --max_length"),
     "missing model": (["--model_name_or_path", "./no_such_model"], {}, "--model_name_or_path ./no_such_model: no such"),
     "lora target": (["--lora_r", "4", "--lora_target_modules", "no_such_layer"], {},
                     "--lora_target_modules no_such_layer: peft cannot put LoRA adapters on LlamaForSequence"),
@@ -77,7 +77,7 @@ CASES = {  # name: (flags, files {name: text or bytes} written to the data folde
     "text the tokenizer cannot read": ([], {"d.jsonl": '{"prompt": "Human: How do I bake bread? Assistant:", "chosen": '
                                             '" Preheat the oven first.", "rejected": " Buy it instead please."}\n' * 5},
                                        "% of its tokens are <unk> to embedded-llama's tokenizer"),
-    "pairs past max_length": (["--max_length", "8", "--max_prompt_length", "4"],
+    "pairs past max_length": (["--max_length", "8", "--min_prompt_length", "4"],
                               {"d.jsonl": '{"prompt": "User:", "chosen": " cat dog red cat dog red cat dog red", '
                                           '"rejected": " a"}\n' * 5},
                               "training pairs do not fit --max_length 8 with the prompt cut to"),
@@ -221,7 +221,7 @@ def test_numbers_in_text_cells_are_numbers_and_sharegpt_roles_are_mapped(tmp_pat
     """Margins in text cells are numbers; ShareGPT roles are mapped; a role the chat template drops is named."""
     (tmp_path / "d.csv").write_text('prompt,chosen,rejected,margin\nUser:, cat, dog,"0.5"\nUser:, red, owl,\n')
     (tmp_path / "d.jsonl").write_text(GOOD[:-1] + ', "margin": " 2.5 "}\n')
-    args = rm.Args(max_length=64, max_prompt_length=32)
+    args = rm.Args(max_length=64, min_prompt_length=32)
     csv_pairs = rm.tokenize_pairs(common.load_rows(str(tmp_path / "d.csv")), common.embedded_tokenizer(), args)[0]
     json_pairs = rm.tokenize_pairs(common.load_rows(str(tmp_path / "d.jsonl")), common.embedded_tokenizer(), args)[0]
     assert [p["margin"] for p in csv_pairs] == [0.5, 0.0] and json_pairs[0]["margin"] == 2.5

@@ -44,7 +44,7 @@ def trained_rm(family_dir, tmp_path_factory):
             data = write_jsonl(out / "pairs.jsonl", preference_rows(family, 160))
             rm.main(rm.Args(model_name_or_path=family_dir(family), dataset_name=data, output_dir=str(out / "model"),
                             max_steps=4, per_device_train_batch_size=8, learning_rate=3e-3, num_evals=1,
-                            logging_steps=1, max_length=64, max_prompt_length=32))
+                            logging_steps=1, max_length=64, min_prompt_length=32))
             made[family] = str(out / "model")
         return made[family]
     return get
@@ -58,7 +58,7 @@ def reward_model_of(path, **kw):
 
 def tokenized_pairs(family, tokenizer, n=6):
     rows = [dict(r, _source="mem", _row=i) for i, r in enumerate(preference_rows(family, n, seed=3))]
-    pairs, _ = rm.tokenize_pairs(rows, tokenizer, rm.Args(max_length=64, max_prompt_length=32))
+    pairs, _ = rm.tokenize_pairs(rows, tokenizer, rm.Args(max_length=64, min_prompt_length=32))
     return pairs
 
 
@@ -122,7 +122,7 @@ def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(fa
     path = family_dir(family)
     rows = preference_rows(family, 8, seed=4)
     # cut (keeping the leading BOS; rm.py cuts a prompt only where the pair does not fit --max_length, to what the
-    # longer response leaves, and drops a pair that does not fit with the prompt at --max_prompt_length), and whole
+    # longer response leaves, and drops a pair that does not fit with the prompt at --min_prompt_length), and whole
     for max_prompt_length, max_length in ((5, 16), (64, 96)):
         args = ppo.Args(sft_model_path=path, dataset_name=write_jsonl(tmp_path / "p.jsonl", rows),
                         max_prompt_length=max_prompt_length)
@@ -130,7 +130,7 @@ def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(fa
         kept, cut = [], 0
         for i, (row, whole) in enumerate(zip(rows, ppo.load_prompts(args, tokenizer)[0])):  # (before ppo.main cuts)
             pairs, _ = rm.tokenize_pairs([dict(row, _source="m", _row=i)], rm.load_tokenizer(path),
-                                         rm.Args(max_length=max_length, max_prompt_length=max_prompt_length))
+                                         rm.Args(max_length=max_length, min_prompt_length=max_prompt_length))
             for pair in pairs:
                 left = max_length - max(len(pair["chosen"]), len(pair["rejected"]))  # >= max_prompt_length
                 assert left >= max_prompt_length and pair["prompt"] == ppo.truncate_prompt(
@@ -157,7 +157,7 @@ def test_saved_reward_model_reloads_with_transformers_and_gives_the_training_rew
     tokenizer = AutoTokenizer.from_pretrained(path)
     rows = [dict(r, _source="m", _row=i) for i, r in enumerate(preference_rows(family, 160))]
     held_out = rm.hold_out_by_prompt(rows, 0.1, 1, tokenizer)[1]  # rm.py's hold-out (seed 1)
-    evals, _ = rm.tokenize_pairs(held_out, tokenizer, rm.Args(max_length=64, max_prompt_length=32))
+    evals, _ = rm.tokenize_pairs(held_out, tokenizer, rm.Args(max_length=64, min_prompt_length=32))
     ids, mask = rm.collate(evals, tokenizer.pad_token_id)
     with torch.no_grad():
         ours = rm.RewardModel(hf)(ids, mask)
@@ -232,7 +232,7 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
     ids, ids_mask = ppo.reward_model_tokens(batch, torch.arange(2), tokenizer.eos_token_id, tokenizer, reward, args)
     rm_tokenizer = AutoTokenizer.from_pretrained(rm_path)
     rows = [{"prompt": prompt, "chosen": answers[0], "rejected": answers[1], "_source": "m", "_row": 0}]
-    pair = rm.tokenize_pairs(rows, rm_tokenizer, rm.Args(max_length=64, max_prompt_length=32))[0][0]
+    pair = rm.tokenize_pairs(rows, rm_tokenizer, rm.Args(max_length=64, min_prompt_length=32))[0][0]
     assert ids[0][ids_mask[0].bool()].tolist() == pair["prompt"] + pair["chosen"]
     assert ids[1][ids_mask[1].bool()].tolist() == pair["prompt"] + pair["rejected"]
     # ... and ppo.py's score of each episode is the reward model's normalized reward on those tokens
@@ -261,7 +261,7 @@ def test_two_ranks_equal_one_process_on_an_eager_decoder_and_an_encoder(family, 
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(family, 96))
     base = ["rm.py", "--model_name_or_path", family_dir(family), "--dataset_name", data, "--max_steps", "3",
             "--logging_steps", "1", "--num_evals", "1", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
-            "--max_length", "64", "--max_prompt_length", "32", "--padding_free"]
+            "--max_length", "64", "--min_prompt_length", "32", "--padding_free"]
     run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
     proc, _ = run_ranks([base + ["--output_dir", str(tmp_path / "ddp")]], tmp_path)
     assert "batch layout: " + ("padded" if family in PADDED_FAMILIES else "prefix-shared + packed") in proc.stdout
@@ -281,7 +281,7 @@ def test_a_checkpoint_stored_in_bfloat16_trains_exactly_as_its_float32_copy(fami
     for name, path in (("bf16", stored), ("fp32", as_float32)):
         rm.main(rm.Args(model_name_or_path=path, dataset_name=data, output_dir=str(tmp_path / f"rm-{name}"),
                         max_steps=3, per_device_train_batch_size=8, learning_rate=1e-5, num_evals=1, max_length=64,
-                        max_prompt_length=32))
+                        min_prompt_length=32))
         ppo.main(ppo.Args(sft_model_path=path, reward_model_path=trained_rm("llama"), total_episodes=8,
                           per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2, response_length=6,
                           learning_rate=1e-5, max_prompt_length=32, output_dir=str(tmp_path / f"ppo-{name}")))
@@ -305,7 +305,7 @@ def test_a_text_prompt_before_message_responses_is_one_prompt_in_both_scripts(fa
              "rejected": [{"role": "assistant", "content": "owl"}]}]
     tokenizer = rm.load_tokenizer(path)
     pair = rm.tokenize_pairs([dict(rows[0], _source="m", _row=0)], tokenizer,
-                             rm.Args(max_length=96, max_prompt_length=72))[0][0]
+                             rm.Args(max_length=96, min_prompt_length=72))[0][0]
     args = ppo.Args(sft_model_path=path, dataset_name=write_jsonl(tmp_path / "p.jsonl", rows), max_prompt_length=72)
     prompt_ids, texts = ppo.load_prompts(args, ppo.load_tokenizer(args))
     assert prompt_ids[0] == pair["prompt"] and "<|start_header_id|>user" in texts[0]
@@ -315,7 +315,7 @@ def test_a_text_prompt_before_message_responses_is_one_prompt_in_both_scripts(fa
 def test_lengths_beyond_a_learned_position_table_are_refused_at_the_start(family, family_dir, tmp_path):
     with pytest.raises(common.UserError, match=r"--max_length 300: 300 tokens, but .* has a learned position table of "
                                                r"256; pass at most 256"):
-        rm.main(rm.Args(model_name_or_path=family_dir(family), max_length=300, max_prompt_length=32,
+        rm.main(rm.Args(model_name_or_path=family_dir(family), max_length=300, min_prompt_length=32,
                         dataset_name=write_jsonl(tmp_path / "d.jsonl", preference_rows(family, 80)),
                         output_dir=str(tmp_path / "rm")))
     with pytest.raises(common.UserError, match=r"--response_length \(272\): .* table of 256"):
@@ -331,7 +331,7 @@ def test_fsdp_ranks_fill_their_shards_from_rank_0s_copy_of_saved_models(family, 
     """Under --fsdp only rank 0 reads saved weights and broadcasts them into the shards: 2 ranks train as 1 process."""
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(family, 64))
     rm_base = ["rm.py", "--model_name_or_path", family_dir(family), "--dataset_name", data, "--max_steps", "2",
-               "--per_device_train_batch_size", "4", "--num_evals", "1", "--max_length", "64", "--max_prompt_length",
+               "--per_device_train_batch_size", "4", "--num_evals", "1", "--max_length", "64", "--min_prompt_length",
                "32", "--learning_rate", "3e-3", "--center_rewards_coefficient", "0.01"]
     # (the centering: without it a final layer norm's bias, which shifts both rewards of a pair alike, has no gradient
     # in exact arithmetic, and AdamW turns its rounding noise, other on 1 and 2 ranks, into steps of the rate's size)

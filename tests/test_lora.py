@@ -141,7 +141,7 @@ def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapter
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 40))
     rm.main(rm.Args(model_name_or_path=str(tmp_path / "sft"), dataset_name=data, output_dir=str(tmp_path / "rm"),
                     lora_r=lora_r, max_steps=3, per_device_train_batch_size=4, num_evals=1, learning_rate=1e-2,
-                    max_length=64, max_prompt_length=32))
+                    max_length=64, min_prompt_length=32))
     start = adapter.merge_and_unload().model.state_dict()  # the SFT model: the start, merged
     saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").model.state_dict()
     # (the rows of the SFT model's vocabulary: rm.py's pad token adds one)
@@ -155,7 +155,7 @@ def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 96))
     rm.main(rm.Args(model_name_or_path=family_dir("llama"), dataset_name=data, output_dir=str(out), max_steps=3,
                     per_device_train_batch_size=8, learning_rate=3e-2, num_evals=1, max_length=64,
-                    max_prompt_length=32, reward_normalization="shift_scale", **LORA))
+                    min_prompt_length=32, reward_normalization="shift_scale", **LORA))
     shift = json.load(open(out / "eval_results.json"))["reward_shift"]
     tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=family_dir("llama")))
     rewards = [ppo.load_reward(ppo.Args(reward_model_path=str(p)), tokenizer) for p in (out, out / "adapter")]
@@ -167,7 +167,7 @@ def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike
     evals = {}
     for name in ("rm", "rm/adapter"):
         rm.main(rm.Args(model_name_or_path=str(tmp_path / name), dataset_name=data, eval_only=True,
-                        output_dir=str(tmp_path / f"eval-{len(evals)}"), max_length=64, max_prompt_length=32))
+                        output_dir=str(tmp_path / f"eval-{len(evals)}"), max_length=64, min_prompt_length=32))
         evals[name] = json.load(open(tmp_path / f"eval-{len(evals)}" / "eval_results.json"))
     for key in ("accuracy", "loss", "reward_shift", "reward_scale", "normalized_reward_mean"):
         assert evals["rm"][key] == pytest.approx(evals["rm/adapter"][key], abs=1e-5), key

@@ -141,7 +141,7 @@ def rm_row(row, folder, small_pairs_file, family_dir):
     row = dict(row)
     ranks, model = row.pop("ranks"), row.pop("model")
     args = dict(row, max_steps=4 if row["resume"] else 2, per_device_train_batch_size=4, num_evals=1, logging_steps=1,
-                max_length=64, max_prompt_length=32)
+                max_length=64, min_prompt_length=32)
     if model == "folder":  # a tiny Llama stored in bfloat16, with its own tokenizer and chat-formatted pairs
         args.update(model_name_or_path=family_dir("llama"), learning_rate=1e-3,
                     dataset_name=write_jsonl(folder / "pairs.jsonl", preference_rows("llama", 80)))

@@ -96,10 +96,11 @@ def test_policy_loss_statistics_stay_finite_on_padding_whose_log_prob_is_minus_i
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
-def test_the_loss_mean_is_its_formula_whatever_the_micro_batches(aggregation):
+def test_the_loss_mean_is_its_formula_whatever_the_micro_batches(aggregation, monkeypatch):
     """learn()'s policy loss for one mini-batch of 4 responses of 4, 2, 1 and 3 tokens, on-policy (ratio 1: each
     token's loss is -advantage): its mean as --loss_aggregation says, written out here, whether the mini-batch runs as
-    one micro-batch or as 2 x 2 accumulated; its statistics plain token means."""
+    one micro-batch or as 2 x 2 accumulated; its statistics plain token means. clip_and_step, which names the policy
+    loss if the run diverges, gets the step's, not the last micro-batch's."""
     g = torch.Generator().manual_seed(2)
     policy = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=1)
     prompts = sample_prompts(4)
@@ -111,6 +112,8 @@ def test_the_loss_mean_is_its_formula_whatever_the_micro_batches(aggregation):
     real = [(-adv[i, :n]).tolist() for i, n in enumerate(lengths)]
     expected = {"token_mean": sum(map(sum, real)) / 10, "sequence_mean": sum(sum(r) / len(r) for r in real) / 4,
                 "constant": sum(map(sum, real)) / (4 * 4)}[aggregation]
+    stepped, real = [], ppo.clip_and_step
+    monkeypatch.setattr(ppo, "clip_and_step", lambda *a: stepped.append(a[-1].item()) or real(*a))
     for micro, accumulation in ((4, 1), (2, 2)):
         args = ppo.Args(per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation, num_mini_batches=1,
                         num_ppo_epochs=1, response_length=4, loss_aggregation=aggregation)
@@ -121,6 +124,7 @@ def test_the_loss_mean_is_its_formula_whatever_the_micro_batches(aggregation):
         stats = ppo.learn(policy, None, trainable, torch.optim.SGD(policy.parameters(), lr=0.0), batch, 0.1, args, 0,
                           None, TOK.pad_token_id)
         assert stats["loss/policy"] == pytest.approx(expected, abs=1e-6), (micro, accumulation)
+        assert stepped[-1] == pytest.approx(expected, abs=1e-6), (micro, accumulation)
         assert stats["policy/ratio"] == pytest.approx(1.0, abs=1e-6) and stats["policy/clipfrac"] == 0.0
 
 
@@ -195,6 +199,25 @@ def test_advantages_phase_puts_the_kl_where_asked(estimator, kl_penalty):
             # undiscounted: the first token's return is the episode's return
             first = ppo.gae(rewards, torch.zeros_like(rewards), mask.float(), 1.0, 1.0)[0][:, 0]
             assert torch.allclose(first, returns, atol=1e-5)
+
+
+def test_each_estimator_runs_its_papers_defaults_and_a_flag_overrides_them(capsys):
+    """--advantage_estimator alone runs its paper: grpo puts the KL in the loss with k3 and averages each response's
+    tokens first (Shao et al. 2024, eq. 3); gae, rloo (Ahmadian et al. 2024) and reinforce_pp (Hu 2025) put it in each
+    token's reward with k1 and average tokens. fill_defaults prints what it filled, and a given flag keeps its value."""
+    papers = {"gae": ("reward", "k1", "token_mean", 1), "rloo": ("reward", "k1", "token_mean", 4),
+              "grpo": ("loss", "k3", "sequence_mean", 4), "reinforce_pp": ("reward", "k1", "token_mean", 1)}
+    for estimator, expected in papers.items():
+        args = ppo.Args(advantage_estimator=estimator, reward_fn="common:gold_rewards")
+        ppo.check_args(args)  # (before fill_defaults, as main() runs them)
+        ppo.fill_defaults(args, None)
+        assert (args.kl_penalty, args.kl_estimator, args.loss_aggregation, args.num_samples_per_prompt) == expected
+        printed = capsys.readouterr().out.split("defaults: ")[1].splitlines()[0]
+        assert f"--kl_penalty {expected[0]}" in printed and f"--loss_aggregation {expected[2]}" in printed
+    args = ppo.Args(advantage_estimator="grpo", kl_penalty="reward", loss_aggregation="constant")
+    ppo.fill_defaults(args, None)
+    assert (args.kl_penalty, args.kl_estimator, args.loss_aggregation) == ("reward", "k1", "constant")
+    assert "--kl_penalty" not in capsys.readouterr().out.split("defaults: ")[1].split(", --kl_estimator")[0]
 
 
 def test_kl_in_the_loss_stays_finite_when_padding_is_improbable(tmp_path, monkeypatch):
@@ -634,6 +657,19 @@ def test_ptx_loss_of_a_left_padded_batch_is_the_mean_over_real_transitions():
     assert batch.item() == pytest.approx(sum(alone).item() / n, rel=1e-5)
 
 
+def test_num_evals_counts_the_evaluations_after_the_one_before_training_and_says_when_they_are_too_many(capsys):
+    """--num_evals N: N evaluations spread over training, the last at its end, and one before it: N + 1 in all. More
+    than the updates gives one after each update, said in one line, as rm.py says it."""
+    assert ppo.eval_schedule(5, 10) == {0, 2, 4, 6, 8, 10} and capsys.readouterr().out == ""
+    assert ppo.eval_schedule(0, 10) == set()
+    assert ppo.eval_schedule(5, 3) == {0, 1, 2, 3}
+    assert capsys.readouterr().out == "--num_evals 5: 3, one after each of the 3 updates, and one before\n"
+    assert ppo.eval_schedule(5, 3, rank=1) == {0, 1, 2, 3} and capsys.readouterr().out == ""
+    with pytest.raises(SystemExit):
+        tyro.cli(next(c for c in ppo.Args.__mro__ if c.__module__ == "ppo"), args=["--help"], use_underscores=True)
+    assert "plus one before it: N + 1 in all" in " ".join(capsys.readouterr().out.replace("│", " ").split())
+
+
 def test_a_response_length_that_fills_the_position_table_is_refused_in_one_line():
     """The default --max_prompt_length: what a position table leaves after --response_length; none left is refused."""
     args = ppo.Args(response_length=16)
@@ -747,6 +783,28 @@ def test_the_critic_reads_values_in_evaluation_mode_and_learns_in_training_mode(
     assert modes == [("values", False), ("learn", True)] * 3
     assert all(m["objective/scores"] == pytest.approx(m["gold/mean"], abs=1e-5) for m in read_metrics(tmp_path))
     assert len(history) == 3 and os.path.getsize(tmp_path / "curves.png") > 10_000
+
+
+@pytest.mark.parametrize("run,expected", [
+    ({}, ["policy embedded-llama (trained, ", "reference a frozen copy of the initial policy",
+          "reward model {rm} (frozen)", "critic from the reward model (trained, "]),
+    ({"lora_r": 4}, ["policy embedded-llama (trained, ", ", LoRA rank 4)", "reference the policy with its adapter off",
+                     "reward model {rm} (frozen, the critic with its adapter off)", "critic from the reward model"]),
+    ({"reward_fn": "common:gold_rewards", "reward_model_path": None},
+     ["reference a frozen copy of the initial policy", "reward function common:gold_rewards",
+      "critic from the policy, with a new head (trained, "]),
+    ({"advantage_estimator": "grpo"}, ["reward model {rm} (frozen)", "critic none (grpo learns no values)"])],
+    ids=["default", "lora", "reward_fn", "grpo"])
+def test_build_models_names_each_of_the_four_roles_at_start_up(run, expected, reward_model_path, capsys):
+    """build_models prints one line that names what policy, reference, reward and critic are in this run."""
+    args = ppo.Args(**{"reward_model_path": reward_model_path, **run})
+    ppo.fill_defaults(args, None)
+    ppo.build_models(args, ppo.load_tokenizer(args), torch.device("cpu"), 0, 1)
+    [line] = [l for l in capsys.readouterr().out.splitlines() if l.startswith("models: ")]
+    assert [line.count(f"; {role} ") for role in ("reference", "reward", "critic")] == [1, 1, 1], line
+    assert line.startswith("models: policy ") and line.endswith("; 1 x cpu"), line
+    for part in expected:
+        assert part.format(rm=reward_model_path) in line, line
 
 
 def test_seed_streams_are_independent_across_seeds():

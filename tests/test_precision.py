@@ -211,9 +211,9 @@ def test_default_lengths_fit_a_short_position_table_and_given_ones_are_refused(f
     data = write_jsonl(tmp_path / "d.jsonl", preference_rows("gpt2", 40))
     rm.main(rm.Args(model_name_or_path=family_dir("gpt2"), dataset_name=data, max_steps=2,
                     per_device_train_batch_size=4, num_evals=1, output_dir=str(tmp_path / "rm")))
-    assert "--max_length 256, --max_prompt_length 192" in capsys.readouterr().out  # (fill_defaults says so)
+    assert "--max_length 256, --min_prompt_length 192" in capsys.readouterr().out  # (fill_defaults says so)
     saved = json.load(open(tmp_path / "rm" / "eval_results.json"))["args"]
-    assert (saved["max_length"], saved["max_prompt_length"]) == (256, 192)
+    assert (saved["max_length"], saved["min_prompt_length"]) == (256, 192)
     ppo.main(ppo.Args(sft_model_path=family_dir("gpt2"), reward_fn="common:gold_rewards", total_episodes=8,
                       per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1,
                       output_dir=str(tmp_path / "ppo")))
@@ -247,7 +247,7 @@ def test_evaluation_holds_out_whole_prompts_uses_validation_and_whole_eval_split
     rows = [{"prompt": f"User: tell me about {t} such as {w} Assistant:", "chosen": f" {rng.choice(words)}",
              "rejected": " gold"} for t in common.TOPICS for w in common.TOPICS[t] for _ in range(5)]
     write_jsonl(tmp_path / "many.jsonl", rows)
-    args = rm.Args(dataset_name=str(tmp_path / "many.jsonl"), max_length=64, max_prompt_length=32)
+    args = rm.Args(dataset_name=str(tmp_path / "many.jsonl"), max_length=64, min_prompt_length=32)
     train, evals, _ = rm.load_data(args, TOK, 0)
     prompts = lambda pairs: {tuple(p["prompt"]) for p in pairs}  # noqa: E731
     assert not prompts(train) & prompts(evals) and len(evals) >= 0.1 * len(rows) - 5
@@ -257,7 +257,7 @@ def test_evaluation_holds_out_whole_prompts_uses_validation_and_whole_eval_split
     write_jsonl(folder / "train.jsonl", rows[:100])
     write_jsonl(folder / "validation.jsonl", rows[100:130])
     write_jsonl(folder / "test.jsonl", rows[130:150])  # validation comes first: a run tuned on it never sees test
-    args = rm.Args(dataset_mixer_list=[str(folder), "0.5"], max_length=64, max_prompt_length=32)
+    args = rm.Args(dataset_mixer_list=[str(folder), "0.5"], max_length=64, min_prompt_length=32)
     train, evals, eval_sets = rm.load_data(args, TOK, 0)
     assert len(evals) == 30 and len(train) == 50  # the weight halves the training pairs, never the eval split
     assert eval_sets == {str(folder): "split 'validation'"}
@@ -295,7 +295,7 @@ def test_evaluation_loss_calibration_and_per_dataset_numbers_match_formulas():
     assert abs(rm.calibration_error(torch.sigmoid(rc - rr - margin)) - ece.item()) > 0.05  # not the margin's
 
     rows = [dict(r, _source="m", _row=i, _dataset="ab"[i % 2]) for i, r in enumerate(common.embedded_pairs(24, 3))]
-    pairs, _ = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=64, max_prompt_length=32))
+    pairs, _ = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=64, min_prompt_length=32))
     both = evaluate(pairs)[0]
     for name in "ab":
         alone = evaluate([p for p in pairs if p["dataset"] == name])[0]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+import tyro
 from conftest import ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks, run_script
 from families import build_tokenizer
 from test_errors import snapshot
@@ -188,7 +189,7 @@ def test_explicit_implicit_and_conversational_formats_give_the_same_ids_and_enco
     rows = [{"prompt": prompt, "chosen": chosen, "rejected": rejected},
             {"chosen": prompt + chosen, "rejected": prompt + rejected}, conv]
     rows = [dict(r, _source="mem", _row=i) for i, r in enumerate(rows)]
-    pairs, counts = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=512, max_prompt_length=384))
+    pairs, counts = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=512, min_prompt_length=384))
     assert not counts and len(pairs) == 3
     eos = TOK.eos_token_id
     for p in pairs[:2]:
@@ -235,10 +236,28 @@ def test_truncation_cuts_the_prompt_never_a_response_and_drops_what_does_not_fit
     # the prompt is cut only where the pair would not fit, and only by what the longer response needs
     assert rm.truncate_pair(prompt, [20, 3], [30], 8, 4, bos_id=2) == (prompt, None)
     assert rm.truncate_pair(prompt, [20, 3], [30], 7, 4, bos_id=2) == ([2, 11, 12, 13, 14], None)
-    # past max_length even with the prompt at max_prompt_length: dropped, not read mid-response
+    # past max_length even with the prompt at min_prompt_length: dropped, not read mid-response
     assert rm.truncate_pair(prompt, chosen, rejected, 7, 4, bos_id=2) == (None, "too long")
     assert rm.truncate_pair([5], list(range(9)), [7, 3], 8, 4) == (None, "too long")
     assert rm.truncate_pair([5, 6], [7, 3], [7, 3], 99, 4) == (None, "identical")
+
+
+def test_the_prompts_floor_is_named_as_one_and_max_prompt_length_is_not_taken(capsys):
+    """rm.py's floor on a cut prompt is --min_prompt_length, its --help says it is a floor, and fill_defaults names it.
+    --max_prompt_length, a cap in TRL and in ppo.py, is no rm.py option: the command line refuses it (exit code 2)."""
+    with pytest.raises(SystemExit) as refused:
+        tyro.cli(rm.Args, args=["--max_prompt_length", "32"], use_underscores=True)
+    assert refused.value.code == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        tyro.cli(rm.Args, args=["--help"], use_underscores=True)
+    help_text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "--min_prompt_length" in help_text and "A floor, not a cap" in help_text
+    model = transformers.AutoModelForSequenceClassification.from_config(
+        common.embedded_model_config("embedded-llama", len(TOK), num_labels=1))
+    args = rm.fill_defaults(rm.Args(), model)
+    assert args.min_prompt_length == min(256, args.max_length * 3 // 4)
+    assert f"--min_prompt_length {args.min_prompt_length}" in capsys.readouterr().out
 
 
 def test_a_pair_past_max_length_is_dropped_whole_and_every_kept_response_ends_with_its_eos(tmp_path):
@@ -248,7 +267,7 @@ def test_a_pair_past_max_length_is_dropped_whole_and_every_kept_response_ends_wi
     rows = [{"prompt": "User: tell me about animals Assistant:", "chosen": " cat" * rng.randrange(1, 12),
              "rejected": " dog" * rng.randrange(1, 4)} for _ in range(60)]
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    args = rm.Args(dataset_name=data, max_length=16, max_prompt_length=6)
+    args = rm.Args(dataset_name=data, max_length=16, min_prompt_length=6)
     train, evals, _ = rm.load_data(args, TOK, 0)
     kept = train + evals
     eos = TOK.eos_token_id
@@ -322,7 +341,7 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     tok = AutoTokenizer.from_pretrained(out)
     rows = common.load_rows("embedded", split="validation")[:16]  # the first eval pairs
     pairs, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)], tok,
-                                 rm.Args(max_length=512, max_prompt_length=384))
+                                 rm.Args(max_length=512, min_prompt_length=384))
     ids, mask = rm.collate(pairs, tok.pad_token_id)
     with torch.no_grad():
         ours = rm.RewardModel(hf)(ids, mask)
@@ -513,18 +532,24 @@ def test_each_rank_resumes_its_own_random_streams(tmp_path):
     assert torch.equal(torch.get_rng_state(), rank0)
 
 
+def test_only_the_schedules_that_run_are_offered(capsys):
+    """--lr_scheduler_type offers every transformers SchedulerType but those stepped by a metric, which rm.py's loop
+    does not pass; the command line refuses those itself (exit code 2), listing the choices."""
+    offered = set(rm.Args.__annotations__["lr_scheduler_type"].__args__)
+    assert offered == {s.value for s in SchedulerType} - {"reduce_lr_on_plateau", "greedy"}
+    for schedule in ("greedy", "reduce_lr_on_plateau"):
+        with pytest.raises(SystemExit) as refused:
+            tyro.cli(rm.Args, args=["--lr_scheduler_type", schedule], use_underscores=True)
+        assert refused.value.code == 2 and "cosine" in capsys.readouterr().err
+    assert run_main(["rm.py", "--lr_scheduler_type", "greedy"], check=False).returncode == 2
+
+
 @pytest.mark.parametrize("schedule", list(rm.Args.__annotations__["lr_scheduler_type"].__args__))
 def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_file, schedule, capsys):
-    """Every transformers SchedulerType runs, logging the rate each step used (those stepped by a metric, and an
-    --lr_end not below the rate, refused in one line); the run records the rate filled in for the model."""
+    """Every offered schedule runs, logging the rate each step used (an --lr_end not below the rate refused in one
+    line); the run records the rate filled in for the model."""
     args = rm.Args(dataset_name=small_pairs_file, max_steps=5, warmup_steps=1, lr_scheduler_type=schedule, lr_end=1e-4,
                    output_dir=str(tmp_path), num_evals=1, logging_steps=1)
-    assert {s.value for s in SchedulerType} == set(rm.Args.__annotations__["lr_scheduler_type"].__args__)
-    if schedule in ("reduce_lr_on_plateau", "greedy"):
-        with pytest.raises(common.UserError, match=f"--lr_scheduler_type {schedule}: sets the rate from a metric"):
-            rm.main(args)
-        assert not os.path.exists(tmp_path / "metrics.jsonl")
-        return
     m = rm.main(args)
     lrs = [x["lr"] for x in read_metrics(tmp_path) if "lr" in x]
     assert len(lrs) == 5 and m["eval/accuracy"] > 0 and lrs[0] == {"constant": 1e-3, "cosine_warmup_with_min_lr": 1e-3,
@@ -758,7 +783,7 @@ def test_dataset_mixer_takes_fractions_and_counts_and_evaluates_each_dataset_on_
                     [{"prompt": "User:", "chosen": f" cat {split}", "rejected": " dog"}] * n)
     alone = write_jsonl(tmp_path / "alone.jsonl", [{"prompt": "User:", "chosen": " red", "rejected": " blue"}] * 50)
     args = rm.Args(dataset_mixer_list=[str(with_split), "1.0", alone, "1.0"], eval_holdout=0.2,
-                   max_length=64, max_prompt_length=32)
+                   max_length=64, min_prompt_length=32)
     train, evals, _ = rm.load_data(args, TOK, 0)
     red, cat = TOK.convert_tokens_to_ids("red"), TOK.convert_tokens_to_ids("cat")
     assert sum(p["chosen"][0] == red for p in evals) == 10 and sum(p["chosen"][0] == cat for p in evals) == 7
@@ -787,7 +812,7 @@ def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(
            for w in common.WORDS for v in common.WORDS[:40]]
     files = [write_jsonl(tmp_path / f"{n}.jsonl", r) for n, r in (("a", shared), ("b", shared[::-1]), ("big", big))]
     args = rm.Args(dataset_mixer_list=[files[0], "1.0", files[1], "1.0", files[2], "0.05"], max_length=64,
-                   max_prompt_length=32)
+                   min_prompt_length=32)
     train, evals, eval_sets = rm.load_data(args, TOK, 0)
     assert not {tuple(p["prompt"]) for p in train} & {tuple(p["prompt"]) for p in evals}
     in_eval = collections.Counter(p["dataset"] for p in evals)
@@ -804,7 +829,7 @@ def test_normalization_is_fitted_on_the_training_pairs_and_eval_only_reproduces_
     rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=6, num_evals=1, output_dir=str(train_dir),
                     reward_normalization="shift_scale"))
     trained = json.load(open(train_dir / "eval_results.json"))
-    train, _, _ = rm.load_data(rm.Args(dataset_name=small_pairs_file, max_length=128, max_prompt_length=96), TOK, 0)
+    train, _, _ = rm.load_data(rm.Args(dataset_name=small_pairs_file, max_length=128, min_prompt_length=96), TOK, 0)
     hf = AutoModelForSequenceClassification.from_pretrained(train_dir).eval()
     with torch.no_grad():
         rewards = rm.RewardModel(hf)(*rm.collate(train, TOK.pad_token_id))
@@ -888,22 +913,28 @@ def test_local_folders_in_every_layout_load_with_their_splits(tmp_path):
 
 
 def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path):
-    """The README's snippet, pasted into a fresh Python in the repository's folder (as it says), scores as trained."""
+    """The README's snippet, pasted into a fresh Python, appends the EOS where rm.py reads the reward, and scores as
+    rm.py's own RewardModel does with the saved normalization. Without the EOS the score is another number."""
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     before, after = readme.split("<!-- scoring snippet -->")
-    assert "run\nfrom this repository's folder" in before[-400:]
+    assert "EOS" in before[-400:] and "normalization" in before[-400:]
     snippet = after.split("```python")[1].split("```")[0].replace('"runs/rm"', repr(reward_model_path))
+    assert "+ [tokenizer.eos_token_id]" in snippet  # (the EOS, appended where a reader sees it)
     run_script(["-c", snippet])
     scope = {}
     exec(snippet, scope)  # noqa: S102 - the README's own code, as a user would paste it
     hf = AutoModelForSequenceClassification.from_pretrained(reward_model_path).eval()
     rows = [{"prompt": scope["prompt"], "chosen": scope["responses"][0], "rejected": scope["responses"][1],
              "_source": "m", "_row": 0}]
-    pairs, _ = rm.tokenize_pairs(rows, scope["tokenizer"], rm.Args(max_length=512, max_prompt_length=384))
+    pairs, _ = rm.tokenize_pairs(rows, scope["tokenizer"], rm.Args(max_length=512, min_prompt_length=384))
+    assert [x[-1] for x in scope["ids"]] == [scope["tokenizer"].eos_token_id] * 2
+    assert scope["ids"] == [pairs[0]["prompt"] + pairs[0][k] for k in ("chosen", "rejected")]  # rm.py's tokens
     ids, mask = rm.collate(pairs, scope["tokenizer"].pad_token_id)
     with torch.no_grad():
         trained = (rm.RewardModel(hf)(ids, mask) - hf.config.reward_shift) / hf.config.reward_scale
+        without_eos = torch.cat([hf(input_ids=torch.tensor([x[:-1]])).logits[:, 0] for x in scope["ids"]])
     assert torch.allclose(scope["rewards"], trained, atol=1e-5)
+    assert not torch.allclose((without_eos - hf.config.reward_shift) / hf.config.reward_scale, trained, atol=1e-3)
 
 
 def test_num_evals_is_the_number_of_evaluations(tmp_path, small_pairs_file, capsys):
