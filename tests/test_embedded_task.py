@@ -71,7 +71,7 @@ def bayes_accuracy(rows):
 
 
 def test_each_splits_bayes_accuracy_is_a_direct_computation_from_its_gold_rewards(split_rows, tmp_path):
-    tok, args = common.embedded_tokenizer(), rm.Args(max_length=512, max_prompt_length=256)
+    tok, args = common.embedded_tokenizer(), rm.Args(max_length=512, min_prompt_length=256)
     for s in SPLITS:
         pairs, _ = rm.tokenize_pairs(split_rows[s], tok, args)
         zeros = torch.zeros(len(pairs))
@@ -88,7 +88,7 @@ def test_neither_script_trains_on_a_validation_or_ood_prompt(monkeypatch):
     """rm.py's training pairs, ppo.py's training prompts and the SFT policy's training prompts are all of the train
     split, and ppo.py's eval prompts are of the split asked for."""
     tok = common.embedded_tokenizer()
-    args = rm.Args(max_length=512, max_prompt_length=256, dataset_mixer_list=["embedded", "3000"])
+    args = rm.Args(max_length=512, min_prompt_length=256, dataset_mixer_list=["embedded", "3000"])
     train, evals, _ = rm.load_data(args, tok, rank=0)
     assert {tuple(p["prompt"]) for p in train}.isdisjoint({tuple(p["prompt"]) for p in evals})
     assert {common.prompt_split(tok.decode(p["prompt"])) for p in train} == {"train"}

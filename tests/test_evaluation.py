@@ -174,8 +174,8 @@ def test_eval_prompts_are_distinct_and_their_standard_errors_are_over_distinct_p
     for record in evaluations(tmp_path / "out"):
         rows = [s for s in samples if s["step"] == record["step"]]
         assert sorted(s["prompt"] for s in rows) == texts and record["eval/prompts"] == 6
-        gold = torch.tensor([s["gold"] for s in rows], dtype=torch.float64)
-        assert record["eval/gold_se"] == pytest.approx((gold.std() / 6 ** 0.5).item(), rel=1e-9)
+        score = torch.tensor([s["score"] for s in rows], dtype=torch.float64)
+        assert record["eval/score_se"] == pytest.approx((score.std() / 6 ** 0.5).item(), rel=1e-9)
         assert record["eval/distinct_1"] == ppo.distinct_ngrams([s["response"] for s in rows], 1)
 
 
