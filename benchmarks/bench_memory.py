@@ -55,9 +55,9 @@ PYTHIA_6_9B = dict(model_type="gpt_neox", hidden_size=4096, num_hidden_layers=32
 def plan_7b():
     """ppo.py's memory plan (memory_plan.py) for Pythia 6.9B PPO, full fine-tuning, on one node of 8 GPUs, from config
     files alone."""
+    import memory_plan
     from transformers import AutoConfig
 
-    import memory_plan
     import ppo
 
     work = tempfile.mkdtemp(prefix="plan_7b_")
@@ -137,6 +137,7 @@ def states_mb(work):
     plan is what the scripts hold: tests/test_memory.py). Were they alone to halve on 2 ranks and the rest of the peak
     stay, the ratio would be (peak - states / 2) / peak: the "at best" column, the best 2 ranks can do."""
     import memory_plan
+
     import ppo
     import rm
 

@@ -25,7 +25,6 @@ import rm  # noqa: E402
 from families import save_family  # noqa: E402
 
 
-
 @dataclasses.dataclass
 class Args(ppo.Args):
     """ppo.py's Args, with no held-out evaluation unless a test asks for one (--num_evals). At its default, six

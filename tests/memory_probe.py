@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import memory_plan  # noqa: E402
+
 import ppo  # noqa: E402
 import rm  # noqa: E402
 

@@ -14,8 +14,6 @@ import huggingface_hub
 import pytest
 import torch
 import tyro
-from conftest import ROOT, read_checkpoint, run_main, run_script, save_checkpoint
-from families import build_tokenizer
 from safetensors.torch import load_file, save_file
 from test_families import write_jsonl
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
@@ -23,6 +21,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen
 import common
 import ppo
 import rm
+from conftest import ROOT, read_checkpoint, run_main, run_script, save_checkpoint
+from families import build_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
-from conftest import read_metrics, run_main, write_jsonl
 
 import common
 import ppo
+from conftest import read_metrics, run_main, write_jsonl
 
 TINY = dict(reward_fn="common:gold_rewards", total_episodes=32, per_device_train_batch_size=4, num_mini_batches=2,
             num_ppo_epochs=1, response_length=8, num_evals=2, num_eval_prompts=10)

@@ -8,13 +8,13 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import assert_saved_models_equal, read_metrics, replayed_samples, run_main, run_ranks, write_jsonl
-from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, WINDOW, WINDOWED, save_family  # noqa: F401
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import common
 import ppo
 import rm
+from conftest import assert_saved_models_equal, read_metrics, replayed_samples, run_main, run_ranks, write_jsonl
+from families import DECODERS, ENCODERS, FAMILIES, TEMPLATED, WINDOW, WINDOWED, save_family  # noqa: F401
 
 PADDED_FAMILIES = ENCODERS + ["bloom"]  # encoders pool over the whole sequence; BLOOM's ALiBi takes no position ids
 

@@ -6,10 +6,11 @@ import os
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+import common
 from conftest import read_metrics, run_main, run_ranks
 from families import save_family
 
-import common
 
 def load_as_the_scripts_do(path, kind, on_meta, grow):
     """The model at path as ppo.py / rm.py load it (rm.py: the table grown by a pad token, a head drawn)."""

@@ -11,8 +11,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks
-from families import DECODERS, FAMILIES
 from peft import LoraConfig, PeftModel, get_peft_model
 from test_families import preference_rows, tokenized_pairs, write_jsonl
 from test_rm import killed_after_checkpoint, no_timings
@@ -21,6 +19,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import common
 import ppo
 import rm
+from conftest import assert_saved_models_equal, read_checkpoint, read_metrics, run_main, run_ranks
+from families import DECODERS, FAMILIES
 
 LORA = dict(lora_r=4, lora_alpha=8.0)
 

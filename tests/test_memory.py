@@ -9,12 +9,12 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run_script
-from families import build_config, build_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import ppo
 import rm
+from conftest import ROOT, run_script
+from families import build_config, build_tokenizer
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import memory_plan as mp  # noqa: E402

@@ -12,13 +12,13 @@ from collections import OrderedDict
 import pytest
 import torch
 from allpairspy import AllPairs
-from conftest import read_metrics, run_main, run_ranks, save_checkpoint, without_inductor
 from test_families import preference_rows, write_jsonl
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import common
 import ppo
 import rm
+from conftest import read_metrics, run_main, run_ranks, save_checkpoint, without_inductor
 
 TOK = common.embedded_tokenizer()
 

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -18,13 +17,27 @@ import pytest
 import torch
 import torch._inductor.config
 import tyro
-from conftest import (ROOT, assert_saved_models_equal, read_checkpoint, read_metrics, replayed_samples, run_main,
-                      run_ranks, run_script, write_jsonl)
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, SchedulerType,
-                          get_scheduler)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    SchedulerType,
+    get_scheduler,
+)
 
 import common
 import ppo
+from conftest import (
+    ROOT,
+    assert_saved_models_equal,
+    read_checkpoint,
+    read_metrics,
+    replayed_samples,
+    run_main,
+    run_ranks,
+    run_script,
+    write_jsonl,
+)
 
 TOK = common.embedded_tokenizer()
 

@@ -3,15 +3,13 @@ under CPU bfloat16 autocast against formulas computed in float32."""
 
 import json
 import random
-import sys
 import shutil
+import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, read_metrics, run_main, run_script, without_inductor
-from families import DECODERS
 from test_families import preference_rows, write_jsonl
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -19,6 +17,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import common
 import ppo
 import rm
+from conftest import ROOT, read_metrics, run_main, run_script, without_inductor
+from families import DECODERS
 
 TOK = common.embedded_tokenizer()
 
