@@ -14,18 +14,15 @@ Each update hands one Rollout batch through the phases of main():
   3. score: the reward of each response, read at its last real token.
   4. advantages: a reward of -kl_coef * KL at each token (grpo: a loss term), plus the score at the last; GAE, whitened.
   5. learn: num_ppo_epochs passes of the clipped policy and value losses over shuffled mini-batches.
-  6. adapt kl_coef if --target_kl is given (else it stays fixed), log, evaluate on held-out prompts when scheduled,
-     and checkpoint.
+  6. with --target_kl, adapt kl_coef; log, evaluate on held-out prompts when scheduled, and checkpoint.
 
 The four models: what each is, and which options change it. build_models prints what each is at start-up.
   policy     the initial policy (--sft_model_path), trained; with --lora_r, an adapter on it is trained instead.
   reference  a frozen copy of the initial policy; with --lora_r, the policy itself with its adapter off.
-  reward     the frozen reward model (--reward_model_path), plus the function if --reward_fn is given; with --reward_fn
-             and no --reward_model_path, the function alone. With --lora_r and a critic from the reward model, it is
-             that critic with its adapter off.
-  critic     gae's alone. A copy of the reward model, trained, its output normalized, where the reward model reads the
-             policy's tokens; else, or with --critic_init policy, the policy's network with a new head. With --lora_r,
-             an adapter on it is trained.
+  reward     the frozen reward model (--reward_model_path), plus --reward_fn if given, or that function alone. With
+             --lora_r and a critic from the reward model, it is that critic with its adapter off.
+  critic     gae's alone: a copy of the reward model, trained, its output normalized, if it reads the policy's tokens;
+             else, or with --critic_init policy, the policy's network with a new head. --lora_r trains an adapter on it.
 Sampling and every response log-prob use logits / --temperature, with no top-k or top-p. In one process, the helpers
 that share rows between processes (process_share, all_gather_cat, rows_of_every_process) return their input.
 
@@ -545,10 +542,10 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, pt
 
             def mean(loss_per_token, mask):
                 if args.loss_aggregation == "token_mean":
-                    return (loss_per_token * mask).sum() / tokens_in_mini_batch
+                    return (loss_per_token * mask).sum() / tokens_in_mini_batch  # noqa: B023, used in this step
                 if args.loss_aggregation == "sequence_mean":  # each response's token mean, then over responses
-                    return ((loss_per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / responses
-                return (loss_per_token * mask).sum() / (responses * args.response_length)  # constant, Dr. GRPO
+                    return ((loss_per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / responses  # noqa: B023
+                return (loss_per_token * mask).sum() / (responses * args.response_length)  # noqa: B023, Dr. GRPO
 
             sums = {}
             if ptx is not None:  # PPO-ptx (Ouyang et al. 2022, eq. 2): language modelling on pretraining text
@@ -787,7 +784,7 @@ def position_limit(args):
                                 transformers.AutoModelForSequenceClassification)):
         if path is not None and not path.startswith("embedded-"):
             config = common.load_pretrained(transformers.AutoConfig, path, flag)
-            limits.append(common.position_table(common.meta_model(lambda: loader.from_config(config))))
+            limits.append(common.position_table(common.meta_model(lambda: loader.from_config(config))))  # noqa: B023
     return min((n for n in limits if n), default=None)
 
 # --- Models and data. -------------------------------------------------------------------------------------------------

@@ -272,7 +272,7 @@ def main():
                                   "process_pairs_per_s": r["pairs_trained"] / wall})
         rows = []
         for row, rs in runs.items():
-            best = lambda k: max(x[k] for x in rs)  # noqa: E731
+            best = lambda k: max(x[k] for x in rs)  # noqa: E731, B023 - used within this iteration
             rows.append({"row": row, "runs": rs, "pairs_trained": rs[0]["pairs_trained"],
                          "pairs_per_s": best("pairs_per_s"), "process_pairs_per_s": best("process_pairs_per_s"),
                          "pairs_per_s_range": [min(x["pairs_per_s"] for x in rs), best("pairs_per_s")],

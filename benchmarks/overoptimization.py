@@ -227,7 +227,7 @@ def report(runs, out_png):
                 f = row[form]
                 kl = "" if math.isinf(f["peak_d"]) else f" ({f['peak_d'] ** 2:.1f})"
                 last = spread(f["last_gold"]) + (f" / {spread(f['last_proxy'])}" if f["last_proxy"] else "")
-                per_seed = lambda key, p: span([x[key] for x in f["seed_fits"]], p)  # noqa: E731
+                per_seed = lambda key, p: span([x[key] for x in f["seed_fits"]], p)  # noqa: E731, B023 - used at once
                 lines.append(f"| {name} | {acc} | {'best-of-n' if form == 'bon' else 'RL'} | {f['alpha']:.3f} | "
                              f"{f['beta']:.3f}{per_seed('beta', 3)} | {f['r2']:.2f}{per_seed('r2', 2)} | "
                              f"{num(f['peak_d'])}{kl} | {num(f['peak'])} | "

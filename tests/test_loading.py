@@ -37,7 +37,7 @@ def _load_sharded(rank, folder, cases):
         out = {"meta": next(model.parameters()).is_meta}
 
         def shard(model):
-            if frozen_bf16:  # ppo.py's frozen models under --bf16: float32 read, held in bfloat16
+            if frozen_bf16:  # noqa: B023, shard runs in this iteration. ppo.py's frozen models under --bf16
                 for p in model.parameters():
                     p.data = p.data.to(torch.bfloat16)
             for block in next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)):

@@ -29,7 +29,7 @@ def perturb_adapters(model, seed=0):
     """Every adapter and head copy moved off its start (LoRA's B starts at 0): a wrong merge or switch shows."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
 

@@ -178,7 +178,7 @@ def test_planned_activations_are_what_autograd_saves(tmp_path, family):
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
             def forward():
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # noqa: B023, run in this iteration
                     ppo.response_logprobs(model, ids, torch.ones_like(ids), prompt, 1.0, entropy=True,
                                           entropy_grad=False)
             measured[checkpointing] = saved_bytes(forward, model.parameters())

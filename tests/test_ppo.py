@@ -56,7 +56,7 @@ def test_gae_matches_float64_reference_with_masked_tails():
     for b, n in enumerate(lengths):
         r, v = rewards[b, :n].tolist(), values[b, :n].tolist() + [0.0]  # the value after the last token is 0
         delta = [r[t] + gamma * v[t + 1] - v[t] for t in range(n)]
-        expected = [sum((gamma * lam) ** l * delta[t + l] for l in range(n - t)) for t in range(n)]  # A_t, the sum
+        expected = [sum((gamma * lam) ** k * delta[t + k] for k in range(n - t)) for t in range(n)]  # A_t, the sum
         assert np.allclose(adv[b, :n].numpy(), expected, atol=1e-12)
         assert np.allclose(ret[b, :n].numpy(), np.array(expected) + np.array(v[:n]), atol=1e-12)
         assert (adv[b, n:] == 0).all()
@@ -813,7 +813,7 @@ def test_build_models_names_each_of_the_four_roles_at_start_up(run, expected, re
     args = ppo.Args(**{"reward_model_path": reward_model_path, **run})
     ppo.fill_defaults(args, None)
     ppo.build_models(args, ppo.load_tokenizer(args), torch.device("cpu"), 0, 1)
-    [line] = [l for l in capsys.readouterr().out.splitlines() if l.startswith("models: ")]
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("models: ")]
     assert [line.count(f"; {role} ") for role in ("reference", "reward", "critic")] == [1, 1, 1], line
     assert line.startswith("models: policy ") and line.endswith("; 1 x cpu"), line
     for part in expected:

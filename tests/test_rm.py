@@ -584,7 +584,7 @@ def shared_prefix_pairs(n, seed):
     g = torch.Generator().manual_seed(seed)
     ids = lambda k: torch.randint(20, len(TOK), (k,), generator=g).tolist()  # noqa: E731
     pairs = []
-    for i in range(n):
+    for _ in range(n):
         common_start = ids(int(torch.randint(0, 3, (1,), generator=g)))
         pairs.append({"prompt": ids(int(torch.randint(1, 30, (1,), generator=g))),
                       "chosen": common_start + ids(int(torch.randint(1, 12, (1,), generator=g))) + [TOK.eos_token_id],
