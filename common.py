@@ -49,12 +49,19 @@ def cli(args_class):
             inside.append(info)
             spec = registry.get_struct_spec(info)  # the fields as tyro makes them
             inside.pop()
-            return dataclasses.replace(spec, fields=tuple(dataclasses.replace(f, type=typing.Annotated[f.type, no_hint])
-                                                          if f.default is None else f for f in spec.fields))
+            return dataclasses.replace(
+                spec,
+                fields=tuple(
+                    dataclasses.replace(f, type=typing.Annotated[f.type, no_hint]) if f.default is None else f
+                    for f in spec.fields
+                ),
+            )
 
     quiet = int(os.environ.get("RANK", 0)) != 0
-    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \
-            contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+    with (
+        contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(),
+        contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext(),
+    ):
         return tyro.cli(args_class, use_underscores=True, registry=registry)
 
 
@@ -111,8 +118,14 @@ def agreed(check):
         result, error = None, e
     if dist.is_initialized():
         verdicts = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, None if error is None else str(error) if isinstance(error, UserError)
-                               else f"rank {dist.get_rank()}: {type(error).__name__}: {first_line(error)}")
+        dist.all_gather_object(
+            verdicts,
+            None
+            if error is None
+            else str(error)
+            if isinstance(error, UserError)
+            else f"rank {dist.get_rank()}: {type(error).__name__}: {first_line(error)}",
+        )
         first = next((v for v in verdicts if v is not None), None)
         if error is None and first is not None:
             raise UserError(first)
@@ -128,8 +141,9 @@ def load_pretrained(loader, name, flag, **kwargs):
     try:
         return loader.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
-        raise UserError(f"{flag} {name}: cannot load it ({first_line(e)[:200]}); pass a local model folder or a hub "
-                        "name") from None
+        raise UserError(
+            f"{flag} {name}: cannot load it ({first_line(e)[:200]}); pass a local model folder or a hub name"
+        ) from None
 
 
 def check_source(name, flag, repo_type="model"):
@@ -139,8 +153,11 @@ def check_source(name, flag, repo_type="model"):
     import huggingface_hub
 
     missing = f"{flag} {name}: no such file or folder"
-    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) or name.startswith(".") or name.removesuffix(".gz").endswith(
-            tuple(LOCAL_BUILDERS)):  # a path, not a hub name
+    if (
+        not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)
+        or name.startswith(".")
+        or name.removesuffix(".gz").endswith(tuple(LOCAL_BUILDERS))
+    ):  # a path, not a hub name
         raise UserError(f"{missing}; check the path")
     if os.path.isdir(os.path.join(huggingface_hub.constants.HF_HUB_CACHE, f"{repo_type}s--{name.replace('/', '--')}")):
         return
@@ -148,25 +165,34 @@ def check_source(name, flag, repo_type="model"):
         from datasets.naming import camelcase_to_snakecase
 
         *owner, last = name.split("/")
-        if os.path.isdir(os.path.join(hf_datasets().config.HF_DATASETS_CACHE, "___".join(
-                [*owner, camelcase_to_snakecase(last)]))):
+        if os.path.isdir(
+            os.path.join(hf_datasets().config.HF_DATASETS_CACHE, "___".join([*owner, camelcase_to_snakecase(last)]))
+        ):
             return
     if huggingface_hub.is_offline_mode():
         raise UserError(f"{missing}, and not in the hub cache (HF_HUB_OFFLINE is set); pass a local path")
     try:
         exists = huggingface_hub.repo_exists(name, repo_type=repo_type)
     except Exception as e:  # no network; transformers would retry for half a minute, then say the same
-        raise UserError(f"{missing}, and the hub is unreachable ({first_line(e)}); pass a local path, or set "
-                        "HF_HUB_OFFLINE=1 to read the hub cache") from None
+        raise UserError(
+            f"{missing}, and the hub is unreachable ({first_line(e)}); pass a local path, or set "
+            "HF_HUB_OFFLINE=1 to read the hub cache"
+        ) from None
     if not exists:
-        raise UserError(f"{missing}, nor a {repo_type} on the hub (or a private one your token cannot read); pass a "
-                        "local path or a hub name")
+        raise UserError(
+            f"{missing}, nor a {repo_type} on the hub (or a private one your token cannot read); pass a "
+            "local path or a hub name"
+        )
 
 
 def seed_of(*keys):
     """Hashes keys such as seed, "prompt order" and epoch into a stream's seed, so seed s + 1 never replays seed s."""
-    return int(np.random.SeedSequence([k if isinstance(k, int) else int.from_bytes(k.encode(), "little")
-                                       for k in keys]).generate_state(1, np.uint64)[0] >> 1)
+    return int(
+        np.random.SeedSequence(
+            [k if isinstance(k, int) else int.from_bytes(k.encode(), "little") for k in keys]
+        ).generate_state(1, np.uint64)[0]
+        >> 1
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -190,8 +216,28 @@ OPENINGS = ["tell me about", "name some", "talk about"]
 EXAMPLE_CLAUSES = ["such as", "like", "including"]
 AVOID_CLAUSES = ["but not", "without", "except"]
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
-TEMPLATE = ["User:", "Assistant:", "tell", "me", "about", "such", "as", "user:", "assistant:", "system:", "name",
-            "some", "talk", "like", "including", "and", "but", "not", "without", "except"] + list(AVOIDED.values())
+TEMPLATE = [
+    "User:",
+    "Assistant:",
+    "tell",
+    "me",
+    "about",
+    "such",
+    "as",
+    "user:",
+    "assistant:",
+    "system:",
+    "name",
+    "some",
+    "talk",
+    "like",
+    "including",
+    "and",
+    "but",
+    "not",
+    "without",
+    "except",
+] + list(AVOIDED.values())
 PREFERENCE_BETA = 3.0  # the task's Bradley-Terry model: P(a preferred) = sigmoid(beta * (gold_a - gold_b))
 _values = random.Random(1234)
 WORD_VALUE = {w: round(_values.gauss(0.0, 1.0), 3) for w in WORDS}
@@ -210,25 +256,41 @@ def embedded_tokenizer():
     """Returns a word-level tokenizer over the task's words, built locally. It is saved beside every model."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIAL + TEMPLATE + list(TOPICS) + WORDS)},
-                                         unk_token="<unk>"))
+    backend = Tokenizer(
+        models.WordLevel({w: i for i, w in enumerate(SPECIAL + TEMPLATE + list(TOPICS) + WORDS)}, unk_token="<unk>")
+    )
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
-                                               bos_token="<bos>", eos_token="<eos>")
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
-                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     return tok
 
 
 def embedded_model_config(name, vocab_size, num_labels=None, flag="--model_name_or_path"):
     """Returns a tiny Llama- or GPT-NeoX-shaped config, so both code paths run offline. flag is the model's option."""
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=2, eos_token_id=3,
-                  tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        tie_word_embeddings=False,
+    )
     if name not in ("embedded-llama", "embedded-neox"):
         raise UserError(f"{flag} {name}: unknown embedded model; use embedded-llama or embedded-neox")
-    cfg = transformers.LlamaConfig(num_key_value_heads=4, **common) if name == "embedded-llama" else \
-        transformers.GPTNeoXConfig(use_parallel_residual=True, rotary_pct=0.25, **common)
+    cfg = (
+        transformers.LlamaConfig(num_key_value_heads=4, **common)
+        if name == "embedded-llama"
+        else transformers.GPTNeoXConfig(use_parallel_residual=True, rotary_pct=0.25, **common)
+    )
     cfg.num_labels = num_labels or cfg.num_labels
     return cfg
 
@@ -272,8 +334,14 @@ def gold_reward(prompt, response):
     words = [w for w in response.split() if w != "<eos>"]
     if not words:
         return NON_WORD_VALUE
-    vals = [0.0 if w in words[:i] else NON_WORD_VALUE if w not in WORD_VALUE or TOPIC_OF[w] == avoided else
-            WORD_VALUE[w] + TOPIC_BONUS * (TOPIC_OF[w] == asked) for i, w in enumerate(words)]
+    vals = [
+        0.0
+        if w in words[:i]
+        else NON_WORD_VALUE
+        if w not in WORD_VALUE or TOPIC_OF[w] == avoided
+        else WORD_VALUE[w] + TOPIC_BONUS * (TOPIC_OF[w] == asked)
+        for i, w in enumerate(words)
+    ]
     return sum(vals) / len(vals)
 
 
@@ -336,17 +404,21 @@ def load_rows(name, config=None, split="train"):
             if ext == ".jsonl":  # read here, so errors name the line and no Arrow cache lands beside the user's data
                 return read_jsonl(name)
             rows = hf_datasets().load_dataset(LOCAL_BUILDERS[ext], data_files=name, split="train")
-            return [dict(r, _source=name, _row=i, **({"_line": i + 2} if ext == ".csv" else {}))  # after the header
-                    for i, r in enumerate(rows)]
+            return [
+                dict(r, _source=name, _row=i, **({"_line": i + 2} if ext == ".csv" else {}))  # after the header
+                for i, r in enumerate(rows)
+            ]
         if split not in hf_datasets().get_dataset_split_names(name, config):
             return None
-        return [dict(r, _source=name, _row=i) for i, r in enumerate(hf_datasets().load_dataset(name, config,
-                                                                                              split=split))]
+        return [
+            dict(r, _source=name, _row=i) for i, r in enumerate(hf_datasets().load_dataset(name, config, split=split))
+        ]
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"{name}: cannot load dataset ({first_line(e)}); check the name, config and file "
-                        "format") from None
+        raise UserError(
+            f"{name}: cannot load dataset ({first_line(e)}); check the name, config and file format"
+        ) from None
 
 
 def hold_out(keys, fraction, seed):
@@ -372,10 +444,13 @@ def load_folder(path, config, split):
     datasets = hf_datasets()
     if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
         ds = datasets.load_from_disk(path)
-        ds = (ds.get(split) if isinstance(ds, datasets.DatasetDict) else ds if split == "train" else None)
+        ds = ds.get(split) if isinstance(ds, datasets.DatasetDict) else ds if split == "train" else None
         return None if ds is None else [dict(r, _source=path, _row=i) for i, r in enumerate(ds)]
-    top = [f for f in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, f))
-           and os.path.splitext(f.removesuffix(".gz"))[1] in LOCAL_BUILDERS]
+    top = [
+        f
+        for f in sorted(os.listdir(path))
+        if os.path.isfile(os.path.join(path, f)) and os.path.splitext(f.removesuffix(".gz"))[1] in LOCAL_BUILDERS
+    ]
     if any(f.split(".")[0] in ("train", "test", "validation", split) for f in top):  # subfolders may hold outputs
         return next((load_rows(os.path.join(path, f)) for f in top if f.split(".")[0] == split), None)
     # A README.md with `configs:` names the files. Otherwise the usual patterns apply, such as data/train-*.
@@ -388,13 +463,19 @@ def split_names(name, config=None):
     if name == "embedded":
         return list(EMBEDDED_SPLITS)
     if not os.path.isdir(name):  # a local file has one split; else a hub dataset
-        return ["train"] if os.path.splitext(name.removesuffix(".gz"))[1] in LOCAL_BUILDERS else \
-            hf_datasets().get_dataset_split_names(name, config)
+        return (
+            ["train"]
+            if os.path.splitext(name.removesuffix(".gz"))[1] in LOCAL_BUILDERS
+            else hf_datasets().get_dataset_split_names(name, config)
+        )
     if os.path.exists(os.path.join(name, "dataset_dict.json")) or os.path.exists(os.path.join(name, "state.json")):
         ds = hf_datasets().load_from_disk(name)
         return list(ds) if isinstance(ds, hf_datasets().DatasetDict) else ["train"]
-    top = [f.split(".")[0] for f in sorted(os.listdir(name)) if os.path.splitext(f.removesuffix(".gz"))[1] in
-           LOCAL_BUILDERS and os.path.isfile(os.path.join(name, f))]
+    top = [
+        f.split(".")[0]
+        for f in sorted(os.listdir(name))
+        if os.path.splitext(f.removesuffix(".gz"))[1] in LOCAL_BUILDERS and os.path.isfile(os.path.join(name, f))
+    ]
     if any(t in ("train", "test", "validation") for t in top):  # split files at the top, as load_folder reads them
         return top
     return [str(k) for k in hf_datasets().load_dataset_builder(name, config).config.data_files or {}]
@@ -402,14 +483,15 @@ def split_names(name, config=None):
 
 def read_jsonl(path):
     rows = []
-    with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
+    with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
         for line_number, raw in enumerate(f, 1):  # as an editor numbers lines, blank ones included
             where = f"{path}: line {line_number}"
             try:  # the byte-order mark some Windows tools write is not part of the first row
                 line = (raw.removeprefix(codecs.BOM_UTF8) if line_number == 1 else raw).decode("utf-8")
             except UnicodeDecodeError as e:
-                raise UserError(f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as "
-                                "UTF-8") from None
+                raise UserError(
+                    f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -417,8 +499,10 @@ def read_jsonl(path):
             except json.JSONDecodeError as e:
                 raise UserError(f"{where}: not valid JSON ({e.msg}); fix or remove that line") from None
             if not isinstance(value, dict):
-                raise UserError(f"{where}: a JSON {type(value).__name__} is not a row; each line must be an object, "
-                                'e.g. {"prompt": ..., "chosen": ..., "rejected": ...}')
+                raise UserError(
+                    f"{where}: a JSON {type(value).__name__} is not a row; each line must be an object, "
+                    'e.g. {"prompt": ..., "chosen": ..., "rejected": ...}'
+                )
             rows.append(dict(value, _source=path, _row=len(rows), _line=line_number))
     return rows
 
@@ -457,8 +541,9 @@ def renders_role(tokenizer, role):
         mark, shown = "\u2042probe\u2042", False
         for context in ([], [{"role": "user", "content": "hi"}]):
             with contextlib.suppress(Exception):
-                shown |= mark in tokenizer.apply_chat_template(context + [{"role": role, "content": mark}],
-                                                               tokenize=False)
+                shown |= mark in tokenizer.apply_chat_template(
+                    context + [{"role": role, "content": mark}], tokenize=False
+                )
         _RENDERED_ROLES[(id(tokenizer), role)] = shown
     return _RENDERED_ROLES[(id(tokenizer), role)]
 
@@ -469,17 +554,22 @@ def checked_messages(messages, tokenizer, where, field):
         raise UserError(f"{where}: field '{field}' is {type(messages).__name__}; expected a list of messages")
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise UserError(f"{where}: field '{field}', message {k}: expected {{'role': text, 'content': text}}, "
-                            f"got {str(m)[:60]}")
+            raise UserError(
+                f"{where}: field '{field}', message {k}: expected {{'role': text, 'content': text}}, got {str(m)[:60]}"
+            )
     messages = [dict(m, role=ROLE_ALIASES.get(m["role"], m["role"])) for m in messages]
     for k, m in enumerate(messages):
         if m["role"] not in ROLES:
-            raise UserError(f"{where}: field '{field}', message {k}: role {m['role']!r} is not one of "
-                            f"{', '.join(sorted(ROLES))} (or ShareGPT's human, gpt); rename it")
+            raise UserError(
+                f"{where}: field '{field}', message {k}: role {m['role']!r} is not one of "
+                f"{', '.join(sorted(ROLES))} (or ShareGPT's human, gpt); rename it"
+            )
         if not renders_role(tokenizer, m["role"]):
-            raise UserError(f"{where}: field '{field}', message {k}: role {m['role']!r} is not one the chat template "
-                            "renders (the message would be dropped); use the roles the template knows, e.g. "
-                            "'system', 'user', 'assistant'")
+            raise UserError(
+                f"{where}: field '{field}', message {k}: role {m['role']!r} is not one the chat template "
+                "renders (the message would be dropped); use the roles the template knows, e.g. "
+                "'system', 'user', 'assistant'"
+            )
     return messages
 
 
@@ -501,8 +591,9 @@ def split_pair(row, tokenizer, where):
     if isinstance(chosen, list) or isinstance(rejected, list):  # conversational: lists of {role, content}
         if isinstance(prompt, str):  # a text prompt before message responses is the user's turn
             prompt = [{"role": "user", "content": prompt}]
-        chosen, rejected = (checked_messages(v, tokenizer, where, f) for v, f in ((chosen, "chosen"),
-                                                                                 (rejected, "rejected")))
+        chosen, rejected = (
+            checked_messages(v, tokenizer, where, f) for v, f in ((chosen, "chosen"), (rejected, "rejected"))
+        )
         prompt = checked_messages(prompt, tokenizer, where, "prompt") if prompt else prompt
         if not prompt:  # the messages both share are the prompt
             k = 0
@@ -512,7 +603,7 @@ def split_pair(row, tokenizer, where):
         p = render_chat(tokenizer, prompt, where, generation_prompt=True)  # as ppo.py renders it, so tokens match
         full = [render_chat(tokenizer, prompt + m, where) for m in (chosen, rejected)]
         if all(f.startswith(p) for f in full):
-            return p, full[0][len(p):], full[1][len(p):]
+            return p, full[0][len(p) :], full[1][len(p) :]
         return shared_prefix_split(*full)
     for field, value in (("chosen", chosen), ("rejected", rejected), ("prompt", prompt)):
         if value is not None and not isinstance(value, str):
@@ -528,11 +619,13 @@ def special_affixes(tokenizer):
     """Returns the special token ids the tokenizer's post-processor writes before and after a text."""
     plain = tokenizer("a b", add_special_tokens=False)["input_ids"]
     if not plain:  # e.g. a word-level tokenizer saved beside a Qwen2 config, loaded by AutoTokenizer as Qwen2Tokenizer
-        raise UserError(f"tokenizer {tokenizer.name_or_path!r} ({type(tokenizer).__name__}) gives no tokens for the "
-                        "text 'a b': it is loaded as the wrong class; name its class in tokenizer_config.json")
+        raise UserError(
+            f"tokenizer {tokenizer.name_or_path!r} ({type(tokenizer).__name__}) gives no tokens for the "
+            "text 'a b': it is loaded as the wrong class; name its class in tokenizer_config.json"
+        )
     full = tokenizer("a b", add_special_tokens=True)["input_ids"]
-    k = next((k for k in range(len(full) - len(plain) + 1) if full[k:k + len(plain)] == plain), None)
-    return ([], []) if k is None else (full[:k], full[k + len(plain):])
+    k = next((k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain), None)
+    return ([], []) if k is None else (full[:k], full[k + len(plain) :])
 
 
 def leading_id(tokenizer):
@@ -561,10 +654,12 @@ def tokenize_responses(tokenizer, prompts, responses):
     if not responses:
         return []
     end = end_id(tokenizer)
-    joint, alone_p, alone_r = (tokenizer(texts, add_special_tokens=False)["input_ids"] for texts in (
-        [p + r for p, r in zip(prompts, responses)], list(prompts), list(responses)))
-    out = [j[len(p):] if j[:len(p)] == p and len(j) > len(p) else r for j, p, r in zip(joint, alone_p, alone_r)]
-    return [x[:x.index(end) + 1] if end in x else x + [end] for x in out]  # nothing after it is generated
+    joint, alone_p, alone_r = (
+        tokenizer(texts, add_special_tokens=False)["input_ids"]
+        for texts in ([p + r for p, r in zip(prompts, responses)], list(prompts), list(responses))
+    )
+    out = [j[len(p) :] if j[: len(p)] == p and len(j) > len(p) else r for j, p, r in zip(joint, alone_p, alone_r)]
+    return [x[: x.index(end) + 1] if end in x else x + [end] for x in out]  # nothing after it is generated
 
 
 UNKNOWN_SHARE = 0.5  # Measured (benchmarks/README.md): English is 95-96% unknown to the embedded tokenizer
@@ -572,15 +667,17 @@ UNKNOWN_SHARE = 0.5  # Measured (benchmarks/README.md): English is 95-96% unknow
 
 def check_vocabulary(tokenizer, ids, data, model, flag):
     """Refuses a tokenizer that does not cover the data. A model learns nothing from unknown tokens, yet exits 0."""
-    sample = ids[::max(1, len(ids) // 2000)]
+    sample = ids[:: max(1, len(ids) // 2000)]
     n_tokens = sum(map(len, sample))
     if tokenizer.unk_token_id is None or not n_tokens:  # byte-level tokenizers have no unknown token
         return
     share = sum(x.count(tokenizer.unk_token_id) for x in sample) / n_tokens
     if share > UNKNOWN_SHARE:
-        raise UserError(f"{data}: {share:.0%} of its tokens are {tokenizer.unk_token} to {model}'s tokenizer, which "
-                        f"does not cover this data; pass {flag} a model whose tokenizer does (e.g. a hub model trained "
-                        "on such text)")
+        raise UserError(
+            f"{data}: {share:.0%} of its tokens are {tokenizer.unk_token} to {model}'s tokenizer, which "
+            f"does not cover this data; pass {flag} a model whose tokenizer does (e.g. a hub model trained "
+            "on such text)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -609,6 +706,7 @@ def attention_without_nan(device):
     """Makes attention never give NaN. transformers' SDPA mask is patched globally to let each position see itself,
     as real tokens do already. Else left padding sees no real key, some kernels answer NaN, and 0 x NaN reaches real
     tokens. cuDNN's SDPA is off: with a boolean mask its backward gives NaN at some lengths (pytorch #196678)."""
+
     def sdpa_mask_with_diagonal(*args, q_offset=0, kv_offset=0, **kwargs):
         mask = transformers.masking_utils.sdpa_mask(*args, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
         if not torch.is_tensor(mask):  # None means no mask is needed (is_causal)
@@ -625,16 +723,24 @@ def attention_without_nan(device):
 def position_table(model):
     """Returns the length of a model's learned position table, as in GPT-2, OPT or BERT. Rotary and ALiBi give None."""
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m is not model.get_input_embeddings()
-              and limit and limit <= m.num_embeddings <= limit + 2]  # OPT's table has 2 extra rows
+    tables = [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding)
+        and m is not model.get_input_embeddings()
+        and limit
+        and limit <= m.num_embeddings <= limit + 2
+    ]  # OPT's table has 2 extra rows
     return limit if tables else None
 
 
 def check_position_table(model, length, flag):
     """Refuses a length past the learned position table now, rather than as an index error later."""
     if (limit := position_table(model)) and length > limit:
-        raise UserError(f"{flag}: {length} tokens, but {model.config.name_or_path or 'the model'} has a learned "
-                        f"position table of {limit}; pass at most {limit}")
+        raise UserError(
+            f"{flag}: {length} tokens, but {model.config.name_or_path or 'the model'} has a learned "
+            f"position table of {limit}; pass at most {limit}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -648,16 +754,23 @@ def add_lora(model, args, task_type):
 
     targets = args.lora_target_modules
     # No dropout here or anywhere, so rollout and learning, or a pair's two passes, read one network.
-    config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                        target_modules="all-linear" if targets == ["all-linear"] else targets)
+    config = LoraConfig(
+        task_type=task_type,
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=0.0,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+    )
     try:
         with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             peft_model = get_peft_model(model, config)
     except (ValueError, TypeError, NotImplementedError) as e:
-        raise UserError(f"--lora_target_modules {' '.join(targets)}: peft cannot put LoRA adapters on "
-                        f"{type(model).__name__} ({first_line(e)[:200]}); name its linear layers, or pass --lora_r "
-                        "0") from None
+        raise UserError(
+            f"--lora_target_modules {' '.join(targets)}: peft cannot put LoRA adapters on "
+            f"{type(model).__name__} ({first_line(e)[:200]}); name its linear layers, or pass --lora_r "
+            "0"
+        ) from None
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
@@ -684,8 +797,10 @@ def adapter_base(name):
     with open(path) as f:
         base = json.load(f).get("base_model_name_or_path")
     if not base or base.startswith("embedded-"):
-        raise UserError(f"{name}: an adapter of {base or 'an unnamed base'}, a model built at random in its run: load "
-                        "the merged model saved beside it (its parent folder)")
+        raise UserError(
+            f"{name}: an adapter of {base or 'an unnamed base'}, a model built at random in its run: load "
+            "the merged model saved beside it (its parent folder)"
+        )
     return base
 
 
@@ -747,13 +862,16 @@ class Logger:
         if args.track:
             import wandb
 
-            self.wandb = wandb.init(project=project, name=args.run_name, config=dataclasses.asdict(args),
-                                    dir=args.output_dir)
+            self.wandb = wandb.init(
+                project=project, name=args.run_name, config=dataclasses.asdict(args), dir=args.output_dir
+            )
         if args.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(os.path.join(args.output_dir, "tensorboard"),
-                                             purge_step=None if resume_step is None else resume_step + 1)
+            self.tensorboard = SummaryWriter(
+                os.path.join(args.output_dir, "tensorboard"),
+                purge_step=None if resume_step is None else resume_step + 1,
+            )
 
     def log(self, metrics):
         self.file.write(json.dumps(metrics) + "\n")
@@ -789,13 +907,22 @@ def finished_progress(output_dir):
 def check_output_dir(args, rank):
     """Refuses to continue or replace a finished run or checkpoints in --output_dir unless asked."""
     logged = finished_progress(args.output_dir) is not None
-    held = "a finished run" if logged and os.path.exists(os.path.join(args.output_dir, "config.json")) else \
-        "checkpoints" if latest_checkpoint(args.output_dir) else "a run's log" if logged else None
+    held = (
+        "a finished run"
+        if logged and os.path.exists(os.path.join(args.output_dir, "config.json"))
+        else "checkpoints"
+        if latest_checkpoint(args.output_dir)
+        else "a run's log"
+        if logged
+        else None
+    )
     if args.resume and args.overwrite_output_dir:
         raise UserError("--resume continues the run in --output_dir and --overwrite_output_dir replaces it: pass one")
     if held and not (args.resume or args.overwrite_output_dir):
-        raise UserError(f"--output_dir {args.output_dir} holds {held}: pass --resume to continue it, "
-                        "--overwrite_output_dir to replace it, or another --output_dir")
+        raise UserError(
+            f"--output_dir {args.output_dir} holds {held}: pass --resume to continue it, "
+            "--overwrite_output_dir to replace it, or another --output_dir"
+        )
     if args.resume and held is None and rank == 0:
         print(f"--resume: no checkpoint in {args.output_dir}; starting from the first step")
 
@@ -805,9 +932,11 @@ def run_complete(args, total, rank):
     logged = finished_progress(args.output_dir) if args.resume else None
     if logged is None or logged < total or not os.path.exists(os.path.join(args.output_dir, "config.json")):
         if logged and latest_checkpoint(args.output_dir) is None:  # step 0, an evaluation, is redone
-            raise UserError(f"--resume: {args.output_dir} holds a run logged to step {logged} and no checkpoint to "
-                            f"continue it to step {total}; pass --overwrite_output_dir to train afresh, or another "
-                            "--output_dir")
+            raise UserError(
+                f"--resume: {args.output_dir} holds a run logged to step {logged} and no checkpoint to "
+                f"continue it to step {total}; pass --overwrite_output_dir to train afresh, or another "
+                "--output_dir"
+            )
         return False
     if rank == 0:
         print(f"{args.output_dir}: the run is complete (step {logged} of {total}); nothing to do")
@@ -835,8 +964,12 @@ def stop_on_signals(enabled=True):
             return  # a second SIGTERM, since a scheduler and torchrun may both send one
         STOP["signal"] = signum
         if int(os.environ.get("RANK", 0)) == 0:  # a print could re-enter a write the signal interrupted
-            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C "
-                        "again to stop at once)\n".encode())
+            os.write(
+                2,
+                f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C "
+                "again to stop at once)\n".encode(),
+            )
+
     STOP.pop("signal", None)  # "previous" keeps the first handlers if an earlier run here ended by an exception
     STOP.setdefault("previous", {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)})
     for s in STOP["previous"]:
@@ -856,8 +989,12 @@ def exit_stopped(signum, step, args, rank, bar):
     """Says how to resume after a signal's checkpoint. Every rank exits with 128 + the signal, as a shell does."""
     bar.close()
     if rank == 0:
-        print(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved in {args.output_dir}: "
-              "run the same command with --resume to continue", file=sys.stderr, flush=True)
+        print(
+            f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved in {args.output_dir}: "
+            "run the same command with --resume to continue",
+            file=sys.stderr,
+            flush=True,
+        )
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -877,9 +1014,12 @@ def check_shared_output_dir(output_dir, rank):
             with open(path) as f:
                 if f.read() == token[0]:
                     return
-        raise UserError(f"--output_dir {output_dir}: rank {rank} does not see the file rank 0 has just written there; "
-                        "every rank writes its shards of each checkpoint into this folder, so it must be one folder on "
-                        "a file system every node mounts (pass it as an absolute path)")
+        raise UserError(
+            f"--output_dir {output_dir}: rank {rank} does not see the file rank 0 has just written there; "
+            "every rank writes its shards of each checkpoint into this folder, so it must be one folder on "
+            "a file system every node mounts (pass it as an absolute path)"
+        )
+
     try:
         agreed(read)
     finally:
@@ -950,9 +1090,11 @@ def save_failed(error, partial, folder, needed):
         shutil.rmtree(partial, ignore_errors=True)
     free = shutil.disk_usage(folder).free
     if free < needed * 1.1 or getattr(error, "errno", None) == 28 or "No space left" in str(error):  # ENOSPC
-        raise UserError(f"{folder}: no room to save ({needed / 1e6:.0f} MB needed, {free / 1e6:.0f} MB free); the "
-                        "partial files were removed and earlier saves are intact: free space or pass another "
-                        "--output_dir") from None
+        raise UserError(
+            f"{folder}: no room to save ({needed / 1e6:.0f} MB needed, {free / 1e6:.0f} MB free); the "
+            "partial files were removed and earlier saves are intact: free space or pass another "
+            "--output_dir"
+        ) from None
     raise error
 
 
@@ -977,6 +1119,7 @@ def commit_checkpoint(root, name, state, keep=2):
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
         save_failed(e, tmp, root, state_bytes(state))
+
     def durable(folder):  # a renamed folder or new file in it is on disk before the next step
         fd = os.open(folder, os.O_RDONLY)
         os.fsync(fd)
@@ -987,9 +1130,11 @@ def commit_checkpoint(root, name, state, keep=2):
     durable(root)
     write_atomic(os.path.join(root, "latest"), name)
     durable(root)
-    done = sorted((d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp") and d != name),
-                  key=lambda d: os.path.getmtime(os.path.join(root, d)))
-    for old in done[:max(len(done) - (keep - 1), 0)]:
+    done = sorted(
+        (d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp") and d != name),
+        key=lambda d: os.path.getmtime(os.path.join(root, d)),
+    )
+    for old in done[: max(len(done) - (keep - 1), 0)]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
@@ -1022,8 +1167,13 @@ def save_training(model, optimizer, scheduler, step, rank, output_dir, global_ba
 
     tensors, param_groups = sharded_state(model, optimizer)
     where = [new_checkpoint_dir(output_dir, step) if rank == 0 else None]
-    rngs = [{"python": random.getstate(), "torch": torch.get_rng_state(),  # cuda: this rank's device's
-             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}]
+    rngs = [
+        {
+            "python": random.getstate(),
+            "torch": torch.get_rng_state(),  # cuda: this rank's device's
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        }
+    ]
     if dist.is_initialized():
         dist.broadcast_object_list(where, src=0)
         gathered = [None] * dist.get_world_size() if rank == 0 else None
@@ -1033,13 +1183,29 @@ def save_training(model, optimizer, scheduler, step, rank, output_dir, global_ba
     try:
         with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-            save(tensors, storage_writer=HuggingFaceStorageWriter(os.path.join(root, name + ".tmp"),
-                                                                  save_distributed=True))
+            save(
+                tensors,
+                storage_writer=HuggingFaceStorageWriter(os.path.join(root, name + ".tmp"), save_distributed=True),
+            )
     except (Exception, CheckpointException) as e:  # a CheckpointException tells every rank of any rank's failure
         save_failed(e, rank == 0 and os.path.join(root, name + ".tmp"), root, state_bytes(tensors))
-    agreed(lambda: rank == 0 and commit_checkpoint(root, name, {  # after every shard is written and fsynced
-        "optimizer_param_groups": param_groups, "scheduler": scheduler.state_dict(), "step": step,
-        "global_batch": global_batch, "rng": rngs, **extra}))
+    agreed(
+        lambda: (
+            rank == 0
+            and commit_checkpoint(
+                root,
+                name,
+                {  # after every shard is written and fsynced
+                    "optimizer_param_groups": param_groups,
+                    "scheduler": scheduler.state_dict(),
+                    "step": step,
+                    "global_batch": global_batch,
+                    "rng": rngs,
+                    **extra,
+                },
+            )
+        )
+    )
 
 
 def resume_training(model, optimizer, scheduler, output_dir, args, world):
@@ -1052,20 +1218,31 @@ def resume_training(model, optimizer, scheduler, output_dir, args, world):
         return None
     ckpt = load_latest_checkpoint(output_dir)
     other = getattr(args, "num_mini_batches", 1)  # ppo.py's mini-batches per update
-    batch, saved = args.per_device_train_batch_size * args.gradient_accumulation_steps * other * world, \
-        ckpt["global_batch"]
+    batch, saved = (
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * other * world,
+        ckpt["global_batch"],
+    )
     if batch != saved:
-        keep = f"--per_device_train_batch_size x --gradient_accumulation_steps = {saved // (other * world)} on " \
-            f"{world} rank{'s' * (world > 1)}" if saved % (other * world) == 0 else \
-            f"a number of ranks that divides {saved // other}"
-        raise UserError(f"--resume: the checkpoint was trained in global batches of {saved}, this run's is {batch}; "
-                        f"resume with {keep} (or --overwrite_output_dir to train afresh)")
+        keep = (
+            f"--per_device_train_batch_size x --gradient_accumulation_steps = {saved // (other * world)} on "
+            f"{world} rank{'s' * (world > 1)}"
+            if saved % (other * world) == 0
+            else f"a number of ranks that divides {saved // other}"
+        )
+        raise UserError(
+            f"--resume: the checkpoint was trained in global batches of {saved}, this run's is {batch}; "
+            f"resume with {keep} (or --overwrite_output_dir to train afresh)"
+        )
     tensors, _ = sharded_state(model, optimizer)
     with warnings.catch_warnings():  # one process: "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
         load(tensors, storage_reader=HuggingFaceStorageReader(path))
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"],
-                   optim_state_dict={"state": tensors["optimizer"], "param_groups": ckpt.pop("optimizer_param_groups")})
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=tensors["model"],
+        optim_state_dict={"state": tensors["optimizer"], "param_groups": ckpt.pop("optimizer_param_groups")},
+    )
     scheduler.load_state_dict(ckpt.pop("scheduler"))
     rngs, rank = ckpt.pop("rng"), dist.get_rank() if dist.is_initialized() else 0
     if rank < len(rngs):
@@ -1132,8 +1309,11 @@ def shard_input_embeddings(model, fully_shard, **options):
 
 def peak_memory(device):
     """Returns memory/peak_gb_rank<r>, the most GB each rank has held so far on its GPU, or on CPU its peak RSS."""
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is in kilobytes on Linux
+    peak = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )  # ru_maxrss is in kilobytes on Linux
     peaks = torch.tensor([peak / 1e9], dtype=torch.float64, device=device)
     if dist.is_initialized():
         out = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]

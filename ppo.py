@@ -63,6 +63,7 @@ import common
 @dataclass
 class Args:
     """Train a language model with PPO against a reward model or a reward function (RLHF)."""
+
     # --- the method. gae needs a critic (Schulman et al. 2016); rloo (Ahmadian et al. 2024), grpo (Shao et al. 2024)
     # and reinforce_pp (Hu 2025) need none.
 
@@ -125,8 +126,9 @@ class Args:
     critic_learning_rate: float | None = None  # The critic's learning rate (default: the policy's)
     weight_decay: float = 0.0  # AdamW weight decay
     # The learning-rate schedule over the updates, with no warm-up
-    lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-                               "constant_with_warmup", "inverse_sqrt"] = "linear"
+    lr_scheduler_type: Literal[
+        "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"
+    ] = "linear"
     # One clip for both models gives the same gold score at equal KL (benchmarks/README.md, Gradient clipping).
     max_grad_norm: float = 1.0  # Clip the gradient norm of policy and critic together; 0: no clipping
     seed: int = 1  # Seed of the data order, the hold-out and sampling
@@ -173,8 +175,10 @@ def fill_defaults(args, position_limit, rank=0):
     args.critic_learning_rate = args.learning_rate if args.critic_learning_rate is None else args.critic_learning_rate
     args.max_prompt_length = args.max_prompt_length or min(256, (position_limit or 1 << 30) - args.response_length)
     if args.max_prompt_length < 1:
-        raise common.UserError(f"--response_length {args.response_length} leaves no room for a prompt in the "
-                               f"{position_limit} positions of a model's position table; lower it")
+        raise common.UserError(
+            f"--response_length {args.response_length} leaves no room for a prompt in the "
+            f"{position_limit} positions of a model's position table; lower it"
+        )
     if rank == 0:
         print("defaults: " + ", ".join(f"--{k} {v}" for k, v in vars(args).items() if k not in given and v is not None))
 
@@ -247,8 +251,12 @@ def policy_loss(logprobs, old_logprobs, advantages, cliprange, mask):
     log_ratio = (logprobs - old_logprobs).masked_fill(mask == 0, 0.0)
     ratio = log_ratio.exp()
     unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
-    stats = {"clipfrac": (clipped > unclipped).float(), "approxkl": 0.5 * log_ratio ** 2, "ratio": ratio,
-             "ratio_sq": ratio ** 2}
+    stats = {
+        "clipfrac": (clipped > unclipped).float(),
+        "approxkl": 0.5 * log_ratio**2,
+        "ratio": ratio,
+        "ratio_sq": ratio**2,
+    }
     return torch.maximum(unclipped, clipped), stats
 
 
@@ -278,8 +286,9 @@ def truncate_after_stop(responses, stop_id, pad_id):
     return responses.masked_fill(after_stop, pad_id), ~after_stop
 
 
-def response_logprobs(model, query_response, attention_mask, context_length, temperature, entropy=False,
-                      entropy_grad=True, blocked=False):
+def response_logprobs(
+    model, query_response, attention_mask, context_length, temperature, entropy=False, entropy_grad=True, blocked=False
+):
     """Returns each response token's log-prob at `temperature`, and optionally each position's entropy.
 
     Every phase reads log-probs here at --temperature: the old ones, the reference's and learning's; the ptx loss at
@@ -289,8 +298,13 @@ def response_logprobs(model, query_response, attention_mask, context_length, tem
     predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 to T - 1
     keep = {"logits_to_keep": predicting} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     # Position ids count real tokens only, so that left padding changes nothing.
-    inputs = dict(input_ids=query_response, attention_mask=attention_mask, use_cache=False, **keep,
-                  position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0))
+    inputs = dict(
+        input_ids=query_response,
+        attention_mask=attention_mask,
+        use_cache=False,
+        **keep,
+        position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0),
+    )
     targets = query_response[:, context_length:]
     if blocked:
         return blocked_response_logprobs(model, inputs, predicting, targets, temperature, entropy, entropy_grad)
@@ -309,7 +323,7 @@ def truncate_prompt(ids, max_prompt_length, bos_id=None):
     if len(ids) <= max_prompt_length:
         return ids
     keep = 1 if bos_id is not None and ids and ids[0] == bos_id else 0
-    return ids[:keep] + ids[len(ids) - max_prompt_length + keep:]
+    return ids[:keep] + ids[len(ids) - max_prompt_length + keep :]
 
 
 def last_token_index(mask):
@@ -326,8 +340,9 @@ def sequence_reward(model, ids, mask):
     An encoder (BERT, RoBERTa, DeBERTa) returns its pooled classifier's output instead."""
     if not hasattr(model, "score"):
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
-    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
-                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+    hidden = model.base_model(
+        input_ids=ids, attention_mask=mask, use_cache=False, position_ids=(mask.cumsum(1) - 1).clamp(min=0)
+    ).last_hidden_state
     return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
 
 
@@ -337,6 +352,7 @@ class Rollout:
     """One row per episode, and every process holds every row. A prompt's K episodes are consecutive rows.
 
     Each phase fills its fields. (B, T) is (rows, response_length); a (B, T) field is 0 after a response ends."""
+
     query_response: torch.Tensor  # (B, context_length + T): the left-padded prompt, then the response
     attention_mask: torch.Tensor  # the same shape, 1 on real tokens
     context_length: int  # the response starts at this column
@@ -352,7 +368,7 @@ class Rollout:
 
     @property
     def responses(self):
-        return self.query_response[:, self.context_length:]
+        return self.query_response[:, self.context_length :]
 
 
 def rollout(policy, prompt_ids, seeds, args, stop_id, pad_id):
@@ -383,8 +399,9 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id):
     cache = ComputeDtypeCache(config=model.config, max_cache_len=mask.shape[1])
     # The first forward returns logits at the prompt's last position only, not at every position.
     last_only = {"logits_to_keep": 1} if takes_argument(type(model), "logits_to_keep") else {}
-    inputs = dict(input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position,
-                  **last_only)
+    inputs = dict(
+        input_ids=query, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position, **last_only
+    )
     tokens = []
     done = torch.zeros(len(query), dtype=torch.bool, device=query.device)
     for t in range(args.response_length):
@@ -394,8 +411,13 @@ def generate(model, query, query_mask, seeds, args, stop_id, pad_id):
         done |= token == stop_id
         if all_processes_done(done, args) or t == args.response_length - 1:
             break
-        inputs = dict(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
-                      position_ids=position[:, -1:] + t + 1)
+        inputs = dict(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=position[:, -1:] + t + 1,
+        )
     responses = torch.stack(tokens, 1)
     return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
 
@@ -422,13 +444,15 @@ def logprobs_and_values(policy, reference, critic, batch, args, update, referenc
     out = torch.zeros(3, *batch.mask.shape, device=batch.mask.device)  # the old log-probs, the reference's, values
     with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for f in old_logprob_micro_batches(batch, args, update):
-            out[0, f.rows, :f.kept] = response_logprobs(policy, f.ids, f.attention_mask, f.context,
-                                                        args.temperature, blocked=args.blocked_logits)[0]
+            out[0, f.rows, : f.kept] = response_logprobs(
+                policy, f.ids, f.attention_mask, f.context, args.temperature, blocked=args.blocked_logits
+            )[0]
             with reference_mode():
-                out[1, f.rows, :f.kept] = response_logprobs(reference, f.ids, f.attention_mask, f.context,
-                                                            args.temperature, blocked=args.blocked_logits)[0]
+                out[1, f.rows, : f.kept] = response_logprobs(
+                    reference, f.ids, f.attention_mask, f.context, args.temperature, blocked=args.blocked_logits
+                )[0]
             if critic is not None:
-                out[2, f.rows, :f.kept] = critic(f.ids, f.attention_mask)[:, f.context - 1:-1]
+                out[2, f.rows, : f.kept] = critic(f.ids, f.attention_mask)[:, f.context - 1 : -1]
     batch.logprobs, batch.ref_logprobs, values = rows_of_every_process(out).masked_fill(~batch.mask, 0.0)
     batch.values = values if critic is not None else None
 
@@ -442,14 +466,19 @@ def score(reward, batch, prompt_texts, tokenizer, stop_id, args):
     than the policy reads the text in its own tokens (reward_model_tokens). Each process scores its own rows."""
     rows = process_share(torch.arange(len(batch.mask), device=batch.mask.device))
     responses, mask = batch.responses[rows], batch.mask[rows]
-    texts = [tokenizer.decode(r[m & (r != stop_id)] if stop_id is not None else r[m], skip_special_tokens=True)
-             for r, m in zip(responses.cpu(), mask.cpu())]
+    texts = [
+        tokenizer.decode(r[m & (r != stop_id)] if stop_id is not None else r[m], skip_special_tokens=True)
+        for r, m in zip(responses.cpu(), mask.cpu())
+    ]
     mine = [prompt_texts[i] for i in rows.tolist()]
     scores = torch.zeros(len(batch.mask), device=mask.device)
     with torch.autocast(mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for f in micro_batches(batch, rows, args) if reward.model is not None else []:
-            ids, ids_mask = (f.ids, f.attention_mask) if reward.tokenizer is None else reward_model_tokens(
-                batch, f.rows, stop_id, tokenizer, reward, args)
+            ids, ids_mask = (
+                (f.ids, f.attention_mask)
+                if reward.tokenizer is None
+                else reward_model_tokens(batch, f.rows, stop_id, tokenizer, reward, args)
+            )
             scores[f.rows] = reward.model(ids.to(mask.device), ids_mask.to(mask.device))
     scores = scores[rows]
     if reward.fn is not None:
@@ -483,8 +512,11 @@ def advantages(batch, kl_coef, args):
         batch.advantages = reinforce_pp_advantages(rewards, mask, args.gamma)
     else:  # One advantage per episode, at each of its tokens.
         k, returns = args.num_samples_per_prompt, rewards.sum(1)
-        adv = rloo_advantages(returns, k) if args.advantage_estimator == "rloo" else \
-            grpo_advantages(returns, k, args.scale_rewards)
+        adv = (
+            rloo_advantages(returns, k)
+            if args.advantage_estimator == "rloo"
+            else grpo_advantages(returns, k, args.scale_rewards)
+        )
         batch.advantages = adv[:, None] * mask
     return kl, non_score_reward
 
@@ -492,6 +524,7 @@ def advantages(batch, kl_coef, args):
 @dataclass
 class MicroBatch:
     """The rows of one forward pass, with every column of the batch (--group_by_length drops all-padding columns)."""
+
     rows: torch.Tensor
     ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -500,15 +533,17 @@ class MicroBatch:
 
     def take(self, field):
         """A (B, T) field of the batch at these rows and columns."""
-        return field[self.rows][:, :self.kept]
+        return field[self.rows][:, : self.kept]
 
 
 def micro_batches(batch, rows, args):
     """Cuts rows, in order, into forwards of --per_device_train_batch_size rows (--group_by_length: length_grouped)."""
     if args.group_by_length:
         return length_grouped(batch, rows, args)
-    return [MicroBatch(r, batch.query_response[r], batch.attention_mask[r], batch.context_length, batch.mask.shape[1])
-            for r in rows.split(args.per_device_train_batch_size)]
+    return [
+        MicroBatch(r, batch.query_response[r], batch.attention_mask[r], batch.context_length, batch.mask.shape[1])
+        for r in rows.split(args.per_device_train_batch_size)
+    ]
 
 
 @dataclass
@@ -521,10 +556,14 @@ def epoch_plan(batch, args, update, epoch):
     """Returns one PPO epoch's optimizer steps: the batch shuffled, seeded by update and epoch, in --num_mini_batches.
 
     Each process computes its own share of each mini-batch (process_share)."""
-    order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(
-        common.seed_of(args.seed, "mini-batches", update, epoch))).to(batch.mask.device)
-    return [OptimizerStep(mini, micro_batches(batch, process_share(mini), args))
-            for mini in order.chunk(args.num_mini_batches)]
+    order = torch.randperm(
+        len(batch.mask),
+        generator=torch.Generator().manual_seed(common.seed_of(args.seed, "mini-batches", update, epoch)),
+    ).to(batch.mask.device)
+    return [
+        OptimizerStep(mini, micro_batches(batch, process_share(mini), args))
+        for mini in order.chunk(args.num_mini_batches)
+    ]
 
 
 def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ptx, pad_id):
@@ -555,24 +594,37 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, pt
                 mask = f.take(batch.mask).float()
                 with autocast():
                     new_logprobs, entropy = response_logprobs(
-                        policy, f.ids, f.attention_mask, f.context, args.temperature, entropy=True,
-                        entropy_grad=args.ent_coef > 0, blocked=args.blocked_logits)
-                pg_loss, per_token = policy_loss(new_logprobs, f.take(batch.logprobs), f.take(batch.advantages),
-                                                 args.cliprange, mask)
+                        policy,
+                        f.ids,
+                        f.attention_mask,
+                        f.context,
+                        args.temperature,
+                        entropy=True,
+                        entropy_grad=args.ent_coef > 0,
+                        blocked=args.blocked_logits,
+                    )
+                pg_loss, per_token = policy_loss(
+                    new_logprobs, f.take(batch.logprobs), f.take(batch.advantages), args.cliprange, mask
+                )
                 losses = {"loss/policy": mean(pg_loss, mask)}
                 loss = losses["loss/policy"] - args.ent_coef * mean(entropy, mask)
                 if args.kl_penalty == "loss":  # GRPO (Shao et al. 2024, eq. 3): the current policy's KL
                     # Padding's log-probs are 0, as the reference's are: k3 of a pad token could overflow.
-                    losses["loss/kl"] = mean(kl_per_token(new_logprobs.masked_fill(mask == 0, 0.0),
-                                                          f.take(batch.ref_logprobs), args.kl_estimator), mask)
+                    losses["loss/kl"] = mean(
+                        kl_per_token(
+                            new_logprobs.masked_fill(mask == 0, 0.0), f.take(batch.ref_logprobs), args.kl_estimator
+                        ),
+                        mask,
+                    )
                     loss = loss + kl_coef * losses["loss/kl"]
                 loss.backward()  # Policy and critic share no weights, so each loss has its own graph.
                 per_token = {"policy/entropy": entropy, **{f"policy/{k}": v for k, v in per_token.items()}}
                 if critic is not None:
                     with autocast():
-                        new_values = critic(f.ids, f.attention_mask)[:, f.context - 1:-1]
-                    vf_loss, per_token["val/clipfrac"] = value_loss(new_values, f.take(batch.values),
-                                                                    f.take(batch.returns), args.cliprange_value)
+                        new_values = critic(f.ids, f.attention_mask)[:, f.context - 1 : -1]
+                    vf_loss, per_token["val/clipfrac"] = value_loss(
+                        new_values, f.take(batch.values), f.take(batch.returns), args.cliprange_value
+                    )
                     losses["loss/value"] = mean(vf_loss, mask)
                     (args.vf_coef * losses["loss/value"]).backward()
                 for name, value in losses.items():
@@ -602,11 +654,21 @@ def evaluate(models, prompts, args, tokenizer, stop_id):
             logprobs_and_values(models.policy, models.reference, None, batch, args, 0, models.reference_mode)
         with resharded([models.reward.model]):
             texts = score(models.reward, batch, chunk.texts, tokenizer, stop_id, args)
-        measured = {"score": batch.scores, "gold": batch.gold, "length": batch.mask.sum(1), "stop_rate": batch.has_stop,
-                    "kl": (kl_per_token(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * batch.mask).sum(1)}
-        rows += [{"prompt": chunk.texts[i], "response": texts[i], **{k: float(v[i]) for k, v in measured.items()
-                                                                      if v is not None}}
-                 for i in range(chunk.real)]  # The rows after chunk.real repeat a prompt to fill the batch.
+        measured = {
+            "score": batch.scores,
+            "gold": batch.gold,
+            "length": batch.mask.sum(1),
+            "stop_rate": batch.has_stop,
+            "kl": (kl_per_token(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * batch.mask).sum(1),
+        }
+        rows += [
+            {
+                "prompt": chunk.texts[i],
+                "response": texts[i],
+                **{k: float(v[i]) for k, v in measured.items() if v is not None},
+            }
+            for i in range(chunk.real)
+        ]  # The rows after chunk.real repeat a prompt to fill the batch.
     measures = mean_and_standard_error(rows, ("score", "gold", "kl", "length", "stop_rate"), "eval/")
     # Output diversity across the prompts' responses (Kirk et al. 2024): a policy that says one thing to every prompt
     # has few distinct words.
@@ -648,8 +710,9 @@ def main(args):
         t0 = time.time()
         # 1. Rollout. An episode's prompt and random stream depend only on its index, whatever the processes.
         episodes = range(update * batch_size, (update + 1) * batch_size)
-        prompt_index = episode_prompts([e // args.num_samples_per_prompt for e in episodes], len(prompts.ids),
-                                       args.seed, orders)  # A prompt's K episodes are consecutive.
+        prompt_index = episode_prompts(
+            [e // args.num_samples_per_prompt for e in episodes], len(prompts.ids), args.seed, orders
+        )  # A prompt's K episodes are consecutive.
         seeds = [common.seed_of(args.seed, "sampling", e) for e in episodes]
         trainable.eval()  # Sampling and scoring run in evaluation mode.
         batch = rollout(policy, [prompts.ids[i] for i in prompt_index], seeds, args, stop_id, tokenizer.pad_token_id)
@@ -669,29 +732,59 @@ def main(args):
 
         # 5. Learn: num_ppo_epochs x num_mini_batches optimizer steps on the clipped policy and value losses.
         trainable.train()
-        update_stats = learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, ptx,
-                             tokenizer.pad_token_id)
+        update_stats = learn(
+            policy, critic, trainable, optimizer, batch, kl_coef, args, update, ptx, tokenizer.pad_token_id
+        )
         lr = scheduler.get_last_lr()[0]  # the rate this update's steps used
         scheduler.step()
         t_learn = time.time()
 
         # 6. With --target_kl, adapt the KL coefficient. Log, evaluate when scheduled, save samples and checkpoints.
-        m = {"step": update + 1, "episodes": (update + 1) * batch_size, "kl_coef": kl_coef, "lr": lr, **update_stats,
-             **update_metrics(batch, kl, non_score_reward, [t0, t_rollout, t_score, t_learn, time.time()], args,
-                              peak_memory_of=device if update == start else None)}
+        m = {
+            "step": update + 1,
+            "episodes": (update + 1) * batch_size,
+            "kl_coef": kl_coef,
+            "lr": lr,
+            **update_stats,
+            **update_metrics(
+                batch,
+                kl,
+                non_score_reward,
+                [t0, t_rollout, t_score, t_learn, time.time()],
+                args,
+                peak_memory_of=device if update == start else None,
+            ),
+        }
         if args.target_kl is not None:  # objective/kl is the KL summed over each response, averaged over the batch.
             kl_coef = adaptive_kl_coef(kl_coef, m["objective/kl"], args.target_kl, args.kl_horizon, batch_size)
-        history.append({k: m[k] for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean",
-                                          "gold/std") if k in m})
+        history.append(
+            {
+                k: m[k]
+                for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean", "gold/std")
+                if k in m
+            }
+        )
         if rank == 0:
             log_update(logs, bar, m, update == num_updates - 1, args, tokenizer, batch)
         if update + 1 in evals_at:
-            history.append(log_evaluation(logs, m["step"], m["episodes"],
-                                          *evaluate(models, eval_prompts, args, tokenizer, stop_id)))
+            history.append(
+                log_evaluation(
+                    logs, m["step"], m["episodes"], *evaluate(models, eval_prompts, args, tokenizer, stop_id)
+                )
+            )
         save, stop = common.step_end(update + 1, args.save_steps, t_saved, device)
         if save and update + 1 < num_updates:
-            common.save_training(trainable, optimizer, scheduler, update + 1, rank, args.output_dir, batch_size,
-                                 kl_coef=kl_coef, history=history)
+            common.save_training(
+                trainable,
+                optimizer,
+                scheduler,
+                update + 1,
+                rank,
+                args.output_dir,
+                batch_size,
+                kl_coef=kl_coef,
+                history=history,
+            )
             t_saved = time.time()
         if stop and update + 1 < num_updates:
             common.exit_stopped(stop, update + 1, args, rank, bar)
@@ -711,30 +804,72 @@ def main(args):
 def check_args(args):
     """Raises a UserError for an option out of range, options that conflict, or a model or dataset not found."""
     for names, ok, must in (
-            (("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-              "num_ppo_epochs", "response_length", "max_prompt_length", "sample_every", "kl_horizon",
-              "num_samples_per_prompt", "num_eval_prompts"), lambda v: v >= 1, "at least 1"),
-            (("learning_rate", "critic_learning_rate", "weight_decay", "max_grad_norm", "kl_coef", "cliprange",
-              "cliprange_value", "vf_coef", "ent_coef", "ptx_coef", "save_steps", "num_samples", "missing_eos_penalty",
-              "lora_r", "lora_alpha", "num_evals"), lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0"),
-            (("gamma", "lam"), lambda v: 0 <= v <= 1, "within [0, 1]"),
-            (("eval_holdout",), lambda v: 0 < v < 1, "a fraction within (0, 1)"),
-            (("temperature", "target_kl"), lambda v: v > 0, "above 0")):
+        (
+            (
+                "total_episodes",
+                "per_device_train_batch_size",
+                "gradient_accumulation_steps",
+                "num_mini_batches",
+                "num_ppo_epochs",
+                "response_length",
+                "max_prompt_length",
+                "sample_every",
+                "kl_horizon",
+                "num_samples_per_prompt",
+                "num_eval_prompts",
+            ),
+            lambda v: v >= 1,
+            "at least 1",
+        ),
+        (
+            (
+                "learning_rate",
+                "critic_learning_rate",
+                "weight_decay",
+                "max_grad_norm",
+                "kl_coef",
+                "cliprange",
+                "cliprange_value",
+                "vf_coef",
+                "ent_coef",
+                "ptx_coef",
+                "save_steps",
+                "num_samples",
+                "missing_eos_penalty",
+                "lora_r",
+                "lora_alpha",
+                "num_evals",
+            ),
+            lambda v: v >= 0 and math.isfinite(v),
+            "a finite number >= 0",
+        ),
+        (("gamma", "lam"), lambda v: 0 <= v <= 1, "within [0, 1]"),
+        (("eval_holdout",), lambda v: 0 < v < 1, "a fraction within (0, 1)"),
+        (("temperature", "target_kl"), lambda v: v > 0, "above 0"),
+    ):
         for name in names:  # None is a default filled later.
             if (value := getattr(args, name)) is not None and not ok(value):
                 raise common.UserError(f"--{name} {value}: must be {must}")
     if args.advantage_estimator in ("rloo", "grpo") and args.num_samples_per_prompt == 1:
-        raise common.UserError(f"--num_samples_per_prompt 1: --advantage_estimator {args.advantage_estimator} "
-                               "compares each response with the others to its prompt; it needs at least 2")
+        raise common.UserError(
+            f"--num_samples_per_prompt 1: --advantage_estimator {args.advantage_estimator} "
+            "compares each response with the others to its prompt; it needs at least 2"
+        )
     if not args.scale_rewards and args.advantage_estimator != "grpo":
-        raise common.UserError(f"--no_scale_rewards is grpo's (Dr. GRPO); --advantage_estimator "
-                               f"{args.advantage_estimator} does not divide by a group's std")
+        raise common.UserError(
+            f"--no_scale_rewards is grpo's (Dr. GRPO); --advantage_estimator "
+            f"{args.advantage_estimator} does not divide by a group's std"
+        )
     if args.whiten_rewards and args.advantage_estimator not in ("gae", "reinforce_pp"):
-        raise common.UserError(f"--whiten_rewards whitens per-token rewards for gae and reinforce_pp; --advantage_"
-                               f"estimator {args.advantage_estimator} compares each response's return with its group's")
+        raise common.UserError(
+            f"--whiten_rewards whitens per-token rewards for gae and reinforce_pp; --advantage_"
+            f"estimator {args.advantage_estimator} compares each response's return with its group's"
+        )
     if args.eval_split is not None and args.eval_split == args.dataset_train_split:
-        raise common.UserError(f"--eval_split {args.eval_split} is the training split: the evaluation would read "
-                               "prompts trained on; pass another split, or none to hold out --eval_holdout of them")
+        raise common.UserError(
+            f"--eval_split {args.eval_split} is the training split: the evaluation would read "
+            "prompts trained on; pass another split, or none to hold out --eval_holdout of them"
+        )
     if args.missing_eos_penalty is not None and args.stop_token == "none":
         raise common.UserError("--missing_eos_penalty needs a stop token: with --stop_token none no response stops")
     if args.compile and args.fsdp:
@@ -743,18 +878,23 @@ def check_args(args):
         raise common.UserError("--offload_inference_models holds FSDP shards on the host: pass --fsdp too")
     if args.ptx_coef > 0 and args.ptx_dataset_name is None:
         raise common.UserError(f"--ptx_coef {args.ptx_coef} needs --ptx_dataset_name (a dataset with a 'text' column)")
-    for name, flag, kind in ((args.sft_model_path, "--sft_model_path", "model"),
-                             (reward_model_source(args), "--reward_model_path", "model"),
-                             (args.dataset_name, "--dataset_name", "dataset"),
-                             (args.ptx_dataset_name if args.ptx_coef > 0 else None, "--ptx_dataset_name", "dataset"),
-                             (reference_source(args)[0] if args.eval_only else None, "--sft_model_path", "model")):
-        if name is not None: common.check_source(name, flag, kind)
+    for name, flag, kind in (
+        (args.sft_model_path, "--sft_model_path", "model"),
+        (reward_model_source(args), "--reward_model_path", "model"),
+        (args.dataset_name, "--dataset_name", "dataset"),
+        (args.ptx_dataset_name if args.ptx_coef > 0 else None, "--ptx_dataset_name", "dataset"),
+        (reference_source(args)[0] if args.eval_only else None, "--sft_model_path", "model"),
+    ):
+        if name is not None:
+            common.check_source(name, flag, kind)
+
 
 @dataclass
 class Sizes:
     local_batch: int  # Episodes per process and update: micro-batch x accumulation steps x mini-batches
     batch_size: int  # The rollout batch, local_batch x processes
     num_updates: int
+
 
 def start_up(args, rank, world):
     """Returns the run's sizes, checked, or None if --resume finds the run finished in --output_dir."""
@@ -767,65 +907,88 @@ def start_up(args, rank, world):
         raise common.UserError(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
     if args.total_episodes % batch_size and rank == 0:
         trained = num_updates * batch_size
-        print(f"--total_episodes {args.total_episodes}: {trained} trained, whole rollout batches of {batch_size} (the "
-              f"nearest to train all: {trained} or {trained + batch_size})")
+        print(
+            f"--total_episodes {args.total_episodes}: {trained} trained, whole rollout batches of {batch_size} (the "
+            f"nearest to train all: {trained} or {trained + batch_size})"
+        )
     if batch_size % args.num_samples_per_prompt:
-        raise common.UserError(f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
-                               f"batch ({batch_size} episodes), so that a prompt's responses are in one batch")
+        raise common.UserError(
+            f"--num_samples_per_prompt {args.num_samples_per_prompt}: must divide the rollout "
+            f"batch ({batch_size} episodes), so that a prompt's responses are in one batch"
+        )
     common.check_output_dir(args, rank)
     done = not args.eval_only and common.run_complete(args, num_updates, rank)
     return None if done else Sizes(local_batch, batch_size, num_updates)
 
+
 def position_limit(args):
     """Returns the shortest learned position table of the policy and reward model, or None. It reads no weight."""
     limits = []
-    for path, flag, loader in ((args.sft_model_path, "--sft_model_path", transformers.AutoModelForCausalLM),
-                               (reward_model_source(args), "--reward_model_path",
-                                transformers.AutoModelForSequenceClassification)):
+    for path, flag, loader in (
+        (args.sft_model_path, "--sft_model_path", transformers.AutoModelForCausalLM),
+        (reward_model_source(args), "--reward_model_path", transformers.AutoModelForSequenceClassification),
+    ):
         if path is not None and not path.startswith("embedded-"):
             config = common.load_pretrained(transformers.AutoConfig, path, flag)
             limits.append(common.position_table(common.meta_model(lambda: loader.from_config(config))))  # noqa: B023
     return min((n for n in limits if n), default=None)
 
+
 # --- Models and data. -------------------------------------------------------------------------------------------------
 def without_dropout(config):
     """Returns the config with every dropout probability, layer drop (OPT, BART) and MoE router jitter set to 0.
     Some models, OPT among them, pass the config's dropout to F.dropout rather than use nn.Dropout."""
-    for key in [k for k, v in vars(config).items() if isinstance(v, float) and any(
-            s in k for s in ("dropout", "pdrop", "layerdrop", "jitter"))]:
+    for key in [
+        k
+        for k, v in vars(config).items()
+        if isinstance(v, float) and any(s in k for s in ("dropout", "pdrop", "layerdrop", "jitter"))
+    ]:
         setattr(config, key, 0.0)
     return config
 
+
 def disable_dropout(model):
     without_dropout(model.config)
-    for module in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)): module.p = 0.0
+    for module in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)):
+        module.p = 0.0
     return model
 
+
 def load_tokenizer(args):
-    if args.sft_model_path.startswith("embedded-"): return common.embedded_tokenizer()
-    tokenizer = common.load_pretrained(transformers.AutoTokenizer, args.sft_model_path, "--sft_model_path",
-                                       padding_side="left")
+    if args.sft_model_path.startswith("embedded-"):
+        return common.embedded_tokenizer()
+    tokenizer = common.load_pretrained(
+        transformers.AutoTokenizer, args.sft_model_path, "--sft_model_path", padding_side="left"
+    )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # Safe: every mask comes from lengths, never from pad ids.
     return tokenizer
 
+
 def stop_token_id(args, tokenizer):
     stop_id = {**tokenizer.get_vocab(), "eos": tokenizer.eos_token_id, "none": None}.get(args.stop_token, -1)
     if stop_id == -1 or (args.stop_token == "eos" and stop_id is None):
-        raise common.UserError(f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
-                               "pass eos (if it has one), none, or one token as the tokenizer spells it")
+        raise common.UserError(
+            f"--stop_token {args.stop_token!r} is not a token of {args.sft_model_path}'s tokenizer; "
+            "pass eos (if it has one), none, or one token as the tokenizer spells it"
+        )
     return stop_id
+
 
 def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     """Returns the embedded task's SFT policy, a tiny causal LM trained briefly to answer with a few words and EOS.
     It is cached in ($XDG_CACHE_HOME or ~/.cache)/rlhf by code and versions. Its draws are seeded by seed."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(common.embedded_model_config(name, len(tokenizer),
-                                                                                      flag="--sft_model_path"))
+    model = transformers.AutoModelForCausalLM.from_config(
+        common.embedded_model_config(name, len(tokenizer), flag="--sft_model_path")
+    )
     code = open(__file__).read() + open(common.__file__).read()  # This function and the task
     key = hashlib.sha256(repr((len(tokenizer), torch.__version__, transformers.__version__, code)).encode()).hexdigest()
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlhf",
-                         f"{name}-seed{seed}-steps{steps}-batch{batch_size}.pt")
+    cache = os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+        "rlhf",
+        f"{name}-seed{seed}-steps{steps}-batch{batch_size}.pt",
+    )
     with contextlib.suppress(Exception):  # A missing, unreadable or stale cache is trained again.
         if (saved := torch.load(cache))["key"] == key:
             model.load_state_dict(saved["model"])
@@ -835,10 +998,12 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
         texts = [common.embedded_prompt(rng, "train") for _ in range(batch_size)]
         prompts = common.tokenize_prompts(tokenizer, texts)
         responses = common.tokenize_responses(tokenizer, texts, [common.embedded_response(rng) for _ in texts])
-        batch = tokenizer.pad({"input_ids": [p + r for p, r in zip(prompts, responses)]}, padding_side="right",
-                              return_tensors="pt")
+        batch = tokenizer.pad(
+            {"input_ids": [p + r for p, r in zip(prompts, responses)]}, padding_side="right", return_tensors="pt"
+        )
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        for i, p in enumerate(prompts): labels[i, :len(p)] = -100  # Learn the responses, not the prompts.
+        for i, p in enumerate(prompts):
+            labels[i, : len(p)] = -100  # Learn the responses, not the prompts.
         model(**batch, labels=labels).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -848,6 +1013,7 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
         os.replace(f"{cache}.{os.getpid()}.tmp", cache)  # Whole or not at all, whichever process writes it
     return model.eval()
 
+
 def load_policy(args, tokenizer, on_meta=False):
     """Returns the initial policy, an adapter merged into its base, with dropout off and a float32 output layer."""
     if args.sft_model_path.startswith("embedded-"):
@@ -855,15 +1021,19 @@ def load_policy(args, tokenizer, on_meta=False):
     config = without_dropout(common.load_pretrained(transformers.AutoConfig, args.sft_model_path, "--sft_model_path"))
     # float32, as AdamW's small updates would round away in bfloat16. A frozen LoRA base is only read: bfloat16 will do.
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-    model = common.load_model(transformers.AutoModelForCausalLM, args.sft_model_path, "--sft_model_path", on_meta,
-                              config=config, dtype=dtype)
+    model = common.load_model(
+        transformers.AutoModelForCausalLM, args.sft_model_path, "--sft_model_path", on_meta, config=config, dtype=dtype
+    )
     return output_layer_in_float32(disable_dropout(model))
+
 
 def output_layer_in_float32(model):
     """Makes an nn.Linear output layer a Float32Linear, so the logits are float32 under autocast; returns the model."""
     head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear: head.__class__ = common.Float32Linear
+    if type(head) is torch.nn.Linear:
+        head.__class__ = common.Float32Linear
     return model
+
 
 @dataclass
 class Models:
@@ -884,6 +1054,7 @@ class Models:
         """Returns the reference if it is a model of its own, for resharded to release, and None with LoRA."""
         return None if self.lora else self.reference
 
+
 def build_models(args, tokenizer, device, rank, world):
     """Returns the trained policy and critic, frozen reference and reward. Under FSDP only rank 0 reads weights."""
     on_meta = args.fsdp and world > 1 and rank != 0
@@ -892,8 +1063,10 @@ def build_models(args, tokenizer, device, rank, world):
     if critic_init == "auto":
         critic_init = "reward" if reward.reads_policy_tokens else "policy"
     elif critic_init == "reward" and not reward.reads_policy_tokens:
-        raise common.UserError("--critic_init reward: the critic reads the policy's tokens at every position, so it "
-                               "needs a decoder reward model with the policy's tokenizer; use --critic_init policy")
+        raise common.UserError(
+            "--critic_init reward: the critic reads the policy's tokens at every position, so it "
+            "needs a decoder reward model with the policy's tokenizer; use --critic_init policy"
+        )
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer, on_meta)
     if args.blocked_logits:  # output_logits must reproduce the model's logits.
@@ -914,8 +1087,11 @@ def build_models(args, tokenizer, device, rank, world):
         reward.model = None if shared else parallelize(reward.model, args, device, frozen=True)
     if not lora:  # Sharded and computed as the policy is, so that the KL at initialisation is 0
         path, seed = reference_source(args)
-        ref_hf = copy.deepcopy(policy_hf) if (path, seed) == (args.sft_model_path, args.seed) else \
-            load_policy(dataclasses.replace(args, sft_model_path=path, seed=seed), tokenizer, on_meta)
+        ref_hf = (
+            copy.deepcopy(policy_hf)
+            if (path, seed) == (args.sft_model_path, args.seed)
+            else load_policy(dataclasses.replace(args, sft_model_path=path, seed=seed), tokenizer, on_meta)
+        )
         ref_policy = parallelize(ref_hf.eval().requires_grad_(False), args, device, frozen=True)
     if args.gradient_checkpointing:  # In training mode only, so sampling keeps its KV cache
         for model in [m for m in (policy_hf, critic_hf) if m is not None]:
@@ -931,53 +1107,81 @@ def build_models(args, tokenizer, device, rank, world):
         print(describe_models(args, policy, critic, critic_init, reward, bool(lora)) + f"; {world} x {device.type}")
     return Models(policy, critic, policy if lora else ref_policy, reward, policy_hf, lora)
 
+
 def describe_models(args, policy, critic, critic_init, reward, lora):
     """Returns the start-up line that names what each of the four roles is in this run: policy, reference, reward
     and critic."""
+
     def trained(model):
         n = sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6
         return f"trained, {n:.2f}M" + (f", LoRA rank {args.lora_r}" if lora else "")
+
     path = reward_model_source(args)  # None without a reward model
-    notes = ["frozen"] + ["reads the text"] * (not reward.reads_policy_tokens) + \
-        ["the critic with its adapter off"] * bool(lora and critic_init == "reward")
+    notes = (
+        ["frozen"]
+        + ["reads the text"] * (not reward.reads_policy_tokens)
+        + ["the critic with its adapter off"] * bool(lora and critic_init == "reward")
+    )
     sources = [f"model {path} ({', '.join(notes)})"] * bool(path) + [f"function {args.reward_fn}"] * bool(reward.fn)
     policy_text = args.sft_model_path + (" (evaluated, not trained)" if args.eval_only else f" ({trained(policy)})")
-    reference = f"{reference_source(args)[0]}, frozen" if args.eval_only else \
-        "the policy with its adapter off" if lora else "a frozen copy of the initial policy"
+    reference = (
+        f"{reference_source(args)[0]}, frozen"
+        if args.eval_only
+        else "the policy with its adapter off"
+        if lora
+        else "a frozen copy of the initial policy"
+    )
     why_none = "--eval_only trains nothing" if args.eval_only else f"{args.advantage_estimator} learns no values"
-    critic_text = f"none ({why_none})" if critic is None else \
-        f"from the {'reward model' if critic_init == 'reward' else 'policy, with a new head'} ({trained(critic)})"
-    return (f"models: policy {policy_text}; reference {reference}; reward {' + '.join(sources)}; "
-            f"critic {critic_text}")
+    critic_text = (
+        f"none ({why_none})"
+        if critic is None
+        else f"from the {'reward model' if critic_init == 'reward' else 'policy, with a new head'} ({trained(critic)})"
+    )
+    return f"models: policy {policy_text}; reference {reference}; reward {' + '.join(sources)}; critic {critic_text}"
+
 
 def build_optimizer(policy, critic, args, num_updates):
     """Returns policy and critic as one module, AdamW at each one's learning rate, and the learning-rate schedule."""
     trainable = torch.nn.ModuleDict({"policy": policy, **({"critic": critic} if critic is not None else {})})
     rates = {"policy": args.learning_rate, "critic": args.critic_learning_rate}
-    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": rates[name]}
-                                   for name, model in trainable.items()], lr=args.learning_rate, eps=1e-5,
-                                  weight_decay=args.weight_decay, fused=True)  # The polynomial schedule starts at lr.
-    scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0,
-                                           num_training_steps=num_updates)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in model.parameters() if p.requires_grad], "lr": rates[name]}
+            for name, model in trainable.items()
+        ],
+        lr=args.learning_rate,
+        eps=1e-5,
+        weight_decay=args.weight_decay,
+        fused=True,
+    )  # The polynomial schedule starts at lr.
+    scheduler = transformers.get_scheduler(
+        args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_updates
+    )
     return trainable, optimizer, scheduler
+
 
 def load_prompts(args, tokenizer, split=None, rows=None):
     """Returns a split's prompts as token ids, not yet cut, and as texts: the training split's, or `split`'s `rows`."""
     if rows is None:
         rows = common.load_rows(args.dataset_name, args.dataset_config, split or args.dataset_train_split)
-        if not rows: raise common.UserError(f"{args.dataset_name}: no split '{split or args.dataset_train_split}'")
+        if not rows:
+            raise common.UserError(f"{args.dataset_name}: no split '{split or args.dataset_train_split}'")
     texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
     ids = common.tokenize_prompts(tokenizer, texts)
     common.check_vocabulary(tokenizer, ids, args.dataset_name, args.sft_model_path, "--sft_model_path")
     if not all(ids):  # No BOS and no text: the first response token would attend to nothing.
-        raise common.UserError(f"{common.where(rows[ids.index([])])}: the prompt is empty and {args.sft_model_path}'s "
-                               "tokenizer adds no BOS token, so the policy has nothing to continue; give it a prompt")
+        raise common.UserError(
+            f"{common.where(rows[ids.index([])])}: the prompt is empty and {args.sft_model_path}'s "
+            "tokenizer adds no BOS token, so the policy has nothing to continue; give it a prompt"
+        )
     return ids, texts
+
 
 @dataclass
 class Prompts:
     ids: list  # Token ids, cut to --max_prompt_length
     texts: list  # The whole texts, as --reward_fn receives them
+
 
 def train_and_eval_prompts(args, tokenizer):
     """Returns the training prompts and the eval prompts, no eval prompt's text among the training prompts.
@@ -986,18 +1190,22 @@ def train_and_eval_prompts(args, tokenizer):
     text, and --num_eval_prompts distinct ones are drawn by seed, or all if fewer. Training prompts with an eval
     prompt's text are left out."""
     ids, texts = load_prompts(args, tokenizer)
-    splits = [args.eval_split] if args.eval_split else [s for s in ("validation", "test") if s !=
-                                                          args.dataset_train_split]
+    splits = (
+        [args.eval_split] if args.eval_split else [s for s in ("validation", "test") if s != args.dataset_train_split]
+    )
     read = ((s, common.load_rows(args.dataset_name, args.dataset_config, s)) for s in splits)  # each read once
     found, eval_rows = next(((s, rows) for s, rows in read if rows is not None), (None, None))
     if args.eval_split and found is None:
         names = common.split_names(args.dataset_name, args.dataset_config)
-        raise common.UserError(f"{args.dataset_name}: no split {args.eval_split!r} (--eval_split); its splits: "
-                               f"{', '.join(map(str, names))}; pass one, or no --eval_split to hold out --eval_holdout "
-                               "of the training prompts")
+        raise common.UserError(
+            f"{args.dataset_name}: no split {args.eval_split!r} (--eval_split); its splits: "
+            f"{', '.join(map(str, names))}; pass one, or no --eval_split to hold out --eval_holdout "
+            "of the training prompts"
+        )
     if found is not None and not eval_rows:
-        raise common.UserError(f"{args.dataset_name}: split {found!r} has no prompt to evaluate on; pass another "
-                               "--eval_split")
+        raise common.UserError(
+            f"{args.dataset_name}: split {found!r} has no prompt to evaluate on; pass another --eval_split"
+        )
     if found is not None:
         eval_ids, eval_texts = load_prompts(args, tokenizer, found, eval_rows)
         held, source = set(eval_texts), f"split {found!r}"
@@ -1007,37 +1215,52 @@ def train_and_eval_prompts(args, tokenizer):
         source = f"{args.eval_holdout:g} of the prompts, held out by text"
     trained = [i for i, t in enumerate(texts) if t not in held]
     if not trained and not args.eval_only:
-        raise common.UserError(f"{args.dataset_name}: every training prompt is an eval prompt ({source}); pass "
-                               "another --eval_split or more distinct prompts")
-    if not eval_ids: raise common.UserError(f"{args.dataset_name}: no eval prompt ({source}); pass --eval_split")
+        raise common.UserError(
+            f"{args.dataset_name}: every training prompt is an eval prompt ({source}); pass "
+            "another --eval_split or more distinct prompts"
+        )
+    if not eval_ids:
+        raise common.UserError(f"{args.dataset_name}: no eval prompt ({source}); pass --eval_split")
     # Each distinct text once, so that the standard errors are over distinct prompts.
     first_of_text = {}
-    for i, text in enumerate(eval_texts): first_of_text.setdefault(text, i)
+    for i, text in enumerate(eval_texts):
+        first_of_text.setdefault(text, i)
     first_of_text = list(first_of_text.values())
-    chosen = sorted(random.Random(common.seed_of(args.seed, "eval prompts")).sample(
-        first_of_text, min(args.num_eval_prompts, len(first_of_text))))
+    chosen = sorted(
+        random.Random(common.seed_of(args.seed, "eval prompts")).sample(
+            first_of_text, min(args.num_eval_prompts, len(first_of_text))
+        )
+    )
     bos_id = common.leading_id(tokenizer)
     cut = lambda p: truncate_prompt(p, args.max_prompt_length, bos_id)  # noqa: E731
     if not dist.is_initialized() or dist.get_rank() == 0:
         dropped = len(texts) - len(trained) if found is not None else 0
         fewer = f"; only {len(chosen)} distinct, each evaluated once" if len(chosen) < args.num_eval_prompts else ""
-        print(f"prompts: {len(trained)} train, {len(chosen)} distinct eval prompts ({source}, {len(first_of_text)} "
-              f"distinct in {len(eval_ids)} rows{fewer})"
-              + (f"; {dropped} training prompts left out as eval prompts too" if dropped else ""))
-    return (Prompts([cut(ids[i]) for i in trained], [texts[i] for i in trained]),
-            Prompts([cut(eval_ids[i]) for i in chosen], [eval_texts[i] for i in chosen]))
+        print(
+            f"prompts: {len(trained)} train, {len(chosen)} distinct eval prompts ({source}, {len(first_of_text)} "
+            f"distinct in {len(eval_ids)} rows{fewer})"
+            + (f"; {dropped} training prompts left out as eval prompts too" if dropped else "")
+        )
+    return (
+        Prompts([cut(ids[i]) for i in trained], [texts[i] for i in trained]),
+        Prompts([cut(eval_ids[i]) for i in chosen], [eval_texts[i] for i in chosen]),
+    )
+
 
 def prompt_text(row, tokenizer, where):
     """Returns a row's prompt: a pair's as rm.py splits it, a chat rendered up to the assistant's turn, or the text."""
-    if "chosen" in row: return common.split_pair(row, tokenizer, where)[0]
+    if "chosen" in row:
+        return common.split_pair(row, tokenizer, where)[0]
     field = "prompt" if "prompt" in row else "messages"
     prompt = row.get(field)
     if isinstance(prompt, list):
         prompt = common.checked_messages(prompt, tokenizer, where, field)
         prompt = prompt[:-1] if prompt and prompt[-1]["role"] == "assistant" else prompt
         return common.render_chat(tokenizer, prompt, where, generation_prompt=True)
-    if isinstance(prompt, str): return prompt
+    if isinstance(prompt, str):
+        return prompt
     raise common.UserError(f"{where}: no 'prompt', 'messages' or 'chosen' field to take a prompt from")
+
 
 def load_ptx(args, tokenizer):
     if args.ptx_dataset_name == "embedded":
@@ -1051,18 +1274,23 @@ def load_ptx(args, tokenizer):
     end, length = common.end_id(tokenizer), args.max_prompt_length + args.response_length
     return [(ids + [end])[:length] for ids in common.tokenize_prompts(tokenizer, texts)]
 
+
 def pad_left(seqs, width, pad_id):
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs): ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
     return ids, torch.arange(width) >= width - torch.tensor([len(s) for s in seqs])[:, None]
+
 
 def episode_prompts(episodes, n_prompts, seed, orders):
     """Returns each episode's prompt, the same on any number of processes and after any resume.
     Pass p = episode // n_prompts over the prompts follows a permutation seeded by seed and p."""
     for p in {e // n_prompts for e in episodes} - orders.keys():  # Each pass's permutation is drawn once.
-        orders[p] = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(
-            common.seed_of(seed, "prompt order", p)))
+        orders[p] = torch.randperm(
+            n_prompts, generator=torch.Generator().manual_seed(common.seed_of(seed, "prompt order", p))
+        )
     return [orders[e // n_prompts][e % n_prompts].item() for e in episodes]
+
 
 # --- Reward plumbing: a reward model with rm.py's normalization, a function, or both. ---------------------------------
 def critic_from(args, policy, reward):
@@ -1070,7 +1298,8 @@ def critic_from(args, policy, reward):
     if args.critic_init == "reward":
         critic = copy.deepcopy(reward.model.hf).requires_grad_(True)
         with torch.no_grad():
-            for p in critic.score.parameters(): p /= reward.model.scale  # A bias too, where the head has one
+            for p in critic.score.parameters():
+                p /= reward.model.scale  # A bias too, where the head has one
         return critic
     config = without_dropout(copy.deepcopy(policy.config))
     config.num_labels = 1
@@ -1078,24 +1307,33 @@ def critic_from(args, policy, reward):
     setattr(critic, critic.base_model_prefix, copy.deepcopy(policy.base_model))
     critic.score.to_empty(device=policy.device)
     torch.nn.init.normal_(critic.score.weight, std=1 / (config.hidden_size + 1) ** 0.5)
-    if critic.score.bias is not None: torch.nn.init.zeros_(critic.score.bias)
+    if critic.score.bias is not None:
+        torch.nn.init.zeros_(critic.score.bias)
     return common.scalar_head_in_float32(critic)
+
 
 class Critic(torch.nn.Module):
     """Returns the value of each state: a sequence classifier's scalar head at every position, minus an offset.
     From the reward model, its head is divided by the reward's scale and its offset is shift / scale, so each prefix's
     value starts as its normalized score. From the policy, it has the policy's network and a new head, as rm.py's."""
+
     def __init__(self, hf_model, offset=0.0):
         super().__init__()
         self.hf, self.offset = hf_model, offset
 
     def forward(self, input_ids, attention_mask):
-        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                    position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+        hidden = self.hf.base_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+            position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0),
+        ).last_hidden_state
         return self.hf.score(hidden).squeeze(-1).float() - self.offset
+
 
 class SequenceReward(torch.nn.Module):
     """Returns rm.py's normalized reward, (sequence_reward - shift) / scale, as one module that FSDP can gather."""
+
     def __init__(self, hf_model, shift, scale):
         super().__init__()
         self.hf, self.shift, self.scale = hf_model, shift, scale
@@ -1103,55 +1341,86 @@ class SequenceReward(torch.nn.Module):
     def forward(self, input_ids, attention_mask):
         return (sequence_reward(self.hf, input_ids, attention_mask) - self.shift) / self.scale
 
+
 def critic_as_reward(critic, adapter_off, input_ids, attention_mask):
     """Returns the normalized reward as a LoRA critic from the reward model computes it with its adapter off."""
-    with adapter_off(): values = critic(input_ids, attention_mask)
+    with adapter_off():
+        values = critic(input_ids, attention_mask)
     return values.gather(1, last_token_index(attention_mask)[:, None])[:, 0]
+
 
 @dataclass
 class Reward:
     """The sources of an episode's score: a reward model, a function, or both."""
+
     model: object = None  # A SequenceReward, sharded like the policy under FSDP
     tokenizer: object = None  # The reward model's own, for the decoded text; None if it reads the policy's tokens
     fn: object = None  # load_reward_fn's function, (prompts, responses) -> scores
     reads_policy_tokens: bool = False  # Whether a reward model reads the policy's tokens
+
 
 def reward_model_source(args):
     """Returns the reward model's path or hub name, or None for a reward function alone."""
     path = args.reward_model_path if args.reward_model_path is not None else None if args.reward_fn else "runs/rm"
     looks_local = path is not None and (os.path.exists(path) or path.startswith((".", "/")) or path == "runs/rm")
     if looks_local and not any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
-        raise common.UserError(f"--reward_model_path {path}: no reward model there; train one first with "
-                               f"`python rm.py --output_dir {path}` (or pass a hub reward model)")
+        raise common.UserError(
+            f"--reward_model_path {path}: no reward model there; train one first with "
+            f"`python rm.py --output_dir {path}` (or pass a hub reward model)"
+        )
     return path
+
 
 def load_reward(args, tokenizer, on_meta=False):
     reward = Reward(fn=load_reward_fn(args.reward_fn) if args.reward_fn else None)
-    if (path := reward_model_source(args)) is None: return reward
+    if (path := reward_model_source(args)) is None:
+        return reward
     config = without_dropout(common.load_pretrained(transformers.AutoConfig, path, "--reward_model_path"))
     adapter = common.adapter_base(path)
-    if adapter: config.num_labels = 1  # An adapter's base config is a causal LM's; the head it saved is a scalar.
-    if not common.adapter_holds_head(path) if adapter else \
-            not any("SequenceClassification" in a for a in config.architectures or ["SequenceClassification"]):
+    if adapter:
+        config.num_labels = 1  # An adapter's base config is a causal LM's; the head it saved is a scalar.
+    if (
+        not common.adapter_holds_head(path)
+        if adapter
+        else not any("SequenceClassification" in a for a in config.architectures or ["SequenceClassification"])
+    ):
         # Else transformers would draw a random head, and PPO would train on noise without a word.
-        raise common.UserError(f"--reward_model_path {path}: not a reward model (no trained scalar head: "
-                               f"{'an adapter without one' if adapter else config.architectures[0]}); train one with "
-                               "rm.py, or pass --reward_fn")
+        raise common.UserError(
+            f"--reward_model_path {path}: not a reward model (no trained scalar head: "
+            f"{'an adapter without one' if adapter else config.architectures[0]}); train one with "
+            "rm.py, or pass --reward_fn"
+        )
     if config.num_labels != 1:
-        raise common.UserError(f"--reward_model_path {path}: the model has {config.num_labels} labels; a reward model "
-                               "has one (a scalar)")
+        raise common.UserError(
+            f"--reward_model_path {path}: the model has {config.num_labels} labels; a reward model has one (a scalar)"
+        )
     # float32, as rm.py trained it. With LoRA and --bf16 it is bfloat16, as every frozen base weight is then.
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-    model = disable_dropout(common.load_model(transformers.AutoModelForSequenceClassification, path,
-                                              "--reward_model_path", on_meta, config=config, dtype=dtype))
+    model = disable_dropout(
+        common.load_model(
+            transformers.AutoModelForSequenceClassification,
+            path,
+            "--reward_model_path",
+            on_meta,
+            config=config,
+            dtype=dtype,
+        )
+    )
     heads_in_float32(common.scalar_head_in_float32(model)).eval().requires_grad_(False)
     own = common.load_pretrained(transformers.AutoTokenizer, path, "--reward_model_path")
-    if own.pad_token is None: own.pad_token = own.eos_token  # Padding is read from the mask, never from pad ids.
-    same_tokens = hasattr(model, "score") and all(own.convert_tokens_to_ids(t) == i
-                                                  for t, i in tokenizer.get_vocab().items())
+    if own.pad_token is None:
+        own.pad_token = own.eos_token  # Padding is read from the mask, never from pad ids.
+    same_tokens = hasattr(model, "score") and all(
+        own.convert_tokens_to_ids(t) == i for t, i in tokenizer.get_vocab().items()
+    )
     shift, scale = getattr(model.config, "reward_shift", 0.0), getattr(model.config, "reward_scale", 1.0)
-    return dataclasses.replace(reward, model=SequenceReward(model, shift, scale),  # rm.py's normalization
-                               tokenizer=None if same_tokens else own, reads_policy_tokens=same_tokens)
+    return dataclasses.replace(
+        reward,
+        model=SequenceReward(model, shift, scale),  # rm.py's normalization
+        tokenizer=None if same_tokens else own,
+        reads_policy_tokens=same_tokens,
+    )
+
 
 def load_reward_fn(spec):
     """Returns --reward_fn's function, wrapped to check each call's output. Its module is a .py file or importable."""
@@ -1166,47 +1435,55 @@ def load_reward_fn(spec):
             fn = getattr(importlib.import_module(module), name, None)
     except Exception as e:
         raise common.UserError(f"--reward_fn {spec}: cannot import {module} ({type(e).__name__}: {e})") from None
-    if not callable(fn): raise common.UserError(f"--reward_fn {spec}: {module} has no function {name}")
+    if not callable(fn):
+        raise common.UserError(f"--reward_fn {spec}: {module} has no function {name}")
 
     def checked(prompts, responses):
         try:
             out = list(fn(prompts, responses))
         except Exception as e:  # The user's code: its traceback from the function in, then where it was called
             traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-            raise common.UserError(f"--reward_fn {spec} raised {type(e).__name__}: {e} (traceback above; called by "
-                                   f"ppo.py's score() on {len(prompts)} prompts and responses)") from None
+            raise common.UserError(
+                f"--reward_fn {spec} raised {type(e).__name__}: {e} (traceback above; called by "
+                f"ppo.py's score() on {len(prompts)} prompts and responses)"
+            ) from None
         bad = [v for v in out if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
         if len(out) != len(prompts) or bad:
             got = f"{len(out)} values for {len(prompts)} episodes" if len(out) != len(prompts) else f"{bad[0]!r}"
             raise common.UserError(f"--reward_fn {spec} returned {got}; it must return one finite number per episode")
         return torch.tensor(out, dtype=torch.float)
+
     return checked
+
 
 def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
     """Returns the rows' episodes in the reward model's own tokens, built as rm.py builds a pair.
     The prompt is the text the policy saw, with the reward model's BOS. The response is decoded in context, which keeps
     word boundaries. It ends with the reward model's end token where the policy stopped, and always for an encoder."""
     lead, prompts, texts, stopped = tokenizer.decode(common.special_affixes(tokenizer)[0]), [], [], []
-    query, query_mask = (t[rows, :batch.context_length].cpu() for t in (batch.query_response, batch.attention_mask))
+    query, query_mask = (t[rows, : batch.context_length].cpu() for t in (batch.query_response, batch.attention_mask))
     for q, qm, r, m in zip(query, query_mask.bool(), batch.responses[rows].cpu(), batch.mask[rows].cpu()):
         p_ids, r_ids = q[qm].tolist(), r[m].tolist()
         stopped.append(stop_id is not None and bool(r_ids) and r_ids[-1] == stop_id)
         r_ids = r_ids[:-1] if stopped[-1] else r_ids
         p_text = tokenizer.decode(p_ids, skip_special_tokens=False)
         full = tokenizer.decode(p_ids + r_ids, skip_special_tokens=False)
-        texts.append(full[len(p_text):] if full.startswith(p_text) else tokenizer.decode(r_ids))
-        prompts.append(p_text[len(lead):] if lead and p_text.startswith(lead) else p_text)
+        texts.append(full[len(p_text) :] if full.startswith(p_text) else tokenizer.decode(r_ids))
+        prompts.append(p_text[len(lead) :] if lead and p_text.startswith(lead) else p_text)
     rm_tokenizer, encoder = reward.tokenizer, not hasattr(reward.model.hf, "score")
     bos_id, table = common.leading_id(rm_tokenizer), common.position_table(reward.model.hf)
     r_ids = common.tokenize_responses(rm_tokenizer, prompts, texts)
     r_ids = [r if s or encoder else r[:-1] for r, s in zip(r_ids, stopped)]
     # The reward model may need more tokens than the policy. To fit its position table, the prompt is cut as rm.py cuts
     # one, keeping its end and BOS. A response longer than the whole table, never seen in practice, loses its start.
-    seqs = [truncate_prompt(p, min(args.max_prompt_length, max((table or 1 << 62) - len(r), 1)), bos_id) + r
-            for p, r in zip(common.tokenize_prompts(rm_tokenizer, prompts), r_ids)]
-    seqs = [s[:1] + s[len(s) - table + 1:] if table and len(s) > table else s for s in seqs]
+    seqs = [
+        truncate_prompt(p, min(args.max_prompt_length, max((table or 1 << 62) - len(r), 1)), bos_id) + r
+        for p, r in zip(common.tokenize_prompts(rm_tokenizer, prompts), r_ids)
+    ]
+    seqs = [s[:1] + s[len(s) - table + 1 :] if table and len(s) > table else s for s in seqs]
     batch = rm_tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
     return batch["input_ids"], batch["attention_mask"]
+
 
 # --- Held-out evaluation: the reference of --eval_only, the batches, the schedule, the statistics and the logs. -----
 def reference_source(args):
@@ -1215,9 +1492,11 @@ def reference_source(args):
     if args.eval_only and os.path.isdir(args.sft_model_path):
         for folder in (args.sft_model_path, os.path.dirname(os.path.abspath(args.sft_model_path))):
             if os.path.isfile(results := os.path.join(folder, "ppo_results.json")):
-                with open(results) as f: saved = json.load(f)["args"]
+                with open(results) as f:
+                    saved = json.load(f)["args"]
                 return saved["sft_model_path"], saved["seed"]
     return args.sft_model_path, args.seed
+
 
 @dataclass
 class EvalBatch:
@@ -1226,15 +1505,17 @@ class EvalBatch:
     index: list  # Each prompt's position in the eval set, which seeds its random stream
     real: int  # The rows before those that repeat a prompt to fill the batch
 
+
 def eval_batches(prompts, args):
     """Yields the eval prompts in rollout batches of the training's size, so that they fit where training fits.
     The last batch repeats its first prompt up to that size, so that every process makes the same calls."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches * world
     for start in range(0, len(prompts.ids), size):
-        part = [x[start:start + size] for x in (prompts.ids, prompts.texts, list(range(len(prompts.ids))))]
+        part = [x[start : start + size] for x in (prompts.ids, prompts.texts, list(range(len(prompts.ids))))]
         fill = size - len(part[0])
         yield EvalBatch(*[x + x[:1] * fill for x in part], real=len(part[0]))
+
 
 def eval_schedule(num_evals, num_updates, rank=0):
     """Returns the updates after which evaluate() runs: 0, before the first, and num_evals spread evenly to the end.
@@ -1246,20 +1527,24 @@ def eval_schedule(num_evals, num_updates, rank=0):
         print(f"--num_evals {num_evals}: {len(after)}, one after each of the {num_updates} updates, and one before")
     return {0} | after
 
+
 def mean_and_standard_error(rows, names, prefix):
     """Returns each measure's mean over the rows that have it, and as NAME_se its sample std over sqrt(n)."""
     out = {f"{prefix}prompts": len(rows)}
     for name, values in ((k, torch.tensor([r[k] for r in rows if k in r], dtype=torch.float64)) for k in names):
-        if not len(values): continue
+        if not len(values):
+            continue
         se = values.std() / len(values) ** 0.5 if len(values) > 1 else torch.tensor(0.0)
         out[f"{prefix}{name}"], out[f"{prefix}{name}_se"] = values.mean().item(), se.item()
     return out
 
+
 def distinct_ngrams(texts, n):
     """Returns distinct-n (Li et al. 2016): the distinct word n-grams of all the texts over their count, 0 if none.
     Words are split at whitespace. A set of responses that repeats one word has distinct-1 near 0."""
-    grams = [tuple(words[i:i + n]) for words in (t.split() for t in texts) for i in range(len(words) - n + 1)]
+    grams = [tuple(words[i : i + n]) for words in (t.split() for t in texts) for i in range(len(words) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
+
 
 def log_evaluation(logs, step, episodes, metrics, rows):
     """Writes an evaluation to metrics.jsonl and its rows to eval_samples.jsonl, and returns its record."""
@@ -1271,19 +1556,27 @@ def log_evaluation(logs, step, episodes, metrics, rows):
         tqdm.write("evaluation " + common.format_metrics(record))
     return record
 
+
 def evaluate_only(models, prompts, args, tokenizer, stop_id):
     """Runs evaluate() once for --eval_only and writes eval_results.json and eval_samples.jsonl in --output_dir."""
     metrics, rows = evaluate(models, prompts, args, tokenizer, stop_id)
     if not dist.is_initialized() or dist.get_rank() == 0:
         os.makedirs(args.output_dir, exist_ok=True)
-        common.write_atomic(os.path.join(args.output_dir, "eval_samples.jsonl"),
-                            "".join(json.dumps({"step": 0, **row}) + "\n" for row in rows))
-        common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), {
-            **metrics, "reference": reference_source(args)[0], "args": dataclasses.asdict(args)})
-        print(f"{common.format_metrics(metrics)}\nevaluated {args.sft_model_path} on {len(rows)} prompts; "
-              f"eval_results.json in {args.output_dir}")
+        common.write_atomic(
+            os.path.join(args.output_dir, "eval_samples.jsonl"),
+            "".join(json.dumps({"step": 0, **row}) + "\n" for row in rows),
+        )
+        common.write_json_atomic(
+            os.path.join(args.output_dir, "eval_results.json"),
+            {**metrics, "reference": reference_source(args)[0], "args": dataclasses.asdict(args)},
+        )
+        print(
+            f"{common.format_metrics(metrics)}\nevaluated {args.sft_model_path} on {len(rows)} prompts; "
+            f"eval_results.json in {args.output_dir}"
+        )
     common.leave_together()
     return metrics
+
 
 # --- The sampler: each episode's own uniforms, seeded by its index, and the KV cache. ---------------------------------
 def episode_uniform(seeds, step):
@@ -1296,30 +1589,37 @@ def episode_uniform(seeds, step):
         for shift, c in ((16, 0x21F0AAAD), (15, 0x735A2D97)):
             x = (x ^ (x >> shift)) * c & low32
         return x ^ (x >> 15)
+
     low, high, at = seeds & low32, seeds >> 32, mix(step & low32)  # step is an int, or a tensor in a compiled graph
     bits = (mix(low ^ mix(high ^ at)) << 20) | (mix(high ^ mix(low ^ mix(at ^ 0x9E3779B9))) >> 12)  # 32 + 20 bits
-    return (bits.double() + 0.5) / 2 ** 52
+    return (bits.double() + 0.5) / 2**52
+
 
 class ComputeDtypeCache(transformers.StaticCache):
     """transformers' StaticCache, holding keys and values in the dtype attention casts them to, so no number changes.
     Under bfloat16 autocast a rotary family's keys are float32 and its values bfloat16, which StaticCache refuses."""
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         kind = key_states.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else value_states.dtype
         return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
+
 
 @functools.cache
 def takes_argument(model_class, name):
     """Returns whether the model's forward takes the argument name. A remote-code model may lack logits_to_keep."""
     return name in inspect.signature(model_class.forward).parameters
 
+
 # --- The learning phase's bookkeeping. --------------------------------------------------------------------------------
 def entropy_of(logp_all):
     """Returns -sum p log p over the last dimension, with 0 log 0 = 0, so a -inf logit gives 0, not NaN.
     With autograd a clamp keeps gradients finite, changing no term as p is 0 below -104. Else p's memory is reused."""
     p = logp_all.exp()
-    if torch.is_grad_enabled(): return -(p * logp_all.clamp(min=-1e4)).sum(-1)
+    if torch.is_grad_enabled():
+        return -(p * logp_all.clamp(min=-1e4)).sum(-1)
     return torch.special.entr(p, out=p).sum(-1)
+
 
 def language_modelling_loss(policy, seqs, pad_id, n_tokens, device, blocked=False):
     """Returns the ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy summed, divided by n_tokens."""
@@ -1327,6 +1627,7 @@ def language_modelling_loss(policy, seqs, pad_id, n_tokens, device, blocked=Fals
     logprobs, _ = response_logprobs(policy, ids, ids_mask.long(), 1, 1.0, blocked=blocked)
     real = (ids_mask[:, 1:] & ids_mask[:, :-1]).float()  # A target counts only after a real token.
     return (-logprobs * real).sum() / n_tokens
+
 
 def ptx_backward(policy, ptx, step, update, epoch, mb, args, pad_id):
     """Runs PPO-ptx's backward pass for one optimizer step and returns the loss of this process's share.
@@ -1338,11 +1639,13 @@ def ptx_backward(policy, ptx, step, update, epoch, mb, args, pad_id):
     sync_gradients([policy], last=False)  # DDP all-reduces them with the PPO losses' gradients.
     for rows in process_share(torch.arange(len(seqs))).split(args.per_device_train_batch_size):
         with torch.autocast(step.rows.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss = language_modelling_loss(policy, [seqs[i] for i in rows.tolist()], pad_id, n_tokens,
-                                           step.rows.device, args.blocked_logits)
+            loss = language_modelling_loss(
+                policy, [seqs[i] for i in rows.tolist()], pad_id, n_tokens, step.rows.device, args.blocked_logits
+            )
         (args.ptx_coef * loss).backward()
         total = total + loss.detach()
     return total
+
 
 def sync_gradients(models, last):
     """Makes DDP all-reduce gradients in a step's last backward pass only. FSDP2 reduce-scatters every one's, since
@@ -1350,23 +1653,32 @@ def sync_gradients(models, last):
     for model in (m for m in models if isinstance(m, torch.nn.parallel.DistributedDataParallel)):
         model.require_backward_grad_sync = last
 
+
 def clip_and_step(trainable, optimizer, max_grad_norm, update, pg_loss):
     """Clips both models' gradients together, steps, clears them, and returns each model's norm before clipping.
     max_grad_norm 0 clips nothing. A norm that is not finite stops the run before the step, so checkpoints stay good.
     pg_loss is the step's policy loss, the sum of its micro-batches' parts on this process."""
+
     def full(norm):  # Under FSDP a DTensor, each rank holding its shards' part
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    norms = {f"{name}/grad_norm": full(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
-                                                                       if p.grad is not None]))
-             for name, model in trainable.items()}
+
+    norms = {
+        f"{name}/grad_norm": full(
+            torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        )
+        for name, model in trainable.items()
+    }
     norm = full(torch.nn.utils.clip_grad_norm_(trainable.parameters(), max_grad_norm or float("inf")))
     if not math.isfinite(norm):
-        raise common.UserError(f"update {update + 1}: the gradient norm is {norm} (the step's policy loss "
-                               f"{pg_loss.item():.4g}); training diverged: lower --learning_rate; --resume continues "
-                               "from the last checkpoint")
+        raise common.UserError(
+            f"update {update + 1}: the gradient norm is {norm} (the step's policy loss "
+            f"{pg_loss.item():.4g}); training diverged: lower --learning_rate; --resume continues "
+            "from the last checkpoint"
+        )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norms
+
 
 def mean_over_steps(stats):
     """Returns each statistic's mean over the update's optimizer steps, and the ratio's variance.
@@ -1377,24 +1689,29 @@ def mean_over_steps(stats):
     means["policy/ratio_var"] = (per_step["policy/ratio_sq"] - per_step["policy/ratio"] ** 2).mean().item()
     return means
 
+
 # --- Processes: torchrun's environment variables, or one process under `python ppo.py`. -------------------------------
 def setup_distributed():
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
     common.attention_without_nan(device)
     if world > 1:
-        if device.type == "cuda": torch.cuda.set_device(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         # An hour, not the default 10 minutes, as the ranks wait in a collective while rank 0 writes the final model.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
     return rank, world, device
+
 
 def parallelize(model, args, device, frozen=False):
     """Returns the model under DDP, or under FSDP2 from rank 0's weights with a unit per block, embeddings and head.
     A frozen model is a replica under DDP. Under FSDP it is sharded too, on the host with --offload_inference_models."""
     host = frozen and args.offload_inference_models and device.type == "cuda"
-    if not dist.is_initialized() or (frozen and not args.fsdp): return model.to(device)
+    if not dist.is_initialized() or (frozen and not args.fsdp):
+        return model.to(device)
     if args.fsdp:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
         # bf16 is for compute only. The sharded parameters, and so the optimizer's steps, keep their own dtype.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None, reduce_dtype=torch.float32)
         offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if host else {}
@@ -1414,25 +1731,36 @@ def parallelize(model, args, device, frozen=False):
             if frozen and args.bf16:  # Gathered in bfloat16 anyway, so stored so: the same numbers in half the memory
                 for p in set(model.parameters()) - in_float32:  # Parameters only: RoPE's buffers stay float32.
                     p.data = p.data.to(torch.bfloat16)
-            for block in next(m for m in model.modules()
-                              if isinstance(m, torch.nn.ModuleList) and len(m) == hf.config.num_hidden_layers):
+            for block in next(
+                m
+                for m in model.modules()
+                if isinstance(m, torch.nn.ModuleList) and len(m) == hf.config.num_hidden_layers
+            ):
                 fully_shard(block, mp_policy=mp, **offload)
             common.shard_input_embeddings(model, fully_shard, mp_policy=mp, **offload)
             if head is not None:  # Its inputs are cast to float32, and so are logits, values and rewards.
                 fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **offload)
             fully_shard(model, mp_policy=mp, **offload)
+
         sharded = common.shard_from_rank0(model, shard, device, host)
         return sharded if frozen else sum_gradients(sharded)
     model.to(device)
     # gradient_as_bucket_view makes the gradients views into DDP's all-reduce buckets, not a second copy.
-    return sum_gradients(torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=None if device.type == "cpu" else [device.index], broadcast_buffers=False,
-        gradient_as_bucket_view=True))
+    return sum_gradients(
+        torch.nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=None if device.type == "cpu" else [device.index],
+            broadcast_buffers=False,
+            gradient_as_bucket_view=True,
+        )
+    )
+
 
 def heads_in_float32(model):
     """Returns the sequence classifier with its scalar head in float32, the rest as it is (README's precision table)."""
     (getattr(model, "score", None) or getattr(model, "classifier", None) or torch.nn.Identity()).float()
     return model
+
 
 @contextlib.contextmanager
 def gathered_once(model, enabled):
@@ -1442,60 +1770,77 @@ def gathered_once(model, enabled):
         return
     model.set_reshard_after_forward(False)
     try:
-        with resharded([model]): yield
+        with resharded([model]):
+            yield
     finally:
         model.set_reshard_after_forward(True)
         model.set_reshard_after_forward(False, recurse=False)  # FSDP's own setting for the root
 
+
 def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
+
 def all_gather_cat(t):
-    if not dist.is_initialized(): return t
+    if not dist.is_initialized():
+        return t
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t.contiguous())
     return torch.cat(out)
 
+
 def all_reduce(t, op=None):
-    if dist.is_initialized(): dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
     return t
+
 
 def all_gather_objects(items):
     """Returns every process's list, concatenated in process order."""
-    if not dist.is_initialized(): return items
+    if not dist.is_initialized():
+        return items
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, items)
     return [x for part in out for x in part]
 
+
 def process_share(rows):
     """Returns this process's equal share of rows, in order, or all of them in a single process."""
-    if not dist.is_initialized(): return rows
+    if not dist.is_initialized():
+        return rows
     return rows.chunk(dist.get_world_size())[dist.get_rank()]
+
 
 def rows_of_every_process(t):
     """Returns the sum over processes of a (..., B, T) tensor in which each filled its own rows, the others 0."""
     return all_reduce(t)
 
+
 def collective(args):
     """Returns whether all processes must make the same forward calls. FSDP on several gathers weights in them."""
     return args.fsdp and dist.is_initialized() and dist.get_world_size() > 1
+
 
 def all_processes_done(done, args):
     """Returns whether every row has stopped. Under FSDP it asks every process, so that all decode the same steps."""
     return bool(all_reduce(done.all().float(), dist.ReduceOp.MIN)) if collective(args) else bool(done.all())
 
+
 def sum_gradients(model):
     """Makes DDP or FSDP2 sum gradients over processes instead of averaging them.
     Each process's loss is then its part of the mini-batch's mean, with no factor for the number of processes."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+
         def all_reduce_sum(state, bucket):
             return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
         model.register_comm_hook(None, all_reduce_sum)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):  # Each FSDP2 unit, reduced by SUM on gloo and NCCL alike
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
 
 @contextlib.contextmanager
 def resharded(models):
@@ -1506,12 +1851,20 @@ def resharded(models):
         for unit in (u for m in models if isinstance(m, torch.nn.Module) for u in m.modules() if hasattr(u, "reshard")):
             unit.reshard()
 
+
 # --- Logging, the final save, figures. --------------------------------------------------------------------------------
 def open_logs(args, rank, saved):
     """Returns rank 0's metrics logger, samples.jsonl and eval_samples.jsonl. On resume they go on after `saved`."""
     files = ("samples.jsonl", "eval_samples.jsonl")
-    return None if rank != 0 else (common.Logger(args, args.wandb_project, saved),
-                                   *(common.open_log(os.path.join(args.output_dir, f), saved) for f in files))
+    return (
+        None
+        if rank != 0
+        else (
+            common.Logger(args, args.wandb_project, saved),
+            *(common.open_log(os.path.join(args.output_dir, f), saved) for f in files),
+        )
+    )
+
 
 def log_update(logs, bar, m, last, args, tokenizer, batch):
     """Writes the update's metrics to every log, and a table of samples every --sample_every updates and at the last."""
@@ -1519,41 +1872,59 @@ def log_update(logs, bar, m, last, args, tokenizer, batch):
     logger.log(m)
     shown = {"score": "objective/scores", "kl": "objective/kl", "gold": "gold/mean"}  # gold is the embedded task's.
     bar.set_postfix(**{name: f"{m[key]:.3f}" for name, key in shown.items() if key in m})
-    if (m["step"] - 1) % args.sample_every and not last: return
+    if (m["step"] - 1) % args.sample_every and not last:
+        return
     bar.write(common.format_metrics(m))
     c = batch.context_length
     for i in range(min(args.num_samples, len(batch.scores))):
         prompt = tokenizer.decode(batch.query_response[i, :c][batch.attention_mask[i, :c].bool()])
-        row = {"step": m["step"], "prompt": prompt, "response": tokenizer.decode(batch.responses[i][batch.mask[i]]),
-               **{name: v[i].item() for name, v in (("score", batch.scores), ("gold", batch.gold)) if v is not None}}
-        bar.write(f"  {prompt[-60:]!r} -> {row['response'][:80]!r}"
-                  + "".join(f"  {name} {row[name]:.3f}" for name in ("score", "gold") if name in row))
+        row = {
+            "step": m["step"],
+            "prompt": prompt,
+            "response": tokenizer.decode(batch.responses[i][batch.mask[i]]),
+            **{name: v[i].item() for name, v in (("score", batch.scores), ("gold", batch.gold)) if v is not None},
+        }
+        bar.write(
+            f"  {prompt[-60:]!r} -> {row['response'][:80]!r}"
+            + "".join(f"  {name} {row[name]:.3f}" for name in ("score", "gold") if name in row)
+        )
         samples_file.write(json.dumps(row) + "\n")
     samples_file.flush()
+
 
 def update_metrics(batch, kl, non_score_reward, times, args, peak_memory_of=None):
     """Returns the rollout's statistics under TRL's names, throughput, phase times and the peak memory if asked."""
     mask, elapsed = batch.mask.float(), times[-1] - times[0]
     # objective/entropy, TRL's name, is a one-sample estimate: -log p of the sampled tokens, summed over the response.
-    m = {"objective/kl": kl.sum(1).mean(), "objective/entropy": (-batch.logprobs * mask).sum(1).mean(),
-         "objective/non_score_reward": non_score_reward.sum(1).mean(), "objective/scores": batch.scores.mean(),
-         "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean(),
-         "response/length": mask.sum(1).mean(), "perf/episodes_per_s": len(mask) / elapsed,
-         **{f"perf/time_{p}": t1 - t0 for p, t0, t1 in zip(("rollout", "score", "learn"), times, times[1:])},
-         "perf/tokens_per_s": batch.attention_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed}
-    if batch.values is not None: m["val/mean"] = masked_mean(batch.values, mask)
+    m = {
+        "objective/kl": kl.sum(1).mean(),
+        "objective/entropy": (-batch.logprobs * mask).sum(1).mean(),
+        "objective/non_score_reward": non_score_reward.sum(1).mean(),
+        "objective/scores": batch.scores.mean(),
+        "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean(),
+        "response/length": mask.sum(1).mean(),
+        "perf/episodes_per_s": len(mask) / elapsed,
+        **{f"perf/time_{p}": t1 - t0 for p, t0, t1 in zip(("rollout", "score", "learn"), times, times[1:])},
+        "perf/tokens_per_s": batch.attention_mask.sum().item() * (1 + args.num_ppo_epochs) / elapsed,
+    }
+    if batch.values is not None:
+        m["val/mean"] = masked_mean(batch.values, mask)
     if batch.has_stop is not None:  # None with --stop_token none, where no response can stop
         m["response/eos_rate"] = batch.has_stop.float().mean()
-    if batch.gold is not None: m["gold/mean"], m["gold/std"] = batch.gold.mean(), batch.gold.std()
+    if batch.gold is not None:
+        m["gold/mean"], m["gold/std"] = batch.gold.mean(), batch.gold.std()
     return {**{k: float(v) for k, v in m.items()}, **(common.peak_memory(peak_memory_of) if peak_memory_of else {})}
+
 
 def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank):
     """Saves the policy, merged under LoRA with its adapter in output_dir/adapter, its tokenizer, curves and results.
     ppo_results.json holds the first and last 5 updates' means of proxy score, KL and gold, and the last evaluation."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     policy_sd = get_model_state_dict(trainable["policy"], options=options)
-    if rank != 0: return
+    if rank != 0:
+        return
     if lora is not None:
         policy_hf = common.save_lora(policy_hf, lora, policy_sd, tokenizer, args.output_dir)
         policy_sd = policy_hf.state_dict()
@@ -1561,40 +1932,64 @@ def save_final(trainable, policy_hf, lora, tokenizer, history, logs, args, rank)
     # Scores and KL against episodes, and scores against sqrt(KL), the axis on which Gao et al. 2022 show the gold
     # score rising, then falling (reward model overoptimization). Held-out evaluations are drawn beside training.
     from matplotlib.figure import Figure
+
     train, evals = [h for h in history if "objective/kl" in h], [h for h in history if "eval/score" in h]
     axes = Figure(figsize=(15, 4)).subplots(1, 3)
-    for rows, x_key, kl_key, lines in ((train, "episodes", "objective/kl", (("proxy", "objective/scores"),
-                                                                            ("gold", "gold/mean"))),
-                                       (evals, "episodes", "eval/kl", (("held-out proxy", "eval/score"),
-                                                                       ("held-out gold", "eval/gold")))):
+    for rows, x_key, kl_key, lines in (
+        (train, "episodes", "objective/kl", (("proxy", "objective/scores"), ("gold", "gold/mean"))),
+        (evals, "episodes", "eval/kl", (("held-out proxy", "eval/score"), ("held-out gold", "eval/gold"))),
+    ):
         style = "-" if rows is train else "o--"
         for name, key in ((n, k) for n, k in lines if rows and k in rows[0]):
             axes[0].plot([h[x_key] for h in rows], [h[key] for h in rows], style, label=name)
-            axes[2].plot([max(h[kl_key], 0.0) ** 0.5 for h in rows], [h[key] for h in rows],
-                         "." if rows is train else "o", alpha=0.5 if rows is train else 1.0, label=name)
+            axes[2].plot(
+                [max(h[kl_key], 0.0) ** 0.5 for h in rows],
+                [h[key] for h in rows],
+                "." if rows is train else "o",
+                alpha=0.5 if rows is train else 1.0,
+                label=name,
+            )
         if rows:
-            axes[1].plot([h[x_key] for h in rows], [h[kl_key] for h in rows], style,
-                         label="training batches" if rows is train else "held-out prompts")
+            axes[1].plot(
+                [h[x_key] for h in rows],
+                [h[kl_key] for h in rows],
+                style,
+                label="training batches" if rows is train else "held-out prompts",
+            )
     axes[0].set(title="Score (mean per episode)", xlabel="episodes")
     axes[1].set(title="KL to the reference (summed over the response)", xlabel="episodes")
     axes[2].set(title="Score against sqrt(KL), a dot per update or evaluation", xlabel="sqrt(KL)")
-    for ax in axes[:2]: ax.legend()
+    for ax in axes[:2]:
+        ax.legend()
     common.save_figure(axes[0].figure, os.path.join(args.output_dir, "curves.png"))
     summary = {}
-    for key, name in {"objective/scores": "proxy", "objective/kl": "kl", "gold/mean": "gold",
-                      "gold/std": "gold_std"}.items():
+    for key, name in {
+        "objective/scores": "proxy",
+        "objective/kl": "kl",
+        "gold/mean": "gold",
+        "gold/std": "gold_std",
+    }.items():
         if xs := [h[key] for h in history if key in h]:
             summary[f"{name}_first"], summary[f"{name}_last"] = (sum(p) / len(p) for p in (xs[:5], xs[-5:]))
     final = {k.replace("/", "_") if "/" in k else f"eval_{k}": v for k, v in evals[-1].items()} if evals else {}
-    common.write_json_atomic(os.path.join(args.output_dir, "ppo_results.json"),
-                             {**summary, **final, "args": dataclasses.asdict(args)})
-    for log in logs: log.close()
-    print(" ".join(f"{k}={v:.4g}" for k, v in {**summary, **final}.items()
-                   if k.startswith(("gold", "proxy", "kl", "eval_score", "eval_gold", "eval_kl")))
-          + f"; saved to {args.output_dir}")
+    common.write_json_atomic(
+        os.path.join(args.output_dir, "ppo_results.json"), {**summary, **final, "args": dataclasses.asdict(args)}
+    )
+    for log in logs:
+        log.close()
+    print(
+        " ".join(
+            f"{k}={v:.4g}"
+            for k, v in {**summary, **final}.items()
+            if k.startswith(("gold", "proxy", "kl", "eval_score", "eval_gold", "eval_kl"))
+        )
+        + f"; saved to {args.output_dir}"
+    )
+
 
 # --- Opt-in: --group_by_length, less padding for the same numbers, as tests/test_ppo.py checks. -----------------------
 GROUP_OVERHEAD_TOKENS = 64  # One more forward and backward's cost in tokens: 30 on 2 CPU cores, more on GPUs
+
 
 def length_groups(prompt_lengths, response_lengths, overhead=None):
     """Returns the rows, sorted by length, in groups that each make one trimmed forward. A group's width is its longest
@@ -1612,11 +2007,13 @@ def length_groups(prompt_lengths, response_lengths, overhead=None):
         longest = grown
     return [torch.tensor(g) for g in groups]
 
+
 def length_grouped(batch, rows, args):
     """Returns micro_batches under --group_by_length: each micro-batch's rows split by length_groups.
     A group's forward drops the columns that are padding in all its rows. Position ids come from the mask, so the real
     tokens' outputs do not change. Under collective FSDP the micro-batches stay plain."""
-    if collective(args): return micro_batches(batch, rows, dataclasses.replace(args, group_by_length=False))
+    if collective(args):
+        return micro_batches(batch, rows, dataclasses.replace(args, group_by_length=False))
     context, out, micro = batch.context_length, [], args.per_device_train_batch_size
     prompt_lengths, response_lengths = batch.attention_mask[:, :context].sum(1), batch.mask.sum(1)
     for r in rows.split(micro):
@@ -1624,9 +2021,17 @@ def length_grouped(batch, rows, args):
             real = batch.attention_mask[group].bool().any(0)
             first = min(int(real.int().argmax()), context - 1)
             last = max(len(real) - int(real.flip(0).int().argmax()), context + 1)
-            out.append(MicroBatch(group, batch.query_response[group][:, first:last],
-                                  batch.attention_mask[group][:, first:last], context - first, last - context))
+            out.append(
+                MicroBatch(
+                    group,
+                    batch.query_response[group][:, first:last],
+                    batch.attention_mask[group][:, first:last],
+                    context - first,
+                    last - context,
+                )
+            )
     return out
+
 
 def old_logprob_micro_batches(batch, args, update):
     """Returns phase 2's micro-batches: this process's rows in order, in micro-batches of learn()'s shape.
@@ -1636,8 +2041,10 @@ def old_logprob_micro_batches(batch, args, update):
         return [f for step in epoch_plan(batch, args, update, 0) for f in step.forwards]
     return micro_batches(batch, process_share(torch.arange(len(batch.mask), device=batch.mask.device)), args)
 
+
 # --- Opt-in: --blocked_logits, response_logprobs' numbers and gradients in bounded memory. ----------------------------
-LOGIT_BLOCK = 2 ** 25  # Elements in one block of response logits, 128 MB in float32
+LOGIT_BLOCK = 2**25  # Elements in one block of response logits, 128 MB in float32
+
 
 def output_logits(model, hidden, temperature=1.0):
     """Returns a causal LM's float32 logits / temperature from its output layer's inputs, whatever autocast and dtype.
@@ -1649,10 +2056,14 @@ def output_logits(model, hidden, temperature=1.0):
         hidden = hidden.float() / temperature if linear else hidden.float()
         # A module call, so that FSDP gathers the layer where it is its own unit. The layer computes in float32.
         logits = head(hidden if isinstance(head, common.Float32Linear) else hidden.to(head.weight.dtype)).float()
-        if cap: logits = cap * torch.tanh(logits / cap)
-        if (scale := getattr(model, "logit_scale", None)) is not None: logits = logits * scale
-        if divisor := getattr(model.config, "logits_scaling", None): logits = logits / divisor
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        if (scale := getattr(model, "logit_scale", None)) is not None:
+            logits = logits * scale
+        if divisor := getattr(model.config, "logits_scaling", None):
+            logits = logits / divisor
         return logits if linear else logits / temperature
+
 
 def head_inputs(model, **inputs):
     """Returns the hidden states the output layer reads, from the model's own forward, and never computes its logits."""
@@ -1661,9 +2072,11 @@ def head_inputs(model, **inputs):
     def capture(module, args):
         captured.append(args[0])
         return (args[0][:, :0],) + args[1:]
+
     with unwrap(model).get_output_embeddings().register_forward_pre_hook(capture):
         model(**inputs)
     return captured[0]
+
 
 def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, entropy=False, entropy_grad=True):
     """Returns response_logprobs' numbers in memory bounded whatever the vocabulary.
@@ -1676,12 +2089,14 @@ def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, 
         logprobs = logp_all.gather(-1, y[..., None]).squeeze(-1)
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
             return logprobs, entropy_of(logp_all) if entropy else torch.zeros_like(logprobs)
+
     step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
     recompute = torch.is_grad_enabled() and step < hidden.shape[1]  # A single block is computed directly.
     run = functools.partial(torch.utils.checkpoint.checkpoint, block, use_reentrant=False) if recompute else block
-    parts = [run(hidden[:, s:s + step], targets[:, s:s + step]) for s in range(0, hidden.shape[1], step)]
+    parts = [run(hidden[:, s : s + step], targets[:, s : s + step]) for s in range(0, hidden.shape[1], step)]
     logprobs, entropies = (torch.cat(t, 1) for t in zip(*parts))
     return logprobs, entropies if entropy else None
+
 
 @torch.no_grad()
 def check_output_logits(model, flag, name):
@@ -1693,20 +2108,28 @@ def check_output_logits(model, flag, name):
     # bfloat16 weights round the model's own logits by 2^-8 relative. An unknown transform moves them more.
     tol = 1e-4 if model.get_output_embeddings().weight.dtype == torch.float32 else 1e-2
     if not torch.allclose(own, ours, atol=tol, rtol=tol):
-        raise common.UserError(f"{flag} {name}: ppo.py's output_logits does not reproduce this model's logits (an "
-                               f"output transform it does not know, in {type(model).__name__}); add it there")
+        raise common.UserError(
+            f"{flag} {name}: ppo.py's output_logits does not reproduce this model's logits (an "
+            f"output transform it does not know, in {type(model).__name__}); add it there"
+        )
+
 
 # --- --compile: the decode step through CUDA graphs. ------------------------------------------------------------------
 STOP_CHECK_EVERY = 16  # Tokens between two reads of whether every row has stopped. A read waits for the GPU.
 DECODES = weakref.WeakKeyDictionary()  # Each model's CompiledDecode, which holds no reference to the model
+
 
 @torch.no_grad()
 def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
     """Returns generate's tokens, the first from the prompt's forward and each after it from CompiledDecode's step."""
     model, kind = unwrap(model), query.device.type
     # Every rollout has these rows and --max_prompt_length + --response_length columns, so it compiles once.
-    key = (len(query), max(query.shape[1], args.max_prompt_length or 0) + args.response_length, args.temperature,
-           torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
+    key = (
+        len(query),
+        max(query.shape[1], args.max_prompt_length or 0) + args.response_length,
+        args.temperature,
+        torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None,
+    )
     if (decode := DECODES.get(model)) is None or decode.key != key:
         decode = DECODES[model] = CompiledDecode(model, key)
     decode.cache.reset()
@@ -1728,19 +2151,33 @@ def compiled_generate(model, query, query_mask, seeds, args, stop_id, pad_id):
         responses = responses.masked_fill(F.pad(all_stopped[:-1], (1, 0), value=False), pad_id)
     return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_id)
 
+
 class CompiledDecode:
     """generate's one-token step, compiled once by torch.compile(mode="reduce-overhead") as in gpt-fast.
     Shapes are fixed: a static cache of cache_length columns and the step index on the device. On a GPU each token
     replays one CUDA graph, with no host sync. In float32 on a CPU it draws the plain step's tokens."""
+
     def __init__(self, model, key):
         self.key, self.cache_length, self.temperature = key, key[1], key[2]
         self.cache = ComputeDtypeCache(config=model.config, max_cache_len=self.cache_length)
         self.step = torch.compile(self.forward, mode="reduce-overhead", dynamic=False)
 
     def forward(self, model, ids, t, position, mask, seeds, **last_only):  # Token t from the prompt or token t - 1
-        logits = model(input_ids=ids, attention_mask=mask, past_key_values=self.cache, use_cache=True,
-                       position_ids=position + t, **last_only).logits[:, -1].float() / self.temperature
+        logits = (
+            model(
+                input_ids=ids,
+                attention_mask=mask,
+                past_key_values=self.cache,
+                use_cache=True,
+                position_ids=position + t,
+                **last_only,
+            )
+            .logits[:, -1]
+            .float()
+            / self.temperature
+        )
         return sample_tokens(logits, seeds, t)[:, None]
+
 
 if __name__ == "__main__":
     common.exit_on_user_error(main, common.cli(Args))

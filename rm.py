@@ -38,6 +38,7 @@ import common
 @dataclass
 class Args:
     """Train a reward model on preference pairs (Bradley-Terry), or evaluate one with --eval_only."""
+
     # --- reward model
     center_rewards_coefficient: float = 0.0  # Weight of mean((r_c + r_r)^2), keeping rewards near 0 (Eisenstein 2023)
     head_init_std: float | None = None  # Std of a new head's weights (default: 1/sqrt(hidden_size + 1))
@@ -69,9 +70,18 @@ class Args:
     gradient_accumulation_steps: int = 1  # Micro-steps per optimizer step; global batch = per-device x this x ranks
     per_device_eval_batch_size: int = 32  # Pairs per device per evaluation forward
     # Learning rate schedule after warm-up
-    lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "inverse_sqrt",
-                               "constant_with_warmup", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
-                               "warmup_stable_decay"] = "cosine"
+    lr_scheduler_type: Literal[
+        "linear",
+        "cosine",
+        "cosine_with_restarts",
+        "polynomial",
+        "constant",
+        "inverse_sqrt",
+        "constant_with_warmup",
+        "cosine_with_min_lr",
+        "cosine_warmup_with_min_lr",
+        "warmup_stable_decay",
+    ] = "cosine"
     lr_end: float = 0.0  # Final learning rate of polynomial, cosine_*min_lr and warmup_stable_decay
     warmup_steps: int = 0  # Linear warm-up steps, overriding --warmup_ratio when above 0
     warmup_ratio: float = 0.05  # Warm-up as a fraction of the total steps
@@ -108,8 +118,10 @@ def preference_loss(r_chosen, r_rejected, margin):
 
 def reward_model_loss(r_chosen, r_rejected, margin, center_coefficient=0.0):
     """Returns the mean preference loss plus center_coefficient * mean((r_c + r_r)^2) (Eisenstein et al. 2023)."""
-    return preference_loss(r_chosen, r_rejected, margin).mean() + \
-        center_coefficient * ((r_chosen + r_rejected) ** 2).mean()
+    return (
+        preference_loss(r_chosen, r_rejected, margin).mean()
+        + center_coefficient * ((r_chosen + r_rejected) ** 2).mean()
+    )
 
 
 # --- Conventions shared with ppo.py; tests/test_rm.py checks that they agree. ----------------------------------------
@@ -118,7 +130,7 @@ def truncate_prompt(ids, max_prompt_length, bos_id=None):
     if len(ids) <= max_prompt_length:
         return ids
     keep = 1 if bos_id is not None and ids and ids[0] == bos_id else 0
-    return ids[:keep] + ids[len(ids) - max_prompt_length + keep:]
+    return ids[:keep] + ids[len(ids) - max_prompt_length + keep :]
 
 
 def truncate_pair(prompt, chosen, rejected, max_length, min_prompt_length, bos_id=None):
@@ -149,8 +161,9 @@ def sequence_reward(model, ids, mask):
     padded, as ppo.py's prompts are."""
     if not hasattr(model, "score"):  # BERT, RoBERTa and DeBERTa have a pooled `classifier`
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
-    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False,
-                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state  # ALiBi ignores them
+    hidden = model.base_model(
+        input_ids=ids, attention_mask=mask, use_cache=False, position_ids=(mask.cumsum(1) - 1).clamp(min=0)
+    ).last_hidden_state  # ALiBi ignores them
     return model.score(hidden[torch.arange(len(ids), device=ids.device), last_token_index(mask)]).squeeze(-1).float()
 
 
@@ -199,7 +212,7 @@ def collate(pairs, pad_id):
     ids = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
     return ids, mask
 
 
@@ -221,8 +234,11 @@ class RewardModel(torch.nn.Module):
         self.hf = hf_model
 
     def forward(self, input_ids, attention_mask=None, packed=None):
-        return sequence_reward(self.hf, input_ids, attention_mask) if packed is None else \
-            packed_rewards(self.hf, input_ids, packed)
+        return (
+            sequence_reward(self.hf, input_ids, attention_mask)
+            if packed is None
+            else packed_rewards(self.hf, input_ids, packed)
+        )
 
 
 def train_step(model, micro_batches, args, pad_id, device):
@@ -270,8 +286,11 @@ def pair_metrics(rc, rr, margin, pairs, args, prefix):
         "accuracy": (rc > rr).float().mean().item(),
         "loss": reward_model_loss(rc, rr, margin, args.center_rewards_coefficient).item(),
         "preference_loss": preference_loss(rc, rr, margin).mean().item(),  # without the centering
-        "reward_gap": (rc - rr).mean().item(), "chosen_reward": rc.mean().item(), "rejected_reward": rr.mean().item(),
-        "reward_mean": torch.cat([rc, rr]).mean().item(), "reward_std": torch.cat([rc, rr]).std().item(),
+        "reward_gap": (rc - rr).mean().item(),
+        "chosen_reward": rc.mean().item(),
+        "rejected_reward": rr.mean().item(),
+        "reward_mean": torch.cat([rc, rr]).mean().item(),
+        "reward_std": torch.cat([rc, rr]).std().item(),
         "calibration_error": calibration_error(torch.sigmoid(rc - rr)),
         "length_correlation": pearson(torch.cat([rc, rr]), lengths),
     }
@@ -286,8 +305,11 @@ def pair_metrics(rc, rr, margin, pairs, args, prefix):
     datasets = dict.fromkeys(p.get("dataset") for p in pairs)
     for name in datasets if len(datasets) > 1 else ():  # keys PREFIX + NAME/...
         ours = torch.tensor([p.get("dataset") == name for p in pairs])
-        metrics.update(pair_metrics(rc[ours], rr[ours], margin[ours], [p for p, o in zip(pairs, ours) if o], args,
-                                    f"{prefix}{name}/"))
+        metrics.update(
+            pair_metrics(
+                rc[ours], rr[ours], margin[ours], [p for p, o in zip(pairs, ours) if o], args, f"{prefix}{name}/"
+            )
+        )
     return metrics
 
 
@@ -315,9 +337,11 @@ def fit_normalization(model, train, args, pad_id, device, rank, world):
     rng = random.Random(common.seed_of(args.seed, "normalization"))
     pairs = rng.sample(train, min(2048, len(train)))
     fitted = evaluate(model, pairs, args, pad_id, device, rank, world)[0]
-    return {"reward_shift": fitted["eval/reward_mean"],
-            "reward_scale": fitted["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0,
-            "reward_normalization_fitted_on": f"{len(pairs)} training pairs"}
+    return {
+        "reward_shift": fitted["eval/reward_mean"],
+        "reward_scale": fitted["eval/reward_std"] if args.reward_normalization == "shift_scale" else 1.0,
+        "reward_normalization_fitted_on": f"{len(pairs)} training pairs",
+    }
 
 
 def main(args):
@@ -354,16 +378,24 @@ def main(args):
     for step in bar:
         epoch, offset = divmod(step, steps_per_epoch)
         if step == start_step or offset == 0:  # the order depends on seed and epoch only, so a run resumes anywhere
-            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(
-                common.seed_of(args.seed, "epoch order", epoch))).tolist()
-        batch = order[offset * global_batch:(offset + 1) * global_batch]
-        mine = batch[rank * micro * accumulation:(rank + 1) * micro * accumulation]  # this rank's slice
-        stats = train_step(model, [[train[i] for i in mine[m * micro:(m + 1) * micro]] for m in range(accumulation)],
-                           args, tokenizer.pad_token_id, device)
+            order = torch.randperm(
+                len(train), generator=torch.Generator().manual_seed(common.seed_of(args.seed, "epoch order", epoch))
+            ).tolist()
+        batch = order[offset * global_batch : (offset + 1) * global_batch]
+        mine = batch[rank * micro * accumulation : (rank + 1) * micro * accumulation]  # this rank's slice
+        stats = train_step(
+            model,
+            [[train[i] for i in mine[m * micro : (m + 1) * micro]] for m in range(accumulation)],
+            args,
+            tokenizer.pad_token_id,
+            device,
+        )
         if not math.isfinite(stats["grad_norm"]):  # stopping before the step keeps the last checkpoint good
-            raise common.UserError(f"step {step + 1}: the gradient norm is {stats['grad_norm']} (loss "
-                                   f"{stats['loss']:.4g}); training diverged: lower --learning_rate; --resume "
-                                   f"continues from the last checkpoint in {args.output_dir}")
+            raise common.UserError(
+                f"step {step + 1}: the gradient norm is {stats['grad_norm']} (loss "
+                f"{stats['loss']:.4g}); training diverged: lower --learning_rate; --resume "
+                f"continues from the last checkpoint in {args.output_dir}"
+            )
         optimizer.step()
         lr = scheduler.get_last_lr()[0]  # the rate this step used
         scheduler.step()
@@ -375,8 +407,19 @@ def main(args):
         # 4. Log, evaluate and checkpoint. The logged speed leaves out evaluations and saves.
         done = step + 1
         if done % args.logging_steps == 0 or done == total_steps:
-            log_train(logger, bar, window, done, steps_per_epoch, lr, global_batch,
-                      time.time() - t_window, device, world, **memory)
+            log_train(
+                logger,
+                bar,
+                window,
+                done,
+                steps_per_epoch,
+                lr,
+                global_batch,
+                time.time() - t_window,
+                device,
+                world,
+                **memory,
+            )
             window, t_window, memory = [], time.time(), {}
         t_pause = time.time()
         if done in evals_at:
@@ -398,8 +441,11 @@ def main(args):
 
     # 5. Fit the reward normalization and save in transformers' format.
     normalization = fit_normalization(model, train, args, tokenizer.pad_token_id, device, rank, world)
-    common.agreed(lambda: save_final(model, hf_model, lora, tokenizer, ev, logger, args, rank,
-                                     dict(normalization, eval_sets=eval_sets)))  # a failing save ends every rank
+    common.agreed(
+        lambda: save_final(
+            model, hf_model, lora, tokenizer, ev, logger, args, rank, dict(normalization, eval_sets=eval_sets)
+        )
+    )  # a failing save ends every rank
     common.leave_together()
     return ev
 
@@ -414,12 +460,31 @@ def start_up(args):
     before a weight is read comes first, each in one line: arguments, sources and the output folder."""
     if args.eval_only and args.output_dir == Args.output_dir:  # never overwrite a trained model's results
         args = dataclasses.replace(args, output_dir="runs/rm-eval")
-    for name in ("max_length", "min_prompt_length", "per_device_train_batch_size", "gradient_accumulation_steps",
-                 "per_device_eval_batch_size", "logging_steps", "num_evals"):
+    for name in (
+        "max_length",
+        "min_prompt_length",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "per_device_eval_batch_size",
+        "logging_steps",
+        "num_evals",
+    ):
         if (value := getattr(args, name)) is not None and value < 1:
             raise common.UserError(f"--{name} {value}: must be at least 1")
-    for name in ("learning_rate", "weight_decay", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_end",
-                 "max_grad_norm", "center_rewards_coefficient", "save_steps", "head_init_std", "lora_r", "lora_alpha"):
+    for name in (
+        "learning_rate",
+        "weight_decay",
+        "num_train_epochs",
+        "warmup_steps",
+        "warmup_ratio",
+        "lr_end",
+        "max_grad_norm",
+        "center_rewards_coefficient",
+        "save_steps",
+        "head_init_std",
+        "lora_r",
+        "lora_alpha",
+    ):
         if (value := getattr(args, name)) is not None and not (value >= 0 and math.isfinite(value)):
             raise common.UserError(f"--{name} {value}: must be a finite number >= 0")
     if args.num_train_epochs == 0 and args.max_steps <= 0 and not args.eval_only:  # below 0 or NaN was refused above
@@ -427,8 +492,10 @@ def start_up(args):
     if not 0 < args.eval_holdout < 1:
         raise common.UserError(f"--eval_holdout {args.eval_holdout}: must be a fraction within (0, 1)")
     if args.eval_split == args.train_split and not args.eval_only:
-        raise common.UserError(f"--eval_split {args.eval_split} is the --train_split: the evaluation would read the "
-                               "pairs trained on; pass another split, or none to hold out --eval_holdout of them")
+        raise common.UserError(
+            f"--eval_split {args.eval_split} is the --train_split: the evaluation would read the "
+            "pairs trained on; pass another split, or none to hold out --eval_holdout of them"
+        )
     if not args.warmup_ratio <= 1:
         raise common.UserError(f"--warmup_ratio {args.warmup_ratio}: must be within [0, 1]")
     common.check_source(args.model_name_or_path, "--model_name_or_path")
@@ -469,13 +536,19 @@ def load_backbone(args, tokenizer, on_meta=False):
         config = without_dropout(common.load_pretrained(transformers.AutoConfig, name, "--model_name_or_path"))
         # The head comes from the checkpoint if it is a classifier, or an adapter folder that holds one, as rm.py saves.
         adapter = common.adapter_base(name) is not None
-        needs_head = not (any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or
-                          adapter and common.adapter_holds_head(name))
+        needs_head = not (
+            any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+            or adapter
+            and common.adapter_holds_head(name)
+        )
         if needs_head and not (adapter or on_meta):  # common.load_model builds those itself
             cls = loader._model_mapping[type(config)]
             outside = [rf"^(?!{cls.base_model_prefix}\.)"]  # the load report leaves out the new head
-            loader = type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_missing": outside,
-                                                 "_keys_to_ignore_on_load_unexpected": outside})
+            loader = type(
+                cls.__name__,
+                (cls,),
+                {"_keys_to_ignore_on_load_missing": outside, "_keys_to_ignore_on_load_unexpected": outside},
+            )
         config.num_labels = 1
         model = common.load_model(loader, name, "--model_name_or_path", on_meta, config=config, dtype=dtype)
     if args.max_length:  # the default fits the table already
@@ -495,9 +568,13 @@ def fill_defaults(args, model, rank=0):
     embedded = args.model_name_or_path.startswith("embedded-")
     max_length = args.max_length or min(512, common.position_table(model) or 512)
     head = getattr(model, "score", None)
-    filled = {"learning_rate": 1e-3 if embedded else 1e-5, "num_train_epochs": 3.0 if embedded else 1.0,
-              "max_length": max_length, "min_prompt_length": min(256, max_length * 3 // 4),
-              "head_init_std": 1 / math.sqrt(head.in_features + 1) if head is not None else None}
+    filled = {
+        "learning_rate": 1e-3 if embedded else 1e-5,
+        "num_train_epochs": 3.0 if embedded else 1.0,
+        "max_length": max_length,
+        "min_prompt_length": min(256, max_length * 3 // 4),
+        "head_init_std": 1 / math.sqrt(head.in_features + 1) if head is not None else None,
+    }
     filled = {k: v for k, v in filled.items() if getattr(args, k) is None and v is not None}
     if filled and rank == 0:
         print("defaults for this model: " + ", ".join(f"--{k} {v:.4g}" for k, v in filled.items()))
@@ -508,60 +585,80 @@ def load_data(args, tokenizer, rank):
     """Returns (train pairs, eval pairs, what each dataset is evaluated on). A dataset is evaluated on its eval split:
     --eval_split, else validation, else test. The rest hold out --eval_holdout of their pooled shares, by prompt."""
     if args.max_length <= args.min_prompt_length:
-        raise common.UserError(f"--min_prompt_length {args.min_prompt_length} must be below --max_length "
-                               f"{args.max_length} to leave room for the responses")
+        raise common.UserError(
+            f"--min_prompt_length {args.min_prompt_length} must be below --max_length "
+            f"{args.max_length} to leave room for the responses"
+        )
     mixer = common.mixture(args.dataset_mixer_list or [args.dataset_name, "1.0"])
     names = " ".join(n for n, _ in mixer)
     fit = f"--max_length {args.max_length} with the prompt cut to --min_prompt_length {args.min_prompt_length} tokens"
     train_rows, eval_rows, pool, eval_sets = [], [], [], {}
     for name, weight in mixer:
         tried = [args.eval_split] if args.eval_split else [s for s in ("validation", "test") if s != args.train_split]
-        split, evals = next(((s, rows) for s in tried if (rows := common.load_rows(name, args.dataset_config, s))
-                             is not None), (None, None))
+        split, evals = next(
+            ((s, rows) for s in tried if (rows := common.load_rows(name, args.dataset_config, s)) is not None),
+            (None, None),
+        )
         if args.eval_split and evals is None:
-            raise common.UserError(f"{name}: no split {args.eval_split!r} (--eval_split); it has "
-                                   f"{', '.join(map(repr, common.split_names(name, args.dataset_config)))}: pass one "
-                                   "of them, or no --eval_split to hold out --eval_holdout of the training pairs")
+            raise common.UserError(
+                f"{name}: no split {args.eval_split!r} (--eval_split); it has "
+                f"{', '.join(map(repr, common.split_names(name, args.dataset_config)))}: pass one "
+                "of them, or no --eval_split to hold out --eval_holdout of the training pairs"
+            )
         train = [] if args.eval_only and evals else common.load_rows(name, args.dataset_config, args.train_split)
         if not train and not (args.eval_only and evals):
-            raise common.UserError(f"{name}: no rows in split '{args.train_split}'" + (
-                f" nor {' or '.join(repr(s) for s in tried)}" if args.eval_only else "") + "; pass --train_split")
+            raise common.UserError(
+                f"{name}: no rows in split '{args.train_split}'"
+                + (f" nor {' or '.join(repr(s) for s in tried)}" if args.eval_only else "")
+                + "; pass --train_split"
+            )
         if args.eval_only and evals is None:
             split, evals, train = args.train_split, train, []
         share = [dict(r, _dataset=name) for r in take_share(train, weight, args.seed, name)]
         (pool if evals is None else train_rows).extend(share)
         eval_rows += [dict(r, _dataset=name) for r in evals or []]
-        eval_sets[name] = f"{args.eval_holdout:g} of its training pairs, held out by prompt" if evals is None else \
-            f"split {split!r}"
+        eval_sets[name] = (
+            f"{args.eval_holdout:g} of its training pairs, held out by prompt" if evals is None else f"split {split!r}"
+        )
     if pool:
         train_rows, held = hold_out_by_prompt(pool, args.eval_holdout, args.seed, tokenizer, train_rows)
         eval_rows += held
     train, dropped = tokenize_pairs(train_rows, tokenizer, args)
     if train_rows and dropped["too long"] > len(train_rows) / 2:
-        raise common.UserError(f"{names}: {dropped['too long']} of {len(train_rows)} training pairs do not fit {fit}: "
-                               "raise --max_length (or lower --min_prompt_length)")
+        raise common.UserError(
+            f"{names}: {dropped['too long']} of {len(train_rows)} training pairs do not fit {fit}: "
+            "raise --max_length (or lower --min_prompt_length)"
+        )
     if train_rows and not train:
-        raise common.UserError(f"{names}: all {len(train_rows)} training pairs were dropped: chosen and rejected are "
-                               "identical token for token; check the data")
+        raise common.UserError(
+            f"{names}: all {len(train_rows)} training pairs were dropped: chosen and rejected are "
+            "identical token for token; check the data"
+        )
     evals, dropped_e = tokenize_pairs(eval_rows, tokenizer, args)
     if not evals:
-        raise common.UserError(f"{names}: no evaluation pairs left after tokenization (--max_length "
-                               f"{args.max_length}: {dropped_e['too long']} too long)")
+        raise common.UserError(
+            f"{names}: no evaluation pairs left after tokenization (--max_length "
+            f"{args.max_length}: {dropped_e['too long']} too long)"
+        )
     if rank == 0:
         count = collections.Counter(p["dataset"] for p in evals)
         for name, on in eval_sets.items():
             print(f"{name}: evaluating on {on} ({count[name]} pairs)")
         n = dropped + dropped_e
-        print(f"pairs: {len(train)} train, {len(evals)} eval; prompts cut {n['prompt cut']}; dropped {n['too long']} "
-              f"too long (past {fit}), {n['identical']} identical")
+        print(
+            f"pairs: {len(train)} train, {len(evals)} eval; prompts cut {n['prompt cut']}; dropped {n['too long']} "
+            f"too long (past {fit}), {n['identical']} identical"
+        )
     return train, evals, eval_sets
 
 
 def take_share(rows, weight, seed, name="the dataset"):  # a fraction of the rows if weight <= 1, else a count
     n = int(round(weight * len(rows))) if weight <= 1 else int(weight)
     if 0 < len(rows) < n:  # --eval_only may pass no rows
-        raise common.UserError(f"--dataset_mixer_list asks for {n} rows of {name}, but its training split has "
-                               f"{len(rows)}; ask for at most {len(rows)}, or 1.0 for all of them")
+        raise common.UserError(
+            f"--dataset_mixer_list asks for {n} rows of {name}, but its training split has "
+            f"{len(rows)}; ask for at most {len(rows)}, or 1.0 for all of them"
+        )
     if n < len(rows):
         rows = list(rows)
         random.Random(seed).shuffle(rows)
@@ -593,9 +690,13 @@ def tokenize_pairs(rows, tokenizer, args):
     prompts = common.tokenize_prompts(tokenizer, [t[0] for t in texts])
     chosen = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[1] for t in texts])
     rejected = common.tokenize_responses(tokenizer, [t[0] for t in texts], [t[2] for t in texts])
-    common.check_vocabulary(tokenizer, [p + c + r for p, c, r in zip(prompts, chosen, rejected)],
-                            " ".join(dict.fromkeys(str(r.get("_dataset") or r["_source"]) for r in rows)),
-                            args.model_name_or_path, "--model_name_or_path")
+    common.check_vocabulary(
+        tokenizer,
+        [p + c + r for p, c, r in zip(prompts, chosen, rejected)],
+        " ".join(dict.fromkeys(str(r.get("_dataset") or r["_source"]) for r in rows)),
+        args.model_name_or_path,
+        "--model_name_or_path",
+    )
     bos_id, pairs, counts = common.leading_id(tokenizer), [], collections.Counter()
     for row, margin, p, c, r in zip(rows, margins, prompts, chosen, rejected):
         kept, why = truncate_pair(p, c, r, args.max_length, args.min_prompt_length, bos_id)
@@ -603,8 +704,16 @@ def tokenize_pairs(rows, tokenizer, args):
             counts[why or "prompt cut"] += 1
         if kept is not None:
             gold = (row["gold_chosen"], row["gold_rejected"]) if row.get("gold_chosen") is not None else None
-            pairs.append({"prompt": kept, "chosen": c, "rejected": r, "margin": margin,
-                          "dataset": row.get("_dataset"), "gold": gold})
+            pairs.append(
+                {
+                    "prompt": kept,
+                    "chosen": c,
+                    "rejected": r,
+                    "margin": margin,
+                    "dataset": row.get("_dataset"),
+                    "gold": gold,
+                }
+            )
     return pairs, counts
 
 
@@ -620,12 +729,18 @@ def parallelize(model, args, device):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # bf16 is for compute only, so the sharded parameters and the optimizer's steps keep their own dtype
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
-            MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if args.bf16
+            else MixedPrecisionPolicy()
+        )
 
         def shard(model):
-            for block in next(m for m in model.modules()
-                              if isinstance(m, torch.nn.ModuleList) and len(m) == model.hf.config.num_hidden_layers):
+            for block in next(
+                m
+                for m in model.modules()
+                if isinstance(m, torch.nn.ModuleList) and len(m) == model.hf.config.num_hidden_layers
+            ):
                 fully_shard(block, mp_policy=mp)
             common.shard_input_embeddings(model, fully_shard, mp_policy=mp)
             if hasattr(model.hf, "score"):  # the head gathers its weights in float32
@@ -635,8 +750,11 @@ def parallelize(model, args, device):
         return common.shard_from_rank0(model, shard, device)
     # gradient_as_bucket_view makes the gradients views into DDP's all-reduce buckets, not a second copy
     return torch.nn.parallel.DistributedDataParallel(
-        model.to(device), device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
-        gradient_as_bucket_view=True)
+        model.to(device),
+        device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=False,
+        gradient_as_bucket_view=True,
+    )
 
 
 def all_pair_rewards(model, pairs, args, pad_id, device, rank, world):
@@ -648,7 +766,7 @@ def all_pair_rewards(model, pairs, args, pad_id, device, rank, world):
     mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts: FSDP's forward is collective
     rewards, size = [], args.per_device_eval_batch_size
     for i in range(0, per_rank, size):
-        inputs = model_inputs([pairs[j] for j in mine[i:i + size]], pad_id, args, device)
+        inputs = model_inputs([pairs[j] for j in mine[i : i + size]], pad_id, args, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             rewards.append(torch.stack(model(**inputs).chunk(2), 1))
     index, rewards = torch.tensor(mine, device=device), torch.cat(rewards)
@@ -674,18 +792,30 @@ def schedule(args, n_train, global_batch, rank):
 def build_optimizer(model, args, total_steps):
     """Returns AdamW on the trained parameters and transformers' --lr_scheduler_type after a linear warm-up. A schedule
     with an end rate ends at --lr_end; polynomial decays to it linearly."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay, fused=True)
-    end = {"polynomial": {"lr_end": args.lr_end, "power": 1.0},
-           "cosine_with_min_lr": {"min_lr": args.lr_end}, "cosine_warmup_with_min_lr": {"min_lr": args.lr_end},
-           # the last fifth of the steps cools down; Hagele et al. (2024) find that a 20% cool-down matches cosine
-           "warmup_stable_decay": {"num_decay_steps": total_steps // 5,
-                                   "min_lr_ratio": args.lr_end / args.learning_rate if args.learning_rate else 0.0}}
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        fused=True,
+    )
+    end = {
+        "polynomial": {"lr_end": args.lr_end, "power": 1.0},
+        "cosine_with_min_lr": {"min_lr": args.lr_end},
+        "cosine_warmup_with_min_lr": {"min_lr": args.lr_end},
+        # the last fifth of the steps cools down; Hagele et al. (2024) find that a 20% cool-down matches cosine
+        "warmup_stable_decay": {
+            "num_decay_steps": total_steps // 5,
+            "min_lr_ratio": args.lr_end / args.learning_rate if args.learning_rate else 0.0,
+        },
+    }
     try:
         scheduler = transformers.get_scheduler(
-            args.lr_scheduler_type, optimizer, num_training_steps=total_steps,
+            args.lr_scheduler_type,
+            optimizer,
+            num_training_steps=total_steps,
             num_warmup_steps=args.warmup_steps or int(args.warmup_ratio * total_steps),
-            scheduler_specific_kwargs=end.get(args.lr_scheduler_type))
+            scheduler_specific_kwargs=end.get(args.lr_scheduler_type),
+        )
     except (ValueError, TypeError) as e:  # such as polynomial's --lr_end not below --learning_rate
         raise common.UserError(f"--lr_scheduler_type {args.lr_scheduler_type}: {common.first_line(e)}") from None
     return optimizer, scheduler
@@ -695,13 +825,15 @@ def describe_run(args, model, lora, layout, optimizer, world, device, steps_per_
     if rank != 0:
         return
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"model {args.model_name_or_path}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-          f"{trained / 1e6:.2f}M trained{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} "
-          f"({device.type}, {'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})\n"
-          f"batch layout: {layout}\n{total_steps} steps ({total_steps / steps_per_epoch:.2f} epochs), lr "
-          f"{optimizer.param_groups[0]['initial_lr']:g} ({args.lr_scheduler_type})" +
-          (f"; resumed from step {start_step}" if start_step else "") +
-          (" (at or past the total: the final evaluation and save remain)" if start_step >= total_steps else ""))
+    print(
+        f"model {args.model_name_or_path}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+        f"{trained / 1e6:.2f}M trained{f' (LoRA rank {args.lora_r})' if lora else ''}; world size {world} "
+        f"({device.type}, {'FSDP2' if args.fsdp and world > 1 else 'DDP' if world > 1 else 'single process'})\n"
+        f"batch layout: {layout}\n{total_steps} steps ({total_steps / steps_per_epoch:.2f} epochs), lr "
+        f"{optimizer.param_groups[0]['initial_lr']:g} ({args.lr_scheduler_type})"
+        + (f"; resumed from step {start_step}" if start_step else "")
+        + (" (at or past the total: the final evaluation and save remain)" if start_step >= total_steps else "")
+    )
 
 
 def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elapsed, device, world, **memory):
@@ -711,8 +843,14 @@ def log_train(logger, bar, window, step, steps_per_epoch, lr, global_batch, elap
     if dist.is_initialized():
         dist.all_reduce(means)
     means /= world
-    m = {"step": step, "epoch": step / steps_per_epoch, **{f"train/{k}": v for k, v in zip(keys, means.tolist())},
-         "lr": lr, "perf/pairs_per_s": len(window) * global_batch / elapsed, **memory}
+    m = {
+        "step": step,
+        "epoch": step / steps_per_epoch,
+        **{f"train/{k}": v for k, v in zip(keys, means.tolist())},
+        "lr": lr,
+        "perf/pairs_per_s": len(window) * global_batch / elapsed,
+        **memory,
+    }
     if logger is not None:
         logger.log(m)
         bar.set_postfix(loss=f"{m['train/loss']:.4f}", acc=f"{m['train/accuracy']:.3f}")
@@ -725,13 +863,25 @@ def save_final(model, hf_model, lora, tokenizer, ev, logger, args, rank, record)
     model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return
-    save_reward_model(hf_model, lora, {k.removeprefix("hf."): v for k, v in model_sd.items()}, tokenizer,
-                      args.output_dir, record["reward_shift"], record["reward_scale"])
+    save_reward_model(
+        hf_model,
+        lora,
+        {k.removeprefix("hf."): v for k, v in model_sd.items()},
+        tokenizer,
+        args.output_dir,
+        record["reward_shift"],
+        record["reward_scale"],
+    )
     logger.close()
-    common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), {
-        **{k.removeprefix("eval/"): v for k, v in ev.items()}, **record, "args": dataclasses.asdict(args)})
-    bayes = f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})" \
-        if "eval/bayes_accuracy" in ev else ""
+    common.write_json_atomic(
+        os.path.join(args.output_dir, "eval_results.json"),
+        {**{k.removeprefix("eval/"): v for k, v in ev.items()}, **record, "args": dataclasses.asdict(args)},
+    )
+    bayes = (
+        f" (Bayes-optimal {ev['eval/bayes_accuracy']:.4f}, ratio {ev['eval/accuracy_vs_bayes']:.3f})"
+        if "eval/bayes_accuracy" in ev
+        else ""
+    )
     print(f"final eval accuracy {ev['eval/accuracy']:.4f}{bayes}; saved to {args.output_dir}")
 
 
@@ -755,12 +905,23 @@ def evaluate_only(model, hf_model, evals, args, tokenizer, device, rank, world, 
     if rank == 0:
         shift, scale = getattr(hf_model.config, "reward_shift", 0.0), getattr(hf_model.config, "reward_scale", 1.0)
         os.makedirs(args.output_dir, exist_ok=True)
-        common.write_json_atomic(os.path.join(args.output_dir, "eval_results.json"), {
-            **{k.removeprefix("eval/"): v for k, v in ev.items()}, "num_pairs": len(evals), "reward_shift": shift,
-            "reward_scale": scale, "normalized_reward_mean": (ev["eval/reward_mean"] - shift) / scale,
-            "batch_layout": layout, "eval_sets": eval_sets, "args": dataclasses.asdict(args)})
-        print(f"{common.format_metrics(ev)}\nevaluated {args.model_name_or_path} on {len(evals)} pairs; "
-              f"eval_results.json in {args.output_dir}")
+        common.write_json_atomic(
+            os.path.join(args.output_dir, "eval_results.json"),
+            {
+                **{k.removeprefix("eval/"): v for k, v in ev.items()},
+                "num_pairs": len(evals),
+                "reward_shift": shift,
+                "reward_scale": scale,
+                "normalized_reward_mean": (ev["eval/reward_mean"] - shift) / scale,
+                "batch_layout": layout,
+                "eval_sets": eval_sets,
+                "args": dataclasses.asdict(args),
+            },
+        )
+        print(
+            f"{common.format_metrics(ev)}\nevaluated {args.model_name_or_path} on {len(evals)} pairs; "
+            f"eval_results.json in {args.output_dir}"
+        )
     common.leave_together()
     return ev
 
@@ -785,11 +946,18 @@ def pack_segments(pairs, device="cpu"):
         ids += p["prompt"] + p["chosen"] + p["rejected"]
         positions += list(range(P + C)) + list(range(P, P + R))
         blocks[-1][1] = len(ids)
-        member[i, s:s + P + C] = member[len(pairs) + i, s:s + P] = member[len(pairs) + i, s + P + C:len(ids)] = True
+        member[i, s : s + P + C] = member[len(pairs) + i, s : s + P] = member[len(pairs) + i, s + P + C : len(ids)] = (
+            True
+        )
     # A namespace: DDP and FSDP pass on copies of a tuple or a dataclass, and the copies' masks and calls would be lost.
     return torch.tensor([ids]), SimpleNamespace(
-        member=member, position=torch.tensor(positions, device=device), blocks=[tuple(b) for b in blocks],
-        read=last_token_index(member).to(device), masks={}, calls=[])
+        member=member,
+        position=torch.tensor(positions, device=device),
+        blocks=[tuple(b) for b in blocks],
+        read=last_token_index(member).to(device),
+        masks={},
+        calls=[],
+    )
 
 
 def packed_rewards(hf_model, input_ids, segments):
@@ -797,13 +965,25 @@ def packed_rewards(hf_model, input_ids, segments):
     segment_attention, which choose_layout sets once it is checked."""
     if hf_model.config._attn_implementation != "rm_segments":  # the model's own attention would cross pairs
         raise ValueError("a packed row needs the model's attention set by choose_layout")
-    hidden = hf_model.base_model(input_ids=input_ids, position_ids=segments.position[None], use_cache=False,
-                                 rm_segments=segments).last_hidden_state
+    hidden = hf_model.base_model(
+        input_ids=input_ids, position_ids=segments.position[None], use_cache=False, rm_segments=segments
+    ).last_hidden_state
     return hf_model.score(hidden[0, segments.read]).squeeze(-1).float()
 
 
-def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                      sliding_window=None, rm_segments=None, **kwargs):
+def segment_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    softcap=None,
+    sliding_window=None,
+    rm_segments=None,
+    **kwargs,
+):
     """Runs one SDPA call per block of whole pairs, under its mask. A token sees the earlier tokens of its own sequences
     within this layer's window, so a rejected token sees the prompt but no chosen one. It applies Gemma 2's softcap."""
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
@@ -822,8 +1002,9 @@ def segment_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             rm_segments.masks[slot] = (member.T @ member > 0) & (behind >= 0) & (behind < (sliding_window or math.inf))
         mask = rm_segments.masks[slot]
         if softcap is None:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
-                                               enable_gqa=q.shape[1] != k.shape[1])
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+            )
         else:
             scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scaling / softcap)
             o = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(v.dtype) @ v
@@ -860,8 +1041,11 @@ def choose_layout(model, args, vocab_size, rank=0):
     if why_not[0]:
         return dataclasses.replace(args, padding_free=False), f"padded: {why_not[0]}"
     use_segment_attention(model.hf)
-    return dataclasses.replace(args, padding_free=True), "prefix-shared + packed: one row, attention per block of " \
-        "pairs (--padding_free; rewards checked equal to padded ones)"
+    return (
+        dataclasses.replace(args, padding_free=True),
+        "prefix-shared + packed: one row, attention per block of "
+        "pairs (--padding_free; rewards checked equal to padded ones)",
+    )
 
 
 def packed_layout_fault(model, args, vocab_size):
@@ -875,10 +1059,16 @@ def packed_layout_fault(model, args, vocab_size):
     device, g = next(model.parameters()).device, torch.Generator().manual_seed(0)
     ids = lambda k: torch.randint(0, vocab_size, (k,), generator=g).tolist()  # noqa: E731
     windows, own, was_training = declared_windows(model.hf.config), model.hf.config._attn_implementation, model.training
-    long = min(args.max_length or common.position_table(model.hf) or 2 * BLOCK_TOKENS,
-               max([BLOCK_TOKENS] + [w + 8 for w in windows if w])) - 8
-    sizes = [(3 + i, 2 + i % 3, 4 - i % 3) for i in range(4)] + [(long // 2, long // 2 - i, long // 4) for i in
-                                                                 range(2 if long >= 16 else 0)]
+    long = (
+        min(
+            args.max_length or common.position_table(model.hf) or 2 * BLOCK_TOKENS,
+            max([BLOCK_TOKENS] + [w + 8 for w in windows if w]),
+        )
+        - 8
+    )
+    sizes = [(3 + i, 2 + i % 3, 4 - i % 3) for i in range(4)] + [
+        (long // 2, long // 2 - i, long // 4) for i in range(2 if long >= 16 else 0)
+    ]
     pairs = [{"prompt": ids(p), "chosen": ids(c), "rejected": ids(r), "margin": 0.0} for p, c, r in sizes]
     model.eval()
     low = args.bf16 or model.hf.dtype == torch.bfloat16  # a LoRA base held in bfloat16 runs under autocast too

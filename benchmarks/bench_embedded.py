@@ -24,8 +24,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "embedded.json")
-PPO_RUNS = {"runs/ppo": [], "runs/ppo-kl0.05": ["--kl_coef", "0.05"], "runs/ppo-gold": ["--reward_fn",
-                                                                                         "common:gold_rewards"]}
+PPO_RUNS = {
+    "runs/ppo": [],
+    "runs/ppo-kl0.05": ["--kl_coef", "0.05"],
+    "runs/ppo-gold": ["--reward_fn", "common:gold_rewards"],
+}
 
 
 def timed(cmd, cwd, env):
@@ -58,43 +61,94 @@ def ppo_row(path, ood_before, ood_after, n=5):
     last = {s["prompt"]: s["gold"] for s in samples if s["step"] == evals[-1]["step"]}
     change, change_se = mean_se([last[p] - first[p] for p in first])
     mean = lambda rows, k: sum(m[k] for m in rows) / len(rows)  # noqa: E731
-    return {"train_gold": [mean(updates[:n], "gold/mean"), mean(updates[-n:], "gold/mean")],
-            "train_proxy": [mean(updates[:n], "objective/scores"), mean(updates[-n:], "objective/scores")],
-            "validation_gold": [[evals[0]["eval/gold"], evals[0]["eval/gold_se"]],
-                                [evals[-1]["eval/gold"], evals[-1]["eval/gold_se"]]],
-            "validation_change": [change, change_se, change / change_se], "validation_prompts": len(first),
-            "ood_gold": [[r["eval/gold"], r["eval/gold_se"]] for r in (ood_before, ood_after)],
-            "kl": [evals[-1]["eval/kl"], ood_after["eval/kl"]],
-            "distinct_2": [evals[0]["eval/distinct_2"], evals[-1]["eval/distinct_2"], ood_after["eval/distinct_2"]],
-            "updates": len(updates)}
+    return {
+        "train_gold": [mean(updates[:n], "gold/mean"), mean(updates[-n:], "gold/mean")],
+        "train_proxy": [mean(updates[:n], "objective/scores"), mean(updates[-n:], "objective/scores")],
+        "validation_gold": [
+            [evals[0]["eval/gold"], evals[0]["eval/gold_se"]],
+            [evals[-1]["eval/gold"], evals[-1]["eval/gold_se"]],
+        ],
+        "validation_change": [change, change_se, change / change_se],
+        "validation_prompts": len(first),
+        "ood_gold": [[r["eval/gold"], r["eval/gold_se"]] for r in (ood_before, ood_after)],
+        "kl": [evals[-1]["eval/kl"], ood_after["eval/kl"]],
+        "distinct_2": [evals[0]["eval/distinct_2"], evals[-1]["eval/distinct_2"], ood_after["eval/distinct_2"]],
+        "updates": len(updates),
+    }
 
 
 def run(before):
     env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1", XDG_CACHE_HOME=tempfile.mkdtemp())
-    result = {"date": time.strftime("%Y-%m-%d"), "commit": subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
+    }
     if before:  # the same two commands in another checkout, first, with its own fresh cache
         old_env = dict(env, XDG_CACHE_HOME=tempfile.mkdtemp())
-        result["before"] = {"checkout": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=before,
-                                                       capture_output=True, text=True).stdout.strip(),
-                            "rm_s": timed(["rm.py", "--overwrite_output_dir"], before, old_env),
-                            "ppo_s": timed(["ppo.py", "--overwrite_output_dir"], before, old_env)}
+        result["before"] = {
+            "checkout": subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=before, capture_output=True, text=True
+            ).stdout.strip(),
+            "rm_s": timed(["rm.py", "--overwrite_output_dir"], before, old_env),
+            "ppo_s": timed(["ppo.py", "--overwrite_output_dir"], before, old_env),
+        }
         print(f"before: {result['before']}", flush=True)
     result["rm_s"] = timed(["rm.py", "--overwrite_output_dir"], ROOT, env)
-    timed(["rm.py", "--eval_only", "--eval_split", "ood", "--model_name_or_path", "runs/rm", "--output_dir",
-           "runs/rm-ood", "--overwrite_output_dir"], ROOT, env)
-    result["ppo_s"] = {path: timed(["ppo.py", *flags, "--output_dir", path, "--overwrite_output_dir"], ROOT, env)
-                       for path, flags in PPO_RUNS.items()}
+    timed(
+        [
+            "rm.py",
+            "--eval_only",
+            "--eval_split",
+            "ood",
+            "--model_name_or_path",
+            "runs/rm",
+            "--output_dir",
+            "runs/rm-ood",
+            "--overwrite_output_dir",
+        ],
+        ROOT,
+        env,
+    )
+    result["ppo_s"] = {
+        path: timed(["ppo.py", *flags, "--output_dir", path, "--overwrite_output_dir"], ROOT, env)
+        for path, flags in PPO_RUNS.items()
+    }
     for name, model in [("initial", "embedded-llama"), *[(p, p) for p in PPO_RUNS]]:
         out = f"runs/ood-{os.path.basename(name)}"
-        timed(["ppo.py", "--eval_only", "--eval_split", "ood", "--sft_model_path", model, "--output_dir", out,
-               "--overwrite_output_dir"], ROOT, env)
-    ood = lambda name: json.load(open(os.path.join(ROOT, f"runs/ood-{os.path.basename(name)}",  # noqa: E731
-                                                   "eval_results.json")))
-    rm_eval = {split: json.load(open(os.path.join(ROOT, path, "eval_results.json")))
-               for split, path in (("validation", "runs/rm"), ("ood", "runs/rm-ood"))}
-    result["rm"] = {split: {k: ev[k] for k in ("accuracy", "bayes_accuracy", "accuracy_vs_bayes", "num_pairs")
-                            if k in ev} for split, ev in rm_eval.items()}
+        timed(
+            [
+                "ppo.py",
+                "--eval_only",
+                "--eval_split",
+                "ood",
+                "--sft_model_path",
+                model,
+                "--output_dir",
+                out,
+                "--overwrite_output_dir",
+            ],
+            ROOT,
+            env,
+        )
+    ood = lambda name: json.load(
+        open(
+            os.path.join(
+                ROOT,
+                f"runs/ood-{os.path.basename(name)}",  # noqa: E731
+                "eval_results.json",
+            )
+        )
+    )
+    rm_eval = {
+        split: json.load(open(os.path.join(ROOT, path, "eval_results.json")))
+        for split, path in (("validation", "runs/rm"), ("ood", "runs/rm-ood"))
+    }
+    result["rm"] = {
+        split: {k: ev[k] for k in ("accuracy", "bayes_accuracy", "accuracy_vs_bayes", "num_pairs") if k in ev}
+        for split, ev in rm_eval.items()
+    }
     result["ppo"] = {path: ppo_row(os.path.join(ROOT, path), ood("initial"), ood(path)) for path in PPO_RUNS}
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT, "w") as f:
@@ -105,26 +159,35 @@ def run(before):
 def table(r):
     """README's rows, from the benchmark's JSON."""
     v, o = r["rm"]["validation"], r["rm"]["ood"]
-    lines = [f"| `python rm.py` | validation: accuracy {v['accuracy']:.4f} vs Bayes {v['bayes_accuracy']:.4f}, **"
-             f"{v['accuracy_vs_bayes']:.3f} of Bayes**; ood: {o['accuracy']:.4f} vs {o['bayes_accuracy']:.4f}, **"
-             f"{o['accuracy_vs_bayes']:.3f}** | | | {r['rm_s']:.0f} s |"]
-    commands = {"runs/ppo": "`python ppo.py`", "runs/ppo-kl0.05": "`python ppo.py --kl_coef 0.05`",
-                "runs/ppo-gold": "`python ppo.py --reward_fn common:gold_rewards`"}
+    lines = [
+        f"| `python rm.py` | validation: accuracy {v['accuracy']:.4f} vs Bayes {v['bayes_accuracy']:.4f}, **"
+        f"{v['accuracy_vs_bayes']:.3f} of Bayes**; ood: {o['accuracy']:.4f} vs {o['bayes_accuracy']:.4f}, **"
+        f"{o['accuracy_vs_bayes']:.3f}** | | | {r['rm_s']:.0f} s |"
+    ]
+    commands = {
+        "runs/ppo": "`python ppo.py`",
+        "runs/ppo-kl0.05": "`python ppo.py --kl_coef 0.05`",
+        "runs/ppo-gold": "`python ppo.py --reward_fn common:gold_rewards`",
+    }
     for path, p in r["ppo"].items():
         (v0, s0), (v1, s1) = p["validation_gold"]
         (o0, t0), (o1, t1) = p["ood_gold"]
         change, se, z = p["validation_change"]
-        lines.append(f"| {commands[path]} | {p['train_gold'][0]:.3f} → **{p['train_gold'][1]:.3f}** "
-                     f"({p['train_proxy'][0]:.2f} → {p['train_proxy'][1]:.2f}) | {v0:.3f} ± {s0:.3f} → **{v1:.3f} ± "
-                     f"{s1:.3f}** ({change:+.3f} ± {se:.3f} paired: {z:.0f} s.e.) | {o0:.3f} ± {t0:.3f} → **{o1:.3f} ± "
-                     f"{t1:.3f}** | {p['kl'][0]:.1f} / {p['kl'][1]:.1f} | {p['distinct_2'][0]:.2f} → "
-                     f"{p['distinct_2'][1]:.2f} | {r['ppo_s'][path]:.0f} s |")
+        lines.append(
+            f"| {commands[path]} | {p['train_gold'][0]:.3f} → **{p['train_gold'][1]:.3f}** "
+            f"({p['train_proxy'][0]:.2f} → {p['train_proxy'][1]:.2f}) | {v0:.3f} ± {s0:.3f} → **{v1:.3f} ± "
+            f"{s1:.3f}** ({change:+.3f} ± {se:.3f} paired: {z:.0f} s.e.) | {o0:.3f} ± {t0:.3f} → **{o1:.3f} ± "
+            f"{t1:.3f}** | {p['kl'][0]:.1f} / {p['kl'][1]:.1f} | {p['distinct_2'][0]:.2f} → "
+            f"{p['distinct_2'][1]:.2f} | {r['ppo_s'][path]:.0f} s |"
+        )
     if "before" in r:
         b = r["before"]
         now = r["rm_s"] + r["ppo_s"]["runs/ppo"]
-        lines.append(f"\n`python rm.py && python ppo.py`: {now:.0f} s ({r['rm_s']:.0f} + {r['ppo_s']['runs/ppo']:.0f}) "
-                     f"against {b['rm_s'] + b['ppo_s']:.0f} s ({b['rm_s']:.0f} + {b['ppo_s']:.0f}) at {b['checkout']}: "
-                     f"{now / (b['rm_s'] + b['ppo_s']):.2f}x")
+        lines.append(
+            f"\n`python rm.py && python ppo.py`: {now:.0f} s ({r['rm_s']:.0f} + {r['ppo_s']['runs/ppo']:.0f}) "
+            f"against {b['rm_s'] + b['ppo_s']:.0f} s ({b['rm_s']:.0f} + {b['ppo_s']:.0f}) at {b['checkout']}: "
+            f"{now / (b['rm_s'] + b['ppo_s']):.2f}x"
+        )
     return "\n".join(lines)
 
 

@@ -26,8 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 MODES = {"full fine-tuning": [], "LoRA r=16": ["--lora_r", "16", "--lora_alpha", "32"]}
 BF16_MODE = {"LoRA r=16, bf16 base": ["--lora_r", "16", "--lora_alpha", "32", "--bf16"]}  # GPU only: see below
-GPU_PEAK = ("import atexit, torch; atexit.register(lambda: print('PEAK_GPU_MB', "
-            "torch.cuda.max_memory_allocated() / 2**20))")
+GPU_PEAK = (
+    "import atexit, torch; atexit.register(lambda: print('PEAK_GPU_MB', torch.cuda.max_memory_allocated() / 2**20))"
+)
 
 
 def build_assets(work, config_class=None, **shape):
@@ -40,11 +41,25 @@ def build_assets(work, config_class=None, **shape):
 
     tokenizer = common.embedded_tokenizer()
     if config_class is None:
-        config_class, shape = LlamaConfig, dict(vocab_size=151_936, hidden_size=512, intermediate_size=1536,
-                                                num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                                                max_position_embeddings=512)
-    config = config_class(**shape, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        config_class, shape = (
+            LlamaConfig,
+            dict(
+                vocab_size=151_936,
+                hidden_size=512,
+                intermediate_size=1536,
+                num_hidden_layers=8,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+            ),
+        )
+    config = config_class(
+        **shape,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(os.path.join(work, "model"))
@@ -57,11 +72,13 @@ def build_assets(work, config_class=None, **shape):
 
 def run(argv, device):
     """One row in its own process: (its metrics.jsonl rows, its peak memory in MB)."""
-    code = (GPU_PEAK + "; " if device == "cuda" else "") + \
-        f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({argv[0]!r}, run_name='__main__')"
+    code = (
+        GPU_PEAK + "; " if device == "cuda" else ""
+    ) + f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({argv[0]!r}, run_name='__main__')"
     env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
@@ -69,7 +86,9 @@ def run(argv, device):
     peak = usage.ru_maxrss / 1024
     if device == "cuda":
         peak = float(next(line.split()[1] for line in out.splitlines() if line.startswith("PEAK_GPU_MB")))
-    trained = next(line for line in out.splitlines() if "trained" in line and ("parameters" in line or "policy" in line))
+    trained = next(
+        line for line in out.splitlines() if "trained" in line and ("parameters" in line or "policy" in line)
+    )
     out_dir = argv[argv.index("--output_dir") + 1]
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f], peak, trained
@@ -92,11 +111,31 @@ def main():
         for mode, flags in modes.items():
             out = os.path.join(work, f"rm-{r}-{len(flags)}")
             batch = 16
-            metrics, peak, trained = run(["rm.py", "--model_name_or_path", model, "--dataset_name", pairs,
-                                          "--max_steps", str(args.rm_steps), "--logging_steps", str(args.rm_steps),
-                                          "--num_evals", "1", "--per_device_train_batch_size", str(batch),
-                                          "--learning_rate", "1e-4", "--eval_holdout", "0.02", "--output_dir", out,
-                                          *flags], args.device)
+            metrics, peak, trained = run(
+                [
+                    "rm.py",
+                    "--model_name_or_path",
+                    model,
+                    "--dataset_name",
+                    pairs,
+                    "--max_steps",
+                    str(args.rm_steps),
+                    "--logging_steps",
+                    str(args.rm_steps),
+                    "--num_evals",
+                    "1",
+                    "--per_device_train_batch_size",
+                    str(batch),
+                    "--learning_rate",
+                    "1e-4",
+                    "--eval_holdout",
+                    "0.02",
+                    "--output_dir",
+                    out,
+                    *flags,
+                ],
+                args.device,
+            )
             pairs_per_s = next(m["perf/pairs_per_s"] for m in metrics if "perf/pairs_per_s" in m)
             rows[f"rm.py {mode}"]["peak_mb"].append(peak)
             rows[f"rm.py {mode}"]["s_per_step"].append(batch / pairs_per_s)
@@ -105,19 +144,45 @@ def main():
         reward = os.path.join(work, f"rm-{r}-0")
         for mode, flags in modes.items():
             out = os.path.join(work, f"ppo-{r}-{len(flags)}")
-            metrics, peak, trained = run(["ppo.py", "--sft_model_path", model, "--reward_model_path", reward,
-                                          "--total_episodes", str(args.ppo_episodes), "--per_device_train_batch_size",
-                                          "8", "--num_mini_batches", "2", "--response_length", "16",
-                                          "--sample_every", "1000", "--learning_rate", "1e-5", "--output_dir", out,
-                                          *flags], args.device)
+            metrics, peak, trained = run(
+                [
+                    "ppo.py",
+                    "--sft_model_path",
+                    model,
+                    "--reward_model_path",
+                    reward,
+                    "--total_episodes",
+                    str(args.ppo_episodes),
+                    "--per_device_train_batch_size",
+                    "8",
+                    "--num_mini_batches",
+                    "2",
+                    "--response_length",
+                    "16",
+                    "--sample_every",
+                    "1000",
+                    "--learning_rate",
+                    "1e-5",
+                    "--output_dir",
+                    out,
+                    *flags,
+                ],
+                args.device,
+            )
             per_update = [m["perf/time_rollout"] + m["perf/time_score"] + m["perf/time_learn"] for m in metrics[1:]]
             rows[f"ppo.py {mode}"]["peak_mb"].append(peak)
             rows[f"ppo.py {mode}"]["s_per_step"].append(sum(per_update) / len(per_update))
             rows[f"ppo.py {mode}"]["trained"] = trained
-            print(f"repeat {r} ppo.py {mode}: {peak:.0f} MB, {sum(per_update) / len(per_update):.3f} s/update",
-                  flush=True)
-    report = {"device": args.device, "model_parameters": n_params, "rm_steps": args.rm_steps,
-              "ppo_episodes": args.ppo_episodes, "rows": rows}
+            print(
+                f"repeat {r} ppo.py {mode}: {peak:.0f} MB, {sum(per_update) / len(per_update):.3f} s/update", flush=True
+            )
+    report = {
+        "device": args.device,
+        "model_parameters": n_params,
+        "rm_steps": args.rm_steps,
+        "ppo_episodes": args.ppo_episodes,
+        "rows": rows,
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -33,12 +33,21 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 def run(argv, nproc):
     """One row in its own process tree: (its metrics.jsonl rows, the peak RSS of its largest process in MB)."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                     str(nproc)]
-    env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-               MALLOC_MMAP_THRESHOLD_="1048576")
-    proc = subprocess.Popen(launcher + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    )
+    env = dict(
+        os.environ,
+        WANDB_MODE="offline",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        MALLOC_MMAP_THRESHOLD_="1048576",
+    )
+    proc = subprocess.Popen(
+        launcher + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)  # the maximum over the tree: the launcher and every rank it waited for
     if status != 0:
@@ -47,9 +56,17 @@ def run(argv, nproc):
         return [json.loads(line) for line in f], usage.ru_maxrss / 1024
 
 
-PYTHIA_6_9B = dict(model_type="gpt_neox", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                   intermediate_size=16384, vocab_size=50432, rotary_pct=0.25, max_position_embeddings=2048,
-                   tie_word_embeddings=False)
+PYTHIA_6_9B = dict(
+    model_type="gpt_neox",
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    intermediate_size=16384,
+    vocab_size=50432,
+    rotary_pct=0.25,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
 
 
 def plan_7b():
@@ -65,14 +82,20 @@ def plan_7b():
     model_type = fields.pop("model_type")
     for name, arch in (("policy", "GPTNeoXForCausalLM"), ("reward", "GPTNeoXForSequenceClassification")):
         AutoConfig.for_model(model_type, **fields, architectures=[arch], num_labels=1).save_pretrained(
-            os.path.join(work, name))
+            os.path.join(work, name)
+        )
     tables = {}
     for flags in (["--fsdp", "--bf16"], ["--fsdp"], ["--bf16"]):
-        args = ppo.Args(sft_model_path=os.path.join(work, "policy"), reward_model_path=os.path.join(work, "reward"),
-                        fsdp="--fsdp" in flags, bf16="--bf16" in flags)
+        args = ppo.Args(
+            sft_model_path=os.path.join(work, "policy"),
+            reward_model_path=os.path.join(work, "reward"),
+            fsdp="--fsdp" in flags,
+            bf16="--bf16" in flags,
+        )
         models = memory_plan.plan("ppo", args, 8)
-        tables[" ".join(flags)] = {m.name: {k: v / 1e9 for k, v in m.bytes().items()} for m in models
-                                   if isinstance(m, memory_plan.Planned)}
+        tables[" ".join(flags)] = {
+            m.name: {k: v / 1e9 for k, v in m.bytes().items()} for m in models if isinstance(m, memory_plan.Planned)
+        }
         print(" ".join(flags) + ": " + memory_plan.table(models, 8))
     return tables
 
@@ -82,8 +105,17 @@ def pythia_160m(work):
     from bench_lora import build_assets
     from transformers import GPTNeoXConfig
 
-    return build_assets(work, GPTNeoXConfig, vocab_size=50304, hidden_size=768, num_hidden_layers=12,
-                        num_attention_heads=12, intermediate_size=3072, rotary_pct=0.25, max_position_embeddings=2048)
+    return build_assets(
+        work,
+        GPTNeoXConfig,
+        vocab_size=50304,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        rotary_pct=0.25,
+        max_position_embeddings=2048,
+    )
 
 
 def main():
@@ -97,11 +129,12 @@ def main():
     plan = plan_7b()
     if args.plan:
         return
-    report = {"device": "cpu", "repeats": args.repeats, "models": {},
-              "pythia_6.9b_ppo_plan_gb_per_gpu_8_ranks": plan}
+    report = {"device": "cpu", "repeats": args.repeats, "models": {}, "pythia_6.9b_ppo_plan_gb_per_gpu_8_ranks": plan}
     report["import_only_mb"] = {script: imported(script) for script in ("rm", "ppo")}
-    print("a process that only imports the script: " + ", ".join(f"{k}.py {v:.0f} MB"
-                                                                  for k, v in report["import_only_mb"].items()))
+    print(
+        "a process that only imports the script: "
+        + ", ".join(f"{k}.py {v:.0f} MB" for k, v in report["import_only_mb"].items())
+    )
     for shape, build in (("pythia-160m", pythia_160m), ("152k-vocabulary", build_assets)):
         work = tempfile.mkdtemp(prefix="bench_memory_")
         n_params = build(work)
@@ -114,8 +147,11 @@ def main():
             script = name.split()[0]
             base = min(rows[script + " 1 process"]["peak_mb"])
             mb = row["peak_mb"]
-            print(f"{name:<24} {min(mb):>9.0f}-{max(mb):<10.0f} {min(mb) / base:>12.2f}x "
-                  f"{(base - states[script] / 2) / base:>13.2f}x {row['last_loss'][-1]:>12.5f}", flush=True)
+            print(
+                f"{name:<24} {min(mb):>9.0f}-{max(mb):<10.0f} {min(mb) / base:>12.2f}x "
+                f"{(base - states[script] / 2) / base:>13.2f}x {row['last_loss'][-1]:>12.5f}",
+                flush=True,
+            )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
@@ -142,9 +178,13 @@ def states_mb(work):
     import rm
 
     model = os.path.join(work, "model")
-    return {"rm.py": memory_plan.states_bytes(memory_plan.plan("rm", rm.Args(model_name_or_path=model), 1)) / 2**20,
-            "ppo.py": memory_plan.states_bytes(memory_plan.plan("ppo", ppo.Args(
-                sft_model_path=model, reward_model_path=os.path.join(work, "rm-0-1")), 1)) / 2**20}
+    return {
+        "rm.py": memory_plan.states_bytes(memory_plan.plan("rm", rm.Args(model_name_or_path=model), 1)) / 2**20,
+        "ppo.py": memory_plan.states_bytes(
+            memory_plan.plan("ppo", ppo.Args(sft_model_path=model, reward_model_path=os.path.join(work, "rm-0-1")), 1)
+        )
+        / 2**20,
+    }
 
 
 def measure(work, repeats):
@@ -156,24 +196,67 @@ def measure(work, repeats):
     for r in range(repeats):
         for split, (nproc, flags) in splits.items():
             out = os.path.join(work, f"rm-{r}-{nproc}")
-            metrics, peak = run(["rm.py", "--model_name_or_path", model, "--dataset_name", pairs, "--max_steps", "4",
-                                 "--logging_steps", "1", "--num_evals", "1", "--per_device_train_batch_size", "8",
-                                 "--learning_rate", "1e-4", "--eval_holdout", "0.02", "--output_dir", out, *flags],
-                                nproc)
+            metrics, peak = run(
+                [
+                    "rm.py",
+                    "--model_name_or_path",
+                    model,
+                    "--dataset_name",
+                    pairs,
+                    "--max_steps",
+                    "4",
+                    "--logging_steps",
+                    "1",
+                    "--num_evals",
+                    "1",
+                    "--per_device_train_batch_size",
+                    "8",
+                    "--learning_rate",
+                    "1e-4",
+                    "--eval_holdout",
+                    "0.02",
+                    "--output_dir",
+                    out,
+                    *flags,
+                ],
+                nproc,
+            )
             rows[f"rm.py {split}"]["peak_mb"].append(peak)
             rows[f"rm.py {split}"]["last_loss"].append([m["train/loss"] for m in metrics if "train/loss" in m][-1])
             print(f"repeat {r} rm.py {split}: {peak:.0f} MB", flush=True)
         reward = os.path.join(work, f"rm-{r}-1")
         for split, (nproc, flags) in splits.items():
             out = os.path.join(work, f"ppo-{r}-{nproc}")
-            metrics, peak = run(["ppo.py", "--sft_model_path", model, "--reward_model_path", reward,
-                                 "--total_episodes", "32", "--per_device_train_batch_size", "8", "--num_mini_batches",
-                                 "1", "--response_length", "16", "--sample_every", "1000", "--learning_rate", "1e-5",
-                                 "--output_dir", out, *flags], nproc)
+            metrics, peak = run(
+                [
+                    "ppo.py",
+                    "--sft_model_path",
+                    model,
+                    "--reward_model_path",
+                    reward,
+                    "--total_episodes",
+                    "32",
+                    "--per_device_train_batch_size",
+                    "8",
+                    "--num_mini_batches",
+                    "1",
+                    "--response_length",
+                    "16",
+                    "--sample_every",
+                    "1000",
+                    "--learning_rate",
+                    "1e-5",
+                    "--output_dir",
+                    out,
+                    *flags,
+                ],
+                nproc,
+            )
             rows[f"ppo.py {split}"]["peak_mb"].append(peak)
             rows[f"ppo.py {split}"]["last_loss"].append(metrics[-1]["loss/policy"])
             print(f"repeat {r} ppo.py {split}: {peak:.0f} MB", flush=True)
     return rows
+
 
 if __name__ == "__main__":
     main()

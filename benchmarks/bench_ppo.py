@@ -42,13 +42,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 HH = os.path.join(ROOT, "..", "shared", "data", "hh-rlhf-harmless-base", "test.jsonl.gz")
-WORKLOADS = {"short": dict(episodes=128, response_length=48, stop=False, prompt_length=256, vocab=258, prompts="short"),
-             "long": dict(episodes=64, response_length=128, stop=True, prompt_length=256, vocab=258, prompts="long"),
-             "long-8k": dict(episodes=64, response_length=128, stop=True, prompt_length=256, vocab=8000,
-                             prompts="long"),
-             # memory at a real vocabulary: the short workload with Qwen2's 151,936-row embedding and output layer
-             "short-152k": dict(episodes=128, response_length=48, stop=False, prompt_length=256, vocab=258,
-                                prompts="short", model_vocab=151_936)}
+WORKLOADS = {
+    "short": dict(episodes=128, response_length=48, stop=False, prompt_length=256, vocab=258, prompts="short"),
+    "long": dict(episodes=64, response_length=128, stop=True, prompt_length=256, vocab=258, prompts="long"),
+    "long-8k": dict(episodes=64, response_length=128, stop=True, prompt_length=256, vocab=8000, prompts="long"),
+    # memory at a real vocabulary: the short workload with Qwen2's 151,936-row embedding and output layer
+    "short-152k": dict(
+        episodes=128, response_length=48, stop=False, prompt_length=256, vocab=258, prompts="short", model_vocab=151_936
+    ),
+}
 SIZES = dict(batch=16, epochs=4, temperature=0.7, lr=3e-6, kl_coef=0.05, seed=1)
 
 
@@ -70,9 +72,14 @@ def bpe_tokenizer(texts, vocab_size):
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|pad|>", "<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|pad|>", "<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
@@ -95,24 +102,47 @@ def make_assets(root, workloads):
         rows = [json.loads(line) for line in f]
     with open(os.path.join(root, "pairs.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in common.embedded_pairs(1200, seed=0))
-    for vocab, model_vocab in sorted({(WORKLOADS[w]["vocab"], WORKLOADS[w].get("model_vocab", WORKLOADS[w]["vocab"]))
-                                      for w in workloads}):
-        tokenizer = byte_tokenizer() if vocab == 258 else bpe_tokenizer(
-            [r["chosen"] for r in rows] + [r["rejected"] for r in rows], vocab)
-        config = LlamaConfig(vocab_size=max(len(tokenizer), model_vocab), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             bos_token_id=None, tie_word_embeddings=False)
+    for vocab, model_vocab in sorted(
+        {(WORKLOADS[w]["vocab"], WORKLOADS[w].get("model_vocab", WORKLOADS[w]["vocab"])) for w in workloads}
+    ):
+        tokenizer = (
+            byte_tokenizer()
+            if vocab == 258
+            else bpe_tokenizer([r["chosen"] for r in rows] + [r["rejected"] for r in rows], vocab)
+        )
+        config = LlamaConfig(
+            vocab_size=max(len(tokenizer), model_vocab),
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=512,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+            tie_word_embeddings=False,
+        )
         policy, rm_dir = (os.path.join(root, f"{kind}-{vocab}-{model_vocab}") for kind in ("policy", "rm"))
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(policy)
         tokenizer.save_pretrained(policy)
-        rm.main(rm.Args(model_name_or_path=policy, dataset_name=os.path.join(root, "pairs.jsonl"), max_steps=60,
-                        per_device_train_batch_size=16, learning_rate=1e-4, num_evals=1, output_dir=rm_dir,
-                        max_length=256, min_prompt_length=128))
+        rm.main(
+            rm.Args(
+                model_name_or_path=policy,
+                dataset_name=os.path.join(root, "pairs.jsonl"),
+                max_steps=60,
+                per_device_train_batch_size=16,
+                learning_rate=1e-4,
+                num_evals=1,
+                output_dir=rm_dir,
+                max_length=256,
+                min_prompt_length=128,
+            )
+        )
     rng = random.Random(0)
     short = [common.embedded_prompt(rng) for _ in range(WORKLOADS["short"]["episodes"])]
-    long = [common.shared_prefix_split(r["chosen"], r["rejected"])[0] for r in rows[:WORKLOADS["long"]["episodes"]]]
+    long = [common.shared_prefix_split(r["chosen"], r["rejected"])[0] for r in rows[: WORKLOADS["long"]["episodes"]]]
     for name, prompts in (("short", short), ("long", long)):
         with open(os.path.join(root, f"{name}.jsonl"), "w") as f:
             for p in prompts:
@@ -127,8 +157,10 @@ def prompt_ids(root, workload, tokenizer):
     with open(os.path.join(root, f"{WORKLOADS[workload]['prompts']}.jsonl")) as f:
         texts = [json.loads(line)["prompt"] for line in f]
     bos = common.leading_id(tokenizer)
-    return [ppo.truncate_prompt(p, WORKLOADS[workload]["prompt_length"], bos)
-            for p in common.tokenize_prompts(tokenizer, texts)]
+    return [
+        ppo.truncate_prompt(p, WORKLOADS[workload]["prompt_length"], bos)
+        for p in common.tokenize_prompts(tokenizer, texts)
+    ]
 
 
 SPEED_FLAGS = dict(group_by_length=True, blocked_logits=True)  # ppo.py's opt-in speed paths, the "ours_fast" row
@@ -138,21 +170,37 @@ def run_ours(root, workload, episodes=None, fast=False):
     import ppo
 
     w, out = WORKLOADS[workload], tempfile.mkdtemp()
-    ppo.main(ppo.Args(**(SPEED_FLAGS if fast else {}), sft_model_path=model_dir(root, workload, "policy"),
-                      reward_model_path=model_dir(root, workload, "rm"),
-                      dataset_name=os.path.join(root, f"{w['prompts']}.jsonl"), max_prompt_length=w["prompt_length"],
-                      total_episodes=episodes or w["episodes"], per_device_train_batch_size=SIZES["batch"],
-                      num_mini_batches=1,
-                      num_ppo_epochs=SIZES["epochs"], response_length=w["response_length"],
-                      temperature=SIZES["temperature"], stop_token="eos" if w["stop"] else "none",
-                      learning_rate=SIZES["lr"], kl_coef=SIZES["kl_coef"], seed=SIZES["seed"], sample_every=10**6,
-                      num_evals=0, output_dir=out))  # training alone, as TRL's row (no held-out evaluation)
+    ppo.main(
+        ppo.Args(
+            **(SPEED_FLAGS if fast else {}),
+            sft_model_path=model_dir(root, workload, "policy"),
+            reward_model_path=model_dir(root, workload, "rm"),
+            dataset_name=os.path.join(root, f"{w['prompts']}.jsonl"),
+            max_prompt_length=w["prompt_length"],
+            total_episodes=episodes or w["episodes"],
+            per_device_train_batch_size=SIZES["batch"],
+            num_mini_batches=1,
+            num_ppo_epochs=SIZES["epochs"],
+            response_length=w["response_length"],
+            temperature=SIZES["temperature"],
+            stop_token="eos" if w["stop"] else "none",
+            learning_rate=SIZES["lr"],
+            kl_coef=SIZES["kl_coef"],
+            seed=SIZES["seed"],
+            sample_every=10**6,
+            num_evals=0,
+            output_dir=out,
+        )
+    )  # training alone, as TRL's row (no held-out evaluation)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         ms = [json.loads(line) for line in f if "perf/episodes_per_s" in line]
-    return {"train_s": sum(SIZES["batch"] / m["perf/episodes_per_s"] for m in ms),
-            "generation_s": sum(m["perf/time_rollout"] for m in ms), "scoring_s": sum(m["perf/time_score"] for m in ms),
-            "learning_s": sum(m["perf/time_learn"] for m in ms),
-            "generated_tokens": sum(m["response/length"] * SIZES["batch"] for m in ms)}
+    return {
+        "train_s": sum(SIZES["batch"] / m["perf/episodes_per_s"] for m in ms),
+        "generation_s": sum(m["perf/time_rollout"] for m in ms),
+        "scoring_s": sum(m["perf/time_score"] for m in ms),
+        "learning_s": sum(m["perf/time_learn"] for m in ms),
+        "generated_tokens": sum(m["response/length"] * SIZES["batch"] for m in ms),
+    }
 
 
 def run_trl(root, workload):
@@ -171,7 +219,7 @@ def run_trl(root, workload):
         t = time.time()
         query_responses, logits = real_generation(model, queries, *a, **k)
         timers["generation_s"] += time.time() - t
-        responses = query_responses[:, queries.shape[1]:]
+        responses = query_responses[:, queries.shape[1] :]
         if w["stop"]:
             is_stop = responses == tokenizer.eos_token_id
             after = (is_stop.cumsum(1) - is_stop.long()) > 0
@@ -188,30 +236,48 @@ def run_trl(root, workload):
             out = real(*a, **k)
             timers["scoring_s"] += time.time() - t
             return out
+
         return call
 
     module.batch_generation, module.forward, module.get_reward = generation, timed(real_forward), timed(real_reward)
-    config = PPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=SIZES["batch"],
-                       gradient_accumulation_steps=1, num_mini_batches=1, num_ppo_epochs=SIZES["epochs"],
-                       total_episodes=w["episodes"], response_length=w["response_length"],
-                       temperature=SIZES["temperature"], stop_token="eos" if w["stop"] else None,
-                       learning_rate=SIZES["lr"], kl_coef=SIZES["kl_coef"], seed=SIZES["seed"],
-                       local_rollout_forward_batch_size=SIZES["batch"], num_sample_generations=0, report_to=[],
-                       save_strategy="no", logging_steps=10**6, bf16=False, fp16=False, use_cpu=True,
-                       dataloader_num_workers=0, disable_tqdm=True)
+    config = PPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=SIZES["batch"],
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=SIZES["epochs"],
+        total_episodes=w["episodes"],
+        response_length=w["response_length"],
+        temperature=SIZES["temperature"],
+        stop_token="eos" if w["stop"] else None,
+        learning_rate=SIZES["lr"],
+        kl_coef=SIZES["kl_coef"],
+        seed=SIZES["seed"],
+        local_rollout_forward_batch_size=SIZES["batch"],
+        num_sample_generations=0,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10**6,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     dataset = Dataset.from_dict({"input_ids": prompt_ids(root, workload, tokenizer)})
-    trainer = PPOTrainer(args=config, processing_class=tokenizer,
-                         model=AutoModelForCausalLM.from_pretrained(model_dir(root, workload, "policy")),
-                         ref_model=None, reward_model=AutoModelForSequenceClassification.from_pretrained(
-                             model_dir(root, workload, "rm")),
-                         value_model=AutoModelForSequenceClassification.from_pretrained(
-                             model_dir(root, workload, "rm")),
-                         train_dataset=dataset)
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=AutoModelForCausalLM.from_pretrained(model_dir(root, workload, "policy")),
+        ref_model=None,
+        reward_model=AutoModelForSequenceClassification.from_pretrained(model_dir(root, workload, "rm")),
+        value_model=AutoModelForSequenceClassification.from_pretrained(model_dir(root, workload, "rm")),
+        train_dataset=dataset,
+    )
     t = time.time()
     trainer.train()
     train_s = time.time() - t
-    return {"train_s": train_s, **timers,
-            "learning_s": train_s - timers["generation_s"] - timers["scoring_s"]}
+    return {"train_s": train_s, **timers, "learning_s": train_s - timers["generation_s"] - timers["scoring_s"]}
 
 
 def matmul_peak(n=2048, reps=10):
@@ -223,7 +289,7 @@ def matmul_peak(n=2048, reps=10):
     t = time.time()
     for _ in range(reps):
         a @ b
-    return 2 * n ** 3 * reps / (time.time() - t) / 1e9
+    return 2 * n**3 * reps / (time.time() - t) / 1e9
 
 
 def profile_learning(root, workload):
@@ -248,10 +314,15 @@ def profile_learning(root, workload):
         mm = [e for e in ops if e.key in ("aten::mm", "aten::addmm", "aten::bmm")]
         attention = [e for e in ops if "scaled_dot_product" in e.key]
         mm_us = sum(e.self_cpu_time_total for e in mm)
-        found.update(mm_share=mm_us / total, mm_gflops=sum(e.flops for e in mm) / mm_us / 1e3,
-                     attention_share=sum(e.self_cpu_time_total for e in attention) / total,
-                     top=[(e.key, round(e.self_cpu_time_total / total, 3)) for e in
-                          sorted(ops, key=lambda e: -e.self_cpu_time_total)[:6]])
+        found.update(
+            mm_share=mm_us / total,
+            mm_gflops=sum(e.flops for e in mm) / mm_us / 1e3,
+            attention_share=sum(e.self_cpu_time_total for e in attention) / total,
+            top=[
+                (e.key, round(e.self_cpu_time_total / total, 3))
+                for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:6]
+            ],
+        )
         return out
 
     ppo.learn = profiled
@@ -266,26 +337,41 @@ def row(args):
         sys.path.insert(0, args.code_root)
     if args.row == "profile":
         return print("RESULT " + json.dumps(profile_learning(args.assets, args.workload)))
-    result = run_trl(args.assets, args.workload) if args.row == "trl" else run_ours(args.assets, args.workload,
-                                                                                     fast=args.row == "ours_fast")
+    result = (
+        run_trl(args.assets, args.workload)
+        if args.row == "trl"
+        else run_ours(args.assets, args.workload, fast=args.row == "ours_fast")
+    )
     with open("/proc/self/status") as f:  # VmHWM: this process's own peak (ru_maxrss counts the parent's at fork)
         peak_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    result |= {"process_s": time.time() - t + args.startup_s, "peak_rss_mb": peak_kb / 1024,
-               "episodes": WORKLOADS[args.workload]["episodes"]}
+    result |= {
+        "process_s": time.time() - t + args.startup_s,
+        "peak_rss_mb": peak_kb / 1024,
+        "episodes": WORKLOADS[args.workload]["episodes"],
+    }
     print("RESULT " + json.dumps(result))
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--trl_python", default=sys.executable, help="a Python with TRL 1.12 (benchmarks/requirements-ppo.txt)")
+    p.add_argument(
+        "--trl_python", default=sys.executable, help="a Python with TRL 1.12 (benchmarks/requirements-ppo.txt)"
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", help="default: benchmarks/results/ppo_cpu.json, ppo_cpu_busy.json with --beside_threads")
-    p.add_argument("--beside_threads", type=int, default=0,
-                   help="run each row beside a torch matrix-product loop on this many threads (0: an idle machine)")
+    p.add_argument(
+        "--beside_threads",
+        type=int,
+        default=0,
+        help="run each row beside a torch matrix-product loop on this many threads (0: an idle machine)",
+    )
     p.add_argument("--omp_wait_policy", choices=["passive", "active"], help="OMP_WAIT_POLICY of the rows")
-    p.add_argument("--before", help="a checkout of an earlier commit of this project: its ppo.py runs as a row beside "
-                   "today's, in place of TRL's (before/after comparisons of one change)")
+    p.add_argument(
+        "--before",
+        help="a checkout of an earlier commit of this project: its ppo.py runs as a row beside "
+        "today's, in place of TRL's (before/after comparisons of one change)",
+    )
     p.add_argument("--row", choices=["trl", "ours", "ours_fast", "profile"], help=argparse.SUPPRESS)
     p.add_argument("--code_root", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
@@ -297,8 +383,12 @@ def main():
     busy = args.beside_threads > 0
     if args.before:
         args.before = os.path.abspath(args.before)
-        args.before_commit = subprocess.run(["git", "-C", args.before, "rev-parse", "--short", "HEAD"],
-                                            capture_output=True, text=True).stdout.strip() or args.before
+        args.before_commit = (
+            subprocess.run(
+                ["git", "-C", args.before, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+            or args.before
+        )
     args.out = args.out or os.path.join(ROOT, "benchmarks", "results", f"ppo_cpu{'_busy' if busy else ''}.json")
     if not os.path.exists(HH):
         sys.exit(f"the long workload needs the HH-RLHF pairs at {HH}")
@@ -312,12 +402,34 @@ def main():
 
     def child(python, row, workload, code_root=None):
         neighbour = busy and subprocess.Popen(
-            [sys.executable, "-c", (f"import torch\ntorch.set_num_threads({args.beside_threads})\n"
-                                    "a = torch.randn(512, 512)\nwhile True: a @ a")], env=neighbour_env)
+            [
+                sys.executable,
+                "-c",
+                (
+                    f"import torch\ntorch.set_num_threads({args.beside_threads})\n"
+                    "a = torch.randn(512, 512)\nwhile True: a @ a"
+                ),
+            ],
+            env=neighbour_env,
+        )
         try:
-            proc = subprocess.run([python, __file__, "--row", row, "--workload", workload, "--assets", assets,
-                                   *(["--code_root", code_root] if code_root else [])],
-                                  capture_output=True, text=True, env=env, cwd=ROOT)
+            proc = subprocess.run(
+                [
+                    python,
+                    __file__,
+                    "--row",
+                    row,
+                    "--workload",
+                    workload,
+                    "--assets",
+                    assets,
+                    *(["--code_root", code_root] if code_root else []),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=ROOT,
+            )
         finally:
             if neighbour:
                 neighbour.kill()
@@ -329,37 +441,63 @@ def main():
 
     for repeat in range(args.repeats):
         for workload in args.workloads:
-            first = ((f"ppo.py at {args.before_commit}", sys.executable, args.before) if args.before else
-                     ("TRL 1.12 PPOTrainer", args.trl_python, None))
+            first = (
+                (f"ppo.py at {args.before_commit}", sys.executable, args.before)
+                if args.before
+                else ("TRL 1.12 PPOTrainer", args.trl_python, None)
+            )
             fast = "ppo.py " + " ".join(f"--{k}" for k in SPEED_FLAGS)
             for name, python, code_root in (first, ("ppo.py", sys.executable, None), (fast, sys.executable, None)):
                 t = time.time()
                 kind = "trl" if name.startswith("TRL") else "ours_fast" if name == fast else "ours"
                 r = child(python, kind, workload, code_root)
-                r |= {"row": name, "workload": workload, "repeat": repeat, "whole_process_s": time.time() - t,
-                      "beside_threads": args.beside_threads, "omp_wait_policy": env.get("OMP_WAIT_POLICY", "default")}
+                r |= {
+                    "row": name,
+                    "workload": workload,
+                    "repeat": repeat,
+                    "whole_process_s": time.time() - t,
+                    "beside_threads": args.beside_threads,
+                    "omp_wait_policy": env.get("OMP_WAIT_POLICY", "default"),
+                }
                 r["episodes_per_s"] = r["episodes"] / r["train_s"]
                 r["generated_tokens_per_s"] = r["generated_tokens"] / r["train_s"]
                 results.append(r)
-                print(f"[{repeat}] {workload:5s} {name:20s} {r['episodes_per_s']:6.2f} episodes/s in the loop, "
-                      f"whole process {r['whole_process_s']:6.1f} s, generation {r['generation_s']:.1f} s, scoring "
-                      f"{r['scoring_s']:.1f} s, learning {r['learning_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
-                      flush=True)
+                print(
+                    f"[{repeat}] {workload:5s} {name:20s} {r['episodes_per_s']:6.2f} episodes/s in the loop, "
+                    f"whole process {r['whole_process_s']:6.1f} s, generation {r['generation_s']:.1f} s, scoring "
+                    f"{r['scoring_s']:.1f} s, learning {r['learning_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
+                    flush=True,
+                )
     for workload in [] if busy else args.workloads:  # where ppo.py's learning phase spends its time
         profiles[workload] = p = child(sys.executable, "profile", workload)
-        print(f"{workload}: learning phase {100 * p['mm_share']:.0f}% in matrix products at {p['mm_gflops']:.0f} "
-              f"GFLOP/s (one large product: {p['matmul_peak_gflops']:.0f}), {100 * p['attention_share']:.0f}% in "
-              f"attention; top ops {p['top']}", flush=True)
+        print(
+            f"{workload}: learning phase {100 * p['mm_share']:.0f}% in matrix products at {p['mm_gflops']:.0f} "
+            f"GFLOP/s (one large product: {p['matmul_peak_gflops']:.0f}), {100 * p['attention_share']:.0f}% in "
+            f"attention; top ops {p['top']}",
+            flush=True,
+        )
     with open(args.out, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "sizes": SIZES, "workloads": WORKLOADS, "results": results,
-                   "learning_profile": profiles}, f, indent=2)
+        json.dump(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "sizes": SIZES,
+                "workloads": WORKLOADS,
+                "results": results,
+                "learning_profile": profiles,
+            },
+            f,
+            indent=2,
+        )
     print(table(results))
 
 
 def table(results):
     """Each row against the workload's first (TRL's, or the earlier commit's with --before), repeat by repeat."""
-    lines = ["| workload | row | episodes/s (loop) | generated tokens/s | whole process (s) | generation / scoring / "
-             "learning (s) | peak RSS (MB) | vs first row (loop) | vs first row (process) |", "|" + "---|" * 9]
+    lines = [
+        "| workload | row | episodes/s (loop) | generated tokens/s | whole process (s) | generation / scoring / "
+        "learning (s) | peak RSS (MB) | vs first row (loop) | vs first row (process) |",
+        "|" + "---|" * 9,
+    ]
     for workload in dict.fromkeys(r["workload"] for r in results):
         names = list(dict.fromkeys(r["row"] for r in results if r["workload"] == workload))
         for name in names:
@@ -369,11 +507,13 @@ def table(results):
             ratio = [r["episodes_per_s"] / t["episodes_per_s"] for r, t in zip(rs, trl)]
             proc = [t["whole_process_s"] / r["whole_process_s"] for r, t in zip(rs, trl)]
             span = lambda xs, f="{:.2f}": f.format(min(xs)) + ("" if len(xs) == 1 else "–" + f.format(max(xs)))  # noqa
-            lines.append(f"| {workload} | {name} | {span(eps)} | {span([r['generated_tokens_per_s'] for r in rs], '{:.0f}')}"
-                         f" | {span([r['whole_process_s'] for r in rs], '{:.1f}')} | "
-                         f"{sum(r['generation_s'] for r in rs) / len(rs):.1f} / {sum(r['scoring_s'] for r in rs) / len(rs):.1f}"
-                         f" / {sum(r['learning_s'] for r in rs) / len(rs):.1f} | "
-                         f"{span([r['peak_rss_mb'] for r in rs], '{:.0f}')} | {span(ratio)}x | {span(proc)}x |")
+            lines.append(
+                f"| {workload} | {name} | {span(eps)} | {span([r['generated_tokens_per_s'] for r in rs], '{:.0f}')}"
+                f" | {span([r['whole_process_s'] for r in rs], '{:.1f}')} | "
+                f"{sum(r['generation_s'] for r in rs) / len(rs):.1f} / {sum(r['scoring_s'] for r in rs) / len(rs):.1f}"
+                f" / {sum(r['learning_s'] for r in rs) / len(rs):.1f} | "
+                f"{span([r['peak_rss_mb'] for r in rs], '{:.0f}')} | {span(ratio)}x | {span(proc)}x |"
+            )
     return "\n".join(lines)
 
 

@@ -37,6 +37,7 @@ class Planned:
     """One model as a script holds it: its parameters, those trained (float32, with a float32 gradient and AdamW's
     two float32 moments each), the bytes of a frozen parameter (4 or 2), and the ranks its states are split over
     (FSDP: the world size; DDP: 1, a replica each)."""
+
     name: str
     parameters: int
     trained: int
@@ -54,19 +55,24 @@ class Planned:
     def bytes(self):
         """{"weights", "gradients", "AdamW"}: the bytes of each on one rank."""
         frozen = self.parameters - self.trained - self.frozen_in_float32
-        return {"weights": (frozen * self.frozen_bytes + (self.frozen_in_float32 + self.trained) * 4) / self.shards,
-                "gradients": self.trained * 4 / self.shards, "AdamW": self.trained * 8 / self.shards}
+        return {
+            "weights": (frozen * self.frozen_bytes + (self.frozen_in_float32 + self.trained) * 4) / self.shards,
+            "gradients": self.trained * 4 / self.shards,
+            "AdamW": self.trained * 8 / self.shards,
+        }
 
 
 @dataclasses.dataclass
 class Transient:
     """What one phase ("rollout" or "learning") holds on each rank's GPU beside the models' states."""
+
     name: str
     phase: str
     size: float
 
 
 # --- the models' shapes, from their configs ---------------------------------------------------------------------------
+
 
 @functools.cache
 def config(path, vocab_size=None):
@@ -122,15 +128,22 @@ def shape(path, kind, vocab_size=None, lora=None):
         return (n := sum(p.numel() for p in model.parameters())), n
     model, (r, alpha, targets) = copy.deepcopy(model), lora
     task = "CAUSAL_LM" if kind == "causal" else "SEQ_CLS"
-    settings = LoraConfig(task_type=task, r=r, lora_alpha=alpha, lora_dropout=0.0,
-                          target_modules="all-linear" if targets == ("all-linear",) else list(targets))
+    settings = LoraConfig(
+        task_type=task,
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules="all-linear" if targets == ("all-linear",) else list(targets),
+    )
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             get_peft_model(model, settings)
     except (ValueError, TypeError, NotImplementedError) as e:
-        raise UserError(f"--lora_target_modules {' '.join(targets)}: peft cannot put LoRA adapters on "
-                        f"{type(model).__name__} ({str(e).splitlines()[0][:200]})") from None
+        raise UserError(
+            f"--lora_target_modules {' '.join(targets)}: peft cannot put LoRA adapters on "
+            f"{type(model).__name__} ({str(e).splitlines()[0][:200]})"
+        ) from None
     return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -156,8 +169,11 @@ def block_shape(path, kind, vocab_size=None):
     blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == c.num_hidden_layers)
     outputs = sum(getattr(m, "out_features", 0) or getattr(m, "nf", 0) for m in blocks[0].modules())
     up = outputs - (heads + 2 * kv) * d - 2 * h  # all but q, k, v and the two projections back to the hidden size
-    norms = [type(m).__name__.lower() for m in blocks[0].modules() if "norm" in type(m).__name__.lower()
-             and getattr(m, "weight", None) is not None and m.weight.numel() == h]  # (not per-head q/k norms)
+    norms = [
+        type(m).__name__.lower()
+        for m in blocks[0].modules()
+        if "norm" in type(m).__name__.lower() and getattr(m, "weight", None) is not None and m.weight.numel() == h
+    ]  # (not per-head q/k norms)
     return len(blocks), h, 5 * heads * d + 2 * up + len(norms) * h, sum(2 if "rms" in n else 1 for n in norms) * h
 
 
@@ -179,6 +195,7 @@ def kv_cache_bytes(path, sequences, length, dtype_bytes, vocab_size=None):
 
 
 # --- the scripts' plans -----------------------------------------------------------------------------------------------
+
 
 def ppo_plan(args, world, vocab_size=None):
     """ppo.py's rows for ppo.Args on `world` ranks. Models: policy and critic trained, reference and reward model
@@ -209,23 +226,41 @@ def ppo_plan(args, world, vocab_size=None):
         critic = shape(*critic_source, lora)
         rows.append(Planned("critic", *critic, frozen_bytes, shards, loaded=2 if lora and from_reward else 1))
     if reward and not (lora and gae and from_reward):
-        rows.append(Planned("reward model", shape(reward, "reward")[0], 0, frozen_bytes, shards,
-                            on_host=host and shards > 1))
+        rows.append(
+            Planned("reward model", shape(reward, "reward")[0], 0, frozen_bytes, shards, on_host=host and shards > 1)
+        )
     compute, residual = (2, 2 if lora else 4) if args.bf16 else (4, 4)  # (a LoRA base held in bfloat16 computes so)
     micro, width = args.per_device_train_batch_size, (args.max_prompt_length or 256) + args.response_length
     sequences = micro * args.gradient_accumulation_steps * args.num_mini_batches
     if shards > 1 or args.bf16 and not lora:
-        rows.append(Transient("policy gathered" if shards > 1 else "policy, autocast's copy", "rollout",
-                              (policy[0] - head) * compute + head * 4))
-    rows.append(Transient(f"KV cache ({sequences} x {width} tokens)", "rollout",
-                          kv_cache_bytes(sft, sequences, width, compute, vocab_size)))
+        rows.append(
+            Transient(
+                "policy gathered" if shards > 1 else "policy, autocast's copy",
+                "rollout",
+                (policy[0] - head) * compute + head * 4,
+            )
+        )
+    rows.append(
+        Transient(
+            f"KV cache ({sequences} x {width} tokens)",
+            "rollout",
+            kv_cache_bytes(sft, sequences, width, compute, vocab_size),
+        )
+    )
     vocab = max(config(sft, vocab_size).vocab_size, vocab_size or 0)
     logits = 4 * micro * args.response_length * vocab  # the log-softmax response_logprobs keeps (float32) ...
     logits = min(logits, 4 * LOGIT_BLOCK) if args.blocked_logits else logits  # ... or one block of it
     learners = [((sft, "causal", vocab_size), logits, policy[0])] + ([(critic_source, 0, critic[0])] if gae else [])
-    rows.append(Transient(f"activations ({micro} x {width} tokens)", "learning", max(
-        activation_bytes(*source, micro * width, compute, residual, args.gradient_checkpointing) + extra
-        for source, extra, _ in learners)))
+    rows.append(
+        Transient(
+            f"activations ({micro} x {width} tokens)",
+            "learning",
+            max(
+                activation_bytes(*source, micro * width, compute, residual, args.gradient_checkpointing) + extra
+                for source, extra, _ in learners
+            ),
+        )
+    )
     if shards == 1 and args.bf16 and not lora:
         rows.append(Transient("autocast's bfloat16 weights", "learning", 2 * max(n for *_, n in learners)))
     return rows
@@ -242,8 +277,21 @@ def rm_plan(args, world, vocab_size=None):
     rows = [Planned("reward model", total, 0 if args.eval_only else trained, 2 if low else 4, shards)]
     if not args.eval_only:
         tokens = 2 * args.per_device_train_batch_size * (args.max_length or 512)
-        rows.append(Transient(f"activations ({tokens} tokens)", "learning", activation_bytes(
-            path, "reward", vocab_size, tokens, 2 if args.bf16 else 4, 2 if low else 4, args.gradient_checkpointing)))
+        rows.append(
+            Transient(
+                f"activations ({tokens} tokens)",
+                "learning",
+                activation_bytes(
+                    path,
+                    "reward",
+                    vocab_size,
+                    tokens,
+                    2 if args.bf16 else 4,
+                    2 if low else 4,
+                    args.gradient_checkpointing,
+                ),
+            )
+        )
         if shards == 1 and args.bf16 and not args.lora_r:
             rows.append(Transient("autocast's bfloat16 weights", "learning", 2 * total))
     return rows
@@ -257,6 +305,7 @@ def plan(script, args, world, vocab_size=None):
 
 # --- reading a plan ---------------------------------------------------------------------------------------------------
 
+
 def states_bytes(rows):
     """The bytes the models' states take on each rank's GPU (those offloaded to the host take none)."""
     return sum(sum(m.bytes().values()) for m in rows if isinstance(m, Planned) and not m.on_host)
@@ -265,8 +314,9 @@ def states_bytes(rows):
 def peaks(rows):
     """{phase: its peak per rank}: the states, and what the phase holds beside them."""
     phases = dict.fromkeys(r.phase for r in rows if isinstance(r, Transient)) or {"learning": 0}
-    return {p: states_bytes(rows) + sum(r.size for r in rows if isinstance(r, Transient) and r.phase == p)
-            for p in phases}
+    return {
+        p: states_bytes(rows) + sum(r.size for r in rows if isinstance(r, Transient) and r.phase == p) for p in phases
+    }
 
 
 def rank0_host_bytes(models):
@@ -281,28 +331,40 @@ def table(rows, world, capacity=None):
     """The plan as a small table, GB per rank: each model's weights, gradients and AdamW state; each phase's rows and
     peak; the host memory loading takes (FSDP on several ranks: rank0_host_bytes; else every rank its replicas); with capacity (bytes), whether it fits."""
     models = [m for m in rows if isinstance(m, Planned)]
-    lines = [f"memory plan per rank ({world} rank{'s' if world > 1 else ''}; GB):",
-             f"  {'model':<18}{'params':>9}{'weights':>9}{'grads':>9}{'AdamW':>9}{'total':>9}"]
+    lines = [
+        f"memory plan per rank ({world} rank{'s' if world > 1 else ''}; GB):",
+        f"  {'model':<18}{'params':>9}{'weights':>9}{'grads':>9}{'AdamW':>9}{'total':>9}",
+    ]
     for m in models:
         b = m.bytes()
-        lines.append(f"  {m.name:<18}{m.parameters / 1e6:>8.1f}M" + "".join(f"{v / 1e9:>9.2f}" for v in b.values())
-                     + f"{sum(b.values()) / 1e9:>9.2f}" + (" (host memory)" if m.on_host else ""))
+        lines.append(
+            f"  {m.name:<18}{m.parameters / 1e6:>8.1f}M"
+            + "".join(f"{v / 1e9:>9.2f}" for v in b.values())
+            + f"{sum(b.values()) / 1e9:>9.2f}"
+            + (" (host memory)" if m.on_host else "")
+        )
     row = lambda label, size: f"  {label:<54}{size / 1e9:>9.2f}"  # noqa: E731
     lines.append(row("states on the device", states_bytes(rows)))
     for phase, peak in peaks(rows).items():
         lines += [row(f"{phase}: {r.name}", r.size) for r in rows if isinstance(r, Transient) and r.phase == phase]
         lines.append(row(f"{phase} peak", peak))
     if any(m.shards > 1 for m in models):
-        lines.append(f"  host memory while loading: {rank0_host_bytes(models) / 1e9:.1f} GB on rank 0, at most three "
-                     "models whole at once (each freed after its broadcast into the shards; the other ranks build on "
-                     "the meta device)")
+        lines.append(
+            f"  host memory while loading: {rank0_host_bytes(models) / 1e9:.1f} GB on rank 0, at most three "
+            "models whole at once (each freed after its broadcast into the shards; the other ranks build on "
+            "the meta device)"
+        )
     else:
-        lines.append(f"  host memory while loading: up to {sum(m.parameters for m in models) * 4 / 1e9:.1f} GB on "
-                     "each rank, its replicas built in float32")
+        lines.append(
+            f"  host memory while loading: up to {sum(m.parameters for m in models) * 4 / 1e9:.1f} GB on "
+            "each rank, its replicas built in float32"
+        )
     if capacity:
         fits = max(peaks(rows).values()) <= FRACTION * capacity
-        lines.append(f"  {'fits' if fits else 'does not fit'}: {FRACTION:.0%} of a {capacity / 1e9:.1f} GB GPU is "
-                     f"{FRACTION * capacity / 1e9:.1f} GB")
+        lines.append(
+            f"  {'fits' if fits else 'does not fit'}: {FRACTION:.0%} of a {capacity / 1e9:.1f} GB GPU is "
+            f"{FRACTION * capacity / 1e9:.1f} GB"
+        )
     return "\n".join(lines)
 
 
@@ -314,36 +376,67 @@ def refusal(script, args, world, capacity, vocab_size=None):
     if peak <= FRACTION * capacity:
         return None
     r, lora, ckpt = dataclasses.replace, args.lora_r or 16, "--gradient_checkpointing"
-    bases = [("", {}), ("--fsdp", dict(fsdp=True)), ("--fsdp --bf16", dict(fsdp=True, bf16=True)),
-             (f"--lora_r {lora} --bf16", dict(lora_r=lora, bf16=True)),
-             (f"--lora_r {lora} --fsdp --bf16", dict(lora_r=lora, fsdp=True, bf16=True))]
-    tries = [(f"{flags} {ckpt}".strip() if c else flags, r(args, **kw, gradient_checkpointing=c or
-                                                           args.gradient_checkpointing), world)
-             for flags, kw in bases for c in (False, True) if flags or c]
-    tries += [(f"--fsdp --bf16 {ckpt} on {n} ranks", r(args, fsdp=True, bf16=True, gradient_checkpointing=True), n)
-              for n in (8, 16, 32, 64) if n > world]
-    fit = next((flags for flags, a, w in tries if max(peaks(plan(script, a, w, vocab_size)).values()) <=
-                FRACTION * capacity), None)
+    bases = [
+        ("", {}),
+        ("--fsdp", dict(fsdp=True)),
+        ("--fsdp --bf16", dict(fsdp=True, bf16=True)),
+        (f"--lora_r {lora} --bf16", dict(lora_r=lora, bf16=True)),
+        (f"--lora_r {lora} --fsdp --bf16", dict(lora_r=lora, fsdp=True, bf16=True)),
+    ]
+    tries = [
+        (
+            f"{flags} {ckpt}".strip() if c else flags,
+            r(args, **kw, gradient_checkpointing=c or args.gradient_checkpointing),
+            world,
+        )
+        for flags, kw in bases
+        for c in (False, True)
+        if flags or c
+    ]
+    tries += [
+        (f"--fsdp --bf16 {ckpt} on {n} ranks", r(args, fsdp=True, bf16=True, gradient_checkpointing=True), n)
+        for n in (8, 16, 32, 64)
+        if n > world
+    ]
+    fit = next(
+        (flags for flags, a, w in tries if max(peaks(plan(script, a, w, vocab_size)).values()) <= FRACTION * capacity),
+        None,
+    )
     ranks = f"{world} rank{'s' if world > 1 else ''}"
-    return (f"the {phase} phase needs {peak / 1e9:.1f} GB per GPU ({ranks}; the plan above), more than {FRACTION:.0%} "
-            f"of the GPU's {capacity / 1e9:.1f} GB: " + (f"pass {fit}" if fit else "use LoRA (--lora_r 16), --fsdp "
-                                                         "--bf16, --gradient_checkpointing, a smaller micro-batch and "
-                                                         "more ranks"))
+    return (
+        f"the {phase} phase needs {peak / 1e9:.1f} GB per GPU ({ranks}; the plan above), more than {FRACTION:.0%} "
+        f"of the GPU's {capacity / 1e9:.1f} GB: "
+        + (
+            f"pass {fit}"
+            if fit
+            else "use LoRA (--lora_r 16), --fsdp --bf16, --gradient_checkpointing, a smaller micro-batch and more ranks"
+        )
+    )
 
 
 def held_bytes(model, optimizer=None):
     """{"weights", "gradients", "AdamW"}: the bytes this rank really holds in the model's parameters (its shards under
     FSDP; a tied parameter once), their gradients, and the optimizer's state for them: what Planned.bytes predicts."""
+
     def size(t):
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
 
     params = list({id(p): p for p in model.parameters()}.values())
     ids = {id(p) for p in params}
-    return {"weights": sum(size(p) for p in params),
-            "gradients": sum(size(p.grad) for p in params if p.grad is not None),
-            "AdamW": 0 if optimizer is None else sum(size(v) for p, s in optimizer.state.items() if id(p) in ids
-                                                     for v in s.values() if torch.is_tensor(v) and v.dim() > 0)}
+    return {
+        "weights": sum(size(p) for p in params),
+        "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+        "AdamW": 0
+        if optimizer is None
+        else sum(
+            size(v)
+            for p, s in optimizer.state.items()
+            if id(p) in ids
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        ),
+    }
 
 
 def main(argv=None):
@@ -360,8 +453,11 @@ def main(argv=None):
         return 0
     script = os.path.basename(known.script or "").removesuffix(".py")
     if script not in ("ppo", "rm"):
-        print(f"error: {f'{known.script}: no such script; name' if known.script else 'name a script:'} ppo or rm, then "
-              "its flags", file=sys.stderr)
+        print(
+            f"error: {f'{known.script}: no such script; name' if known.script else 'name a script:'} ppo or rm, then "
+            "its flags",
+            file=sys.stderr,
+        )
         return 2
     if known.world_size < 1 or known.gpu_memory_gb <= 0:
         print("error: --world_size and --gpu_memory_gb must be positive", file=sys.stderr)

@@ -44,10 +44,19 @@ sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
 # kl_coefs: the KL-penalty runs, against the reward model of kl_pairs pairs, beside its run with no penalty.
-FULL = dict(sizes=[125, 500, 2000, 8000], seeds=[1, 2, 3, 4], pool=512, max_n=256, episodes=4096, eval_prompts=128,
-            kl_coefs=[0.03, 0.1], kl_pairs=2000)
-QUICK = dict(sizes=[125, 2000], seeds=[1], pool=64, max_n=32, episodes=2048, eval_prompts=64, kl_coefs=[0.1],
-             kl_pairs=2000)
+FULL = dict(
+    sizes=[125, 500, 2000, 8000],
+    seeds=[1, 2, 3, 4],
+    pool=512,
+    max_n=256,
+    episodes=4096,
+    eval_prompts=128,
+    kl_coefs=[0.03, 0.1],
+    kl_pairs=2000,
+)
+QUICK = dict(
+    sizes=[125, 2000], seeds=[1], pool=64, max_n=32, episodes=2048, eval_prompts=64, kl_coefs=[0.1], kl_pairs=2000
+)
 UPDATES_PER_POINT = 4
 COLORS = ["tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple"]
 
@@ -55,8 +64,9 @@ COLORS = ["tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple"]
 def train_reward_model(size, seed, out):
     import rm
 
-    args = rm.Args(dataset_mixer_list=["embedded", str(size)], seed=seed, num_evals=1, output_dir=out,
-                   overwrite_output_dir=True)  # the sweep's own scratch folder: a second sweep replaces the first
+    args = rm.Args(
+        dataset_mixer_list=["embedded", str(size)], seed=seed, num_evals=1, output_dir=out, overwrite_output_dir=True
+    )  # the sweep's own scratch folder: a second sweep replaces the first
     common.exit_on_user_error(rm.main, args)
     ev = json.load(open(os.path.join(out, "eval_results.json")))
     return {"accuracy": ev["accuracy"], "bayes_accuracy": ev["bayes_accuracy"]}
@@ -78,7 +88,7 @@ def best_of_n_pool(seed, pool, rm_dirs):
     rewards = [ppo.load_reward(ppo.Args(seed=seed, reward_model_path=d), tokenizer) for d in rm_dirs]
     gold, proxy = np.zeros((len(prompts), pool)), np.zeros((len(rm_dirs), len(prompts), pool))
     for i, (p, p_ids) in enumerate(zip(prompts, ids)):
-        episodes = range(10 ** 9 + i * pool, 10 ** 9 + (i + 1) * pool)  # sampling streams no PPO run of 4,096 uses
+        episodes = range(10**9 + i * pool, 10**9 + (i + 1) * pool)  # sampling streams no PPO run of 4,096 uses
         seeds = [common.seed_of(seed, "sampling", e) for e in episodes]
         batch = ppo.rollout(policy, [p_ids] * pool, seeds, args, stop_id, tokenizer.pad_token_id)
         for j, reward in enumerate(rewards):
@@ -107,12 +117,23 @@ def rl_run(seed, episodes, out, rm_dir=None, kl_coef=0.0, eval_prompts=256):
 
     reward = dict(reward_model_path=rm_dir) if rm_dir else dict(reward_fn="common:gold_rewards")
     updates = episodes // (ppo.Args.per_device_train_batch_size * ppo.Args.num_mini_batches)
-    args = ppo.Args(**reward, seed=seed, kl_coef=kl_coef, total_episodes=episodes, output_dir=out,
-                    sample_every=10 ** 9, overwrite_output_dir=True, num_evals=updates // UPDATES_PER_POINT,
-                    num_eval_prompts=eval_prompts)
+    args = ppo.Args(
+        **reward,
+        seed=seed,
+        kl_coef=kl_coef,
+        total_episodes=episodes,
+        output_dir=out,
+        sample_every=10**9,
+        overwrite_output_dir=True,
+        num_evals=updates // UPDATES_PER_POINT,
+        num_eval_prompts=eval_prompts,
+    )
     history = common.exit_on_user_error(ppo.main, args)
-    return [{"d": math.sqrt(max(h["eval/kl"], 0.0)), "gold": h["eval/gold"], "proxy": h["eval/score"]}
-            for h in history if "eval/score" in h]
+    return [
+        {"d": math.sqrt(max(h["eval/kl"], 0.0)), "gold": h["eval/gold"], "proxy": h["eval/score"]}
+        for h in history
+        if "eval/score" in h
+    ]
 
 
 def fit(d, r, form):
@@ -127,7 +148,7 @@ def fit(d, r, form):
     if beta <= 0:
         peak_d = peak = math.inf
     elif form == "bon":
-        peak_d, peak = alpha / (2 * beta), alpha ** 2 / (4 * beta)
+        peak_d, peak = alpha / (2 * beta), alpha**2 / (4 * beta)
     else:
         peak_d = math.exp(alpha / beta - 1)
         peak = beta * peak_d
@@ -141,26 +162,51 @@ def curve(form, f, d):
 def measure(setting, scratch, out):
     """Every seed's runs, written to `out` as each seed ends (a cut-short sweep keeps its finished seeds)."""
     runs, start = [], time.time()
-    ns = [2 ** k for k in range(int(math.log2(setting["max_n"])) + 1)]
+    ns = [2**k for k in range(int(math.log2(setting["max_n"])) + 1)]
     for seed in setting["seeds"]:
         t = time.time()
         rm_dirs = [os.path.join(scratch, f"rm-{size}-{seed}") for size in setting["sizes"]]
         rms = [train_reward_model(size, seed, d) for size, d in zip(setting["sizes"], rm_dirs)]
         gold, proxy = best_of_n_pool(seed, setting["pool"], rm_dirs)
         for size, rm_result, rm_dir, p in zip(setting["sizes"], rms, rm_dirs, proxy):
-            bon = [{"n": n, "d": math.sqrt(math.log(n) - (n - 1) / n), "gold": best_of_n(p, gold, n),
-                    "proxy": best_of_n(p, p, n)} for n in ns]
+            bon = [
+                {
+                    "n": n,
+                    "d": math.sqrt(math.log(n) - (n - 1) / n),
+                    "gold": best_of_n(p, gold, n),
+                    "proxy": best_of_n(p, p, n),
+                }
+                for n in ns
+            ]
             for kl_coef in [0.0] + (setting["kl_coefs"] if size == setting["kl_pairs"] else []):
-                rl = rl_run(seed, setting["episodes"], os.path.join(scratch, f"ppo-{size}-{seed}-kl{kl_coef}"), rm_dir,
-                            kl_coef, setting["eval_prompts"])
-                runs.append(dict(rm_result, pairs=size, seed=seed, kl_coef=kl_coef, gold_init=float(gold.mean()),
-                                 proxy_init=float(p.mean()), bon=bon, rl=rl))
-        rl = rl_run(seed, setting["episodes"], os.path.join(scratch, f"ppo-gold-{seed}"),
-                    eval_prompts=setting["eval_prompts"])
+                rl = rl_run(
+                    seed,
+                    setting["episodes"],
+                    os.path.join(scratch, f"ppo-{size}-{seed}-kl{kl_coef}"),
+                    rm_dir,
+                    kl_coef,
+                    setting["eval_prompts"],
+                )
+                runs.append(
+                    dict(
+                        rm_result,
+                        pairs=size,
+                        seed=seed,
+                        kl_coef=kl_coef,
+                        gold_init=float(gold.mean()),
+                        proxy_init=float(p.mean()),
+                        bon=bon,
+                        rl=rl,
+                    )
+                )
+        rl = rl_run(
+            seed, setting["episodes"], os.path.join(scratch, f"ppo-gold-{seed}"), eval_prompts=setting["eval_prompts"]
+        )
         runs.append(dict(pairs=None, seed=seed, kl_coef=0.0, gold_init=float(gold.mean()), rl=rl))
         print(f"seed {seed}: {time.time() - t:.0f} s", flush=True)
-        common.write_json_atomic(out, {"date": time.strftime("%Y-%m-%d"), "setting": setting,
-                                       "wall_s": time.time() - start, "runs": runs})
+        common.write_json_atomic(
+            out, {"date": time.strftime("%Y-%m-%d"), "setting": setting, "wall_s": time.time() - start, "runs": runs}
+        )
 
 
 def relative(run, points, key):
@@ -217,8 +263,11 @@ def report(runs, out_png):
         return f"{np.mean(xs):.{p}f}" + span(xs, p)
 
     num = lambda x: "none" if math.isinf(x) else f"{x:.2f}"  # noqa: E731
-    lines = ["| reward model | held-out accuracy (Bayes-optimal) | method | alpha | beta (per seed) | R^2 (per seed) | "
-             "peak d (KL) | peak gold (fit) | highest gold point | last point: gold / proxy |", "|---" * 10 + "|"]
+    lines = [
+        "| reward model | held-out accuracy (Bayes-optimal) | method | alpha | beta (per seed) | R^2 (per seed) | "
+        "peak d (KL) | peak gold (fit) | highest gold point | last point: gold / proxy |",
+        "|---" * 10 + "|",
+    ]
     for row in rows:
         name = f"{row['pairs']:,} pairs" if row["pairs"] else "gold reward (ceiling)"
         acc = f"{spread(row['accuracy'], 3)} ({row['bayes_accuracy']:.3f})" if row["pairs"] else "–"
@@ -228,10 +277,12 @@ def report(runs, out_png):
                 kl = "" if math.isinf(f["peak_d"]) else f" ({f['peak_d'] ** 2:.1f})"
                 last = spread(f["last_gold"]) + (f" / {spread(f['last_proxy'])}" if f["last_proxy"] else "")
                 per_seed = lambda key, p: span([x[key] for x in f["seed_fits"]], p)  # noqa: E731, B023 - used at once
-                lines.append(f"| {name} | {acc} | {'best-of-n' if form == 'bon' else 'RL'} | {f['alpha']:.3f} | "
-                             f"{f['beta']:.3f}{per_seed('beta', 3)} | {f['r2']:.2f}{per_seed('r2', 2)} | "
-                             f"{num(f['peak_d'])}{kl} | {num(f['peak'])} | "
-                             f"{spread(f['max_gold'])} | {last} |")
+                lines.append(
+                    f"| {name} | {acc} | {'best-of-n' if form == 'bon' else 'RL'} | {f['alpha']:.3f} | "
+                    f"{f['beta']:.3f}{per_seed('beta', 3)} | {f['r2']:.2f}{per_seed('r2', 2)} | "
+                    f"{num(f['peak_d'])}{kl} | {num(f['peak'])} | "
+                    f"{spread(f['max_gold'])} | {last} |"
+                )
     print("\n".join(lines))
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for color, pairs in zip(COLORS, dict.fromkeys(r["pairs"] for r in runs)):
@@ -247,15 +298,19 @@ def report(runs, out_png):
                 ax.plot(*mean_curve(group, form, key), style, color=color, ms=3, lw=0.8, label=f"{label}: {key}")
             d = np.linspace(0, max(p["d"] for r in group for p in r[form]), 100)
             ax.plot(d, curve(form, row[form], d), color=color, lw=2.5, alpha=0.6)
-    for ax, title in zip(axes, ("Best-of-n (n = 1 ... {})".format(runs[0]["bon"][-1]["n"]),
-                                "RL (PPO, no KL penalty)")):
+    for ax, title in zip(axes, ("Best-of-n (n = 1 ... {})".format(runs[0]["bon"][-1]["n"]), "RL (PPO, no KL penalty)")):
         ax.axhline(0, color="gray", lw=0.5)
-        ax.set(title=title, xlabel="d = sqrt(KL to the initial policy)",
-               ylabel="score - initial policy's (gold: solid; proxy / beta: dashed)")
+        ax.set(
+            title=title,
+            xlabel="d = sqrt(KL to the initial policy)",
+            ylabel="score - initial policy's (gold: solid; proxy / beta: dashed)",
+        )
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
-    fig.suptitle("Reward-model overoptimization on the embedded task: means over seeds (dots: each seed's gold); "
-                 "thick lines: the fitted forms")
+    fig.suptitle(
+        "Reward-model overoptimization on the embedded task: means over seeds (dots: each seed's gold); "
+        "thick lines: the fitted forms"
+    )
     common.save_figure(fig, out_png)
     return rows, "\n".join(lines) + "\n\n" + kl_table
 
@@ -269,8 +324,11 @@ def kl_report(runs, out_png):
     if not coefs:
         return ""
     pairs = next(r["pairs"] for r in runs if r.get("kl_coef"))
-    lines = [f"| {pairs:,} pairs, --kl_coef | last point: d (KL) | last point: gold | highest gold point (its d) | "
-             "gold at the penalised run's last d on the unpenalised curve |", "|---" * 5 + "|"]
+    lines = [
+        f"| {pairs:,} pairs, --kl_coef | last point: d (KL) | last point: gold | highest gold point (its d) | "
+        "gold at the penalised run's last d on the unpenalised curve |",
+        "|---" * 5 + "|",
+    ]
     fig, ax = plt.subplots(figsize=(7, 5))
     free = mean_curve([r for r in runs if r["pairs"] == pairs and not r.get("kl_coef")], "rl")
     for color, coef in zip(COLORS, [0.0] + coefs):
@@ -278,11 +336,16 @@ def kl_report(runs, out_png):
         ax.plot(d, gold, "o-", color=color, ms=3, lw=0.8, label=f"--kl_coef {coef:g}")
         best = int(np.argmax(gold))
         on_free = np.interp(d[-1], free[0], free[1]) if coef else gold[-1]
-        lines.append(f"| {coef:g} | {d[-1]:.2f} ({d[-1] ** 2:.1f}) | {gold[-1]:+.3f} | {gold[best]:+.3f} "
-                     f"({d[best]:.2f}) | {on_free:+.3f} |")
+        lines.append(
+            f"| {coef:g} | {d[-1]:.2f} ({d[-1] ** 2:.1f}) | {gold[-1]:+.3f} | {gold[best]:+.3f} "
+            f"({d[best]:.2f}) | {on_free:+.3f} |"
+        )
     ax.axhline(0, color="gray", lw=0.5)
-    ax.set(title=f"KL penalty, the {pairs:,}-pair reward model: held-out gold (mean of seeds)",
-           xlabel="d = sqrt(KL to the initial policy)", ylabel="gold score - initial policy's")
+    ax.set(
+        title=f"KL penalty, the {pairs:,}-pair reward model: held-out gold (mean of seeds)",
+        xlabel="d = sqrt(KL to the initial policy)",
+        ylabel="gold score - initial policy's",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     common.save_figure(fig, out_png)

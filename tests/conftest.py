@@ -29,6 +29,7 @@ from families import save_family  # noqa: E402
 class Args(ppo.Args):
     """ppo.py's Args, with no held-out evaluation unless a test asks for one (--num_evals). At its default, six
     evaluations of 256 prompts would cost many times the training of a test's tiny run."""
+
     num_evals: int = 0
 
 
@@ -60,8 +61,19 @@ def read_checkpoint(path):
 
 def run_script(args, nproc=1, check=True, env=None, timeout=600):
     """Run a script as a user would: `python X.py` for one process, `torchrun` for several. Returns the process."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                     str(nproc), "--master_port", str(29500 + os.getpid() % 1000)]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(29500 + os.getpid() % 1000),
+        ]
+    )
     full_env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
     proc = subprocess.run(launcher + args, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=timeout)
     if check and proc.returncode != 0:
@@ -98,10 +110,14 @@ def run_ranks(jobs, folder, check=True):
     os.makedirs(folder, exist_ok=True)
     folder = tempfile.mkdtemp(dir=folder, prefix="codes-")
     proc = run_script(["tests/jobs.py", str(folder), json.dumps(jobs)], nproc=2, check=False)
-    codes = [[open(p).read() if os.path.exists(p := os.path.join(folder, f"{i}.{r}")) else "none" for r in (0, 1)]
-             for i in range(len(jobs))]
-    errors = [None if c == ["0", "0"] else f"{' '.join(job)} failed (exit codes {c}):\n{proc.stderr[-3000:]}"
-              for job, c in zip(jobs, codes)]
+    codes = [
+        [open(p).read() if os.path.exists(p := os.path.join(folder, f"{i}.{r}")) else "none" for r in (0, 1)]
+        for i in range(len(jobs))
+    ]
+    errors = [
+        None if c == ["0", "0"] else f"{' '.join(job)} failed (exit codes {c}):\n{proc.stderr[-3000:]}"
+        for job, c in zip(jobs, codes)
+    ]
     if check and any(errors):
         raise AssertionError("\n".join(e for e in errors if e))
     return proc, errors
@@ -143,8 +159,21 @@ def hh_path():
 def reward_model_path(tmp_path_factory, small_pairs_file):
     """A small reward model trained by rm.py on the embedded task (a short run: enough signal for PPO to follow)."""
     out = tmp_path_factory.mktemp("rm")
-    run_main(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size", "16",
-              "--num_evals", "1", "--output_dir", str(out)])
+    run_main(
+        [
+            "rm.py",
+            "--dataset_name",
+            small_pairs_file,
+            "--max_steps",
+            "60",
+            "--per_device_train_batch_size",
+            "16",
+            "--num_evals",
+            "1",
+            "--output_dir",
+            str(out),
+        ]
+    )
     return str(out)
 
 
@@ -166,6 +195,6 @@ def replayed_samples(policy, query, query_mask, responses, seeds, temperature, s
     mask = torch.cat([query_mask.long(), torch.ones_like(responses[:, :steps])], 1)
     with torch.no_grad():
         logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
-        logits = logits[:, query.shape[1] - 1:-1].float() / temperature
+        logits = logits[:, query.shape[1] - 1 : -1].float() / temperature
     drawn = [ppo.sample_tokens(logits[:, t], seeds, t) for t in range(steps)]
     return torch.stack(drawn, 1), steps

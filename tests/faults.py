@@ -29,26 +29,45 @@ def record(items):
 
 
 if "STOP_AFTER_SAVE" in os.environ:
+
     def stop_after(save):
         def save_then_stop(*args, **kwargs):
             save(*args, **kwargs)
             if args[3] == int(os.environ["STOP_AFTER_SAVE"]):
                 sys.exit(3)
+
         return save_then_stop
+
     patch(common, "save_training", stop_after)
 
 if "TRACE" in os.environ:
-    patch(ppo, "generate", lambda generate: lambda model, query, query_mask, seeds, *args: (
-        record(seeds.tolist()), generate(model, query, query_mask, seeds, *args))[1])
-    patch(rm, "train_step", lambda step: lambda model, micro_batches, *args: (
-        record([[p["prompt"], p["chosen"], p["rejected"]] for mb in micro_batches for p in mb]),
-        step(model, micro_batches, *args))[1])
+    patch(
+        ppo,
+        "generate",
+        lambda generate: (
+            lambda model, query, query_mask, seeds, *args: (
+                record(seeds.tolist()),
+                generate(model, query, query_mask, seeds, *args),
+            )[1]
+        ),
+    )
+    patch(
+        rm,
+        "train_step",
+        lambda step: (
+            lambda model, micro_batches, *args: (
+                record([[p["prompt"], p["chosen"], p["rejected"]] for mb in micro_batches for p in mb]),
+                step(model, micro_batches, *args),
+            )[1]
+        ),
+    )
 
 if os.environ.get("FULL_DISK_RANK") == rank:
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     def full_disk(self, plan, planner):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+
     HuggingFaceStorageWriter.write_data = full_disk
 
 if os.environ.get("FULL_DISK_AT_END") == rank:
@@ -56,6 +75,7 @@ if os.environ.get("FULL_DISK_AT_END") == rank:
 
     def full_disk_at_end(self, path, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
     PreTrainedModel.save_pretrained = full_disk_at_end
 
 common.exit_on_user_error(script.main, tyro.cli(script.Args, args=sys.argv[2:], use_underscores=True))

@@ -2,6 +2,7 @@
 *flags]) one after the other through the command line's entry point, in the one process group this launch makes (a
 group made again in these processes would meet the last one's keys in torchrun's store). Each job's exit code is
 written to argv[1]/<job>.<rank>."""
+
 import json
 import os
 import sys

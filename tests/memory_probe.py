@@ -33,8 +33,12 @@ def ppo_held(flags, rank, world, device):
         loss = loss + critic(ids, mask).mean()
     loss.backward()
     optimizer.step()
-    held = {"policy": policy, "critic": critic, "reference policy": None if models.lora else models.reference,
-            "reward model": models.reward.model if isinstance(models.reward.model, torch.nn.Module) else None}
+    held = {
+        "policy": policy,
+        "critic": critic,
+        "reference policy": None if models.lora else models.reference,
+        "reward model": models.reward.model if isinstance(models.reward.model, torch.nn.Module) else None,
+    }
     plan = memory_plan.plan("ppo", args, world, len(tokenizer))
     return plan, {name: memory_plan.held_bytes(m, optimizer) for name, m in held.items() if m is not None}
 

@@ -23,7 +23,8 @@ def split_rows():
 def every_prompt():
     """Every prompt text the task's parts can make, written out here from the parts."""
     for asked, avoided, opening, example_clause, k in itertools.product(
-            common.TOPICS, [None, *common.TOPICS], common.OPENINGS, common.EXAMPLE_CLAUSES, (1, 2)):
+        common.TOPICS, [None, *common.TOPICS], common.OPENINGS, common.EXAMPLE_CLAUSES, (1, 2)
+    ):
         if avoided == asked:
             continue
         for words in itertools.permutations(common.TOPICS[asked], k):
@@ -53,14 +54,16 @@ def test_thousands_of_prompts_fall_in_four_splits_and_ood_holds_only_the_held_ou
 def test_the_gold_reward_reads_the_asked_and_the_avoided_topic():
     v, n = common.WORD_VALUE, common.NON_WORD_VALUE
     asked = "User: name some animals such as cat and owl Assistant:"
-    assert common.gold_reward(asked, " cat red cat dog") == pytest.approx((v["cat"] + 1 + v["red"] + 0 + v["dog"] + 1)
-                                                                          / 4)
+    assert common.gold_reward(asked, " cat red cat dog") == pytest.approx(
+        (v["cat"] + 1 + v["red"] + 0 + v["dog"] + 1) / 4
+    )
     assert common.gold_reward(asked, " owl owl owl owl <eos>") == pytest.approx((v["owl"] + 1) / 4)
     assert common.gold_reward(asked, " cat me") == pytest.approx((v["cat"] + 1 + n) / 2)
     avoiding = "User: tell me about animals like cat without food Assistant:"
     assert common.gold_reward(avoiding, " cat pear red pear") == pytest.approx((v["cat"] + 1 + n + v["red"] + 0) / 4)
-    assert common.gold_reward("user: talk about foods like pear assistant:", " pear red") == \
-        pytest.approx((v["pear"] + 1 + v["red"]) / 2)
+    assert common.gold_reward("user: talk about foods like pear assistant:", " pear red") == pytest.approx(
+        (v["pear"] + 1 + v["red"]) / 2
+    )
     assert common.gold_reward(avoiding, "") == n
 
 
@@ -103,6 +106,7 @@ def test_neither_script_trains_on_a_validation_or_ood_prompt(monkeypatch):
     def spy(rng, split="train"):
         seen.append(draw(rng, split))
         return seen[-1]
+
     monkeypatch.setattr(common, "embedded_prompt", spy)
     monkeypatch.setenv("XDG_CACHE_HOME", "/nonexistent")  # trained here, not read from a cache
     ppo.embedded_sft_policy("embedded-llama", tok, seed=0, steps=2, batch_size=32)

@@ -12,8 +12,16 @@ import common
 import ppo
 from conftest import read_metrics, run_main, write_jsonl
 
-TINY = dict(reward_fn="common:gold_rewards", total_episodes=32, per_device_train_batch_size=4, num_mini_batches=2,
-            num_ppo_epochs=1, response_length=8, num_evals=2, num_eval_prompts=10)
+TINY = dict(
+    reward_fn="common:gold_rewards",
+    total_episodes=32,
+    per_device_train_batch_size=4,
+    num_mini_batches=2,
+    num_ppo_epochs=1,
+    response_length=8,
+    num_evals=2,
+    num_eval_prompts=10,
+)
 
 
 def evaluations(output_dir):
@@ -36,7 +44,7 @@ def test_no_eval_prompt_is_trained_on(data, tmp_path, monkeypatch):
     real_score, real_evaluate, phase = ppo.score, ppo.evaluate, ["train"]
 
     def spy_score(reward, batch, prompt_texts, *args, **kwargs):
-        seen[phase[0]].update(prompt_texts[:len(batch.mask)])
+        seen[phase[0]].update(prompt_texts[: len(batch.mask)])
         return real_score(reward, batch, prompt_texts, *args, **kwargs)
 
     def spy_evaluate(*args, **kwargs):
@@ -45,6 +53,7 @@ def test_no_eval_prompt_is_trained_on(data, tmp_path, monkeypatch):
             return real_evaluate(*args, **kwargs)
         finally:
             phase[0] = "train"
+
     monkeypatch.setattr(ppo, "score", spy_score)
     monkeypatch.setattr(ppo, "evaluate", spy_evaluate)
     args = dict(TINY, dataset_name=dataset, total_episodes=96, num_eval_prompts=40)
@@ -55,8 +64,9 @@ def test_no_eval_prompt_is_trained_on(data, tmp_path, monkeypatch):
     assert len(evaluations(tmp_path / "out")) == 3  # before the first update, then --num_evals 2
 
 
-def test_the_first_evaluation_is_eval_only_of_the_initial_policy_and_the_same_policy_scores_the_same(tmp_path,
-                                                                                                   reward_model_path):
+def test_the_first_evaluation_is_eval_only_of_the_initial_policy_and_the_same_policy_scores_the_same(
+    tmp_path, reward_model_path
+):
     """The evaluation before the first update equals --eval_only of the initial policy, number for number and row for
     row; --eval_only of the trained policy twice gives identical numbers, its KL read against the run's own initial
     policy (from its ppo_results.json), and it equals the run's last evaluation."""
@@ -66,14 +76,19 @@ def test_the_first_evaluation_is_eval_only_of_the_initial_policy_and_the_same_po
     rows = [json.loads(line) for line in open(tmp_path / "run" / "eval_samples.jsonl")]
     ppo.main(ppo.Args(**args, eval_only=True, output_dir=str(tmp_path / "initial")))
     initial = json.load(open(tmp_path / "initial" / "eval_results.json"))
-    assert {k: v for k, v in first.items() if k.startswith("eval/")} == \
-        {k: v for k, v in initial.items() if k.startswith("eval/")}
-    assert [json.loads(line) for line in open(tmp_path / "initial" / "eval_samples.jsonl")] == \
-        [r for r in rows if r["step"] == 0]
+    assert {k: v for k, v in first.items() if k.startswith("eval/")} == {
+        k: v for k, v in initial.items() if k.startswith("eval/")
+    }
+    assert [json.loads(line) for line in open(tmp_path / "initial" / "eval_samples.jsonl")] == [
+        r for r in rows if r["step"] == 0
+    ]
     trained = []
     for i in range(2):
-        ppo.main(ppo.Args(**args, eval_only=True, sft_model_path=str(tmp_path / "run"),
-                          output_dir=str(tmp_path / f"trained{i}")))
+        ppo.main(
+            ppo.Args(
+                **args, eval_only=True, sft_model_path=str(tmp_path / "run"), output_dir=str(tmp_path / f"trained{i}")
+            )
+        )
         trained.append(json.load(open(tmp_path / f"trained{i}" / "eval_results.json")))
     metrics = lambda r: {k: v for k, v in r.items() if k.startswith("eval/")}  # noqa: E731
     assert metrics(trained[0]) == metrics(trained[1]) and trained[0]["reference"] == "embedded-llama"
@@ -101,18 +116,25 @@ def test_a_run_stopped_during_or_after_an_evaluation_resumes_to_the_same_evaluat
         if len(calls) == 4:  # the evaluation after update 6, after the checkpoint of update 6
             raise KeyboardInterrupt
         return real_evaluate(*a, **k)
+
     def interrupt(*a, **k):
         raise KeyboardInterrupt
-    cuts = {"after": (common, "commit_checkpoint", save_then_crash), "during": (ppo, "evaluate", evaluate_then_crash),
-            "first update": (ppo, "learn", interrupt)}
+
+    cuts = {
+        "after": (common, "commit_checkpoint", save_then_crash),
+        "during": (ppo, "evaluate", evaluate_then_crash),
+        "first update": (ppo, "learn", interrupt),
+    }
     for cut, (owner, name, crash) in cuts.items():
         with monkeypatch.context() as patch:
             patch.setattr(owner, name, crash)
             with pytest.raises(KeyboardInterrupt):
                 ppo.main(ppo.Args(**args, output_dir=str(tmp_path / cut)))
         ppo.main(ppo.Args(**args, resume=True, output_dir=str(tmp_path / cut)))
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
-                        for m in ms]
+    strip = lambda ms: [
+        {k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
+        for m in ms
+    ]
     full = strip(read_metrics(tmp_path / "full"))
     assert [m["step"] for m in full if "eval/score" in m] == [0, 2, 4, 6, 8]
     for cut in cuts:
@@ -125,21 +147,34 @@ def test_a_run_without_evaluations_trains_as_one_with_them(tmp_path):
     """Evaluation reads the policy and changes nothing of training: --num_evals 0 and 2 log the same updates."""
     for n in (0, 2):
         ppo.main(ppo.Args(**dict(TINY, num_evals=n), output_dir=str(tmp_path / str(n))))
-    runs = [[{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))} for m in read_metrics(tmp_path / n)
-             if "eval/score" not in m] for n in ("0", "2")]
+    runs = [
+        [
+            {k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}
+            for m in read_metrics(tmp_path / n)
+            if "eval/score" not in m
+        ]
+        for n in ("0", "2")
+    ]
     assert runs[0] == runs[1] and len(runs[0]) == 4
 
 
-@pytest.mark.parametrize("data,flags,expected", [
-    ("pairs", ["--eval_split", "validation"], "pairs.jsonl: no split 'validation' (--eval_split); its splits: train"),
-    ("pairs", ["--eval_split", "train"], "--eval_split train is the training split"),
-    ("pairs", ["--eval_holdout", "0"], "--eval_holdout 0.0: must be a fraction within (0, 1)"),
-    ("pairs", ["--eval_holdout", "1.5"], "--eval_holdout 1.5: must be a fraction within (0, 1)"),
-    ("pairs", ["--num_eval_prompts", "0"], "--num_eval_prompts 0: must be at least 1"),
-    ("pairs", ["--num_evals", "-1"], "--num_evals -1: must be a finite number >= 0"),
-    ("one prompt", [], "every training prompt is an eval prompt"),
-    ("empty eval split", ["--eval_split", "validation"], "split 'validation' has no prompt to evaluate on"),
-])
+@pytest.mark.parametrize(
+    "data,flags,expected",
+    [
+        (
+            "pairs",
+            ["--eval_split", "validation"],
+            "pairs.jsonl: no split 'validation' (--eval_split); its splits: train",
+        ),
+        ("pairs", ["--eval_split", "train"], "--eval_split train is the training split"),
+        ("pairs", ["--eval_holdout", "0"], "--eval_holdout 0.0: must be a fraction within (0, 1)"),
+        ("pairs", ["--eval_holdout", "1.5"], "--eval_holdout 1.5: must be a fraction within (0, 1)"),
+        ("pairs", ["--num_eval_prompts", "0"], "--num_eval_prompts 0: must be at least 1"),
+        ("pairs", ["--num_evals", "-1"], "--num_evals -1: must be a finite number >= 0"),
+        ("one prompt", [], "every training prompt is an eval prompt"),
+        ("empty eval split", ["--eval_split", "validation"], "split 'validation' has no prompt to evaluate on"),
+    ],
+)
 def test_bad_evaluation_options_are_one_line_errors_with_nothing_written(tmp_path, data, flags, expected):
     rows = repeated_prompt_rows(40, distinct=1 if data == "one prompt" else 8)
     if data == "empty eval split":
@@ -150,8 +185,10 @@ def test_bad_evaluation_options_are_one_line_errors_with_nothing_written(tmp_pat
     else:
         path = write_jsonl(tmp_path / "pairs.jsonl", rows)
     out = tmp_path / "out"
-    proc = run_main(["ppo.py", "--reward_fn", "common:gold_rewards", "--dataset_name", str(path), "--output_dir",
-                     str(out), *flags], check=False)
+    proc = run_main(
+        ["ppo.py", "--reward_fn", "common:gold_rewards", "--dataset_name", str(path), "--output_dir", str(out), *flags],
+        check=False,
+    )
     assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
 
@@ -166,8 +203,11 @@ def test_eval_prompts_are_distinct_and_their_standard_errors_are_over_distinct_p
     validation = common.embedded_pairs(40, seed=11)
     texts = sorted({r["prompt"] for r in validation})[:6]
     write_jsonl(data / "validation.jsonl", [dict(r, prompt=texts[i % 6]) for i, r in enumerate(validation[:30])])
-    ppo.main(ppo.Args(**dict(TINY, num_eval_prompts=20, num_evals=1), dataset_name=str(data),
-                      output_dir=str(tmp_path / "out")))
+    ppo.main(
+        ppo.Args(
+            **dict(TINY, num_eval_prompts=20, num_evals=1), dataset_name=str(data), output_dir=str(tmp_path / "out")
+        )
+    )
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("prompts:"))
     assert "6 distinct eval prompts" in line and "only 6 distinct, each evaluated once" in line, line
     samples = [json.loads(x) for x in open(tmp_path / "out" / "eval_samples.jsonl")]
@@ -175,7 +215,7 @@ def test_eval_prompts_are_distinct_and_their_standard_errors_are_over_distinct_p
         rows = [s for s in samples if s["step"] == record["step"]]
         assert sorted(s["prompt"] for s in rows) == texts and record["eval/prompts"] == 6
         score = torch.tensor([s["score"] for s in rows], dtype=torch.float64)
-        assert record["eval/score_se"] == pytest.approx((score.std() / 6 ** 0.5).item(), rel=1e-9)
+        assert record["eval/score_se"] == pytest.approx((score.std() / 6**0.5).item(), rel=1e-9)
         assert record["eval/distinct_1"] == ppo.distinct_ngrams([s["response"] for s in rows], 1)
 
 

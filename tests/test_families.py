@@ -25,9 +25,13 @@ def preference_rows(family, n, seed=0):
     for r in common.embedded_pairs(n, seed):
         if family in TEMPLATED:
             question = r["prompt"].removeprefix("User: ").removesuffix(" Assistant:")
-            rows.append({"prompt": [{"role": "user", "content": question}],
-                         "chosen": [{"role": "assistant", "content": r["chosen"].strip()}],
-                         "rejected": [{"role": "assistant", "content": r["rejected"].strip()}]})
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": question}],
+                    "chosen": [{"role": "assistant", "content": r["chosen"].strip()}],
+                    "rejected": [{"role": "assistant", "content": r["rejected"].strip()}],
+                }
+            )
         else:
             rows.append({k: r[k] for k in ("prompt", "chosen", "rejected")})
     return rows
@@ -42,11 +46,23 @@ def trained_rm(family_dir, tmp_path_factory):
         if family not in made:
             out = tmp_path_factory.mktemp(f"rm-{family}")
             data = write_jsonl(out / "pairs.jsonl", preference_rows(family, 160))
-            rm.main(rm.Args(model_name_or_path=family_dir(family), dataset_name=data, output_dir=str(out / "model"),
-                            max_steps=4, per_device_train_batch_size=8, learning_rate=3e-3, num_evals=1,
-                            logging_steps=1, max_length=64, min_prompt_length=32))
+            rm.main(
+                rm.Args(
+                    model_name_or_path=family_dir(family),
+                    dataset_name=data,
+                    output_dir=str(out / "model"),
+                    max_steps=4,
+                    per_device_train_batch_size=8,
+                    learning_rate=3e-3,
+                    num_evals=1,
+                    logging_steps=1,
+                    max_length=64,
+                    min_prompt_length=32,
+                )
+            )
             made[family] = str(out / "model")
         return made[family]
+
     return get
 
 
@@ -79,12 +95,20 @@ def test_packed_layout_gives_the_padded_rewards_and_gradients_and_no_dropout_any
     with torch.no_grad():
         padded_inputs = rm.model_inputs(pairs, pad, rm.Args())
         assert torch.equal(padded_model.train()(**padded_inputs), padded_model.eval()(**padded_inputs))
-        alone = torch.cat([padded_model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
-                                                                                     dtype=torch.long))
-                           for k in ("chosen", "rejected") for p in pairs])  # each sequence alone, unpadded
+        alone = torch.cat(
+            [
+                padded_model(
+                    torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]), dtype=torch.long)
+                )
+                for k in ("chosen", "rejected")
+                for p in pairs
+            ]
+        )  # each sequence alone, unpadded
     results = {}
-    for name, m, inputs in (("padded", padded_model, padded_inputs),
-                            ("packed", model, rm.model_inputs(pairs, pad, chosen_args))):
+    for name, m, inputs in (
+        ("padded", padded_model, padded_inputs),
+        ("packed", model, rm.model_inputs(pairs, pad, chosen_args)),
+    ):
         m.train()
         rewards = m(**inputs)
         rc, rr = rewards.chunk(2)
@@ -109,10 +133,12 @@ def test_sampler_draws_from_the_learning_forwards_distribution(family, family_di
     rng = random.Random(0)
     prompts = common.tokenize_prompts(tokenizer, [common.embedded_prompt(rng) + " cat" * i for i in range(4)])
     query, query_mask = ppo.pad_left(prompts, max(map(len, prompts)), tokenizer.pad_token_id)
-    responses = ppo.generate(policy, query, query_mask, torch.arange(4), args, tokenizer.eos_token_id,
-                             tokenizer.pad_token_id)
-    drawn, steps = replayed_samples(policy, query, query_mask, responses, torch.arange(4), args.temperature,
-                                    tokenizer.eos_token_id)
+    responses = ppo.generate(
+        policy, query, query_mask, torch.arange(4), args, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+    drawn, steps = replayed_samples(
+        policy, query, query_mask, responses, torch.arange(4), args.temperature, tokenizer.eos_token_id
+    )
     assert torch.equal(drawn, responses[:, :steps])
 
 
@@ -124,17 +150,24 @@ def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(fa
     # cut (keeping the leading BOS; rm.py cuts a prompt only where the pair does not fit --max_length, to what the
     # longer response leaves, and drops a pair that does not fit with the prompt at --min_prompt_length), and whole
     for max_prompt_length, max_length in ((5, 16), (64, 96)):
-        args = ppo.Args(sft_model_path=path, dataset_name=write_jsonl(tmp_path / "p.jsonl", rows),
-                        max_prompt_length=max_prompt_length)
+        args = ppo.Args(
+            sft_model_path=path,
+            dataset_name=write_jsonl(tmp_path / "p.jsonl", rows),
+            max_prompt_length=max_prompt_length,
+        )
         tokenizer = ppo.load_tokenizer(args)
         kept, cut = [], 0
         for i, (row, whole) in enumerate(zip(rows, ppo.load_prompts(args, tokenizer)[0])):  # (before ppo.main cuts)
-            pairs, _ = rm.tokenize_pairs([dict(row, _source="m", _row=i)], rm.load_tokenizer(path),
-                                         rm.Args(max_length=max_length, min_prompt_length=max_prompt_length))
+            pairs, _ = rm.tokenize_pairs(
+                [dict(row, _source="m", _row=i)],
+                rm.load_tokenizer(path),
+                rm.Args(max_length=max_length, min_prompt_length=max_prompt_length),
+            )
             for pair in pairs:
                 left = max_length - max(len(pair["chosen"]), len(pair["rejected"]))  # >= max_prompt_length
                 assert left >= max_prompt_length and pair["prompt"] == ppo.truncate_prompt(
-                    whole, left, common.leading_id(tokenizer))  # ppo.py's cut, to that length
+                    whole, left, common.leading_id(tokenizer)
+                )  # ppo.py's cut, to that length
                 kept.append((pair, row))
                 cut += len(pair["prompt"]) < len(whole)
         assert kept and (cut > 0) == (max_length == 16), (len(kept), cut)
@@ -163,32 +196,51 @@ def test_saved_reward_model_reloads_with_transformers_and_gives_the_training_rew
         ours = rm.RewardModel(hf)(ids, mask)
         plain = hf(input_ids=ids, attention_mask=mask).logits.squeeze(-1)  # transformers' own pooling
     assert torch.allclose(ours, plain, atol=1e-5)
-    assert ours[:len(evals)].mean().item() == pytest.approx(results["chosen_reward"], abs=1e-4)
-    assert ours[len(evals):].mean().item() == pytest.approx(results["rejected_reward"], abs=1e-4)
+    assert ours[: len(evals)].mean().item() == pytest.approx(results["chosen_reward"], abs=1e-4)
+    assert ours[len(evals) :].mean().item() == pytest.approx(results["rejected_reward"], abs=1e-4)
 
 
 def whole_and_micro_batches(base, tmp_path, monkeypatch, **speed_paths):
     """ppo.py's first update's metrics: one micro-batch of 8; 4 of 2 in length groups (and the speed paths given)."""
     ppo.main(ppo.Args(output_dir=str(tmp_path / "whole"), per_device_train_batch_size=8, **base))
     monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
-    ppo.main(ppo.Args(output_dir=str(tmp_path / "micro"), per_device_train_batch_size=2,
-                      gradient_accumulation_steps=4, group_by_length=True, **speed_paths, **base))
+    ppo.main(
+        ppo.Args(
+            output_dir=str(tmp_path / "micro"),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=4,
+            group_by_length=True,
+            **speed_paths,
+            **base,
+        )
+    )
     return read_metrics(tmp_path / "whole")[0], read_metrics(tmp_path / "micro")[0]
 
 
 def ppo_base(family, family_dir, trained_rm, **kw):
-    return dict(sft_model_path=family_dir(family), reward_model_path=trained_rm(family), total_episodes=8,
-                num_mini_batches=1, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, sample_every=1,
-                max_prompt_length=32, **kw)
+    return dict(
+        sft_model_path=family_dir(family),
+        reward_model_path=trained_rm(family),
+        total_episodes=8,
+        num_mini_batches=1,
+        num_ppo_epochs=2,
+        response_length=6,
+        learning_rate=1e-3,
+        sample_every=1,
+        max_prompt_length=32,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("family", DECODERS)
-def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(family, family_dir, trained_rm,
-                                                                            tmp_path, monkeypatch):
+def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(
+    family, family_dir, trained_rm, tmp_path, monkeypatch
+):
     """The plain path and the speed paths (length groups, --blocked_logits one position at a time): the same update."""
     monkeypatch.setattr(ppo, "LOGIT_BLOCK", 1)
-    whole, micro = whole_and_micro_batches(ppo_base(family, family_dir, trained_rm), tmp_path, monkeypatch,
-                                           blocked_logits=True)
+    whole, micro = whole_and_micro_batches(
+        ppo_base(family, family_dir, trained_rm), tmp_path, monkeypatch, blocked_logits=True
+    )
     for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/entropy", "policy/grad_norm"):
         assert whole[key] == pytest.approx(micro[key], abs=1e-5, rel=1e-5), key
     assert whole["policy/approxkl"] > 0  # the second epoch saw a changed policy
@@ -197,14 +249,24 @@ def test_ppo_on_every_decoder_family_is_independent_of_the_micro_batch_split(fam
 
 @pytest.mark.parametrize("family", DECODERS)
 def test_critic_free_estimators_on_every_decoder_family_are_independent_of_the_micro_batch_split(
-        family, family_dir, trained_rm, tmp_path, monkeypatch):
+    family, family_dir, trained_rm, tmp_path, monkeypatch
+):
     """The critic-free estimators, KL places and loss averages over the families: the same update in length groups."""
     i = DECODERS.index(family)
-    estimator = [dict(advantage_estimator="rloo"), dict(advantage_estimator="grpo"),
-                 dict(advantage_estimator="reinforce_pp", num_samples_per_prompt=2),
-                 dict(advantage_estimator="grpo", scale_rewards=False)][i % 4]
-    base = ppo_base(family, family_dir, trained_rm, kl_penalty=["loss", "reward"][i % 2],
-                    loss_aggregation=["sequence_mean", "constant", "token_mean"][i % 3], **estimator)
+    estimator = [
+        dict(advantage_estimator="rloo"),
+        dict(advantage_estimator="grpo"),
+        dict(advantage_estimator="reinforce_pp", num_samples_per_prompt=2),
+        dict(advantage_estimator="grpo", scale_rewards=False),
+    ][i % 4]
+    base = ppo_base(
+        family,
+        family_dir,
+        trained_rm,
+        kl_penalty=["loss", "reward"][i % 2],
+        loss_aggregation=["sequence_mean", "constant", "token_mean"][i % 3],
+        **estimator,
+    )
     whole, micro = whole_and_micro_batches(base, tmp_path, monkeypatch)
     kl = ("loss/kl",) if base["kl_penalty"] == "loss" else ()
     for key in ("objective/scores", "objective/kl", "loss/policy", "policy/entropy", "policy/grad_norm", *kl):
@@ -213,8 +275,9 @@ def test_critic_free_estimators_on_every_decoder_family_are_independent_of_the_m
 
 
 @pytest.mark.parametrize("reward_family", ["llama", "bert", "deberta"])
-def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(reward_family, family_dir, trained_rm,
-                                                                          tmp_path):
+def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(
+    reward_family, family_dir, trained_rm, tmp_path
+):
     """A reward model of another vocabulary (or an encoder) reads exactly rm.py's tokens of the same text; PPO runs."""
     policy_path, rm_path = family_dir("gpt2"), trained_rm(reward_family)
     args = ppo.Args(sft_model_path=policy_path, reward_model_path=rm_path, max_prompt_length=32)
@@ -222,13 +285,17 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
     reward = ppo.load_reward(args, tokenizer)
     assert not reward.reads_policy_tokens
     prompt, answers = "User: tell me about foods such as pear Assistant:", [" cat dog", " rice soup honey"]
-    query, query_mask = ppo.pad_left(common.tokenize_prompts(tokenizer, [prompt] * 2), len(
-        common.tokenize_prompts(tokenizer, [prompt])[0]), tokenizer.pad_token_id)
+    query, query_mask = ppo.pad_left(
+        common.tokenize_prompts(tokenizer, [prompt] * 2),
+        len(common.tokenize_prompts(tokenizer, [prompt])[0]),
+        tokenizer.pad_token_id,
+    )
     responses = common.tokenize_responses(tokenizer, [prompt] * 2, answers)
     padded = tokenizer.pad({"input_ids": responses}, padding_side="right", return_tensors="pt")
     responses, mask = padded["input_ids"], padded["attention_mask"]
-    batch = ppo.Rollout(torch.cat([query, responses], 1), torch.cat([query_mask, mask.bool()], 1).long(),
-                        query.shape[1], mask.bool())
+    batch = ppo.Rollout(
+        torch.cat([query, responses], 1), torch.cat([query_mask, mask.bool()], 1).long(), query.shape[1], mask.bool()
+    )
     ids, ids_mask = ppo.reward_model_tokens(batch, torch.arange(2), tokenizer.eos_token_id, tokenizer, reward, args)
     rm_tokenizer = AutoTokenizer.from_pretrained(rm_path)
     rows = [{"prompt": prompt, "chosen": answers[0], "rejected": answers[1], "_source": "m", "_row": 0}]
@@ -247,21 +314,56 @@ def test_reward_model_with_another_tokenizer_reads_what_rm_py_trained_it_on(rewa
     ppo.score(reward, batch, [prompt] * 2, tokenizer, tokenizer.eos_token_id, args)
     scores = batch.scores
     assert torch.allclose(scores, expected, atol=1e-5)
-    ppo.score(reward, batch, [prompt] * 2, tokenizer, tokenizer.eos_token_id,
-              ppo.Args(**{**vars(args), "per_device_train_batch_size": 1}))
+    ppo.score(
+        reward,
+        batch,
+        [prompt] * 2,
+        tokenizer,
+        tokenizer.eos_token_id,
+        ppo.Args(**{**vars(args), "per_device_train_batch_size": 1}),
+    )
     assert torch.allclose(batch.scores, scores, atol=1e-6)  # scoring in micro-batches of 1 row changes nothing
-    history = ppo.main(ppo.Args(sft_model_path=policy_path, reward_model_path=rm_path, total_episodes=8,
-                                per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1,
-                                response_length=6, output_dir=str(tmp_path / "ppo"), max_prompt_length=32))
+    history = ppo.main(
+        ppo.Args(
+            sft_model_path=policy_path,
+            reward_model_path=rm_path,
+            total_episodes=8,
+            per_device_train_batch_size=4,
+            num_mini_batches=2,
+            num_ppo_epochs=1,
+            response_length=6,
+            output_dir=str(tmp_path / "ppo"),
+            max_prompt_length=32,
+        )
+    )
     assert len(history) == 1 and np.isfinite(history[0]["objective/scores"])
 
 
 @pytest.mark.parametrize("family", ["gemma2", "bert"])
 def test_two_ranks_equal_one_process_on_an_eager_decoder_and_an_encoder(family, family_dir, tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(family, 96))
-    base = ["rm.py", "--model_name_or_path", family_dir(family), "--dataset_name", data, "--max_steps", "3",
-            "--logging_steps", "1", "--num_evals", "1", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
-            "--max_length", "64", "--min_prompt_length", "32", "--padding_free"]
+    base = [
+        "rm.py",
+        "--model_name_or_path",
+        family_dir(family),
+        "--dataset_name",
+        data,
+        "--max_steps",
+        "3",
+        "--logging_steps",
+        "1",
+        "--num_evals",
+        "1",
+        "--per_device_train_batch_size",
+        "4",
+        "--learning_rate",
+        "3e-3",
+        "--max_length",
+        "64",
+        "--min_prompt_length",
+        "32",
+        "--padding_free",
+    ]
     run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
     proc, _ = run_ranks([base + ["--output_dir", str(tmp_path / "ddp")]], tmp_path)
     assert "batch layout: " + ("padded" if family in PADDED_FAMILIES else "prefix-shared + packed") in proc.stdout
@@ -279,12 +381,33 @@ def test_a_checkpoint_stored_in_bfloat16_trains_exactly_as_its_float32_copy(fami
     AutoTokenizer.from_pretrained(stored).save_pretrained(as_float32)
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 64))
     for name, path in (("bf16", stored), ("fp32", as_float32)):
-        rm.main(rm.Args(model_name_or_path=path, dataset_name=data, output_dir=str(tmp_path / f"rm-{name}"),
-                        max_steps=3, per_device_train_batch_size=8, learning_rate=1e-5, num_evals=1, max_length=64,
-                        min_prompt_length=32))
-        ppo.main(ppo.Args(sft_model_path=path, reward_model_path=trained_rm("llama"), total_episodes=8,
-                          per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2, response_length=6,
-                          learning_rate=1e-5, max_prompt_length=32, output_dir=str(tmp_path / f"ppo-{name}")))
+        rm.main(
+            rm.Args(
+                model_name_or_path=path,
+                dataset_name=data,
+                output_dir=str(tmp_path / f"rm-{name}"),
+                max_steps=3,
+                per_device_train_batch_size=8,
+                learning_rate=1e-5,
+                num_evals=1,
+                max_length=64,
+                min_prompt_length=32,
+            )
+        )
+        ppo.main(
+            ppo.Args(
+                sft_model_path=path,
+                reward_model_path=trained_rm("llama"),
+                total_episodes=8,
+                per_device_train_batch_size=4,
+                num_mini_batches=2,
+                num_ppo_epochs=2,
+                response_length=6,
+                learning_rate=1e-5,
+                max_prompt_length=32,
+                output_dir=str(tmp_path / f"ppo-{name}"),
+            )
+        )
     for script, auto in (("rm", "AutoModelForSequenceClassification"), ("ppo", "AutoModelForCausalLM")):
         import transformers
 
@@ -301,11 +424,17 @@ def test_a_checkpoint_stored_in_bfloat16_trains_exactly_as_its_float32_copy(fami
 def test_a_text_prompt_before_message_responses_is_one_prompt_in_both_scripts(family_dir, tmp_path):
     """A text prompt before message responses is the user's turn in rm.py and the prompt ppo.py samples from."""
     path = family_dir("llama3")
-    rows = [{"prompt": "tell me about foods", "chosen": [{"role": "assistant", "content": "rice"}],
-             "rejected": [{"role": "assistant", "content": "owl"}]}]
+    rows = [
+        {
+            "prompt": "tell me about foods",
+            "chosen": [{"role": "assistant", "content": "rice"}],
+            "rejected": [{"role": "assistant", "content": "owl"}],
+        }
+    ]
     tokenizer = rm.load_tokenizer(path)
-    pair = rm.tokenize_pairs([dict(rows[0], _source="m", _row=0)], tokenizer,
-                             rm.Args(max_length=96, min_prompt_length=72))[0][0]
+    pair = rm.tokenize_pairs(
+        [dict(rows[0], _source="m", _row=0)], tokenizer, rm.Args(max_length=96, min_prompt_length=72)
+    )[0][0]
     args = ppo.Args(sft_model_path=path, dataset_name=write_jsonl(tmp_path / "p.jsonl", rows), max_prompt_length=72)
     prompt_ids, texts = ppo.load_prompts(args, ppo.load_tokenizer(args))
     assert prompt_ids[0] == pair["prompt"] and "<|start_header_id|>user" in texts[0]
@@ -313,14 +442,30 @@ def test_a_text_prompt_before_message_responses_is_one_prompt_in_both_scripts(fa
 
 @pytest.mark.parametrize("family", ["gpt2", "opt"])
 def test_lengths_beyond_a_learned_position_table_are_refused_at_the_start(family, family_dir, tmp_path):
-    with pytest.raises(common.UserError, match=r"--max_length 300: 300 tokens, but .* has a learned position table of "
-                                               r"256; pass at most 256"):
-        rm.main(rm.Args(model_name_or_path=family_dir(family), max_length=300, min_prompt_length=32,
-                        dataset_name=write_jsonl(tmp_path / "d.jsonl", preference_rows(family, 80)),
-                        output_dir=str(tmp_path / "rm")))
+    with pytest.raises(
+        common.UserError,
+        match=r"--max_length 300: 300 tokens, but .* has a learned position table of "
+        r"256; pass at most 256",
+    ):
+        rm.main(
+            rm.Args(
+                model_name_or_path=family_dir(family),
+                max_length=300,
+                min_prompt_length=32,
+                dataset_name=write_jsonl(tmp_path / "d.jsonl", preference_rows(family, 80)),
+                output_dir=str(tmp_path / "rm"),
+            )
+        )
     with pytest.raises(common.UserError, match=r"--response_length \(272\): .* table of 256"):
-        ppo.main(ppo.Args(sft_model_path=family_dir(family), reward_fn="common:gold_rewards", response_length=16,
-                          max_prompt_length=256, output_dir=str(tmp_path / "ppo")))
+        ppo.main(
+            ppo.Args(
+                sft_model_path=family_dir(family),
+                reward_fn="common:gold_rewards",
+                response_length=16,
+                max_prompt_length=256,
+                output_dir=str(tmp_path / "ppo"),
+            )
+        )
     assert not os.path.exists(tmp_path / "rm" / "metrics.jsonl")  # refused before anything was written
 
 
@@ -330,23 +475,64 @@ def test_lengths_beyond_a_learned_position_table_are_refused_at_the_start(family
 def test_fsdp_ranks_fill_their_shards_from_rank_0s_copy_of_saved_models(family, family_dir, trained_rm, tmp_path):
     """Under --fsdp only rank 0 reads saved weights and broadcasts them into the shards: 2 ranks train as 1 process."""
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(family, 64))
-    rm_base = ["rm.py", "--model_name_or_path", family_dir(family), "--dataset_name", data, "--max_steps", "2",
-               "--per_device_train_batch_size", "4", "--num_evals", "1", "--max_length", "64", "--min_prompt_length",
-               "32", "--learning_rate", "3e-3", "--center_rewards_coefficient", "0.01"]
+    rm_base = [
+        "rm.py",
+        "--model_name_or_path",
+        family_dir(family),
+        "--dataset_name",
+        data,
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_evals",
+        "1",
+        "--max_length",
+        "64",
+        "--min_prompt_length",
+        "32",
+        "--learning_rate",
+        "3e-3",
+        "--center_rewards_coefficient",
+        "0.01",
+    ]
     # (the centering: without it a final layer norm's bias, which shifts both rewards of a pair alike, has no gradient
     # in exact arithmetic, and AdamW turns its rounding noise, other on 1 and 2 ranks, into steps of the rate's size)
-    ppo_base = ["ppo.py", "--sft_model_path", family_dir(family), "--reward_model_path", trained_rm(family),
-                "--total_episodes", "16", "--per_device_train_batch_size", "4", "--num_mini_batches", "1",
-                "--response_length", "6", "--max_prompt_length", "32", "--learning_rate", "1e-3"]
-    run_ranks([b + ["--fsdp", "--output_dir", str(tmp_path / f"{b[0][:-3]}-fsdp")] for b in (rm_base, ppo_base)],
-              tmp_path)
-    for script, base, auto in (("rm", rm_base, "AutoModelForSequenceClassification"),
-                               ("ppo", ppo_base, "AutoModelForCausalLM")):
+    ppo_base = [
+        "ppo.py",
+        "--sft_model_path",
+        family_dir(family),
+        "--reward_model_path",
+        trained_rm(family),
+        "--total_episodes",
+        "16",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_mini_batches",
+        "1",
+        "--response_length",
+        "6",
+        "--max_prompt_length",
+        "32",
+        "--learning_rate",
+        "1e-3",
+    ]
+    run_ranks(
+        [b + ["--fsdp", "--output_dir", str(tmp_path / f"{b[0][:-3]}-fsdp")] for b in (rm_base, ppo_base)], tmp_path
+    )
+    for script, base, auto in (
+        ("rm", rm_base, "AutoModelForSequenceClassification"),
+        ("ppo", ppo_base, "AutoModelForCausalLM"),
+    ):
         run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / f"{script}-one")])
         one, fsdp = (read_metrics(tmp_path / f"{script}-{k}") for k in ("one", "fsdp"))
-        keys = ("train/loss", "train/grad_norm") if script == "rm" else ("objective/scores", "loss/policy",
-                                                                         "loss/value", "policy/grad_norm")
+        keys = (
+            ("train/loss", "train/grad_norm")
+            if script == "rm"
+            else ("objective/scores", "loss/policy", "loss/value", "policy/grad_norm")
+        )
         for key in keys:
-            assert [m[key] for m in one if key in m] == pytest.approx([m[key] for m in fsdp if key in m], abs=1e-5,
-                                                                     rel=1e-5), (script, key)
+            assert [m[key] for m in one if key in m] == pytest.approx(
+                [m[key] for m in fsdp if key in m], abs=1e-5, rel=1e-5
+            ), (script, key)
         assert_saved_models_equal([tmp_path / f"{script}-{k}" for k in ("one", "fsdp")], auto)

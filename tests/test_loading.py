@@ -70,10 +70,12 @@ def saved(tmp_path, family, base=False, bin_weights=False):
 
 
 CASES = {  # (family, saved's options, kind, held in bfloat16 as ppo.py's frozen models, the table grown by a token)
-    "llama3": ("llama3", {}, "causal", False, False), "neox": ("neox", {}, "causal", False, False),
+    "llama3": ("llama3", {}, "causal", False, False),
+    "neox": ("neox", {}, "causal", False, False),
     "gpt2-backbone": ("gpt2", dict(base=True), "causal", True, False),
     "classifier": ("llama3", {}, "classifier", False, True),
-    "bin": ("llama3", dict(bin_weights=True), "causal", False, False)}
+    "bin": ("llama3", dict(bin_weights=True), "causal", False, False),
+}
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +84,10 @@ def sharded(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
     cases = {name: (saved(root / name, family, **options), *rest) for name, (family, options, *rest) in CASES.items()}
     torch.multiprocessing.spawn(_load_sharded, args=(str(root), cases), nprocs=2)
-    return {name: (case, [torch.load(root / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)])
-            for name, case in cases.items()}
+    return {
+        name: (case, [torch.load(root / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)])
+        for name, case in cases.items()
+    }
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -115,12 +119,31 @@ def test_ppo_critic_from_the_policy_on_two_sharded_ranks_trains_as_one_process(t
     """ppo.py's critic from the policy's backbone (a copy of rank 0's model, of the other ranks' skeletons) and a new
     head rank 0 draws: 2 FSDP ranks train as 1 process does."""
     path = saved(tmp_path, "llama3")
-    base = ["ppo.py", "--sft_model_path", path, "--reward_fn", "common:gold_rewards", "--critic_init", "policy",
-            "--total_episodes", "16", "--per_device_train_batch_size", "4", "--num_mini_batches", "1",
-            "--response_length", "6", "--max_prompt_length", "32", "--learning_rate", "1e-3"]
+    base = [
+        "ppo.py",
+        "--sft_model_path",
+        path,
+        "--reward_fn",
+        "common:gold_rewards",
+        "--critic_init",
+        "policy",
+        "--total_episodes",
+        "16",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_mini_batches",
+        "1",
+        "--response_length",
+        "6",
+        "--max_prompt_length",
+        "32",
+        "--learning_rate",
+        "1e-3",
+    ]
     run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
     run_ranks([base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")]], tmp_path)
     one, fsdp = (read_metrics(tmp_path / k) for k in ("one", "fsdp"))
     for key in ("objective/scores", "loss/policy", "loss/value", "policy/grad_norm"):
-        assert [m[key] for m in one if key in m] == pytest.approx([m[key] for m in fsdp if key in m], abs=1e-5,
-                                                                 rel=1e-5), key
+        assert [m[key] for m in one if key in m] == pytest.approx(
+            [m[key] for m in fsdp if key in m], abs=1e-5, rel=1e-5
+        ), key

@@ -36,8 +36,10 @@ def perturb_adapters(model, seed=0):
 
 def sft_adapter(family_dir, path, targets=None, task="CAUSAL_LM"):
     """An SFT model as a peft LoRA adapter folder: on the tiny Llama, perturbed as if trained, saved at path."""
-    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32),
-                             LoraConfig(r=4, target_modules=targets or ["q_proj", "v_proj"], task_type=task))
+    adapter = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32),
+        LoraConfig(r=4, target_modules=targets or ["q_proj", "v_proj"], task_type=task),
+    )
     perturb_adapters(adapter, seed=1)
     adapter.save_pretrained(path)
     return adapter
@@ -52,8 +54,9 @@ def policy_logprobs(model, tokenizer, n=3):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_merged_saves_load_without_peft_and_the_reference_is_the_policy_with_its_adapter_off(family, family_dir,
-                                                                                            tmp_path):
+def test_merged_saves_load_without_peft_and_the_reference_is_the_policy_with_its_adapter_off(
+    family, family_dir, tmp_path
+):
     """Only adapters and head train; a merged reward model or policy gives the adapted model's numbers; the reference
     is the initial policy, the adapter off."""
     args = rm.Args(model_name_or_path=family_dir(family), padding_free=False, **LORA)
@@ -139,9 +142,20 @@ def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapter
     """An SFT adapter folder trains merged: every weight with --lora_r 0 (peft loads it frozen), new adapters else."""
     adapter = sft_adapter(family_dir, tmp_path / "sft")
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 40))
-    rm.main(rm.Args(model_name_or_path=str(tmp_path / "sft"), dataset_name=data, output_dir=str(tmp_path / "rm"),
-                    lora_r=lora_r, max_steps=3, per_device_train_batch_size=4, num_evals=1, learning_rate=1e-2,
-                    max_length=64, min_prompt_length=32))
+    rm.main(
+        rm.Args(
+            model_name_or_path=str(tmp_path / "sft"),
+            dataset_name=data,
+            output_dir=str(tmp_path / "rm"),
+            lora_r=lora_r,
+            max_steps=3,
+            per_device_train_batch_size=4,
+            num_evals=1,
+            learning_rate=1e-2,
+            max_length=64,
+            min_prompt_length=32,
+        )
+    )
     start = adapter.merge_and_unload().model.state_dict()  # the SFT model: the start, merged
     saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").model.state_dict()
     # (the rows of the SFT model's vocabulary: rm.py's pad token adds one)
@@ -153,9 +167,21 @@ def test_rm_trains_from_an_sft_adapter_folder_merged_in_full_or_with_new_adapter
 def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike(family_dir, tmp_path):
     out = tmp_path / "rm"
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows("llama", 96))
-    rm.main(rm.Args(model_name_or_path=family_dir("llama"), dataset_name=data, output_dir=str(out), max_steps=3,
-                    per_device_train_batch_size=8, learning_rate=3e-2, num_evals=1, max_length=64,
-                    min_prompt_length=32, reward_normalization="shift_scale", **LORA))
+    rm.main(
+        rm.Args(
+            model_name_or_path=family_dir("llama"),
+            dataset_name=data,
+            output_dir=str(out),
+            max_steps=3,
+            per_device_train_batch_size=8,
+            learning_rate=3e-2,
+            num_evals=1,
+            max_length=64,
+            min_prompt_length=32,
+            reward_normalization="shift_scale",
+            **LORA,
+        )
+    )
     shift = json.load(open(out / "eval_results.json"))["reward_shift"]
     tokenizer = ppo.load_tokenizer(ppo.Args(sft_model_path=family_dir("llama")))
     rewards = [ppo.load_reward(ppo.Args(reward_model_path=str(p)), tokenizer) for p in (out, out / "adapter")]
@@ -166,8 +192,16 @@ def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike
     assert torch.allclose(scores[0], scores[1], atol=1e-5)
     evals = {}
     for name in ("rm", "rm/adapter"):
-        rm.main(rm.Args(model_name_or_path=str(tmp_path / name), dataset_name=data, eval_only=True,
-                        output_dir=str(tmp_path / f"eval-{len(evals)}"), max_length=64, min_prompt_length=32))
+        rm.main(
+            rm.Args(
+                model_name_or_path=str(tmp_path / name),
+                dataset_name=data,
+                eval_only=True,
+                output_dir=str(tmp_path / f"eval-{len(evals)}"),
+                max_length=64,
+                min_prompt_length=32,
+            )
+        )
         evals[name] = json.load(open(tmp_path / f"eval-{len(evals)}" / "eval_results.json"))
     for key in ("accuracy", "loss", "reward_shift", "reward_scale", "normalized_reward_mean"):
         assert evals["rm"][key] == pytest.approx(evals["rm/adapter"][key], abs=1e-5), key
@@ -175,17 +209,44 @@ def test_a_lora_reward_model_is_read_from_its_merged_folder_or_its_adapter_alike
 
 # --- training runs ----------------------------------------------------------------------------------------------------
 
-PPO_TINY = ["--total_episodes", "32", "--per_device_train_batch_size", "4", "--num_mini_batches", "2",
-            "--num_ppo_epochs", "2", "--response_length", "8", "--lora_r", "4", "--lora_alpha", "8"]
+PPO_TINY = [
+    "--total_episodes",
+    "32",
+    "--per_device_train_batch_size",
+    "4",
+    "--num_mini_batches",
+    "2",
+    "--num_ppo_epochs",
+    "2",
+    "--response_length",
+    "8",
+    "--lora_r",
+    "4",
+    "--lora_alpha",
+    "8",
+]
 
 
 def test_ppo_lora_two_ranks_equal_one_and_under_fsdp_bf16_the_adapters_stay_float32(tmp_path, reward_model_path):
-    base = ["ppo.py", "--reward_model_path", reward_model_path, *PPO_TINY, "--num_evals", "1", "--num_eval_prompts",
-            "5"]
+    base = [
+        "ppo.py",
+        "--reward_model_path",
+        reward_model_path,
+        *PPO_TINY,
+        "--num_evals",
+        "1",
+        "--num_eval_prompts",
+        "5",
+    ]
     run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
-    run_ranks([base + ["--output_dir", str(tmp_path / "ddp")],
-               base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")],
-               base + ["--fsdp", "--bf16", "--save_steps", "1", "--output_dir", str(tmp_path / "bf16")]], tmp_path)
+    run_ranks(
+        [
+            base + ["--output_dir", str(tmp_path / "ddp")],
+            base + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")],
+            base + ["--fsdp", "--bf16", "--save_steps", "1", "--output_dir", str(tmp_path / "bf16")],
+        ],
+        tmp_path,
+    )
     evals = {k: [m for m in read_metrics(tmp_path / k) if "eval/score" in m] for k in ("one", "ddp", "fsdp")}
     assert [m["step"] for m in evals["one"]] == [0, 2] and evals["one"][0]["eval/kl"] == 0.0
     for key in ("eval/score", "eval/kl", "eval/length"):  # the held-out evaluation: 2 ranks, DDP and FSDP, equal 1
@@ -200,11 +261,13 @@ def test_ppo_lora_two_ranks_equal_one_and_under_fsdp_bf16_the_adapters_stay_floa
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForCausalLM")
 
     ckpt = read_checkpoint(common.latest_checkpoint(str(tmp_path / "bf16")))
-    dtypes = {("lora_" in k or "modules_to_save" in k): v.dtype for k, v in ckpt["model"].items()
-              if v.is_floating_point() and "layers" in k or "score" in k}
+    dtypes = {
+        ("lora_" in k or "modules_to_save" in k): v.dtype
+        for k, v in ckpt["model"].items()
+        if v.is_floating_point() and "layers" in k or "score" in k
+    }
     assert dtypes == {True: torch.float32, False: torch.bfloat16}  # adapters train in float32, the base is held in bf16
-    assert {v.dtype for v in ckpt["optimizer"].values() if v.numel() > 1} == \
-        {torch.float32}
+    assert {v.dtype for v in ckpt["optimizer"].values() if v.numel() > 1} == {torch.float32}
 
 
 @pytest.mark.parametrize("critic_init", ["reward", "policy"])
@@ -218,7 +281,9 @@ def test_ppo_lora_bf16_holds_every_frozen_weight_in_bfloat16_and_trains_in_float
         assert reward.model.func is ppo.critic_as_reward
     else:  # (its scalar head float32, as every scalar head: README's precision table)
         assert {(".score." in n, p.dtype) for n, p in reward.model.named_parameters()} == {
-            (False, torch.bfloat16), (True, torch.float32)}
+            (False, torch.bfloat16),
+            (True, torch.float32),
+        }
     for model in (policy, critic):
         dtypes = {(p.requires_grad, p.dtype) for n, p in model.named_parameters() if ".score." not in n}
         assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}, dtypes
@@ -247,8 +312,9 @@ def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_re
     responses = common.tokenize_responses(tokenizer, texts, [" cat dog red" * (1 + i % 3) for i in range(6)])
     padded = tokenizer.pad({"input_ids": responses}, padding_side="right", return_tensors="pt")
     mask = padded["attention_mask"].bool()
-    batch = ppo.Rollout(torch.cat([query, padded["input_ids"]], 1), torch.cat([query_mask, mask], 1).long(),
-                        query.shape[1], mask)
+    batch = ppo.Rollout(
+        torch.cat([query, padded["input_ids"]], 1), torch.cat([query_mask, mask], 1).long(), query.shape[1], mask
+    )
     out = []
     for r in (reward, separate):
         ppo.score(r, batch, texts, tokenizer, tokenizer.eos_token_id, args)
@@ -261,12 +327,37 @@ def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_re
 
 
 @pytest.mark.parametrize("script", ["rm", "ppo"])
-def test_lora_resume_after_interruption_reproduces_uninterrupted_run(script, tmp_path, small_pairs_file,
-                                                                    reward_model_path, monkeypatch):
-    main, args = (rm.main, rm.Args(dataset_name=small_pairs_file, max_steps=6, logging_steps=1, num_evals=2,
-                                   save_steps=2, per_device_train_batch_size=8, **LORA)) if script == "rm" else \
-        (ppo.main, ppo.Args(reward_model_path=reward_model_path, total_episodes=48, per_device_train_batch_size=4,
-                            num_mini_batches=2, num_ppo_epochs=2, response_length=8, save_steps=2, **LORA))
+def test_lora_resume_after_interruption_reproduces_uninterrupted_run(
+    script, tmp_path, small_pairs_file, reward_model_path, monkeypatch
+):
+    main, args = (
+        (
+            rm.main,
+            rm.Args(
+                dataset_name=small_pairs_file,
+                max_steps=6,
+                logging_steps=1,
+                num_evals=2,
+                save_steps=2,
+                per_device_train_batch_size=8,
+                **LORA,
+            ),
+        )
+        if script == "rm"
+        else (
+            ppo.main,
+            ppo.Args(
+                reward_model_path=reward_model_path,
+                total_episodes=48,
+                per_device_train_batch_size=4,
+                num_mini_batches=2,
+                num_ppo_epochs=2,
+                response_length=8,
+                save_steps=2,
+                **LORA,
+            ),
+        )
+    )
     main(dataclasses.replace(args, output_dir=str(tmp_path / "full")))
     killed_after_checkpoint(main, dataclasses.replace(args, output_dir=str(tmp_path / "cut")), 4, monkeypatch)
     main(dataclasses.replace(args, output_dir=str(tmp_path / "cut"), resume=True))

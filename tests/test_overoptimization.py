@@ -19,8 +19,12 @@ def test_best_of_n_estimator_is_the_mean_over_every_subset():
     rng = np.random.default_rng(0)
     proxy, gold = rng.normal(size=(3, 7)), rng.normal(size=(3, 7))
     for n in range(1, 8):
-        direct = np.mean([np.mean([g[list(s)][np.argmax(p[list(s)])] for s in itertools.combinations(range(7), n)])
-                          for p, g in zip(proxy, gold)])
+        direct = np.mean(
+            [
+                np.mean([g[list(s)][np.argmax(p[list(s)])] for s in itertools.combinations(range(7), n)])
+                for p, g in zip(proxy, gold)
+            ]
+        )
         assert overoptimization.best_of_n(proxy, gold, n) == pytest.approx(direct, abs=1e-12), n
 
 
@@ -41,11 +45,25 @@ def test_fits_are_on_the_mean_curve_over_seeds():
     d = np.linspace(0.2, 6, 20)
     truth = {"alpha": 0.5, "beta": 0.2}
     noise = 0.05 * np.sin(3 * d)
-    runs = [{"pairs": 500, "seed": seed, "gold_init": 0.4, "proxy_init": 0.0, "accuracy": 0.6, "bayes_accuracy": 0.7,
-             "bon": [{"d": x, "gold": 0.4 + overoptimization.curve("bon", truth, x) + sign * e, "proxy": 0.0}
-                     for x, e in zip(d, noise)],
-             "rl": [{"d": x, "gold": 0.4 + overoptimization.curve("rl", truth, x) + sign * e, "proxy": 0.0}
-                    for x, e in zip(d, noise)]} for seed, sign in ((1, 1), (2, -1))]
+    runs = [
+        {
+            "pairs": 500,
+            "seed": seed,
+            "gold_init": 0.4,
+            "proxy_init": 0.0,
+            "accuracy": 0.6,
+            "bayes_accuracy": 0.7,
+            "bon": [
+                {"d": x, "gold": 0.4 + overoptimization.curve("bon", truth, x) + sign * e, "proxy": 0.0}
+                for x, e in zip(d, noise)
+            ],
+            "rl": [
+                {"d": x, "gold": 0.4 + overoptimization.curve("rl", truth, x) + sign * e, "proxy": 0.0}
+                for x, e in zip(d, noise)
+            ],
+        }
+        for seed, sign in ((1, 1), (2, -1))
+    ]
     (row,) = overoptimization.summarize(runs)
     for form in ("bon", "rl"):
         assert row[form]["alpha"] == pytest.approx(0.5) and row[form]["beta"] == pytest.approx(0.2), form

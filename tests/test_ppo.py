@@ -48,8 +48,10 @@ TOK = common.embedded_tokenizer()
 def test_gae_matches_float64_reference_with_masked_tails():
     g = torch.Generator().manual_seed(0)
     B, T, gamma, lam = 5, 7, 0.99, 0.9
-    rewards, values = torch.randn(B, T, generator=g, dtype=torch.float64), torch.randn(B, T, generator=g,
-                                                                                     dtype=torch.float64)
+    rewards, values = (
+        torch.randn(B, T, generator=g, dtype=torch.float64),
+        torch.randn(B, T, generator=g, dtype=torch.float64),
+    )
     lengths = [7, 1, 4, 3, 6]
     mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).double()
     adv, ret = ppo.gae(rewards, values, mask, gamma, lam)
@@ -104,8 +106,9 @@ def test_policy_loss_statistics_stay_finite_on_padding_whose_log_prob_is_minus_i
     for name, value in stats.items():
         assert torch.isfinite(value).all() and torch.isfinite((value * mask).sum()), name
     assert torch.isfinite(loss * mask).all()
-    assert stats["ratio"][0, 0].item() == pytest.approx(math.exp(0.2)) and stats["approxkl"][1, 0].item() == \
-        pytest.approx(0.5 * 0.1 ** 2)
+    assert stats["ratio"][0, 0].item() == pytest.approx(math.exp(0.2)) and stats["approxkl"][
+        1, 0
+    ].item() == pytest.approx(0.5 * 0.1**2)
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
@@ -123,19 +126,38 @@ def test_the_loss_mean_is_its_formula_whatever_the_micro_batches(aggregation, mo
     responses = torch.randint(20, len(TOK), (4, 4), generator=g).masked_fill(~mask, TOK.pad_token_id)
     adv = torch.randn(4, 4, generator=g) * mask
     real = [(-adv[i, :n]).tolist() for i, n in enumerate(lengths)]
-    expected = {"token_mean": sum(map(sum, real)) / 10, "sequence_mean": sum(sum(r) / len(r) for r in real) / 4,
-                "constant": sum(map(sum, real)) / (4 * 4)}[aggregation]
+    expected = {
+        "token_mean": sum(map(sum, real)) / 10,
+        "sequence_mean": sum(sum(r) / len(r) for r in real) / 4,
+        "constant": sum(map(sum, real)) / (4 * 4),
+    }[aggregation]
     stepped, real = [], ppo.clip_and_step
     monkeypatch.setattr(ppo, "clip_and_step", lambda *a: stepped.append(a[-1].item()) or real(*a))
     for micro, accumulation in ((4, 1), (2, 2)):
-        args = ppo.Args(per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation, num_mini_batches=1,
-                        num_ppo_epochs=1, response_length=4, loss_aggregation=aggregation)
+        args = ppo.Args(
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=accumulation,
+            num_mini_batches=1,
+            num_ppo_epochs=1,
+            response_length=4,
+            loss_aggregation=aggregation,
+        )
         batch = ppo.Rollout(torch.cat([query, responses], 1), torch.cat([qmask, mask], 1).long(), query.shape[1], mask)
         ppo.logprobs_and_values(policy, policy, None, batch, args, 0, contextlib.nullcontext)
         batch.advantages = adv
         trainable = torch.nn.ModuleDict({"policy": policy})
-        stats = ppo.learn(policy, None, trainable, torch.optim.SGD(policy.parameters(), lr=0.0), batch, 0.1, args, 0,
-                          None, TOK.pad_token_id)
+        stats = ppo.learn(
+            policy,
+            None,
+            trainable,
+            torch.optim.SGD(policy.parameters(), lr=0.0),
+            batch,
+            0.1,
+            args,
+            0,
+            None,
+            TOK.pad_token_id,
+        )
         assert stats["loss/policy"] == pytest.approx(expected, abs=1e-6), (micro, accumulation)
         assert stepped[-1] == pytest.approx(expected, abs=1e-6), (micro, accumulation)
         assert stats["policy/ratio"] == pytest.approx(1.0, abs=1e-6) and stats["policy/clipfrac"] == 0.0
@@ -147,8 +169,8 @@ def test_critic_free_estimators_match_their_formulas():
     rloo, grpo = ppo.rloo_advantages(returns, k), ppo.grpo_advantages(returns, k)
     dr_grpo = ppo.grpo_advantages(returns, k, scale=False)
     for i in range(12):
-        group = returns[i // k * k:(i // k + 1) * k].tolist()
-        others = group[:i % k] + group[i % k + 1:]
+        group = returns[i // k * k : (i // k + 1) * k].tolist()
+        others = group[: i % k] + group[i % k + 1 :]
         assert rloo[i].item() == pytest.approx(returns[i].item() - sum(others) / (k - 1), abs=1e-12)
         mean = sum(group) / k
         std = (sum((r - mean) ** 2 for r in group) / (k - 1)) ** 0.5
@@ -156,8 +178,11 @@ def test_critic_free_estimators_match_their_formulas():
         assert dr_grpo[i].item() == pytest.approx(returns[i].item() - mean, abs=1e-12)
     # a prompt whose K returns are equal teaches nothing: zero advantage, with and without the std division
     equal = torch.tensor([1.5] * 4 + [0.0, 1.0, 2.0, 3.0], dtype=torch.float64)
-    for adv in (ppo.rloo_advantages(equal, 4), ppo.grpo_advantages(equal, 4),
-                ppo.grpo_advantages(equal, 4, scale=False)):
+    for adv in (
+        ppo.rloo_advantages(equal, 4),
+        ppo.grpo_advantages(equal, 4),
+        ppo.grpo_advantages(equal, 4, scale=False),
+    ):
         assert (adv[:4] == 0).all() and (adv[4:] != 0).all()
     # REINFORCE++: each token's discounted return of the rewards, whitened over the batch's real tokens
     B, T, gamma = 3, 5, 0.9
@@ -183,13 +208,24 @@ def test_advantages_phase_puts_the_kl_where_asked(estimator, kl_penalty):
     B, T, coef = 8, 5, 0.3
     mask = torch.arange(T)[None] < torch.tensor([5, 2, 3, 1, 4, 5, 2, 3])[:, None]
     drawn = lambda: torch.randn(B, T, generator=g) * mask  # noqa: E731
-    batch = ppo.Rollout(torch.zeros(B, T + 2, dtype=torch.long), torch.ones(B, T + 2, dtype=torch.long), 2, mask,
-                        logprobs=drawn(), scores=torch.randn(B, generator=g), values=drawn(), ref_logprobs=drawn())
+    batch = ppo.Rollout(
+        torch.zeros(B, T + 2, dtype=torch.long),
+        torch.ones(B, T + 2, dtype=torch.long),
+        2,
+        mask,
+        logprobs=drawn(),
+        scores=torch.randn(B, generator=g),
+        values=drawn(),
+        ref_logprobs=drawn(),
+    )
     args = ppo.Args(advantage_estimator=estimator, kl_penalty=kl_penalty)
     ppo.fill_defaults(args, None)
     kl, non_score = ppo.advantages(batch, coef, args)
-    expected_kl = (batch.logprobs - batch.ref_logprobs) if args.kl_estimator == "k1" else \
-        ppo.kl_per_token(batch.logprobs, batch.ref_logprobs, "k3")
+    expected_kl = (
+        (batch.logprobs - batch.ref_logprobs)
+        if args.kl_estimator == "k1"
+        else ppo.kl_per_token(batch.logprobs, batch.ref_logprobs, "k3")
+    )
     assert torch.allclose(kl, expected_kl * mask)
     assert torch.allclose(non_score, -coef * kl if kl_penalty == "reward" else torch.zeros_like(kl))
     returns = batch.scores + non_score.sum(1)
@@ -218,8 +254,12 @@ def test_each_estimator_runs_its_papers_defaults_and_a_flag_overrides_them(capsy
     """--advantage_estimator alone runs its paper: grpo puts the KL in the loss with k3 and averages each response's
     tokens first (Shao et al. 2024, eq. 3); gae, rloo (Ahmadian et al. 2024) and reinforce_pp (Hu 2025) put it in each
     token's reward with k1 and average tokens. fill_defaults prints what it filled, and a given flag keeps its value."""
-    papers = {"gae": ("reward", "k1", "token_mean", 1), "rloo": ("reward", "k1", "token_mean", 4),
-              "grpo": ("loss", "k3", "sequence_mean", 4), "reinforce_pp": ("reward", "k1", "token_mean", 1)}
+    papers = {
+        "gae": ("reward", "k1", "token_mean", 1),
+        "rloo": ("reward", "k1", "token_mean", 4),
+        "grpo": ("loss", "k3", "sequence_mean", 4),
+        "reinforce_pp": ("reward", "k1", "token_mean", 1),
+    }
     for estimator, expected in papers.items():
         args = ppo.Args(advantage_estimator=estimator, reward_fn="common:gold_rewards")
         ppo.check_args(args)  # (before fill_defaults, as main() runs them)
@@ -244,8 +284,15 @@ def test_kl_in_the_loss_stays_finite_when_padding_is_improbable(tmp_path, monkey
         return logprobs.masked_fill(mask[:, context:] == 0, -200.0), entropy
 
     monkeypatch.setattr(ppo, "response_logprobs", improbable_padding)
-    history = ppo.main(ppo.Args(kl_penalty="loss", reward_fn="common:gold_rewards", total_episodes=32,
-                                per_device_train_batch_size=8, output_dir=str(tmp_path)))
+    history = ppo.main(
+        ppo.Args(
+            kl_penalty="loss",
+            reward_fn="common:gold_rewards",
+            total_episodes=32,
+            per_device_train_batch_size=8,
+            output_dir=str(tmp_path),
+        )
+    )
     losses = [m["loss/kl"] for m in read_metrics(tmp_path)]
     assert len(history) == 2 and all(math.isfinite(x) for x in losses), losses
 
@@ -260,7 +307,7 @@ def test_kl_estimators_are_unbiased_for_known_distributions_and_an_unknown_one_i
     assert k1.mean().item() == pytest.approx(exact, abs=0.01)
     assert k3.mean().item() == pytest.approx(exact, abs=0.01)
     assert (k3 >= 0).all()
-    r = (lq - lp)
+    r = lq - lp
     assert torch.allclose(k3, r.exp() - 1 - r)
     for estimator in (None, "k2", "K3"):  # not read as k3
         with pytest.raises(ValueError, match="unknown KL estimator"):
@@ -304,8 +351,11 @@ def test_length_groups_cover_every_row_once_near_the_least_padded_cost():
         cost = lambda gs: sum(len(g) * (max(p[g].tolist()) + max(r[g].tolist())) + overhead for g in gs)  # noqa
         order = sorted(range(n), key=lambda i: (p[i] + r[i], p[i]))
         assert [i for g in groups for i in g.tolist()] == order  # consecutive runs of the sorted rows
-        best = min(cost([order[a:b] for a, b in zip((0,) + cuts, cuts + (n,))])
-                   for k in range(n) for cuts in itertools.combinations(range(1, n), k))
+        best = min(
+            cost([order[a:b] for a, b in zip((0,) + cuts, cuts + (n,))])
+            for k in range(n)
+            for cuts in itertools.combinations(range(1, n), k)
+        )
         assert cost([g.tolist() for g in groups]) <= best * (1.03 if n == 13 else 1.15)
         if overhead == 10**6:
             assert len(groups) == 1
@@ -336,8 +386,9 @@ def test_sampler_draws_from_the_learning_distribution_and_does_not_depend_on_bat
     # each prompt alone (no padding, other batch) samples the same response: streams are per episode
     for i in range(5):
         q = torch.tensor([prompts[i]])
-        alone = ppo.generate(policy, q, torch.ones_like(q, dtype=torch.bool), seeds[i:i + 1], args, TOK.eos_token_id,
-                             TOK.pad_token_id)
+        alone = ppo.generate(
+            policy, q, torch.ones_like(q, dtype=torch.bool), seeds[i : i + 1], args, TOK.eos_token_id, TOK.pad_token_id
+        )
         alone, alone_mask = ppo.truncate_after_stop(alone, TOK.eos_token_id, TOK.pad_token_id)
         assert alone[0][alone_mask[0]].tolist() == responses[i][mask[i]].tolist()
 
@@ -350,7 +401,7 @@ def test_sampler_draws_softmax_with_each_episodes_own_uniforms_whatever_the_batc
     u = ppo.episode_uniform(seeds, 3)
     assert u.dtype == torch.float64 and 0 < u.min() and u.max() < 1
     for i in (0, 17, 63):
-        assert torch.equal(ppo.episode_uniform(seeds[i:i + 1], 3), u[i:i + 1])
+        assert torch.equal(ppo.episode_uniform(seeds[i : i + 1], 3), u[i : i + 1])
         assert ppo.episode_uniform(seeds[[i, 5, 2]], torch.tensor(3))[0] == u[i]
     counts, expected = torch.histc(u, bins=64, min=0, max=1), len(u) / 64
     assert ((counts - expected) ** 2 / expected).sum() < 120  # 63 degrees of freedom: P(chi2 > 120) < 1e-4
@@ -359,7 +410,7 @@ def test_sampler_draws_softmax_with_each_episodes_own_uniforms_whatever_the_batc
         assert abs((a * b).mean() / (a.std() * b.std())) < 0.035  # (n = 20k: a null correlation's std is 0.007)
     row = torch.tensor([2.0, 0.5, -float("inf"), 0.0, 1.0, -1.0] * 2)
     logits, p = row[None].expand(len(seeds), -1), row.exp() / row.exp().sum()
-    drawn = torch.cat([ppo.sample_tokens(logits[i:i + 5000], seeds[i:i + 5000], 7) for i in range(0, 20000, 5000)])
+    drawn = torch.cat([ppo.sample_tokens(logits[i : i + 5000], seeds[i : i + 5000], 7) for i in range(0, 20000, 5000)])
     assert torch.equal(drawn[[9, 4, 0]], ppo.sample_tokens(logits[:3], seeds[[9, 4, 0]], 7))  # (another batch)
     counts, real = torch.bincount(drawn, minlength=12).double(), p > 0
     assert counts[2] == 0 and counts[8] == 0
@@ -377,13 +428,14 @@ def test_compiled_decode_samples_the_plain_decodes_tokens(monkeypatch):
     for first in (0, 6):  # the second rollout's prompts of another width: compiled once all the same
         if first:
             monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-        prompts = [p[:len(p) - first // 3] for p in sample_prompts(6, seed=1 + first)]
+        prompts = [p[: len(p) - first // 3] for p in sample_prompts(6, seed=1 + first)]
         query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
         widths.append(query.shape[1])
         seeds = torch.arange(first, first + 6)
         plain = ppo.generate(policy, query, qmask, seeds, args, TOK.eos_token_id, TOK.pad_token_id)
-        compiled = ppo.generate(policy, query, qmask, seeds, dataclasses.replace(args, compile=True),
-                                TOK.eos_token_id, TOK.pad_token_id)
+        compiled = ppo.generate(
+            policy, query, qmask, seeds, dataclasses.replace(args, compile=True), TOK.eos_token_id, TOK.pad_token_id
+        )
         assert torch.equal(compiled, plain), (compiled, plain)
         assert (plain == TOK.eos_token_id).any(1).all() and (plain[:, -1] == TOK.pad_token_id).all()  # (all stop)
     assert widths[0] != widths[1] and max(widths) <= 16
@@ -392,16 +444,38 @@ def test_compiled_decode_samples_the_plain_decodes_tokens(monkeypatch):
     gc.collect()
     assert len(ppo.DECODES) == 0  # (the model is not kept alive, nor its cache)
 
+
 # --- training runs ----------------------------------------------------------------------------------------------------
 
-TINY = ["--total_episodes", "64", "--per_device_train_batch_size", "4", "--num_mini_batches", "2",
-        "--num_ppo_epochs", "2", "--sample_every", "1", "--response_length", "12"]
+TINY = [
+    "--total_episodes",
+    "64",
+    "--per_device_train_batch_size",
+    "4",
+    "--num_mini_batches",
+    "2",
+    "--num_ppo_epochs",
+    "2",
+    "--sample_every",
+    "1",
+    "--response_length",
+    "12",
+]
 
 
 ESTIMATORS = {  # the default, and two critic-free estimators with the KL in the loss and the other two averages
-    "gae": [], "rloo": ["--advantage_estimator", "rloo", "--kl_penalty", "loss", "--loss_aggregation", "sequence_mean"],
-    "dr-grpo": ["--advantage_estimator", "grpo", "--no_scale_rewards", "--kl_penalty", "loss", "--loss_aggregation",
-                "constant"]}
+    "gae": [],
+    "rloo": ["--advantage_estimator", "rloo", "--kl_penalty", "loss", "--loss_aggregation", "sequence_mean"],
+    "dr-grpo": [
+        "--advantage_estimator",
+        "grpo",
+        "--no_scale_rewards",
+        "--kl_penalty",
+        "loss",
+        "--loss_aggregation",
+        "constant",
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -413,12 +487,35 @@ def split_runs(tmp_path_factory, reward_model_path):
     one process: also on every decoder family, in test_families.py.)"""
     root, jobs = tmp_path_factory.mktemp("split"), []
     for estimator, flags in ESTIMATORS.items():
-        base = ["ppo.py", "--reward_model_path", reward_model_path, *TINY, *flags, "--ptx_coef", "0.1",
-                "--ptx_dataset_name", "embedded", "--num_evals", "1", "--num_eval_prompts", "5"]
+        base = [
+            "ppo.py",
+            "--reward_model_path",
+            reward_model_path,
+            *TINY,
+            *flags,
+            "--ptx_coef",
+            "0.1",
+            "--ptx_dataset_name",
+            "embedded",
+            "--num_evals",
+            "1",
+            "--num_eval_prompts",
+            "5",
+        ]
         run_main(base + ["--gradient_accumulation_steps", "2", "--output_dir", str(root / estimator / "one")])
-        jobs += [base + ["--output_dir", str(root / estimator / "ddp")], base + [
-            "--fsdp", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--output_dir",
-            str(root / estimator / "fsdp")]]
+        jobs += [
+            base + ["--output_dir", str(root / estimator / "ddp")],
+            base
+            + [
+                "--fsdp",
+                "--per_device_train_batch_size",
+                "2",
+                "--gradient_accumulation_steps",
+                "2",
+                "--output_dir",
+                str(root / estimator / "fsdp"),
+            ],
+        ]
     run_ranks(jobs, root)
     return root
 
@@ -435,8 +532,17 @@ def test_two_process_ddp_and_fsdp_match_one_process(estimator, split_runs):
             assert np.allclose([m[key] for m in evals[k]], whole, atol=1e-5, rtol=1e-5), (key, k, evals[k], whole)
     critic = ("loss/value",) if estimator == "gae" else ("loss/kl",)
     assert all((k in runs["one"][0]) == (estimator == "gae") for k in ("loss/value", "val/mean", "val/clipfrac"))
-    for key in ("objective/scores", "objective/kl", "gold/mean", "loss/policy", "loss/ptx", "policy/entropy",
-                "policy/approxkl", "policy/grad_norm", *critic):
+    for key in (
+        "objective/scores",
+        "objective/kl",
+        "gold/mean",
+        "loss/policy",
+        "loss/ptx",
+        "policy/entropy",
+        "policy/approxkl",
+        "policy/grad_norm",
+        *critic,
+    ):
         whole = [m[key] for m in runs["one"]]
         for k in ("ddp", "fsdp"):
             assert np.allclose([m[key] for m in runs[k]], whole, atol=1e-5, rtol=1e-5), (key, k, runs[k], whole)
@@ -456,23 +562,35 @@ def test_resume_on_another_number_of_ranks_continues_where_the_episodes_left_off
     one = ["--gradient_accumulation_steps", "2"]
     for cut, resumed in (("two_cut", "one_resumed"), ("one_cut", "two_resumed")):
         trace = dict(TRACE=str(tmp_path / f"{cut}.trace"))
-        proc = run_script(base + (one if "one" in cut else []) + ["--save_steps", "2", "--output_dir",
-                                                                  str(tmp_path / resumed)],
-                          check=False, nproc=2 if "two" in cut else 1, env=dict(STOP_AFTER_SAVE="2", **trace))
+        proc = run_script(
+            base + (one if "one" in cut else []) + ["--save_steps", "2", "--output_dir", str(tmp_path / resumed)],
+            check=False,
+            nproc=2 if "two" in cut else 1,
+            env=dict(STOP_AFTER_SAVE="2", **trace),
+        )
         assert proc.returncode == (1 if "two" in cut else 3), proc.stderr[-2000:]
-        run_script(base + (one if "one" in resumed else []) + ["--resume", "--output_dir", str(tmp_path / resumed)],
-                   nproc=2 if "two" in resumed else 1, env=trace)
-        seeds = [e for r in (0, 1) if os.path.exists(f"{trace['TRACE']}.rank{r}")
-                 for line in open(f"{trace['TRACE']}.rank{r}") for e in json.loads(line)]
+        run_script(
+            base + (one if "one" in resumed else []) + ["--resume", "--output_dir", str(tmp_path / resumed)],
+            nproc=2 if "two" in resumed else 1,
+            env=trace,
+        )
+        seeds = [
+            e
+            for r in (0, 1)
+            if os.path.exists(f"{trace['TRACE']}.rank{r}")
+            for line in open(f"{trace['TRACE']}.rank{r}")
+            for e in json.loads(line)
+        ]
         assert sorted(seeds) == sorted(common.seed_of(1, "sampling", e) for e in range(64)), cut
         metrics = read_metrics(tmp_path / resumed)
         assert [m["episodes"] for m in metrics] == [16, 32, 48, 64]
         assert [m["step"] for m in metrics] == [1, 2, 3, 4]
         before = [0] + [m["episodes"] for m in metrics[:-1]]  # the episodes done when each update began
         assert np.allclose([m["lr"] for m in metrics], [3e-4 * (1 - e / 64) for e in before])
-        again = run_script(base + (one if "two" in resumed else []) + ["--resume", "--output_dir",
-                                                                       str(tmp_path / resumed)],
-                           nproc=1 if "two" in resumed else 2)  # on the other number of ranks: finished
+        again = run_script(
+            base + (one if "two" in resumed else []) + ["--resume", "--output_dir", str(tmp_path / resumed)],
+            nproc=1 if "two" in resumed else 2,
+        )  # on the other number of ranks: finished
         assert "the run is complete" in again.stdout, again.stdout[-2000:]
 
 
@@ -481,13 +599,16 @@ def test_embedded_sft_policy_is_trained_once_then_read_from_its_cache_file(tmp_p
     random state left behind, so the run goes on as it would have. Another setting has its own file; a file written by
     other code, or that cannot be read, is trained again and rewritten."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
     def made(steps=3):
         model = ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=steps)
         return model.state_dict(), torch.get_rng_state()
 
     def same(a, b):
-        return a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and torch.equal(a[1],
-                                                                                                               b[1])
+        return (
+            a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and torch.equal(a[1], b[1])
+        )
+
     trained = made()
     files = list((tmp_path / "rlhf").iterdir())
     assert len(files) == 1 and files[0].name.startswith("embedded-llama-") and files[0].suffix == ".pt"
@@ -504,8 +625,9 @@ def test_embedded_sft_policy_is_trained_once_then_read_from_its_cache_file(tmp_p
 
 def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, reward_model_path):
     out = tmp_path / "ppo"
-    history = ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(out), total_episodes=1280,
-                                sample_every=100))
+    history = ppo.main(
+        ppo.Args(reward_model_path=reward_model_path, output_dir=str(out), total_episodes=1280, sample_every=100)
+    )
     results = json.load(open(out / "ppo_results.json"))
     # half the initial spread of the gold score: a run that does not learn moves the mean of 5 x 32 episodes by about
     # 0.05 (0.44 / sqrt(160) per window), a tenth of this margin
@@ -522,16 +644,32 @@ def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, rew
     for name, model in (("trained", trained), ("initial", initial)):
         r = ppo.generate(model, query, qmask, torch.arange(48), ppo.Args(), TOK.eos_token_id, TOK.pad_token_id)
         r, m = ppo.truncate_after_stop(r, TOK.eos_token_id, TOK.pad_token_id)
-        golds[name] = np.mean([common.gold_reward(TOK.decode(q[qm]), TOK.decode(x[k & (x != TOK.eos_token_id)]))
-                               for q, qm, x, k in zip(query, qmask, r, m)])
+        golds[name] = np.mean(
+            [
+                common.gold_reward(TOK.decode(q[qm]), TOK.decode(x[k & (x != TOK.eos_token_id)]))
+                for q, qm, x, k in zip(query, qmask, r, m)
+            ]
+        )
     assert golds["trained"] > golds["initial"] + 0.2, golds
 
 
-@pytest.mark.parametrize("estimator", [{}, dict(advantage_estimator="grpo", kl_penalty="loss",
-                                                loss_aggregation="sequence_mean")], ids=["gae", "grpo"])
+@pytest.mark.parametrize(
+    "estimator",
+    [{}, dict(advantage_estimator="grpo", kl_penalty="loss", loss_aggregation="sequence_mean")],
+    ids=["gae", "grpo"],
+)
 def test_resume_after_interruption_reproduces_uninterrupted_run(estimator, tmp_path, reward_model_path, monkeypatch):
-    args = dict(reward_model_path=reward_model_path, total_episodes=96, per_device_train_batch_size=4,
-                num_mini_batches=2, num_ppo_epochs=2, save_steps=4, target_kl=0.5, kl_horizon=100, **estimator)
+    args = dict(
+        reward_model_path=reward_model_path,
+        total_episodes=96,
+        per_device_train_batch_size=4,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        save_steps=4,
+        target_kl=0.5,
+        kl_horizon=100,
+        **estimator,
+    )
     ppo.main(ppo.Args(output_dir=str(tmp_path / "full"), **args))
     real_save = common.commit_checkpoint
 
@@ -546,8 +684,10 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(estimator, tmp_p
     monkeypatch.setattr(common, "commit_checkpoint", real_save)
     shutil.copytree(tmp_path / "cut", tmp_path / "short")
     ppo.main(ppo.Args(output_dir=str(tmp_path / "cut"), resume=True, **args))
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
-                        for m in ms]
+    strip = lambda ms: [
+        {k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
+        for m in ms
+    ]
     full, cut = strip(read_metrics(tmp_path / "full")), strip(read_metrics(tmp_path / "cut"))
     assert len(full) == 12 and cut == full
     samples = [open(tmp_path / k / "samples.jsonl").read() for k in ("full", "cut")]
@@ -573,24 +713,49 @@ def test_a_killed_or_stopped_rank_ends_the_job_and_its_checkpoint_resumes_on_one
     stops after the same update (they agree in a collective, so none waits for the other), they save a checkpoint
     together and exit 143 without a traceback, the one line on how to resume last. Each checkpoint resumes in one
     process, and the run ends as the uninterrupted one-process run does."""
-    base = ["--reward_fn", "common:gold_rewards", *TINY, "--total_episodes", "128", "--gradient_accumulation_steps",
-            "2", "--num_evals", "0"]
+    base = [
+        "--reward_fn",
+        "common:gold_rewards",
+        *TINY,
+        "--total_episodes",
+        "128",
+        "--gradient_accumulation_steps",
+        "2",
+        "--num_evals",
+        "0",
+    ]
     jobs = {}
     for cut, flags in (("killed", ["--fsdp", "--save_steps", "2"]), ("stopped", [])):
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                    str(29500 + (os.getpid() + 7) % 1000), "--log-dir", str(tmp_path / f"{cut}-logs"), "--redirects",
-                    "3"]
-        job = subprocess.Popen(launcher + ["ppo.py", *base, "--per_device_train_batch_size", "2", *flags,
-                                           "--output_dir", str(tmp_path / cut)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(29500 + (os.getpid() + 7) % 1000),
+            "--log-dir",
+            str(tmp_path / f"{cut}-logs"),
+            "--redirects",
+            "3",
+        ]
+        job = subprocess.Popen(
+            launcher
+            + ["ppo.py", *base, "--per_device_train_batch_size", "2", *flags, "--output_dir", str(tmp_path / cut)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
         ready = tmp_path / cut / ("checkpoints/latest" if cut == "killed" else "metrics.jsonl")
         deadline = time.time() + 300
         while not (ready.exists() and ready.read_text()) and job.poll() is None and time.time() < deadline:
             time.sleep(0.01)
         assert job.poll() is None, "the run ended before it could be signalled"
         workers = open(f"/proc/{job.pid}/task/{job.pid}/children").read().split()
-        rank1 = next(p for p in workers if b"RANK=1\0" in open(f"/proc/{p}/environ", "rb").read().replace(
-            b"LOCAL_RANK=1\0", b""))
+        rank1 = next(
+            p for p in workers if b"RANK=1\0" in open(f"/proc/{p}/environ", "rb").read().replace(b"LOCAL_RANK=1\0", b"")
+        )
         sent = time.time()
         os.kill(int(rank1), signal.SIGKILL if cut == "killed" else signal.SIGTERM)
         job.wait(timeout=120)
@@ -602,8 +767,11 @@ def test_a_killed_or_stopped_rank_ends_the_job_and_its_checkpoint_resumes_on_one
         assert "Traceback" not in stderr, stderr[-3000:]
     last = next((tmp_path / "stopped-logs").rglob("attempt_0/0/stderr.log")).read_text().strip().splitlines()[-1]
     assert last.startswith(f"stopped by SIGTERM after step {jobs['stopped']}") and "--resume" in last, last
-    for folder, resume in ((tmp_path / "killed", ["--resume"]), (tmp_path / "stopped", ["--resume"]),
-                           (tmp_path / "one", [])):  # in this process: no imports to wait for
+    for folder, resume in (
+        (tmp_path / "killed", ["--resume"]),
+        (tmp_path / "stopped", ["--resume"]),
+        (tmp_path / "one", []),
+    ):  # in this process: no imports to wait for
         run_main(["ppo.py", *base, *resume, "--output_dir", str(folder)])
     runs = {k: read_metrics(tmp_path / k) for k in ("one", "killed", "stopped")}
     for cut in ("killed", "stopped"):
@@ -616,12 +784,25 @@ def test_a_killed_or_stopped_rank_ends_the_job_and_its_checkpoint_resumes_on_one
 
 
 def test_gradient_checkpointing_changes_no_number(tmp_path, reward_model_path):
-    args = dict(reward_model_path=reward_model_path, total_episodes=32, per_device_train_batch_size=4,
-                num_mini_batches=2, num_ppo_epochs=2, response_length=8, ptx_coef=0.1, ptx_dataset_name="embedded")
+    args = dict(
+        reward_model_path=reward_model_path,
+        total_episodes=32,
+        per_device_train_batch_size=4,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        response_length=8,
+        ptx_coef=0.1,
+        ptx_dataset_name="embedded",
+    )
     for name in ("plain", "recomputed"):
         ppo.main(ppo.Args(output_dir=str(tmp_path / name), gradient_checkpointing=name == "recomputed", **args))
-    plain, recomputed = ([{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # (the process's)
-                          for m in read_metrics(tmp_path / k)] for k in ("plain", "recomputed"))
+    plain, recomputed = (
+        [
+            {k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # (the process's)
+            for m in read_metrics(tmp_path / k)
+        ]
+        for k in ("plain", "recomputed")
+    )
     assert len(plain) == len(recomputed) == 4
     assert all(a == pytest.approx(b, abs=1e-6, rel=1e-6) for a, b in zip(plain, recomputed)), (plain, recomputed)
     assert plain[-1]["policy/approxkl"] > 0
@@ -629,20 +810,46 @@ def test_gradient_checkpointing_changes_no_number(tmp_path, reward_model_path):
 
 def test_neox_policy_with_chat_template_prompts_and_ptx(tmp_path, reward_model_path):
     rng = random.Random(0)
-    prompts = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "tell me about "
-                                                    + rng.choice(list(common.TOPICS))}]} for _ in range(64)])
-    run_main(["ppo.py", "--sft_model_path", "embedded-neox", "--reward_model_path", reward_model_path,
-                "--dataset_name", prompts, "--critic_init", "policy", "--ptx_coef", "0.1", "--ptx_dataset_name",
-                "embedded", "--kl_estimator", "k3", "--missing_eos_penalty", "1.0", *TINY,
-                "--output_dir", str(tmp_path / "out")])
+    prompts = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "tell me about " + rng.choice(list(common.TOPICS))}]}
+            for _ in range(64)
+        ],
+    )
+    run_main(
+        [
+            "ppo.py",
+            "--sft_model_path",
+            "embedded-neox",
+            "--reward_model_path",
+            reward_model_path,
+            "--dataset_name",
+            prompts,
+            "--critic_init",
+            "policy",
+            "--ptx_coef",
+            "0.1",
+            "--ptx_dataset_name",
+            "embedded",
+            "--kl_estimator",
+            "k3",
+            "--missing_eos_penalty",
+            "1.0",
+            *TINY,
+            "--output_dir",
+            str(tmp_path / "out"),
+        ]
+    )
     samples = [json.loads(line) for line in open(tmp_path / "out" / "samples.jsonl")]
     assert samples[0]["prompt"].endswith("user: tell me about " + samples[0]["prompt"].split()[-2] + " assistant:")
     assert all(m["objective/kl"] >= 0 for m in read_metrics(tmp_path / "out"))  # k3 is non-negative
 
 
 def test_missing_eos_penalty_lowers_scores_by_penalty_times_missing_rate(tmp_path, reward_model_path):
-    base = dict(reward_model_path=reward_model_path, total_episodes=16, per_device_train_batch_size=8,
-                response_length=4)
+    base = dict(
+        reward_model_path=reward_model_path, total_episodes=16, per_device_train_batch_size=8, response_length=4
+    )
     for name, flags in (("a", {}), ("b", dict(missing_eos_penalty=10)), ("none", dict(stop_token="none"))):
         ppo.main(ppo.Args(output_dir=str(tmp_path / name), **flags, **base))
     a, b, none = (read_metrics(tmp_path / k)[0] for k in ("a", "b", "none"))
@@ -665,8 +872,12 @@ def test_ptx_loss_of_a_left_padded_batch_is_the_mean_over_real_transitions():
     n = sum(len(s) - 1 for s in seqs)
     with torch.no_grad():
         batch = ppo.language_modelling_loss(policy, seqs, TOK.pad_token_id, n, "cpu")
-        alone = [torch.nn.functional.cross_entropy(policy(input_ids=torch.tensor([s])).logits[0, :-1],
-                                                   torch.tensor(s[1:]), reduction="sum") for s in seqs]
+        alone = [
+            torch.nn.functional.cross_entropy(
+                policy(input_ids=torch.tensor([s])).logits[0, :-1], torch.tensor(s[1:]), reduction="sum"
+            )
+            for s in seqs
+        ]
     assert batch.item() == pytest.approx(sum(alone).item() / n, rel=1e-5)
 
 
@@ -692,23 +903,35 @@ def test_a_response_length_that_fills_the_position_table_is_refused_in_one_line(
         ppo.fill_defaults(ppo.Args(response_length=16), position_limit=16)
 
 
-@pytest.mark.parametrize("flags,expected", [
-    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1"),
-    (["--learning_rate", "-1"], "--learning_rate -1.0: must be a finite number >= 0"),
-    (["--ptx_coef", "0.5"], "--ptx_coef 0.5 needs --ptx_dataset_name"),
-    (["--reward_fn", "nonexistent_module_xyz:f"], "--reward_fn nonexistent_module_xyz:f: cannot import"),
-    (["--compile", "--fsdp"], "--compile compiles the decode of a whole model; --fsdp shards it: drop one of them"),
-    (["--advantage_estimator", "grpo", "--num_samples_per_prompt", "1"], "--num_samples_per_prompt 1: "
-     "--advantage_estimator grpo compares each response with the others to its prompt; it needs at least 2"),
-    (["--advantage_estimator", "rloo", "--num_samples_per_prompt", "1"], "--num_samples_per_prompt 1: "
-     "--advantage_estimator rloo compares"),
-    (["--no_scale_rewards"], "--no_scale_rewards is grpo's (Dr. GRPO)"),
-    (["--advantage_estimator", "grpo", "--num_samples_per_prompt", "3", "--reward_fn", "common:gold_rewards"],
-     "--num_samples_per_prompt 3: must divide the rollout batch (32 episodes)"),
-    (["--sft_model_path", "embedded-gpt", "--reward_fn", "common:gold_rewards"], "--sft_model_path embedded-gpt: "
-     "unknown embedded model"),
-    (["--stop_token", "none", "--missing_eos_penalty", "1.0"], "--missing_eos_penalty needs a stop token"),
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1"),
+        (["--learning_rate", "-1"], "--learning_rate -1.0: must be a finite number >= 0"),
+        (["--ptx_coef", "0.5"], "--ptx_coef 0.5 needs --ptx_dataset_name"),
+        (["--reward_fn", "nonexistent_module_xyz:f"], "--reward_fn nonexistent_module_xyz:f: cannot import"),
+        (["--compile", "--fsdp"], "--compile compiles the decode of a whole model; --fsdp shards it: drop one of them"),
+        (
+            ["--advantage_estimator", "grpo", "--num_samples_per_prompt", "1"],
+            "--num_samples_per_prompt 1: "
+            "--advantage_estimator grpo compares each response with the others to its prompt; it needs at least 2",
+        ),
+        (
+            ["--advantage_estimator", "rloo", "--num_samples_per_prompt", "1"],
+            "--num_samples_per_prompt 1: --advantage_estimator rloo compares",
+        ),
+        (["--no_scale_rewards"], "--no_scale_rewards is grpo's (Dr. GRPO)"),
+        (
+            ["--advantage_estimator", "grpo", "--num_samples_per_prompt", "3", "--reward_fn", "common:gold_rewards"],
+            "--num_samples_per_prompt 3: must divide the rollout batch (32 episodes)",
+        ),
+        (
+            ["--sft_model_path", "embedded-gpt", "--reward_fn", "common:gold_rewards"],
+            "--sft_model_path embedded-gpt: unknown embedded model",
+        ),
+        (["--stop_token", "none", "--missing_eos_penalty", "1.0"], "--missing_eos_penalty needs a stop token"),
+    ],
+)
 def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, flags, expected):
     out = tmp_path / "out"  # (the first in a process as a user runs it; the others through its entry point, here)
     proc = (run_script if "0" in flags else run_main)(["ppo.py", "--output_dir", str(out), *flags], check=False)
@@ -718,20 +941,31 @@ def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, flag
 
 def test_reward_function_that_pays_for_a_word_makes_ppo_say_it(tmp_path):
     (tmp_path / "pay_for_owl.py").write_text(
-        "def reward(prompts, responses):\n"
-        "    return [float(r.split().count('owl')) for r in responses]\n")
-    history = ppo.main(ppo.Args(reward_fn=str(tmp_path / "pay_for_owl.py") + ":reward", output_dir=str(tmp_path / "o"),
-                                total_episodes=1024, sample_every=100, kl_coef=0.02, learning_rate=1e-3))
+        "def reward(prompts, responses):\n    return [float(r.split().count('owl')) for r in responses]\n"
+    )
+    history = ppo.main(
+        ppo.Args(
+            reward_fn=str(tmp_path / "pay_for_owl.py") + ":reward",
+            output_dir=str(tmp_path / "o"),
+            total_episodes=1024,
+            sample_every=100,
+            kl_coef=0.02,
+            learning_rate=1e-3,
+        )
+    )
     first, last = history[0]["objective/scores"], np.mean([h["objective/scores"] for h in history[-4:]])
     assert first < 0.5 and last > 2.0, (first, last)  # from under one 'owl' per response to several
 
 
-@pytest.mark.parametrize("body,expected", [
-    ("def reward(p, r):\n    raise ValueError('no answer key')\n", "raised ValueError: no answer key"),
-    ("def reward(p, r):\n    return ['good'] * len(p)\n", "returned 'good'; it must return one finite number"),
-    ("def reward(p, r):\n    return [1.0]\n", "returned 1 values for 32 episodes"),
-    ("def reward(p, r):\n    return [float('nan')] * len(p)\n", "returned nan"),
-])
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        ("def reward(p, r):\n    raise ValueError('no answer key')\n", "raised ValueError: no answer key"),
+        ("def reward(p, r):\n    return ['good'] * len(p)\n", "returned 'good'; it must return one finite number"),
+        ("def reward(p, r):\n    return [1.0]\n", "returned 1 values for 32 episodes"),
+        ("def reward(p, r):\n    return [float('nan')] * len(p)\n", "returned nan"),
+    ],
+)
 def test_reward_function_errors_name_the_function(tmp_path, body, expected, capsys):
     (tmp_path / "bad_reward.py").write_text(body)
     spec = str(tmp_path / "bad_reward.py") + ":reward"
@@ -759,10 +993,20 @@ def test_a_reward_function_that_raises_mid_run_leaves_a_folder_that_resume_conti
     (tmp_path / "flaky.py").write_text(
         "import os\n\ncalls = 0\n\n\ndef reward(prompts, responses):\n    global calls\n    calls += 1\n"
         "    if calls == int(os.environ.get('FAIL_AT_CALL', 0)):\n        raise KeyError('answer')\n"
-        "    return [float(len(r.split())) for r in responses]\n")
+        "    return [float(len(r.split())) for r in responses]\n"
+    )
     out = tmp_path / "out"
-    argv = ["--reward_fn", f"{tmp_path / 'flaky.py'}:reward", *TINY, "--total_episodes", "32", "--save_steps", "1",
-            "--output_dir", str(out)]
+    argv = [
+        "--reward_fn",
+        f"{tmp_path / 'flaky.py'}:reward",
+        *TINY,
+        "--total_episodes",
+        "32",
+        "--save_steps",
+        "1",
+        "--output_dir",
+        str(out),
+    ]
 
     def run(*flags):  # the scripts' entry point, in this process (a process costs seconds of imports)
         capsys.readouterr()
@@ -772,8 +1016,11 @@ def test_a_reward_function_that_raises_mid_run_leaves_a_folder_that_resume_conti
 
     monkeypatch.setenv("FAIL_AT_CALL", "3")
     code, err = run()
-    assert code == 2 and 'flaky.py", line 10, in reward' in err and err.strip().splitlines()[-1].startswith(
-        "error: --reward_fn"), err[-2000:]
+    assert (
+        code == 2
+        and 'flaky.py", line 10, in reward' in err
+        and err.strip().splitlines()[-1].startswith("error: --reward_fn")
+    ), err[-2000:]
     assert common.load_latest_checkpoint(out)["step"] == 2 and [m["step"] for m in read_metrics(out)] == [1, 2]
     monkeypatch.delenv("FAIL_AT_CALL")
     code, err = run()
@@ -787,27 +1034,64 @@ def test_the_critic_reads_values_in_evaluation_mode_and_learns_in_training_mode(
     samples in it; learn() trains both in training mode. (With the gold reward, the critic at its own learning rate.)"""
     modes, real_values, real_learn = [], ppo.logprobs_and_values, ppo.learn
 
-    monkeypatch.setattr(ppo, "logprobs_and_values", lambda policy, ref, critic, *a, **k: modes.append(
-        ("values", critic.training)) or real_values(policy, ref, critic, *a, **k))
-    monkeypatch.setattr(ppo, "learn", lambda policy, critic, *a, **k: modes.append(
-        ("learn", policy.training and critic.training)) or real_learn(policy, critic, *a, **k))
-    history = ppo.main(ppo.Args(reward_fn="common:gold_rewards", critic_learning_rate=1e-4, total_episodes=96,
-                                output_dir=str(tmp_path)))
+    monkeypatch.setattr(
+        ppo,
+        "logprobs_and_values",
+        lambda policy, ref, critic, *a, **k: (
+            modes.append(("values", critic.training)) or real_values(policy, ref, critic, *a, **k)
+        ),
+    )
+    monkeypatch.setattr(
+        ppo,
+        "learn",
+        lambda policy, critic, *a, **k: (
+            modes.append(("learn", policy.training and critic.training)) or real_learn(policy, critic, *a, **k)
+        ),
+    )
+    history = ppo.main(
+        ppo.Args(
+            reward_fn="common:gold_rewards", critic_learning_rate=1e-4, total_episodes=96, output_dir=str(tmp_path)
+        )
+    )
     assert modes == [("values", False), ("learn", True)] * 3
     assert all(m["objective/scores"] == pytest.approx(m["gold/mean"], abs=1e-5) for m in read_metrics(tmp_path))
     assert len(history) == 3 and os.path.getsize(tmp_path / "curves.png") > 10_000
 
 
-@pytest.mark.parametrize("run,expected", [
-    ({}, ["policy embedded-llama (trained, ", "reference a frozen copy of the initial policy",
-          "reward model {rm} (frozen)", "critic from the reward model (trained, "]),
-    ({"lora_r": 4}, ["policy embedded-llama (trained, ", ", LoRA rank 4)", "reference the policy with its adapter off",
-                     "reward model {rm} (frozen, the critic with its adapter off)", "critic from the reward model"]),
-    ({"reward_fn": "common:gold_rewards", "reward_model_path": None},
-     ["reference a frozen copy of the initial policy", "reward function common:gold_rewards",
-      "critic from the policy, with a new head (trained, "]),
-    ({"advantage_estimator": "grpo"}, ["reward model {rm} (frozen)", "critic none (grpo learns no values)"])],
-    ids=["default", "lora", "reward_fn", "grpo"])
+@pytest.mark.parametrize(
+    "run,expected",
+    [
+        (
+            {},
+            [
+                "policy embedded-llama (trained, ",
+                "reference a frozen copy of the initial policy",
+                "reward model {rm} (frozen)",
+                "critic from the reward model (trained, ",
+            ],
+        ),
+        (
+            {"lora_r": 4},
+            [
+                "policy embedded-llama (trained, ",
+                ", LoRA rank 4)",
+                "reference the policy with its adapter off",
+                "reward model {rm} (frozen, the critic with its adapter off)",
+                "critic from the reward model",
+            ],
+        ),
+        (
+            {"reward_fn": "common:gold_rewards", "reward_model_path": None},
+            [
+                "reference a frozen copy of the initial policy",
+                "reward function common:gold_rewards",
+                "critic from the policy, with a new head (trained, ",
+            ],
+        ),
+        ({"advantage_estimator": "grpo"}, ["reward model {rm} (frozen)", "critic none (grpo learns no values)"]),
+    ],
+    ids=["default", "lora", "reward_fn", "grpo"],
+)
 def test_build_models_names_each_of_the_four_roles_at_start_up(run, expected, reward_model_path, capsys):
     """build_models prints one line that names what policy, reference, reward and critic are in this run."""
     args = ppo.Args(**{"reward_model_path": reward_model_path, **run})
@@ -860,18 +1144,22 @@ def test_blocked_logits_give_the_plain_paths_log_probs_entropies_and_gradients(m
     results = {}
     for blocked in (False, True):
         policy.zero_grad()
-        logprobs, entropy = ppo.response_logprobs(policy, qr, qr_mask.long(), query.shape[1], 0.7, entropy=True,
-                                                  blocked=blocked)
+        logprobs, entropy = ppo.response_logprobs(
+            policy, qr, qr_mask.long(), query.shape[1], 0.7, entropy=True, blocked=blocked
+        )
         (logprobs.sum() + entropy.sum()).backward()
         results[blocked] = logprobs.detach(), entropy.detach(), torch.cat([p.grad.ravel() for p in policy.parameters()])
     assert len(blocks) == 8 and max(b * t for b, t in blocks) <= 8  # 7 positions in 4 blocks, each recomputed backward
     for plain, blocked in zip(results[False], results[True]):
         assert torch.allclose(plain, blocked, atol=1e-6, rtol=1e-5)
     with torch.no_grad():
-        logp = torch.log_softmax(policy(input_ids=qr, attention_mask=qr_mask.long()).logits[:, query.shape[1] - 1:-1]
-                                 / 0.7, -1)
-        no_grad = [ppo.response_logprobs(policy, qr, qr_mask.long(), query.shape[1], 0.7, entropy=True, blocked=b)[1]
-                   for b in (False, True)]  # (without a graph: another formula)
+        logp = torch.log_softmax(
+            policy(input_ids=qr, attention_mask=qr_mask.long()).logits[:, query.shape[1] - 1 : -1] / 0.7, -1
+        )
+        no_grad = [
+            ppo.response_logprobs(policy, qr, qr_mask.long(), query.shape[1], 0.7, entropy=True, blocked=b)[1]
+            for b in (False, True)
+        ]  # (without a graph: another formula)
     assert torch.allclose(results[False][0], logp.gather(-1, responses[..., None])[..., 0], atol=1e-5)
     assert torch.isfinite(results[True][2]).all() and (logp[..., 3] == -float("inf")).all()
     for entropy in (results[False][1], *no_grad):
@@ -890,8 +1178,10 @@ def test_a_model_whose_output_transform_is_unknown_is_named_before_training(monk
 
 
 def test_total_episodes_that_are_not_whole_rollout_batches_are_said(capsys, tmp_path):
-    for total, said in ((100, "--total_episodes 100: 96 trained, whole rollout batches of 32 (the nearest to train "
-                               "all: 96 or 128)"), (96, None)):
+    for total, said in (
+        (100, "--total_episodes 100: 96 trained, whole rollout batches of 32 (the nearest to train all: 96 or 128)"),
+        (96, None),
+    ):
         ppo.fill_defaults(args := ppo.Args(total_episodes=total, output_dir=str(tmp_path / str(total))), None)
         ppo.start_up(args, 0, 1)  # (main's first step, before anything is loaded)
         out = capsys.readouterr().out
@@ -904,8 +1194,10 @@ def test_a_reward_model_with_its_own_tokens_reads_within_its_position_table(fami
     position table are cut to fit it (the prompt keeps its end and [CLS]; the response whole), not read past it."""
     path = family_dir("bert")
     rm_tokenizer = AutoTokenizer.from_pretrained(path)
-    reward = ppo.Reward(model=ppo.SequenceReward(AutoModelForSequenceClassification.from_pretrained(path), 0.0, 1.0),
-                        tokenizer=rm_tokenizer)
+    reward = ppo.Reward(
+        model=ppo.SequenceReward(AutoModelForSequenceClassification.from_pretrained(path), 0.0, 1.0),
+        tokenizer=rm_tokenizer,
+    )
     prompt = "User: tell me about foods such as pear and rice and honey and soup and bread Assistant:"
     query = torch.tensor(common.tokenize_prompts(TOK, [prompt]))
     responses = torch.tensor(common.tokenize_responses(TOK, [prompt], [" cat dog red blue"]))
@@ -923,8 +1215,9 @@ def test_a_reward_model_with_its_own_tokens_reads_within_its_position_table(fami
 def test_grad_norms_are_each_models_own_before_clipping_averaged_over_the_updates_steps(tmp_path, monkeypatch):
     """policy/grad_norm is the policy's gradient norm, critic/grad_norm the critic's, each before the joint clip: here
     3 and 4 (the joint norm 5, clipped to 1). The update logs their mean over its optimizer steps."""
-    trainable = torch.nn.ModuleDict({"policy": torch.nn.Linear(1, 1, bias=False), "critic": torch.nn.Linear(1, 1,
-                                                                                                          bias=False)})
+    trainable = torch.nn.ModuleDict(
+        {"policy": torch.nn.Linear(1, 1, bias=False), "critic": torch.nn.Linear(1, 1, bias=False)}
+    )
     optimizer = torch.optim.SGD(trainable.parameters(), lr=0.0)
     trainable["policy"].weight.grad, trainable["critic"].weight.grad = torch.tensor([[3.0]]), torch.tensor([[4.0]])
     norms = ppo.clip_and_step(trainable, optimizer, 1.0, 0, torch.tensor(0.0))
@@ -946,12 +1239,20 @@ def test_every_schedule_of_transformers_is_taken_or_refused_in_one_line(tmp_path
     line, which lists the choices."""
     for kind in SchedulerType:
         try:
-            args = tyro.cli(ppo.Args, args=["--lr_scheduler_type", kind.value, "--reward_fn", "common:gold_rewards"],
-                            use_underscores=True)
+            args = tyro.cli(
+                ppo.Args,
+                args=["--lr_scheduler_type", kind.value, "--reward_fn", "common:gold_rewards"],
+                use_underscores=True,
+            )
         except SystemExit as e:
             assert e.code == 2 and "linear" in capsys.readouterr().err
-            assert kind.value in ("reduce_lr_on_plateau", "greedy", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
-                                  "warmup_stable_decay"), kind  # (a metric to step on, or arguments of their own)
+            assert kind.value in (
+                "reduce_lr_on_plateau",
+                "greedy",
+                "cosine_with_min_lr",
+                "cosine_warmup_with_min_lr",
+                "warmup_stable_decay",
+            ), kind  # (a metric to step on, or arguments of their own)
             continue
         ppo.check_args(args)
         ppo.fill_defaults(args, None)
@@ -978,7 +1279,15 @@ def test_the_opt_in_speed_paths_give_the_plain_paths_run(tmp_path, monkeypatch):
     ppo.main(ppo.Args(output_dir=str(tmp_path / "fast"), group_by_length=True, blocked_logits=True, **base))
     assert max(groups) > 1  # (rows of several lengths: trimmed groups)
     plain, fast = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "fast")
-    for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/entropy", "policy/approxkl",
-                "policy/grad_norm", "critic/grad_norm"):
+    for key in (
+        "objective/scores",
+        "objective/kl",
+        "loss/policy",
+        "loss/value",
+        "policy/entropy",
+        "policy/approxkl",
+        "policy/grad_norm",
+        "critic/grad_norm",
+    ):
         assert [m[key] for m in fast] == pytest.approx([m[key] for m in plain], abs=1e-5, rel=1e-5), key
     assert_saved_models_equal([tmp_path / "plain", tmp_path / "fast"], "AutoModelForCausalLM")

@@ -30,17 +30,25 @@ def first_mini_batch_spy(monkeypatch, loss="policy_loss"):
     def spy(new, old, third, *a, **k):  # (third: the advantages or returns, 0 exactly on padding only)
         calls.append(((new - old).abs() * (third != 0)).max().item())
         return real(new, old, third, *a, **k)
+
     monkeypatch.setattr(ppo, loss, spy)
     return calls
 
 
-FIRST_UPDATE = dict(total_episodes=16, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                    num_mini_batches=2, num_ppo_epochs=1, bf16=True)
+FIRST_UPDATE = dict(
+    total_episodes=16,
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    num_mini_batches=2,
+    num_ppo_epochs=1,
+    bf16=True,
+)
 
 
 @pytest.mark.parametrize("lora", [0, 4])
-def test_bf16_first_mini_batch_is_on_policy_and_the_kl_at_initialisation_is_zero(lora, reward_model_path, tmp_path,
-                                                                                 monkeypatch):
+def test_bf16_first_mini_batch_is_on_policy_and_the_kl_at_initialisation_is_zero(
+    lora, reward_model_path, tmp_path, monkeypatch
+):
     """Under bfloat16 decode and learning forward round differently: the old log-probs and values are recomputed on the
     first epoch's own partition, so its first mini-batch's ratio is exactly 1 and the KL at initialisation 0, full
     fine-tuning (the KV cache in bfloat16) and LoRA (its frozen base in bfloat16)."""
@@ -83,13 +91,32 @@ def bf16_fsdp_runs(reward_model_path, tmp_path_factory):
     |new - old| log-prob at each policy-loss call; the weights' dtypes each Float32Linear computed from."""
     tmp = tmp_path_factory.mktemp("bf16_fsdp")
     (tmp / "spied.py").write_text(SPIED.format(root=ROOT))
-    rm_run = dict(dataset_mixer_list=["embedded", "64"], fsdp=True, bf16=True, max_steps=2,
-                  per_device_train_batch_size=4, num_evals=1)
-    ppo_run = dict(reward_model_path=reward_model_path, fsdp=True, bf16=True, total_episodes=16,
-                   per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1, num_evals=1, num_eval_prompts=4)
-    runs = {"rm0": ("rm", rm_run), "ppo0": ("ppo", ppo_run), "rm4": ("rm", dict(rm_run, lora_r=4)),
-            "ppo4": ("ppo", dict(ppo_run, lora_r=4)), "ppo4_policy_critic": ("ppo", dict(ppo_run, lora_r=4,
-                                                                                          critic_init="policy"))}
+    rm_run = dict(
+        dataset_mixer_list=["embedded", "64"],
+        fsdp=True,
+        bf16=True,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_evals=1,
+    )
+    ppo_run = dict(
+        reward_model_path=reward_model_path,
+        fsdp=True,
+        bf16=True,
+        total_episodes=16,
+        per_device_train_batch_size=4,
+        num_mini_batches=2,
+        num_ppo_epochs=1,
+        num_evals=1,
+        num_eval_prompts=4,
+    )
+    runs = {
+        "rm0": ("rm", rm_run),
+        "ppo0": ("ppo", ppo_run),
+        "rm4": ("rm", dict(rm_run, lora_r=4)),
+        "ppo4": ("ppo", dict(ppo_run, lora_r=4)),
+        "ppo4_policy_critic": ("ppo", dict(ppo_run, lora_r=4, critic_init="policy")),
+    }
     runs = {name: (script, dict(kwargs, output_dir=str(tmp / name))) for name, (script, kwargs) in runs.items()}
     run_script([str(tmp / "spied.py"), json.dumps(runs), str(tmp)], nproc=2)
     return tmp, [{name: json.load(open(tmp / f"{name}.{r}")) for name in runs} for r in (0, 1)]
@@ -107,8 +134,13 @@ def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(bf16_fsdp_run
     """Under FSDP --bf16 the scalar heads (and the policy's output layer) are their own units gathered in float32, not
     the root's bfloat16; with LoRA (peft wrapping the heads) too."""
     for spied in bf16_fsdp_runs[1]:
-        for run, kinds in (("rm0", ("head",)), ("ppo0", ("head", "output layer")), ("rm4", ("head",)),
-                           ("ppo4", ("head",)), ("ppo4_policy_critic", ("head",))):
+        for run, kinds in (
+            ("rm0", ("head",)),
+            ("ppo0", ("head", "output layer")),
+            ("rm4", ("head",)),
+            ("ppo4", ("head",)),
+            ("ppo4_policy_critic", ("head",)),
+        ):
             assert {dtype for kind, dtype in spied[run]["seen"] if kind in kinds} == {"torch.float32"}, (run, spied)
 
 
@@ -118,13 +150,35 @@ def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_pa
     for precision in ("fp32", "bf16"):
         flags = ["--bf16"] if precision == "bf16" else []
         out = tmp_path / precision
-        run_main(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "60", "--per_device_train_batch_size",
-                  "16", "--num_evals", "1", "--output_dir", str(out / "rm"), *flags])
-        history = ppo.main(ppo.Args(reward_model_path=str(out / "rm"), output_dir=str(out / "ppo"),
-                                    total_episodes=384, sample_every=100, bf16=precision == "bf16"))
-        results[precision] = (json.load(open(out / "rm" / "eval_results.json"))["accuracy"],
-                              np.mean([h["gold/mean"] for h in history[-3:]]) - np.mean([h["gold/mean"]
-                                                                                        for h in history[:3]]))
+        run_main(
+            [
+                "rm.py",
+                "--dataset_name",
+                small_pairs_file,
+                "--max_steps",
+                "60",
+                "--per_device_train_batch_size",
+                "16",
+                "--num_evals",
+                "1",
+                "--output_dir",
+                str(out / "rm"),
+                *flags,
+            ]
+        )
+        history = ppo.main(
+            ppo.Args(
+                reward_model_path=str(out / "rm"),
+                output_dir=str(out / "ppo"),
+                total_episodes=384,
+                sample_every=100,
+                bf16=precision == "bf16",
+            )
+        )
+        results[precision] = (
+            json.load(open(out / "rm" / "eval_results.json"))["accuracy"],
+            np.mean([h["gold/mean"] for h in history[-3:]]) - np.mean([h["gold/mean"] for h in history[:3]]),
+        )
     (acc32, gain32), (acc16, gain16) = results["fp32"], results["bf16"]
     assert abs(acc16 - acc32) < 0.03, results
     assert gain32 > 0.1 and gain16 > 0.5 * gain32, results
@@ -134,8 +188,11 @@ def test_scalar_heads_logits_and_entropy_are_float32_under_bf16_autocast():
     """Rewards, values, log-probs and entropies under bfloat16 autocast equal their float32 formulas on the same hidden
     states: no bfloat16 rounding of a reward (ties) or of the output layer."""
     torch.manual_seed(0)
-    reward_model = common.scalar_head_in_float32(AutoModelForSequenceClassification.from_config(
-        common.embedded_model_config("embedded-llama", len(TOK), num_labels=1)))
+    reward_model = common.scalar_head_in_float32(
+        AutoModelForSequenceClassification.from_config(
+            common.embedded_model_config("embedded-llama", len(TOK), num_labels=1)
+        )
+    )
     with torch.no_grad():
         reward_model.score.weight.mul_(40)  # rewards of size 4-16, where bfloat16's steps are 0.03-0.06
     ids = torch.randint(20, len(TOK), (6, 9), generator=torch.Generator().manual_seed(0))
@@ -169,8 +226,13 @@ def test_critic_initialised_from_the_reward_model_starts_at_the_normalized_rewar
     critic, reward = models.critic, models.reward
     rng = random.Random(0)
     texts = [common.embedded_prompt(rng) for _ in range(4)]
-    seqs = [p + r for p, r in zip(common.tokenize_prompts(TOK, texts), common.tokenize_responses(
-        TOK, texts, [" cat dog", " red", " rice soup cake", " owl"]))]
+    seqs = [
+        p + r
+        for p, r in zip(
+            common.tokenize_prompts(TOK, texts),
+            common.tokenize_responses(TOK, texts, [" cat dog", " red", " rice soup cake", " owl"]),
+        )
+    ]
     ids, mask = ppo.pad_left(seqs, max(map(len, seqs)), TOK.pad_token_id)
     with torch.no_grad():
         values = critic(ids, mask.long())[:, -1]
@@ -192,6 +254,7 @@ def test_no_query_attends_to_nothing_and_real_tokens_are_unchanged(family, famil
     def spy(*a, **k):
         masks.append(k.get("attn_mask"))
         return real(*a, **k)
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     monkeypatch.setitem(AttentionMaskInterface._global_mapping, "sdpa", sdpa_mask)  # transformers' own
     with torch.no_grad():
@@ -209,27 +272,47 @@ def test_no_query_attends_to_nothing_and_real_tokens_are_unchanged(family, famil
 def test_default_lengths_fit_a_short_position_table_and_given_ones_are_refused(family_dir, tmp_path, capsys):
     """Default lengths beyond a learned position table of 256 are fitted to it, said and recorded; the runs finish."""
     data = write_jsonl(tmp_path / "d.jsonl", preference_rows("gpt2", 40))
-    rm.main(rm.Args(model_name_or_path=family_dir("gpt2"), dataset_name=data, max_steps=2,
-                    per_device_train_batch_size=4, num_evals=1, output_dir=str(tmp_path / "rm")))
+    rm.main(
+        rm.Args(
+            model_name_or_path=family_dir("gpt2"),
+            dataset_name=data,
+            max_steps=2,
+            per_device_train_batch_size=4,
+            num_evals=1,
+            output_dir=str(tmp_path / "rm"),
+        )
+    )
     assert "--max_length 256, --min_prompt_length 192" in capsys.readouterr().out  # (fill_defaults says so)
     saved = json.load(open(tmp_path / "rm" / "eval_results.json"))["args"]
     assert (saved["max_length"], saved["min_prompt_length"]) == (256, 192)
-    ppo.main(ppo.Args(sft_model_path=family_dir("gpt2"), reward_fn="common:gold_rewards", total_episodes=8,
-                      per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=1,
-                      output_dir=str(tmp_path / "ppo")))
+    ppo.main(
+        ppo.Args(
+            sft_model_path=family_dir("gpt2"),
+            reward_fn="common:gold_rewards",
+            total_episodes=8,
+            per_device_train_batch_size=4,
+            num_mini_batches=2,
+            num_ppo_epochs=1,
+            output_dir=str(tmp_path / "ppo"),
+        )
+    )
     assert "--max_prompt_length 240" in capsys.readouterr().out.split("defaults: ")[1].splitlines()[0]  # (said)
     assert json.load(open(tmp_path / "ppo" / "ppo_results.json"))["args"]["max_prompt_length"] == 240  # (recorded)
 
 
 def test_layout_check_runs_once_on_rank_0_in_the_runs_precision(monkeypatch):
     """The packed-layout check: one forward pair on rank 0 only (the others take its verdict), in the run's autocast."""
-    model = rm.RewardModel(AutoModelForSequenceClassification.from_config(
-        common.embedded_model_config("embedded-llama", len(TOK), num_labels=1)))
+    model = rm.RewardModel(
+        AutoModelForSequenceClassification.from_config(
+            common.embedded_model_config("embedded-llama", len(TOK), num_labels=1)
+        )
+    )
     seen, real = [], rm.RewardModel.forward
 
     def spy(self, *a, **k):
         seen.append(torch.is_autocast_enabled("cpu"))
         return real(self, *a, **k)
+
     monkeypatch.setattr(rm.RewardModel, "forward", spy)
     args, layout = rm.choose_layout(model, rm.Args(bf16=True), len(TOK), rank=0)
     assert seen == [True, True] and args.padding_free and "packed" in layout
@@ -244,8 +327,16 @@ def test_evaluation_holds_out_whole_prompts_uses_validation_and_whole_eval_split
     pairs only."""
     rng = random.Random(0)
     words = [w for w in common.WORDS if w != "gold"]
-    rows = [{"prompt": f"User: tell me about {t} such as {w} Assistant:", "chosen": f" {rng.choice(words)}",
-             "rejected": " gold"} for t in common.TOPICS for w in common.TOPICS[t] for _ in range(5)]
+    rows = [
+        {
+            "prompt": f"User: tell me about {t} such as {w} Assistant:",
+            "chosen": f" {rng.choice(words)}",
+            "rejected": " gold",
+        }
+        for t in common.TOPICS
+        for w in common.TOPICS[t]
+        for _ in range(5)
+    ]
     write_jsonl(tmp_path / "many.jsonl", rows)
     args = rm.Args(dataset_name=str(tmp_path / "many.jsonl"), max_length=64, min_prompt_length=32)
     train, evals, _ = rm.load_data(args, TOK, 0)
@@ -268,29 +359,48 @@ def test_evaluation_loss_calibration_and_per_dataset_numbers_match_formulas():
     """rm.evaluate's loss is the training objective with its centering term; its ECE is of the probability the loss
     models with margins, sigmoid(r_c - r_r - margin); a mixture's numbers per dataset are each dataset's alone."""
     r_c, r_r, margin = torch.tensor([1.0, -0.5, 2.0]), torch.tensor([0.2, 0.5, 1.5]), torch.zeros(3)
-    expected = np.mean([np.log1p(np.exp(-(c - r))) for c, r in zip(r_c.tolist(), r_r.tolist())]) + \
-        0.1 * np.mean([(c + r) ** 2 for c, r in zip(r_c.tolist(), r_r.tolist())])
+    expected = np.mean([np.log1p(np.exp(-(c - r))) for c, r in zip(r_c.tolist(), r_r.tolist())]) + 0.1 * np.mean(
+        [(c + r) ** 2 for c, r in zip(r_c.tolist(), r_r.tolist())]
+    )
     assert rm.reward_model_loss(r_c, r_r, margin, 0.1).item() == pytest.approx(expected, rel=1e-6)
     model = rm.RewardModel(rm.load_reward_model(rm.Args(), TOK)[0]).eval()
-    evaluate = lambda pairs, **kw: rm.evaluate(model, pairs, rm.Args(padding_free=False, **kw), 0,  # noqa: E731
-                                               torch.device("cpu"), 0, 1)
+    evaluate = lambda pairs, **kw: rm.evaluate(
+        model,
+        pairs,
+        rm.Args(padding_free=False, **kw),
+        0,  # noqa: E731
+        torch.device("cpu"),
+        0,
+        1,
+    )
     pairs = [{"prompt": [2, 4], "chosen": [20, 3], "rejected": [21, 22, 3], "margin": 0.0, "gold": None}] * 4
     for coefficient in (0.0, 0.5):
         ev, rewards = evaluate(pairs, center_rewards_coefficient=coefficient)
-        assert ev["eval/loss"] == pytest.approx(rm.reward_model_loss(rewards[:, 0], rewards[:, 1], torch.zeros(4),
-                                                                     coefficient).item(), rel=1e-6)
+        assert ev["eval/loss"] == pytest.approx(
+            rm.reward_model_loss(rewards[:, 0], rewards[:, 1], torch.zeros(4), coefficient).item(), rel=1e-6
+        )
 
     g = torch.Generator().manual_seed(0)
-    pairs = [{"prompt": [2, 4], "chosen": torch.randint(20, 40, (3,), generator=g).tolist() + [3],
-              "rejected": torch.randint(20, 40, (2,), generator=g).tolist() + [3], "margin": m, "gold": None}
-             for m in [0.0, 1.0, 3.0, -2.0] * 8]
+    pairs = [
+        {
+            "prompt": [2, 4],
+            "chosen": torch.randint(20, 40, (3,), generator=g).tolist() + [3],
+            "rejected": torch.randint(20, 40, (2,), generator=g).tolist() + [3],
+            "margin": m,
+            "gold": None,
+        }
+        for m in [0.0, 1.0, 3.0, -2.0] * 8
+    ]
     ev, rewards = evaluate(pairs)
     rc, rr = rewards[:, 0].double(), rewards[:, 1].double()
     margin = torch.tensor([p["margin"] for p in pairs], dtype=torch.float64)
     p, y = torch.cat([torch.sigmoid(rc - rr), 1 - torch.sigmoid(rc - rr)]), torch.arange(64) < 32  # the model's own
     bins = (p * 10).long().clamp(max=9)
-    ece = sum((bins == b).float().mean() * (p[bins == b].mean() - y[bins == b].double().mean()).abs()
-              for b in range(10) if (bins == b).any())
+    ece = sum(
+        (bins == b).float().mean() * (p[bins == b].mean() - y[bins == b].double().mean()).abs()
+        for b in range(10)
+        if (bins == b).any()
+    )
     assert ev["eval/calibration_error"] == pytest.approx(ece.item(), abs=1e-6)
     assert abs(rm.calibration_error(torch.sigmoid(rc - rr - margin)) - ece.item()) > 0.05  # not the margin's
 

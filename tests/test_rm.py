@@ -38,10 +38,15 @@ def tiny_reward_model(arch="embedded-llama", seed=0):
 def random_pairs(n, seed, margin=0.0):
     g = torch.Generator().manual_seed(seed)
     ids = lambda k: torch.randint(20, len(TOK), (k,), generator=g).tolist()  # noqa: E731
-    return [{"prompt": ids(int(torch.randint(1, 8, (1,), generator=g))),
-             "chosen": ids(int(torch.randint(1, 9, (1,), generator=g))) + [TOK.eos_token_id],
-             "rejected": ids(int(torch.randint(1, 9, (1,), generator=g))) + [TOK.eos_token_id], "margin": margin}
-            for _ in range(n)]
+    return [
+        {
+            "prompt": ids(int(torch.randint(1, 8, (1,), generator=g))),
+            "chosen": ids(int(torch.randint(1, 9, (1,), generator=g))) + [TOK.eos_token_id],
+            "rejected": ids(int(torch.randint(1, 9, (1,), generator=g))) + [TOK.eos_token_id],
+            "margin": margin,
+        }
+        for _ in range(n)
+    ]
 
 
 # --- the math -------------------------------------------------------------------------------------------------------
@@ -63,25 +68,42 @@ def test_rm_and_ppo_state_the_same_conventions():
         kept = rm.truncate_prompt(ids, limit, bos)
         assert kept == ppo.truncate_prompt(ids, limit, bos)
         lead = ids[:1] if bos is not None and ids[:1] == [bos] and len(ids) > limit else []
-        assert kept == (ids if len(ids) <= limit else lead + ids[len(ids) - limit + len(lead):])  # its end, and BOS
+        assert kept == (ids if len(ids) <= limit else lead + ids[len(ids) - limit + len(lead) :])  # its end, and BOS
     mask = (torch.rand(16, 12, generator=torch.Generator().manual_seed(0)) > 0.3).long()
     assert torch.equal(rm.last_token_index(mask), ppo.last_token_index(mask))
-    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=40, num_labels=1, pad_token_id=0,
-                        resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3, summary_first_dropout=0.3, layerdrop=0.3,
-                        router_jitter_noise=0.3)  # (the last two: OPT's and MoE routers' training-mode randomness)
+    config = GPT2Config(
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        vocab_size=40,
+        num_labels=1,
+        pad_token_id=0,
+        resid_pdrop=0.3,
+        embd_pdrop=0.3,
+        attn_pdrop=0.3,
+        summary_first_dropout=0.3,
+        layerdrop=0.3,
+        router_jitter_noise=0.3,
+    )  # (the last two: OPT's and MoE routers' training-mode randomness)
     models = [AutoModelForSequenceClassification.from_config(copy.deepcopy(config)) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     for model, script in zip(models, (rm, ppo)):
         script.disable_dropout(model).train()  # (training mode: only dropout's probability can differ)
         assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
         assert model.config.layerdrop == model.config.router_jitter_noise == 0 and all(
-            v == 0 for k, v in vars(model.config).items() if "pdrop" in k or "dropout" in k)
-    ids, right = torch.randint(1, 40, (4, 9)), torch.tensor([[1] * 9, [1] * 5 + [0] * 4, [0] * 3 + [1] * 6, [1] * 2 +
-                                                             [0] * 7])
+            v == 0 for k, v in vars(model.config).items() if "pdrop" in k or "dropout" in k
+        )
+    ids, right = (
+        torch.randint(1, 40, (4, 9)),
+        torch.tensor([[1] * 9, [1] * 5 + [0] * 4, [0] * 3 + [1] * 6, [1] * 2 + [0] * 7]),
+    )
     rewards = [script.sequence_reward(model, ids, right) for model, script in zip(models, (rm, ppo))]
     assert torch.equal(rewards[0], rewards[1])
-    hidden = models[0].base_model(input_ids=ids, attention_mask=right,
-                                  position_ids=(right.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+    hidden = (
+        models[0]
+        .base_model(input_ids=ids, attention_mask=right, position_ids=(right.cumsum(1) - 1).clamp(min=0))
+        .last_hidden_state
+    )
     last = [max(i for i in range(9) if right[r, i]) for r in range(4)]  # the last real token, written out
     assert torch.allclose(rewards[0], models[0].score(hidden[torch.arange(4), last]).squeeze(-1), atol=1e-6)
 
@@ -148,8 +170,11 @@ def test_fused_forward_equals_separate_unpadded_forwards(arch):
         shift = (1 - mask).sum(1, keepdim=True)  # each row's padding moved to its left: last_token_index reads either
         index = (torch.arange(ids.shape[1]) - shift) % ids.shape[1]
         left = model(ids.gather(1, index), mask.gather(1, index))
-        separate = [model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]), dtype=torch.long))
-                    for k in ("chosen", "rejected") for p in pairs]
+        separate = [
+            model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]), dtype=torch.long))
+            for k in ("chosen", "rejected")
+            for p in pairs
+        ]
     assert torch.allclose(fused, torch.cat(separate), atol=1e-5)
     assert torch.allclose(left, fused, atol=1e-5)
 
@@ -183,11 +208,16 @@ def ids_of(text):
 
 def test_explicit_implicit_and_conversational_formats_give_the_same_ids_and_encoders_their_separator_once():
     prompt, chosen, rejected = "User: tell me about animals Assistant:", " cat dog", " red rice"
-    conv = {"prompt": [{"role": "user", "content": "tell me about animals"}],
-            "chosen": [{"role": "assistant", "content": "cat dog"}],
-            "rejected": [{"role": "assistant", "content": "red rice"}]}
-    rows = [{"prompt": prompt, "chosen": chosen, "rejected": rejected},
-            {"chosen": prompt + chosen, "rejected": prompt + rejected}, conv]
+    conv = {
+        "prompt": [{"role": "user", "content": "tell me about animals"}],
+        "chosen": [{"role": "assistant", "content": "cat dog"}],
+        "rejected": [{"role": "assistant", "content": "red rice"}],
+    }
+    rows = [
+        {"prompt": prompt, "chosen": chosen, "rejected": rejected},
+        {"chosen": prompt + chosen, "rejected": prompt + rejected},
+        conv,
+    ]
     rows = [dict(r, _source="mem", _row=i) for i, r in enumerate(rows)]
     pairs, counts = rm.tokenize_pairs(rows, TOK, rm.Args(max_length=512, min_prompt_length=384))
     assert not counts and len(pairs) == 3
@@ -207,7 +237,7 @@ def test_explicit_implicit_and_conversational_formats_give_the_same_ids_and_enco
         prefix, suffix = common.special_affixes(tok)
         assert prefix and suffix
         [prompt] = common.tokenize_prompts(tok, ["User: tell me about animals Assistant:"])
-        assert prompt[:len(prefix)] == prefix and prompt[-1] not in suffix
+        assert prompt[: len(prefix)] == prefix and prompt[-1] not in suffix
         [response] = common.tokenize_responses(tok, ["User: tell me"], [" cat dog"])
         assert response[-1] == common.end_id(tok) and response.count(response[-1]) == 1
 
@@ -254,7 +284,8 @@ def test_the_prompts_floor_is_named_as_one_and_max_prompt_length_is_not_taken(ca
     help_text = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "--min_prompt_length" in help_text and "A floor, not a cap" in help_text
     model = transformers.AutoModelForSequenceClassification.from_config(
-        common.embedded_model_config("embedded-llama", len(TOK), num_labels=1))
+        common.embedded_model_config("embedded-llama", len(TOK), num_labels=1)
+    )
     args = rm.fill_defaults(rm.Args(), model)
     assert args.min_prompt_length == min(256, args.max_length * 3 // 4)
     assert f"--min_prompt_length {args.min_prompt_length}" in capsys.readouterr().out
@@ -264,8 +295,14 @@ def test_a_pair_past_max_length_is_dropped_whole_and_every_kept_response_ends_wi
     """No response is cut (its reward is read at its EOS): a pair that does not fit with the prompt cut is dropped, and
     over half of them dropped stops the run in one line naming --max_length."""
     rng = random.Random(0)
-    rows = [{"prompt": "User: tell me about animals Assistant:", "chosen": " cat" * rng.randrange(1, 12),
-             "rejected": " dog" * rng.randrange(1, 4)} for _ in range(60)]
+    rows = [
+        {
+            "prompt": "User: tell me about animals Assistant:",
+            "chosen": " cat" * rng.randrange(1, 12),
+            "rejected": " dog" * rng.randrange(1, 4),
+        }
+        for _ in range(60)
+    ]
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     args = rm.Args(dataset_name=data, max_length=16, min_prompt_length=6)
     train, evals, _ = rm.load_data(args, TOK, 0)
@@ -273,20 +310,53 @@ def test_a_pair_past_max_length_is_dropped_whole_and_every_kept_response_ends_wi
     eos = TOK.eos_token_id
     assert 0 < len(kept) < 60 and all(p["chosen"][-1] == eos and p["rejected"][-1] == eos for p in kept)
     assert all(len(p["prompt"]) + max(len(p["chosen"]), len(p["rejected"])) <= 16 for p in kept)
-    fits = sum(min(len(ids_of(r["prompt"])), 6) + max(len(ids_of(r[k])) for k in ("chosen", "rejected")) + 1 <= 16
-               for r in rows)  # (+ 1: the EOS each response ends with)
+    fits = sum(
+        min(len(ids_of(r["prompt"])), 6) + max(len(ids_of(r[k])) for k in ("chosen", "rejected")) + 1 <= 16
+        for r in rows
+    )  # (+ 1: the EOS each response ends with)
     assert len(kept) == fits  # (over half dropped stops the run: test_errors.py's CASES)
 
 
 # --- training runs ----------------------------------------------------------------------------------------------------
 
+
 def test_two_process_ddp_and_fsdp_match_one_process_in_full_and_with_lora(tmp_path, small_pairs_file):
     """2 ranks (DDP, FSDP2) train as 1 process accumulating their micro-batches, in full and with LoRA (where only the
     adapters and the head move); each rank's memory peak is logged once; 2 ranks evaluate a single pair."""
-    full = ["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "6", "--logging_steps", "1", "--num_evals", "2",
-            "--warmup_steps", "2", "--per_device_train_batch_size", "4"]
-    lora = ["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "6", "--logging_steps", "1", "--num_evals",
-            "1", "--per_device_train_batch_size", "4", "--lora_r", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
+    full = [
+        "rm.py",
+        "--dataset_name",
+        small_pairs_file,
+        "--max_steps",
+        "6",
+        "--logging_steps",
+        "1",
+        "--num_evals",
+        "2",
+        "--warmup_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+    ]
+    lora = [
+        "rm.py",
+        "--dataset_name",
+        small_pairs_file,
+        "--max_steps",
+        "6",
+        "--logging_steps",
+        "1",
+        "--num_evals",
+        "1",
+        "--per_device_train_batch_size",
+        "4",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--learning_rate",
+        "1e-2",
+    ]
     one_pair = tmp_path / "one_pair"  # an eval split of one pair: fewer pairs than ranks
     one_pair.mkdir()
     shutil.copy(small_pairs_file, one_pair / "train.jsonl")
@@ -294,12 +364,26 @@ def test_two_process_ddp_and_fsdp_match_one_process_in_full_and_with_lora(tmp_pa
         g.write(f.readline())
     run_main(full + ["--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one")])
     run_main(lora + ["--gradient_accumulation_steps", "2", "--save_steps", "5", "--output_dir", str(tmp_path / "lora")])
-    run_ranks([full + ["--output_dir", str(tmp_path / "ddp")],
-               full + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")],
-               lora + ["--output_dir", str(tmp_path / "lora-ddp")],
-               lora + ["--fsdp", "--output_dir", str(tmp_path / "lora-fsdp")],
-               ["rm.py", "--dataset_name", str(one_pair), "--max_steps", "2", "--num_evals", "1", "--output_dir",
-                str(tmp_path / "one_pair_out")]], tmp_path)
+    run_ranks(
+        [
+            full + ["--output_dir", str(tmp_path / "ddp")],
+            full + ["--fsdp", "--output_dir", str(tmp_path / "fsdp")],
+            lora + ["--output_dir", str(tmp_path / "lora-ddp")],
+            lora + ["--fsdp", "--output_dir", str(tmp_path / "lora-fsdp")],
+            [
+                "rm.py",
+                "--dataset_name",
+                str(one_pair),
+                "--max_steps",
+                "2",
+                "--num_evals",
+                "1",
+                "--output_dir",
+                str(tmp_path / "one_pair_out"),
+            ],
+        ],
+        tmp_path,
+    )
     assert json.load(open(tmp_path / "one_pair_out" / "eval_results.json"))["accuracy"] in (0.0, 1.0)
     runs = {k: [m for m in read_metrics(tmp_path / k) if "train/loss" in m] for k in ("one", "ddp", "fsdp")}
     assert [m["step"] for m in runs["one"]] == list(range(1, 7))
@@ -323,8 +407,11 @@ def test_two_process_ddp_and_fsdp_match_one_process_in_full_and_with_lora(tmp_pa
     assert_saved_models_equal([tmp_path / k for k in runs], "AutoModelForSequenceClassification")
     initial, _, _ = rm.load_reward_model(rm.Args(seed=1, lora_r=4, lora_alpha=8.0), rm.load_tokenizer("embedded-llama"))
     trained = read_checkpoint(common.latest_checkpoint(str(tmp_path / "lora")))["model"]
-    moved = {k.removeprefix("hf.") for k, v in trained.items()
-             if not torch.equal(v, initial.state_dict()[k.removeprefix("hf.")])}
+    moved = {
+        k.removeprefix("hf.")
+        for k, v in trained.items()
+        if not torch.equal(v, initial.state_dict()[k.removeprefix("hf.")])
+    }
     assert moved and all("lora_" in k or "modules_to_save" in k for k in moved), moved
     assert any("lora_B" in k for k in moved) and any("modules_to_save" in k for k in moved)
 
@@ -332,8 +419,19 @@ def test_two_process_ddp_and_fsdp_match_one_process_in_full_and_with_lora(tmp_pa
 def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     out = tmp_path / "rm"
     # the default task and model, a shorter schedule (the full default run is measured in README)
-    run_main(["rm.py", "--output_dir", str(out), "--max_steps", "800", "--num_evals", "1",
-              "--per_device_train_batch_size", "32"])
+    run_main(
+        [
+            "rm.py",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "800",
+            "--num_evals",
+            "1",
+            "--per_device_train_batch_size",
+            "32",
+        ]
+    )
     results = json.load(open(out / "eval_results.json"))
     # 0.947 measured at these 800 steps (2026-12-05); a model blind to the avoided topic is capped at 0.84.
     assert results["accuracy_vs_bayes"] >= 0.92, results
@@ -341,8 +439,9 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
     hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     rows = common.load_rows("embedded", split="validation")[:16]  # the first eval pairs
-    pairs, _ = rm.tokenize_pairs([dict(r, _source="m", _row=i) for i, r in enumerate(rows)], tok,
-                                 rm.Args(max_length=512, min_prompt_length=384))
+    pairs, _ = rm.tokenize_pairs(
+        [dict(r, _source="m", _row=i) for i, r in enumerate(rows)], tok, rm.Args(max_length=512, min_prompt_length=384)
+    )
     ids, mask = rm.collate(pairs, tok.pad_token_id)
     with torch.no_grad():
         ours = rm.RewardModel(hf)(ids, mask)
@@ -374,16 +473,24 @@ def killed_after_checkpoint(main, args, step, monkeypatch):
 
 
 def test_resume_after_interruption_reproduces_uninterrupted_run(tmp_path, small_pairs_file, monkeypatch):
-    args = dict(dataset_name=small_pairs_file, max_steps=8, logging_steps=1, num_evals=4, save_steps=3,
-                per_device_train_batch_size=8)
+    args = dict(
+        dataset_name=small_pairs_file,
+        max_steps=8,
+        logging_steps=1,
+        num_evals=4,
+        save_steps=3,
+        per_device_train_batch_size=8,
+    )
     rm.main(rm.Args(output_dir=str(tmp_path / "full"), **args))
     killed_after_checkpoint(rm.main, rm.Args(output_dir=str(tmp_path / "cut"), **args), 6, monkeypatch)
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["latest", "step_00000003", "step_00000006"]
     shutil.copytree(tmp_path / "cut", tmp_path / "short")
     rm.main(rm.Args(output_dir=str(tmp_path / "cut"), resume=True, **args))
     assert no_timings(read_metrics(tmp_path / "cut")) == no_timings(read_metrics(tmp_path / "full"))
-    assert json.load(open(tmp_path / "cut" / "eval_results.json"))["loss"] == \
-        json.load(open(tmp_path / "full" / "eval_results.json"))["loss"]
+    assert (
+        json.load(open(tmp_path / "cut" / "eval_results.json"))["loss"]
+        == json.load(open(tmp_path / "full" / "eval_results.json"))["loss"]
+    )
 
     # resumed with a total the checkpoint (step 6) has already passed: no step to run; the checkpoint's model is
     # evaluated and saved, and the log closed
@@ -410,8 +517,10 @@ def test_a_finished_run_is_replaced_only_when_asked(tmp_path, small_pairs_file, 
     monkeypatch.setattr(rm, "load_tokenizer", lambda name: pytest.fail("loaded before refusing"))
     proc = run(check=False)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert all(word in proc.stderr for word in ("holds a finished run", "--resume", "--overwrite_output_dir",
-                                                "another --output_dir"))
+    assert all(
+        word in proc.stderr
+        for word in ("holds a finished run", "--resume", "--overwrite_output_dir", "another --output_dir")
+    )
     monkeypatch.setattr(rm, "load_tokenizer", real_load)
     assert "the run is complete (step 3 of 3); nothing to do" in run("--resume").stdout
     assert snapshot(out) == before
@@ -425,12 +534,19 @@ def test_a_finished_run_is_replaced_only_when_asked(tmp_path, small_pairs_file, 
 def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path, small_pairs_file, capsys):
     """Ctrl-C: a checkpoint after the step under way, one line saying how to resume, exit code 130; --resume then
     ends as the uninterrupted run does. A second Ctrl-C stops at once, in one line."""
-    args = dict(dataset_name=small_pairs_file, max_steps=30, logging_steps=1, num_evals=2,
-                per_device_train_batch_size=8)
+    args = dict(
+        dataset_name=small_pairs_file, max_steps=30, logging_steps=1, num_evals=2, per_device_train_batch_size=8
+    )
     flags = [f for k, v in args.items() for f in (f"--{k}", str(v))]
     cut = tmp_path / "cut"
-    job = subprocess.Popen([sys.executable, "rm.py", *flags, "--output_dir", str(cut)], cwd=ROOT, text=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    job = subprocess.Popen(
+        [sys.executable, "rm.py", *flags, "--output_dir", str(cut)],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     log, deadline = cut / "metrics.jsonl", time.time() + 300
     while not (log.exists() and log.read_text().count("\n") >= 2) and job.poll() is None and time.time() < deadline:
         time.sleep(0.01)
@@ -469,17 +585,36 @@ def test_sigint_stops_at_a_step_with_a_checkpoint_that_resumes_the_run(tmp_path,
 def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tmp_path, small_pairs_file):
     """Global batch 16, cut on 2 ranks and resumed on 1 and the reverse: every pair trained once in the uninterrupted
     order, its learning rates and steps continued; another global batch is refused, naming the flags that keep it."""
-    base = ["tests/faults.py", "rm.py", "--dataset_name", small_pairs_file, "--num_train_epochs", "1",
-            "--logging_steps", "1", "--num_evals", "1", "--warmup_ratio", "0.2", "--per_device_train_batch_size", "8"]
+    base = [
+        "tests/faults.py",
+        "rm.py",
+        "--dataset_name",
+        small_pairs_file,
+        "--num_train_epochs",
+        "1",
+        "--logging_steps",
+        "1",
+        "--num_evals",
+        "1",
+        "--warmup_ratio",
+        "0.2",
+        "--per_device_train_batch_size",
+        "8",
+    ]
     one = ["--gradient_accumulation_steps", "2"]
 
     def trained(name, flags=(), **kw):
         out, env = tmp_path / name, dict(TRACE=str(tmp_path / f"{name}.trace"), **kw)
-        proc = run_script(base + list(flags) + ["--output_dir", str(out)], nproc=2 if "two" in name else 1,
-                          check=not kw, env=env)
+        proc = run_script(
+            base + list(flags) + ["--output_dir", str(out)], nproc=2 if "two" in name else 1, check=not kw, env=env
+        )
         assert proc.returncode == (0 if not kw else 1 if "two" in name else 3), proc.stderr[-2000:]
-        return [json.loads(line) for r in (0, 1) if os.path.exists(f"{env['TRACE']}.rank{r}")
-                for line in open(f"{env['TRACE']}.rank{r}")]
+        return [
+            json.loads(line)
+            for r in (0, 1)
+            if os.path.exists(f"{env['TRACE']}.rank{r}")
+            for line in open(f"{env['TRACE']}.rank{r}")
+        ]
 
     whole = trained("whole", one)
     whole_lr = {m["step"]: m["lr"] for m in read_metrics(tmp_path / "whole") if "lr" in m}
@@ -497,11 +632,13 @@ def test_resume_on_another_number_of_ranks_continues_where_the_pairs_left_off(tm
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
         "error: --resume: the checkpoint was trained in global batches of 16, this run's is 8; resume with "
         "--per_device_train_batch_size x --gradient_accumulation_steps = 16 on 1 rank (or --overwrite_output_dir to "
-        "train afresh)"), proc.stderr[-2000:]
+        "train afresh)"
+    ), proc.stderr[-2000:]
 
 
 def _save_and_resume_random_streams(rank, folder):
     import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -527,9 +664,14 @@ def test_each_rank_resumes_its_own_random_streams(tmp_path):
     torch.manual_seed(99)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
-    common.resume_training(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
-                           str(tmp_path), types.SimpleNamespace(per_device_train_batch_size=2,
-                                                                gradient_accumulation_steps=1), world=1)
+    common.resume_training(
+        model,
+        optimizer,
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        str(tmp_path),
+        types.SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=1),
+        world=1,
+    )
     assert torch.equal(torch.get_rng_state(), rank0)
 
 
@@ -549,12 +691,24 @@ def test_only_the_schedules_that_run_are_offered(capsys):
 def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_file, schedule, capsys):
     """Every offered schedule runs, logging the rate each step used (an --lr_end not below the rate refused in one
     line); the run records the rate filled in for the model."""
-    args = rm.Args(dataset_name=small_pairs_file, max_steps=5, warmup_steps=1, lr_scheduler_type=schedule, lr_end=1e-4,
-                   output_dir=str(tmp_path), num_evals=1, logging_steps=1)
+    args = rm.Args(
+        dataset_name=small_pairs_file,
+        max_steps=5,
+        warmup_steps=1,
+        lr_scheduler_type=schedule,
+        lr_end=1e-4,
+        output_dir=str(tmp_path),
+        num_evals=1,
+        logging_steps=1,
+    )
     m = rm.main(args)
     lrs = [x["lr"] for x in read_metrics(tmp_path) if "lr" in x]
-    assert len(lrs) == 5 and m["eval/accuracy"] > 0 and lrs[0] == {"constant": 1e-3, "cosine_warmup_with_min_lr": 1e-3,
-                                                                 "warmup_stable_decay": 1e-4}.get(schedule, 0)
+    assert (
+        len(lrs) == 5
+        and m["eval/accuracy"] > 0
+        and lrs[0]
+        == {"constant": 1e-3, "cosine_warmup_with_min_lr": 1e-3, "warmup_stable_decay": 1e-4}.get(schedule, 0)
+    )
     assert json.load(open(tmp_path / "eval_results.json"))["args"]["learning_rate"] == 1e-3
     assert "defaults for this model: --learning_rate 0.001, --num_train_epochs 3" in capsys.readouterr().out
     if schedule == "linear":  # each step's logged rate is the one it used: warm-up from 0, then down to 0 at step 6
@@ -562,8 +716,15 @@ def test_every_lr_schedule_runs_or_is_refused_in_one_line(tmp_path, small_pairs_
     if schedule == "polynomial":  # power 1: linear from 1e-3 after warm-up down to --lr_end at step 6
         assert lrs == pytest.approx([0, 1e-3, 1e-4 + 0.75 * 9e-4, 1e-4 + 0.5 * 9e-4, 1e-4 + 0.25 * 9e-4])
         with pytest.raises(common.UserError, match="--lr_scheduler_type polynomial: lr_end"):  # not below the rate
-            rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=2, lr_scheduler_type="polynomial", lr_end=1e-3,
-                            output_dir=str(tmp_path / "refused")))
+            rm.main(
+                rm.Args(
+                    dataset_name=small_pairs_file,
+                    max_steps=2,
+                    lr_scheduler_type="polynomial",
+                    lr_end=1e-3,
+                    output_dir=str(tmp_path / "refused"),
+                )
+            )
     if schedule == "cosine_warmup_with_min_lr":  # (its warm-up starts at 1 / warm-up steps; it ends at --lr_end)
         assert lrs[-1] == pytest.approx(1e-4)
     if schedule == "cosine_with_min_lr":
@@ -586,10 +747,14 @@ def shared_prefix_pairs(n, seed):
     pairs = []
     for _ in range(n):
         common_start = ids(int(torch.randint(0, 3, (1,), generator=g)))
-        pairs.append({"prompt": ids(int(torch.randint(1, 30, (1,), generator=g))),
-                      "chosen": common_start + ids(int(torch.randint(1, 12, (1,), generator=g))) + [TOK.eos_token_id],
-                      "rejected": common_start + ids(int(torch.randint(0, 20, (1,), generator=g))) + [TOK.eos_token_id],
-                      "margin": 0.0})
+        pairs.append(
+            {
+                "prompt": ids(int(torch.randint(1, 30, (1,), generator=g))),
+                "chosen": common_start + ids(int(torch.randint(1, 12, (1,), generator=g))) + [TOK.eos_token_id],
+                "rejected": common_start + ids(int(torch.randint(0, 20, (1,), generator=g))) + [TOK.eos_token_id],
+                "margin": 0.0,
+            }
+        )
     return pairs
 
 
@@ -600,15 +765,18 @@ def test_padded_packed_and_prefix_shared_rewards_and_gradients_agree(arch, pad_i
     args, layout = rm.choose_layout(model, rm.Args(padding_free=True), TOK.vocab_size)
     assert "one row, attention per block of pairs" in layout and args.padding_free
     pairs = shared_prefix_pairs(12, seed=4)
-    batches = {"padded": rm.model_inputs(pairs, pad_id, rm.Args()),
-               "prefix-shared + packed": rm.model_inputs(pairs, pad_id, args)}
+    batches = {
+        "padded": rm.model_inputs(pairs, pad_id, rm.Args()),
+        "prefix-shared + packed": rm.model_inputs(pairs, pad_id, args),
+    }
     for block_tokens in (1, 10**6):  # every pair a block alone; the whole row one block
         monkeypatch.setattr(rm, "BLOCK_TOKENS", block_tokens)
         batches[f"prefix-shared + packed, blocks of {block_tokens}"] = rm.model_inputs(pairs, pad_id, args)
     assert len(batches["prefix-shared + packed, blocks of 1"]["packed"].blocks) == len(pairs)
     assert len(batches[f"prefix-shared + packed, blocks of {10**6}"]["packed"].blocks) == 1
-    assert batches["prefix-shared + packed"]["input_ids"].numel() == \
-        sum(len(p["prompt"]) + len(p["chosen"]) + len(p["rejected"]) for p in pairs)  # no padding at all
+    assert batches["prefix-shared + packed"]["input_ids"].numel() == sum(
+        len(p["prompt"]) + len(p["chosen"]) + len(p["rejected"]) for p in pairs
+    )  # no padding at all
     results = {}
     for name, inputs in batches.items():
         m = padded_model if name.startswith("padded") else model  # a packed model takes packed rows only
@@ -666,11 +834,26 @@ def test_gradient_checkpointing_recomputes_attention_per_block():
 def test_packed_attention_honours_sliding_windows_softcapping_and_gqa(config_name):
     # a window of 5 tokens, shorter than most sequences; 2 key/value heads for 4 query heads; Gemma 2 alternates
     # windowed and full layers and squashes its attention logits (softcapping, set low here so that it matters)
-    extra = dict(head_dim=8, attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"]) \
-        if config_name == "Gemma2Config" else {}
-    config, wide = (getattr(transformers, config_name)(
-        vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=window, num_labels=1, pad_token_id=0, **extra) for window in (5, 1000))
+    extra = (
+        dict(head_dim=8, attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"])
+        if config_name == "Gemma2Config"
+        else {}
+    )
+    config, wide = (
+        getattr(transformers, config_name)(
+            vocab_size=TOK.vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=window,
+            num_labels=1,
+            pad_token_id=0,
+            **extra,
+        )
+        for window in (5, 1000)
+    )
     torch.manual_seed(0)
     model = rm.RewardModel(AutoModelForSequenceClassification.from_config(config)).eval()
     without_window = rm.RewardModel(AutoModelForSequenceClassification.from_config(wide)).eval()
@@ -679,9 +862,13 @@ def test_packed_attention_honours_sliding_windows_softcapping_and_gqa(config_nam
     assert max(len(p["prompt"]) + len(p["chosen"]) for p in pairs) > 5
     with torch.no_grad():
         padded = model(*rm.collate(pairs, 0))
-        alone = torch.cat([model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]),
-                                                                              dtype=torch.long))
-                           for k in ("chosen", "rejected") for p in pairs])
+        alone = torch.cat(
+            [
+                model(torch.tensor([p["prompt"] + p[k]]), torch.ones(1, len(p["prompt"] + p[k]), dtype=torch.long))
+                for k in ("chosen", "rejected")
+                for p in pairs
+            ]
+        )
         without_window = without_window(*rm.collate(pairs, 0))
     args, layout = rm.choose_layout(model, rm.Args(padding_free=True), TOK.vocab_size)
     assert "one row" in layout
@@ -697,8 +884,16 @@ def test_packed_attention_honours_sliding_windows_softcapping_and_gqa(config_nam
 def test_packed_gqa_attention_on_cuda_never_gives_sdpa_a_mask_with_grouped_heads(monkeypatch):
     """On CUDA (forced here) a boolean mask never goes with enable_gqa (it can fall to the math kernel): keys and
     values are repeated per query head instead, the same rewards."""
-    config = MistralConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    config = MistralConfig(
+        vocab_size=TOK.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = rm.RewardModel(AutoModelForSequenceClassification.from_config(config)).eval()
     rm.use_segment_attention(model.hf)
@@ -734,8 +929,13 @@ def test_a_model_whose_attention_cannot_be_packed_keeps_the_padded_batch_and_say
         return forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
 
     if error is None:
-        monkeypatch.setattr(rm.RewardModel, "forward", lambda self, input_ids, attention_mask=None, packed=None:
-                            torch.zeros(len(input_ids) if packed is None else len(packed.read)))
+        monkeypatch.setattr(
+            rm.RewardModel,
+            "forward",
+            lambda self, input_ids, attention_mask=None, packed=None: torch.zeros(
+                len(input_ids) if packed is None else len(packed.read)
+            ),
+        )
     else:
         monkeypatch.setattr(model.hf.base_model, "forward", strict)
     args, layout = rm.choose_layout(model, rm.Args(padding_free=True), TOK.vocab_size)
@@ -743,15 +943,30 @@ def test_a_model_whose_attention_cannot_be_packed_keeps_the_padded_batch_and_say
     if error is None:
         assert layout.startswith("padded: its layers called segment_attention with windows []"), layout
     else:
-        assert layout == f"padded: its forward fails on a packed row ({error.__name__}: " \
+        assert (
+            layout == f"padded: its forward fails on a packed row ({error.__name__}: "
             "forward() got an unexpected keyword argument 'rm_segments')"
+        )
 
 
 def test_packed_checkpointed_and_bf16_training_curves_track_the_plain_run(tmp_path, small_pairs_file):
     """--padding_free and --gradient_checkpointing change no loss (recomputation, packing); --bf16 stays near."""
+
     def curve(name, *flags):
-        run_main(["rm.py", "--dataset_name", small_pairs_file, "--logging_steps", "1", "--num_evals", "1", *flags,
-                  "--output_dir", str(tmp_path / name)])
+        run_main(
+            [
+                "rm.py",
+                "--dataset_name",
+                small_pairs_file,
+                "--logging_steps",
+                "1",
+                "--num_evals",
+                "1",
+                *flags,
+                "--output_dir",
+                str(tmp_path / name),
+            ]
+        )
         assert json.load(open(tmp_path / name / "eval_results.json"))["args"]["padding_free"] == (name == "packed")
         return [m["train/loss"] for m in read_metrics(tmp_path / name) if "train/loss" in m]
 
@@ -759,8 +974,10 @@ def test_packed_checkpointed_and_bf16_training_curves_track_the_plain_run(tmp_pa
     default, packed = curve("default", *eight), curve("packed", *eight, "--padding_free")
     assert len(default) == 8
     assert np.allclose(packed, default, atol=1e-4), (packed, default)
-    fp32, checkpointed = curve("fp32", "--max_steps", "4"), curve("checkpointed", "--max_steps", "4",
-                                                                   "--gradient_checkpointing")
+    fp32, checkpointed = (
+        curve("fp32", "--max_steps", "4"),
+        curve("checkpointed", "--max_steps", "4", "--gradient_checkpointing"),
+    )
     bf16 = curve("bf16", "--max_steps", "4", "--bf16")
     assert np.allclose(checkpointed, fp32, atol=1e-5)
     assert np.allclose(bf16, fp32, atol=0.05) and bf16 != fp32
@@ -769,8 +986,11 @@ def test_packed_checkpointed_and_bf16_training_curves_track_the_plain_run(tmp_pa
 def test_dataset_mixer_takes_fractions_and_counts_and_evaluates_each_dataset_on_its_split_or_held_out_pairs(tmp_path):
     for name, n in (("a.jsonl", 40), ("b.jsonl", 30)):
         write_jsonl(tmp_path / name, [{"chosen": f" {name} {i}", "rejected": " x"} for i in range(n)])
-    rows = [r for name, weight in common.mixture([str(tmp_path / "a.jsonl"), "0.5", str(tmp_path / "b.jsonl"), "12"])
-            for r in rm.take_share(common.load_rows(name), weight, seed=0)]
+    rows = [
+        r
+        for name, weight in common.mixture([str(tmp_path / "a.jsonl"), "0.5", str(tmp_path / "b.jsonl"), "12"])
+        for r in rm.take_share(common.load_rows(name), weight, seed=0)
+    ]
     sources = [os.path.basename(r["_source"]) for r in rows]
     assert sources.count("a.jsonl") == 20 and sources.count("b.jsonl") == 12
     assert all(r["chosen"] == f" {os.path.basename(r['_source'])} {r['_row']}" for r in rows)  # rows keep their number
@@ -780,11 +1000,13 @@ def test_dataset_mixer_takes_fractions_and_counts_and_evaluates_each_dataset_on_
     with_split = tmp_path / "with_split"
     with_split.mkdir()
     for split, n in (("train", 40), ("test", 7)):
-        write_jsonl(with_split / f"{split}.jsonl",
-                    [{"prompt": "User:", "chosen": f" cat {split}", "rejected": " dog"}] * n)
+        write_jsonl(
+            with_split / f"{split}.jsonl", [{"prompt": "User:", "chosen": f" cat {split}", "rejected": " dog"}] * n
+        )
     alone = write_jsonl(tmp_path / "alone.jsonl", [{"prompt": "User:", "chosen": " red", "rejected": " blue"}] * 50)
-    args = rm.Args(dataset_mixer_list=[str(with_split), "1.0", alone, "1.0"], eval_holdout=0.2,
-                   max_length=64, min_prompt_length=32)
+    args = rm.Args(
+        dataset_mixer_list=[str(with_split), "1.0", alone, "1.0"], eval_holdout=0.2, max_length=64, min_prompt_length=32
+    )
     train, evals, _ = rm.load_data(args, TOK, 0)
     red, cat = TOK.convert_tokens_to_ids("red"), TOK.convert_tokens_to_ids("cat")
     assert sum(p["chosen"][0] == red for p in evals) == 10 and sum(p["chosen"][0] == cat for p in evals) == 7
@@ -799,7 +1021,8 @@ def test_a_mixture_count_past_the_rows_of_its_dataset_is_refused_in_one_line(tmp
     proc = run_main(["rm.py", *flags], check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
         f"error: --dataset_mixer_list asks for 500 rows of {small}, but its training split has 30; ask for at most 30, "
-        "or 1.0 for all of them"), proc.stderr[-2000:]
+        "or 1.0 for all of them"
+    ), proc.stderr[-2000:]
     assert not os.path.exists(tmp_path / "out" / "model.safetensors")
     assert len(rm.take_share(common.load_rows(small), 30, seed=0)) == 30  # all of its rows, asked by count
 
@@ -807,13 +1030,25 @@ def test_a_mixture_count_past_the_rows_of_its_dataset_is_refused_in_one_line(tmp
 def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(tmp_path):
     """A prompt held out of one dataset is trained on in none; a dataset weighted 0.05 gets its share of evaluation."""
     rng = random.Random(0)
-    shared = [{"prompt": f"User: tell me about {t} such as {w} Assistant:", "chosen": f" {rng.choice(common.WORDS)}",
-               "rejected": " gold"} for t in common.TOPICS for w in common.TOPICS[t] for _ in range(3)]
-    big = [{"prompt": f"User: {w} {v} Assistant:", "chosen": f" {w}", "rejected": " gold"}
-           for w in common.WORDS for v in common.WORDS[:40]]
+    shared = [
+        {
+            "prompt": f"User: tell me about {t} such as {w} Assistant:",
+            "chosen": f" {rng.choice(common.WORDS)}",
+            "rejected": " gold",
+        }
+        for t in common.TOPICS
+        for w in common.TOPICS[t]
+        for _ in range(3)
+    ]
+    big = [
+        {"prompt": f"User: {w} {v} Assistant:", "chosen": f" {w}", "rejected": " gold"}
+        for w in common.WORDS
+        for v in common.WORDS[:40]
+    ]
     files = [write_jsonl(tmp_path / f"{n}.jsonl", r) for n, r in (("a", shared), ("b", shared[::-1]), ("big", big))]
-    args = rm.Args(dataset_mixer_list=[files[0], "1.0", files[1], "1.0", files[2], "0.05"], max_length=64,
-                   min_prompt_length=32)
+    args = rm.Args(
+        dataset_mixer_list=[files[0], "1.0", files[1], "1.0", files[2], "0.05"], max_length=64, min_prompt_length=32
+    )
     train, evals, eval_sets = rm.load_data(args, TOK, 0)
     assert not {tuple(p["prompt"]) for p in train} & {tuple(p["prompt"]) for p in evals}
     in_eval = collections.Counter(p["dataset"] for p in evals)
@@ -827,8 +1062,15 @@ def test_normalization_is_fitted_on_the_training_pairs_and_eval_only_reproduces_
     """reward_shift and reward_scale are the saved model's rewards' mean and std on the training pairs; --eval_only on
     its held-out pairs gives training's numbers, for a plain transformers classifier too."""
     train_dir = tmp_path / "trained"
-    rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=6, num_evals=1, output_dir=str(train_dir),
-                    reward_normalization="shift_scale"))
+    rm.main(
+        rm.Args(
+            dataset_name=small_pairs_file,
+            max_steps=6,
+            num_evals=1,
+            output_dir=str(train_dir),
+            reward_normalization="shift_scale",
+        )
+    )
     trained = json.load(open(train_dir / "eval_results.json"))
     train, _, _ = rm.load_data(rm.Args(dataset_name=small_pairs_file, max_length=128, min_prompt_length=96), TOK, 0)
     hf = AutoModelForSequenceClassification.from_pretrained(train_dir).eval()
@@ -844,30 +1086,66 @@ def test_normalization_is_fitted_on_the_training_pairs_and_eval_only_reproduces_
     rows = common.load_rows(small_pairs_file)
     for split, part in zip(("train", "test"), rm.hold_out_by_prompt(rows, 0.1, 1, TOK)):  # rm.py's hold-out (seed 1)
         write_jsonl(held_out / f"{split}.jsonl", [{k: v for k, v in r.items() if not k.startswith("_")} for r in part])
-    proc = run_main(["rm.py", "--eval_only", "--model_name_or_path", str(train_dir), "--dataset_name",
-                     str(held_out), "--output_dir", str(tmp_path / "eval")])
+    proc = run_main(
+        [
+            "rm.py",
+            "--eval_only",
+            "--model_name_or_path",
+            str(train_dir),
+            "--dataset_name",
+            str(held_out),
+            "--output_dir",
+            str(tmp_path / "eval"),
+        ]
+    )
     assert "evaluated" in proc.stdout
     evaluated = json.load(open(tmp_path / "eval" / "eval_results.json"))
     for key in ("accuracy", "loss", "reward_gap", "calibration_error", "length_correlation"):
         assert evaluated[key] == pytest.approx(trained[key], abs=1e-5), key
     assert evaluated["normalized_reward_mean"] == pytest.approx(
-        (trained["reward_mean"] - trained["reward_shift"]) / trained["reward_scale"], abs=1e-5)
+        (trained["reward_mean"] - trained["reward_shift"]) / trained["reward_scale"], abs=1e-5
+    )
     del hf.config.reward_shift, hf.config.reward_scale
     hf.save_pretrained(tmp_path / "plain")
     TOK.save_pretrained(tmp_path / "plain")
-    rm.main(rm.Args(eval_only=True, model_name_or_path=str(tmp_path / "plain"), dataset_name=str(held_out),
-                    output_dir=str(tmp_path / "eval_plain")))
+    rm.main(
+        rm.Args(
+            eval_only=True,
+            model_name_or_path=str(tmp_path / "plain"),
+            dataset_name=str(held_out),
+            output_dir=str(tmp_path / "eval_plain"),
+        )
+    )
     assert json.load(open(tmp_path / "eval_plain" / "eval_results.json"))["accuracy"] == evaluated["accuracy"]
 
 
 def test_tensorboard_events_hold_the_logged_metrics_and_wandb_runs_offline(tmp_path, small_pairs_file):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_script(["rm.py", "--dataset_name", small_pairs_file, "--max_steps", "2", "--track", "--output_dir",
-                str(tmp_path / "wandb_run")], env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    run_script(
+        [
+            "rm.py",
+            "--dataset_name",
+            small_pairs_file,
+            "--max_steps",
+            "2",
+            "--track",
+            "--output_dir",
+            str(tmp_path / "wandb_run"),
+        ],
+        env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)},
+    )
     assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb_run" / "wandb"))
-    rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=3, logging_steps=1, num_evals=1, tensorboard=True,
-                    output_dir=str(tmp_path / "tb_run")))
+    rm.main(
+        rm.Args(
+            dataset_name=small_pairs_file,
+            max_steps=3,
+            logging_steps=1,
+            num_evals=1,
+            tensorboard=True,
+            output_dir=str(tmp_path / "tb_run"),
+        )
+    )
     events = EventAccumulator(str(tmp_path / "tb_run" / "tensorboard")).Reload()
     logged = [m for m in read_metrics(tmp_path / "tb_run") if "train/loss" in m]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([m["train/loss"] for m in logged])
@@ -880,8 +1158,10 @@ def hub_layouts(root):
     configs:, DatasetDict.save_to_disk, Dataset.save_to_disk (one split), split files."""
     import datasets
 
-    rows = [{"prompt": "User: tell me about animals Assistant:", "chosen": f" cat{' dog' * (i % 5)}",
-             "rejected": " red"} for i in range(30)]
+    rows = [
+        {"prompt": "User: tell me about animals Assistant:", "chosen": f" cat{' dog' * (i % 5)}", "rejected": " red"}
+        for i in range(30)
+    ]
     train, test = datasets.Dataset.from_list(rows[:24]), datasets.Dataset.from_list(rows[24:])
     (root / "hub" / "data").mkdir(parents=True)
     train.to_parquet(str(root / "hub" / "data" / "train-00000-of-00001.parquet"))
@@ -889,9 +1169,11 @@ def hub_layouts(root):
     (root / "configs" / "files").mkdir(parents=True)
     train.to_json(str(root / "configs" / "files" / "mine.jsonl"))
     test.to_json(str(root / "configs" / "files" / "held.jsonl"))
-    (root / "configs" / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n"
-                                                "  - split: train\n    path: files/mine.jsonl\n"
-                                                "  - split: test\n    path: files/held.jsonl\n---\n# pairs\n")
+    (root / "configs" / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n"
+        "  - split: train\n    path: files/mine.jsonl\n"
+        "  - split: test\n    path: files/held.jsonl\n---\n# pairs\n"
+    )
     datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(root / "saved_dict"))
     datasets.concatenate_datasets([train, test]).save_to_disk(str(root / "saved_one"))
     (root / "split_files").mkdir()
@@ -925,8 +1207,15 @@ def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path)
     scope = {}
     exec(snippet, scope)  # noqa: S102 - the README's own code, as a user would paste it
     hf = AutoModelForSequenceClassification.from_pretrained(reward_model_path).eval()
-    rows = [{"prompt": scope["prompt"], "chosen": scope["responses"][0], "rejected": scope["responses"][1],
-             "_source": "m", "_row": 0}]
+    rows = [
+        {
+            "prompt": scope["prompt"],
+            "chosen": scope["responses"][0],
+            "rejected": scope["responses"][1],
+            "_source": "m",
+            "_row": 0,
+        }
+    ]
     pairs, _ = rm.tokenize_pairs(rows, scope["tokenizer"], rm.Args(max_length=512, min_prompt_length=384))
     assert [x[-1] for x in scope["ids"]] == [scope["tokenizer"].eos_token_id] * 2
     assert scope["ids"] == [pairs[0]["prompt"] + pairs[0][k] for k in ("chosen", "rejected")]  # rm.py's tokens
@@ -941,8 +1230,16 @@ def test_readme_scoring_snippet_gives_the_rewards_of_training(reward_model_path)
 def test_num_evals_is_the_number_of_evaluations(tmp_path, small_pairs_file, capsys):
     """7 steps, 5 evaluations: 5, the last at the end; more than the steps: one per step, said in one line."""
     for max_steps, num_evals, expected in ((7, 5, 5), (3, 5, 3)):
-        rm.main(rm.Args(dataset_name=small_pairs_file, max_steps=max_steps, num_evals=num_evals, logging_steps=100,
-                        per_device_train_batch_size=8, output_dir=str(tmp_path / str(max_steps))))
+        rm.main(
+            rm.Args(
+                dataset_name=small_pairs_file,
+                max_steps=max_steps,
+                num_evals=num_evals,
+                logging_steps=100,
+                per_device_train_batch_size=8,
+                output_dir=str(tmp_path / str(max_steps)),
+            )
+        )
         evals = [m["step"] for m in read_metrics(tmp_path / str(max_steps)) if "eval/accuracy" in m]
         assert len(evals) == expected and evals[-1] == max_steps, evals
     assert "--num_evals 5: 3, one after each of the 3 steps" in capsys.readouterr().out
