@@ -132,15 +132,11 @@ def run(before):
             ROOT,
             env,
         )
-    ood = lambda name: json.load(
-        open(
-            os.path.join(
-                ROOT,
-                f"runs/ood-{os.path.basename(name)}",  # noqa: E731
-                "eval_results.json",
-            )
-        )
-    )
+
+    def ood(name):
+        with open(os.path.join(ROOT, f"runs/ood-{os.path.basename(name)}", "eval_results.json")) as f:
+            return json.load(f)
+
     rm_eval = {
         split: json.load(open(os.path.join(ROOT, path, "eval_results.json")))
         for split, path in (("validation", "runs/rm"), ("ood", "runs/rm-ood"))

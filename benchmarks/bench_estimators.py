@@ -10,7 +10,8 @@ Rows: gae (ppo.py's defaults: a critic initialised from the reward model, 1 resp
 critic. Each row trains on the reward model (`proxy`: the gold score is then what the proxy is meant to measure) and
 on the gold reward itself as a rule (`--reward_fn common:gold_rewards`). Everything else is gae's default (KL in the
 reward, k1, token_mean, kl_coef 0.1, rollout batch 32, 4 PPO epochs), so the rows differ in the estimator alone (and
-Dr. GRPO's average). grpo's own defaults (KL in the loss, k3, sequence_mean) are pinned to gae's here. Every run is its own process, one after the other, on an otherwise idle machine; peak memory is its peak
+Dr. GRPO's average). grpo's own defaults (KL in the loss, k3, sequence_mean) are pinned to gae's here. Every run is
+its own process, one after the other, on an otherwise idle machine; peak memory is its peak
 resident set (VmHWM).
 """
 

@@ -15,8 +15,9 @@ too), the same prompt token ids, sizes and sampling settings. Workloads:
   policy, same shape, and reward model): a vocabulary whose output layer is a third of the model, as in the small
   pretrained models (GPT-2, Pythia, Qwen2.5-0.5B: a fifth to a third), where the byte-level one is a few percent.
 ppo.py runs twice: its default (plain) path, and with its opt-in speed flags (SPEED_FLAGS: --group_by_length
---blocked_logits). Episodes/s is over the training loop (TRL: inside train(); ppo.py: the sum of its updates' times). The time split is
-generation; reference + reward + value forwards; learning (the PPO epochs). Peak memory is the process's peak RSS.
+--blocked_logits). Episodes/s is over the training loop (TRL: inside train(); ppo.py: the sum of its updates' times).
+The time split is generation; reference + reward + value forwards; learning (the PPO epochs). Peak memory is the
+process's peak RSS.
 Last, ppo.py's learning phase of one update per workload runs under the profiler: its share of time in matrix
 products and their GFLOP/s, against one large product's on the same machine (the ceiling).
 

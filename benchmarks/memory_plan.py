@@ -329,7 +329,8 @@ def rank0_host_bytes(models):
 
 def table(rows, world, capacity=None):
     """The plan as a small table, GB per rank: each model's weights, gradients and AdamW state; each phase's rows and
-    peak; the host memory loading takes (FSDP on several ranks: rank0_host_bytes; else every rank its replicas); with capacity (bytes), whether it fits."""
+    peak; the host memory loading takes (FSDP on several ranks: rank0_host_bytes; else every rank its replicas); with
+    capacity (bytes), whether it fits."""
     models = [m for m in rows if isinstance(m, Planned)]
     lines = [
         f"memory plan per rank ({world} rank{'s' if world > 1 else ''}; GB):",

@@ -79,7 +79,7 @@ def main(out="benchmarks/results/embedded_gold_vs_kl.png"):
 
 
 def summary(n=5):
-    """README's table: rm.py's held-out accuracy against Bayes; each PPO run's means over its first and last n updates."""
+    """Prints rm.py's held-out accuracy against Bayes and each PPO run's means over its first and last n updates."""
     if os.path.exists("runs/rm/eval_results.json"):
         with open("runs/rm/eval_results.json") as f:
             ev = json.load(f)

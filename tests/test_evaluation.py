@@ -131,10 +131,10 @@ def test_a_run_stopped_during_or_after_an_evaluation_resumes_to_the_same_evaluat
             with pytest.raises(KeyboardInterrupt):
                 ppo.main(ppo.Args(**args, output_dir=str(tmp_path / cut)))
         ppo.main(ppo.Args(**args, resume=True, output_dir=str(tmp_path / cut)))
-    strip = lambda ms: [
-        {k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
-        for m in ms
-    ]
+
+    def strip(ms):
+        return [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))} for m in ms]
+
     full = strip(read_metrics(tmp_path / "full"))
     assert [m["step"] for m in full if "eval/score" in m] == [0, 2, 4, 6, 8]
     for cut in cuts:

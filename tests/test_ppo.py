@@ -684,10 +684,10 @@ def test_resume_after_interruption_reproduces_uninterrupted_run(estimator, tmp_p
     monkeypatch.setattr(common, "commit_checkpoint", real_save)
     shutil.copytree(tmp_path / "cut", tmp_path / "short")
     ppo.main(ppo.Args(output_dir=str(tmp_path / "cut"), resume=True, **args))
-    strip = lambda ms: [
-        {k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))}  # noqa: E731
-        for m in ms
-    ]
+
+    def strip(ms):
+        return [{k: v for k, v in m.items() if not k.startswith(("perf/", "memory/"))} for m in ms]
+
     full, cut = strip(read_metrics(tmp_path / "full")), strip(read_metrics(tmp_path / "cut"))
     assert len(full) == 12 and cut == full
     samples = [open(tmp_path / k / "samples.jsonl").read() for k in ("full", "cut")]

@@ -364,15 +364,10 @@ def test_evaluation_loss_calibration_and_per_dataset_numbers_match_formulas():
     )
     assert rm.reward_model_loss(r_c, r_r, margin, 0.1).item() == pytest.approx(expected, rel=1e-6)
     model = rm.RewardModel(rm.load_reward_model(rm.Args(), TOK)[0]).eval()
-    evaluate = lambda pairs, **kw: rm.evaluate(
-        model,
-        pairs,
-        rm.Args(padding_free=False, **kw),
-        0,  # noqa: E731
-        torch.device("cpu"),
-        0,
-        1,
-    )
+
+    def evaluate(pairs, **kw):
+        return rm.evaluate(model, pairs, rm.Args(padding_free=False, **kw), 0, torch.device("cpu"), 0, 1)
+
     pairs = [{"prompt": [2, 4], "chosen": [20, 3], "rejected": [21, 22, 3], "margin": 0.0, "gold": None}] * 4
     for coefficient in (0.0, 0.5):
         ev, rewards = evaluate(pairs, center_rewards_coefficient=coefficient)
