@@ -110,7 +110,7 @@ class Args:
     # --- held-out evaluation
     eval_split: str | None = None  # Split of eval prompts (default: validation, else test, else --eval_holdout)
     eval_holdout: float = 0.1  # Without an eval split, this fraction of the prompts is held out by text
-    num_eval_prompts: int = 256  # Eval prompts, a subset drawn by seed and the same at every evaluation
+    num_eval_prompts: int = 256  # Distinct eval prompts, drawn by seed, the same at every evaluation; all if fewer
     # Evaluations spread evenly over training, the last at its end, plus one before it: N + 1 in all (at most one per
     # update); 0: none
     num_evals: int = 5

@@ -69,7 +69,7 @@ class Args:
     per_device_train_batch_size: int = 32  # Pairs per device per micro-step
     gradient_accumulation_steps: int = 1  # Micro-steps per optimizer step; global batch = per-device x this x ranks
     per_device_eval_batch_size: int = 32  # Pairs per device per evaluation forward
-    # Learning rate schedule after warm-up
+    # Learning rate schedule after warm-up; constant takes no warm-up, constant_with_warmup does
     lr_scheduler_type: Literal[
         "linear",
         "cosine",
