@@ -16,6 +16,7 @@ the last evaluation, which read the same prompts with the same random streams.
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -75,6 +76,23 @@ def ppo_row(path, ood_before, ood_after, n=5):
         "distinct_2": [evals[0]["eval/distinct_2"], evals[-1]["eval/distinct_2"], ood_after["eval/distinct_2"]],
         "updates": len(updates),
     }
+
+
+def bayes_accuracy_of_splits():
+    """Each embedded split's Bayes-optimal accuracy, mean of max(p, 1 - p) with p the gold's P(chosen wins)."""
+    sys.path.insert(0, ROOT)
+    import common
+
+    out = {}
+    for split in common.EMBEDDED_SPLITS:
+        rows = common.load_rows("embedded", split=split)
+        p = [1 / (1 + math.exp(-common.PREFERENCE_BETA * (r["gold_chosen"] - r["gold_rejected"]))) for r in rows]
+        out[split] = {
+            "bayes_accuracy": sum(max(q, 1 - q) for q in p) / len(p),
+            "pairs": len(rows),
+            "prompts": len({r["prompt"] for r in rows}),
+        }
+    return out
 
 
 def run(before):
@@ -146,6 +164,7 @@ def run(before):
         for split, ev in rm_eval.items()
     }
     result["ppo"] = {path: ppo_row(os.path.join(ROOT, path), ood("initial"), ood(path)) for path in PPO_RUNS}
+    result["bayes_accuracy"] = bayes_accuracy_of_splits()
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT, "w") as f:
         json.dump(result, f, indent=1)
@@ -176,6 +195,13 @@ def table(r):
             f"{t1:.3f}** | {p['kl'][0]:.1f} / {p['kl'][1]:.1f} | {p['distinct_2'][0]:.2f} → "
             f"{p['distinct_2'][1]:.2f} | {r['ppo_s'][path]:.0f} s |"
         )
+    lines.append(
+        "\n"
+        + ", ".join(
+            f"{s} {v['bayes_accuracy']:.4f} ({v['pairs']:,} pairs, {v['prompts']:,} prompts)"
+            for s, v in r["bayes_accuracy"].items()
+        )
+    )
     if "before" in r:
         b = r["before"]
         now = r["rm_s"] + r["ppo_s"]["runs/ppo"]
