@@ -5,6 +5,7 @@ training batches, validation prompts and out-of-distribution prompts, before and
     python benchmarks/bench_embedded.py                      # runs every command in runs/; embedded.json, the table
     python benchmarks/bench_embedded.py --before CHECKOUT    # also times `python rm.py && python ppo.py` there first
     python benchmarks/bench_embedded.py --table_only         # the table again from benchmarks/results/embedded.json
+    python benchmarks/bench_embedded.py --collect_only       # the figures again from runs/, keeping the timings
 
 Every command runs in its own process, one after another, with a fresh SFT cache (the first `python ppo.py` trains the
 initial policy, as on a new machine). Nothing else should run: the wall times are the figures of README.
@@ -73,6 +74,7 @@ def ppo_row(path, ood_before, ood_after, n=5):
         "validation_prompts": len(first),
         "ood_gold": [[r["eval/gold"], r["eval/gold_se"]] for r in (ood_before, ood_after)],
         "kl": [evals[-1]["eval/kl"], ood_after["eval/kl"]],
+        "distinct_1": [evals[0]["eval/distinct_1"], evals[-1]["eval/distinct_1"], ood_after["eval/distinct_1"]],
         "distinct_2": [evals[0]["eval/distinct_2"], evals[-1]["eval/distinct_2"], ood_after["eval/distinct_2"]],
         "updates": len(updates),
     }
@@ -150,6 +152,11 @@ def run(before):
             ROOT,
             env,
         )
+    return collect(result)
+
+
+def collect(result):
+    """Adds the figures of the runs' files in runs/ to result and writes benchmarks/results/embedded.json."""
 
     def ood(name):
         with open(os.path.join(ROOT, f"runs/ood-{os.path.basename(name)}", "eval_results.json")) as f:
@@ -192,8 +199,8 @@ def table(r):
             f"| {commands[path]} | {p['train_gold'][0]:.3f} → **{p['train_gold'][1]:.3f}** "
             f"({p['train_proxy'][0]:.2f} → {p['train_proxy'][1]:.2f}) | {v0:.3f} ± {s0:.3f} → **{v1:.3f} ± "
             f"{s1:.3f}** ({change:+.3f} ± {se:.3f} paired: {z:.0f} s.e.) | {o0:.3f} ± {t0:.3f} → **{o1:.3f} ± "
-            f"{t1:.3f}** | {p['kl'][0]:.1f} / {p['kl'][1]:.1f} | {p['distinct_2'][0]:.2f} → "
-            f"{p['distinct_2'][1]:.2f} | {r['ppo_s'][path]:.0f} s |"
+            f"{t1:.3f}** | {p['kl'][0]:.1f} / {p['kl'][1]:.1f} | {p['distinct_1'][0]:.3f} → "
+            f"{p['distinct_1'][1]:.3f} | {r['ppo_s'][path]:.0f} s |"
         )
     lines.append(
         "\n"
@@ -217,8 +224,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--before", help="a checkout whose `python rm.py && python ppo.py` is timed first")
     parser.add_argument("--table_only", action="store_true")
+    parser.add_argument("--collect_only", action="store_true", help="read runs/ again, keeping the JSON's timings")
     args = parser.parse_args()
-    result = json.load(open(OUT)) if args.table_only else run(args.before)
+    if args.table_only or args.collect_only:
+        with open(OUT) as f:
+            result = json.load(f)
+        result = collect(result) if args.collect_only else result
+    else:
+        result = run(args.before)
     print(table(result))
 
 
