@@ -5,6 +5,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import functools
 import gzip
 import hashlib
 import io
@@ -354,6 +355,12 @@ def embedded_response(rng):
     return " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(MIN_WORDS, MAX_WORDS)))
 
 
+@functools.cache
+def embedded_split(split):
+    """Returns one split's pairs, drawn once in a process: each split is the same every time it is read."""
+    return tuple(embedded_pairs(EMBEDDED_PAIRS[split], EMBEDDED_SPLITS[split], split))
+
+
 def embedded_pairs(n, seed, split="train"):
     """Returns n pairs of the split labelled by the gold reward's Bradley-Terry model. Their gold values give the
     Bayes-optimal accuracy."""
@@ -390,8 +397,7 @@ def load_rows(name, config=None, split="train"):
     if name == "embedded":  # four splits, each drawn with its own seed
         if split not in EMBEDDED_SPLITS:
             return None
-        rows = embedded_pairs(EMBEDDED_PAIRS[split], EMBEDDED_SPLITS[split], split)
-        return [dict(r, _source=name, _row=i) for i, r in enumerate(rows)]
+        return [dict(r, _source=name, _row=i) for i, r in enumerate(embedded_split(split))]
     ext = os.path.splitext(name.removesuffix(".gz"))[1]
     try:
         if os.path.isdir(name):

@@ -1167,7 +1167,9 @@ def load_prompts(args, tokenizer, split=None, rows=None):
         if not rows:
             raise common.UserError(f"{args.dataset_name}: no split '{split or args.dataset_train_split}'")
     texts = [prompt_text(r, tokenizer, common.where(r)) for r in rows]
-    ids = common.tokenize_prompts(tokenizer, texts)
+    distinct = list(dict.fromkeys(texts))  # Each text tokenized once: datasets repeat prompts.
+    ids_of = dict(zip(distinct, common.tokenize_prompts(tokenizer, distinct)))
+    ids = [ids_of[t] for t in texts]
     common.check_vocabulary(tokenizer, ids, args.dataset_name, args.sft_model_path, "--sft_model_path")
     if not all(ids):  # No BOS and no text: the first response token would attend to nothing.
         raise common.UserError(

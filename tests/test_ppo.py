@@ -1,5 +1,6 @@
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -1123,6 +1124,7 @@ def test_an_empty_prompt_without_bos_is_named(tmp_path, monkeypatch):
     with pytest.raises(common.UserError, match=r"prompts.jsonl: line 2: the prompt is empty and .* adds no BOS"):
         ppo.load_prompts(ppo.Args(dataset_name=str(path), max_prompt_length=256), TOK)
     monkeypatch.setattr(common, "embedded_prompt", lambda rng, split="train": "")
+    monkeypatch.setattr(common, "embedded_split", functools.cache(common.embedded_split.__wrapped__))  # drawn anew
     with pytest.raises(common.UserError, match=r"^embedded: row 0: the prompt is empty"):
         ppo.load_prompts(ppo.Args(max_prompt_length=256), TOK)
 
