@@ -146,10 +146,10 @@ def test_sampler_draws_from_the_learning_forwards_distribution(family, family_di
 def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(family, family_dir, tmp_path):
     """rm.py and ppo.py cut a prompt alike; rm.py's response ends at the policy's stop token, once, nothing after it."""
     path = family_dir(family)
-    rows = preference_rows(family, 8, seed=4)
+    rows = preference_rows(family, 16, seed=4)
     # cut (keeping the leading BOS; rm.py cuts a prompt only where the pair does not fit --max_length, to what the
     # longer response leaves, and drops a pair that does not fit with the prompt at --min_prompt_length), and whole
-    for max_prompt_length, max_length in ((5, 16), (64, 96)):
+    for max_prompt_length, max_length in ((5, 20), (64, 96)):
         args = ppo.Args(
             sft_model_path=path,
             dataset_name=write_jsonl(tmp_path / "p.jsonl", rows),
@@ -170,7 +170,7 @@ def test_reward_is_read_at_the_token_where_the_policy_stops_and_prompts_agree(fa
                 )  # ppo.py's cut, to that length
                 kept.append((pair, row))
                 cut += len(pair["prompt"]) < len(whole)
-        assert kept and (cut > 0) == (max_length == 16), (len(kept), cut)
+        assert kept and (cut > 0) == (max_length == 20), (len(kept), cut)
     prompt_ids = [pair["prompt"] for pair, _ in kept]
     stop = tokenizer.eos_token_id
     for pair, row in kept:

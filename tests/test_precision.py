@@ -144,8 +144,9 @@ def test_scalar_heads_compute_from_float32_weights_under_fsdp_bf16(bf16_fsdp_run
             assert {dtype for kind, dtype in spied[run]["seen"] if kind in kinds} == {"torch.float32"}, (run, spied)
 
 
-def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_path, small_pairs_file):
-    """--bf16 against float32: rm.py's accuracy within 3 points, ppo.py's gold score gain within noise."""
+def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_path):
+    """--bf16 against float32: rm.py's accuracy, well above chance, within 3 points; ppo.py on the gold reward, from the
+    same policy with the same random streams, changes the gold score by the same amount within 0.2."""
     results = {}
     for precision in ("fp32", "bf16"):
         flags = ["--bf16"] if precision == "bf16" else []
@@ -153,12 +154,8 @@ def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_pa
         run_main(
             [
                 "rm.py",
-                "--dataset_name",
-                small_pairs_file,
                 "--max_steps",
-                "60",
-                "--per_device_train_batch_size",
-                "16",
+                "200",
                 "--num_evals",
                 "1",
                 "--output_dir",
@@ -168,7 +165,7 @@ def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_pa
         )
         history = ppo.main(
             ppo.Args(
-                reward_model_path=str(out / "rm"),
+                reward_fn="common:gold_rewards",
                 output_dir=str(out / "ppo"),
                 total_episodes=384,
                 sample_every=100,
@@ -180,8 +177,8 @@ def test_bf16_runs_of_both_scripts_reach_the_float32_results_within_noise(tmp_pa
             np.mean([h["gold/mean"] for h in history[-3:]]) - np.mean([h["gold/mean"] for h in history[:3]]),
         )
     (acc32, gain32), (acc16, gain16) = results["fp32"], results["bf16"]
-    assert abs(acc16 - acc32) < 0.03, results
-    assert gain32 > 0.1 and gain16 > 0.5 * gain32, results
+    assert min(acc16, acc32) > 0.6 and abs(acc16 - acc32) < 0.03, results
+    assert abs(gain16 - gain32) < 0.2, results
 
 
 def test_scalar_heads_logits_and_entropy_are_float32_under_bf16_autocast():

@@ -438,7 +438,7 @@ def test_embedded_default_reaches_accuracy_target_and_reloads(tmp_path):
 
     hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
-    rows = common.load_rows("embedded", split="validation")[:16]  # the first eval pairs
+    rows = common.load_rows("embedded", split="validation")[:64]  # the first eval pairs
     pairs, _ = rm.tokenize_pairs(
         [dict(r, _source="m", _row=i) for i, r in enumerate(rows)], tok, rm.Args(max_length=512, min_prompt_length=384)
     )
