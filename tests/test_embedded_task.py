@@ -87,7 +87,7 @@ def test_each_splits_bayes_accuracy_is_a_direct_computation_from_its_gold_reward
     assert results["bayes_accuracy"] == pytest.approx(bayes_accuracy(split_rows["ood"]), abs=1e-6)
 
 
-def test_neither_script_trains_on_a_validation_or_ood_prompt(monkeypatch):
+def test_neither_script_trains_on_a_validation_or_ood_prompt(monkeypatch, tmp_path):
     """rm.py's training pairs, ppo.py's training prompts and the SFT policy's training prompts are all of the train
     split, and ppo.py's eval prompts are of the split asked for."""
     tok = common.embedded_tokenizer()
@@ -108,6 +108,6 @@ def test_neither_script_trains_on_a_validation_or_ood_prompt(monkeypatch):
         return seen[-1]
 
     monkeypatch.setattr(common, "embedded_prompt", spy)
-    monkeypatch.setenv("XDG_CACHE_HOME", "/nonexistent")  # trained here, not read from a cache
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # trained here, not read from a cache
     ppo.embedded_sft_policy("embedded-llama", tok, seed=0, steps=2, batch_size=32)
     assert len(seen) == 64 and {common.prompt_split(t) for t in seen} == {"train"}
