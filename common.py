@@ -244,6 +244,7 @@ _values = random.Random(1234)
 WORD_VALUE = {w: round(_values.gauss(0.0, 1.0), 3) for w in WORDS}
 TOPIC_BONUS = 1.0  # added to a word of the asked topic
 NON_WORD_VALUE = -3.0  # the value of a template, special or unknown token, and of a word of the avoided topic
+REPEAT_VALUE = -1.0  # the value of a word said again, whatever the word
 MIN_WORDS, MAX_WORDS = 3, 10
 # The splits. Prompts that ask about OOD_PAIR[0] and avoid OOD_PAIR[1] are the out-of-distribution split, `ood`:
 # both topics occur in training in both roles, but never this pair. The other prompts fall in train, validation or
@@ -329,14 +330,15 @@ def gold_reward(prompt, response):
     """Returns the mean over the response's words of each word's value.
 
     A word's value is its hidden value, plus 1 if of the asked topic. A word of the avoided topic is worth -3, as a
-    non-word. A repeat is worth 0. Long repeats are rare in the pairs, so a reward model can miss them and a policy
-    find them. The proxy then rewards a direction the gold reward does not (Gao et al. 2022, sec. 4)."""
+    non-word. A word said again is worth -1, below the initial policy's mean gold of about -0.2. Repeats change a pair's
+    gold little, so a reward model learns them last. A policy that repeats the words a proxy likes then lowers the gold
+    below what it had reached: the proxy rewards a direction the gold does not (Gao et al. 2022, sec. 4)."""
     asked, avoided = prompt_parts(prompt)
     words = [w for w in response.split() if w != "<eos>"]
     if not words:
         return NON_WORD_VALUE
     vals = [
-        0.0
+        REPEAT_VALUE
         if w in words[:i]
         else NON_WORD_VALUE
         if w not in WORD_VALUE or TOPIC_OF[w] == avoided

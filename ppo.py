@@ -110,7 +110,8 @@ class Args:
     # --- held-out evaluation
     eval_split: str | None = None  # Split of eval prompts (default: validation, else test, else --eval_holdout)
     eval_holdout: float = 0.1  # Without an eval split, this fraction of the prompts is held out by text
-    num_eval_prompts: int = 256  # Distinct eval prompts, drawn by seed, the same at every evaluation; all if fewer
+    num_eval_prompts: int = 256  # Distinct eval prompts, the same at every evaluation; all if fewer
+    eval_seed: int = 0  # Draws the eval prompts and their streams, whatever --seed: runs compare prompt by prompt
     # Evaluations spread evenly over training, the last at its end, plus one before it: N + 1 in all (at most one per
     # update); 0: none
     num_evals: int = 5
@@ -131,7 +132,7 @@ class Args:
     ] = "linear"
     # One clip for both models gives the same gold score at equal KL (benchmarks/README.md, Gradient clipping).
     max_grad_norm: float = 1.0  # Clip the gradient norm of policy and critic together; 0: no clipping
-    seed: int = 1  # Seed of the data order, the hold-out and sampling
+    seed: int = 1  # Seed of the data order and of sampling in training
     # --- sampling. No top-k or top-p: the ratio and the KL need the distribution a token was drawn from.
     response_length: int = 16  # Maximum new tokens per response
     temperature: float = 1.0  # Sampling temperature, used by every log-prob too
@@ -637,18 +638,19 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, pt
 
 
 @torch.no_grad()
-def evaluate(models, prompts, args, tokenizer, stop_id):
+def evaluate(models, prompts, args, tokenizer, stop_id, baseline=None):
     """Scores the policy on the held-out prompts, one response each, sampled at --temperature.
 
-    Each prompt has its own random stream, the same at every evaluation. Two evaluations then differ only by the
-    policy, and their difference is a paired comparison. The prompts go through phases 1 to 3 in rollout batches.
-    Returns each measure's mean over the distinct prompts with its standard error, the responses' distinct-n, and one
-    row per prompt for eval_samples.jsonl."""
+    Each prompt has its own random stream, seeded by --eval_seed, the same at every evaluation and in every run. Two
+    evaluations then differ only by the policy, and their difference is a paired comparison: given the first
+    evaluation's rows as `baseline`, each measure's change from it is logged with its paired standard error. The prompts
+    go through phases 1 to 3 in rollout batches. Returns each measure's mean over the distinct prompts with its
+    standard error, the changes, the responses' distinct-n, and one row per prompt for eval_samples.jsonl."""
     rows, start = [], time.time()
     for model in (m for m in (models.policy, models.critic) if m is not None):  # as sampling in training
         model.eval()
     for chunk in eval_batches(prompts, args):
-        seeds = [common.seed_of(args.seed, "evaluation", i) for i in chunk.index]
+        seeds = [common.seed_of(args.eval_seed, "evaluation", i) for i in chunk.index]
         batch = rollout(models.policy, chunk.ids, seeds, args, stop_id, tokenizer.pad_token_id)
         with resharded([models.separate_reference]):
             logprobs_and_values(models.policy, models.reference, None, batch, args, 0, models.reference_mode)
@@ -669,11 +671,13 @@ def evaluate(models, prompts, args, tokenizer, stop_id):
             }
             for i in range(chunk.real)
         ]  # The rows after chunk.real repeat a prompt to fill the batch.
-    measures = mean_and_standard_error(rows, ("score", "gold", "kl", "length", "stop_rate"), "eval/")
+    names = ("score", "gold", "kl", "length", "stop_rate")
+    measures = mean_and_standard_error(rows, names, "eval/")
+    changes = paired_change(rows, baseline, names, "eval/") if baseline else {}
     # Output diversity across the prompts' responses (Kirk et al. 2024): a policy that says one thing to every prompt
     # has few distinct words.
     diversity = {f"eval/distinct_{n}": distinct_ngrams([r["response"] for r in rows], n) for n in (1, 2)}
-    return {**measures, **diversity, "perf/time_eval": time.time() - start}, rows
+    return {**measures, **changes, **diversity, "perf/time_eval": time.time() - start}, rows
 
 
 def main(args):
@@ -694,13 +698,14 @@ def main(args):
         return evaluate_only(models, eval_prompts, args, tokenizer, stop_id)
     # AdamW over policy and critic, each at its learning rate; --lr_scheduler_type is stepped once per update.
     trainable, optimizer, scheduler = build_optimizer(policy, critic, args, num_updates)
-    start, kl_coef, history = 0, args.kl_coef, []
+    start, kl_coef, history, baseline = 0, args.kl_coef, [], None
     if args.resume and (ckpt := common.resume_training(trainable, optimizer, scheduler, args.output_dir, args, world)):
-        start, kl_coef, history = ckpt["step"], ckpt["kl_coef"], ckpt["history"]
+        start, kl_coef, history, baseline = ckpt["step"], ckpt["kl_coef"], ckpt["history"], ckpt.get("eval_baseline")
     logs = open_logs(args, rank, start or None)
     evals_at = eval_schedule(args.num_evals, num_updates, rank)  # 0, before the first update, and --num_evals more
-    if start == 0 and 0 in evals_at:  # The initial policy's scores: the baseline of every later evaluation.
-        history.append(log_evaluation(logs, 0, 0, *evaluate(models, eval_prompts, args, tokenizer, stop_id)))
+    if start == 0 and 0 in evals_at:  # The initial policy's rows: the baseline of every later evaluation.
+        metrics, baseline = evaluate(models, eval_prompts, args, tokenizer, stop_id)
+        history.append(log_evaluation(logs, 0, 0, metrics, baseline))
 
     orders = {}
     bar = tqdm(range(start, num_updates), disable=rank != 0, initial=start, total=num_updates, desc="ppo")
@@ -757,33 +762,18 @@ def main(args):
         }
         if args.target_kl is not None:  # objective/kl is the KL summed over each response, averaged over the batch.
             kl_coef = adaptive_kl_coef(kl_coef, m["objective/kl"], args.target_kl, args.kl_horizon, batch_size)
-        history.append(
-            {
-                k: m[k]
-                for k in ("step", "episodes", "objective/scores", "objective/kl", "gold/mean", "gold/std")
-                if k in m
-            }
-        )
+        kept = ("step", "episodes", "objective/scores", "objective/kl", "gold/mean", "gold/std")  # in checkpoints
+        history.append({k: m[k] for k in kept if k in m})
         if rank == 0:
             log_update(logs, bar, m, update == num_updates - 1, args, tokenizer, batch)
         if update + 1 in evals_at:
-            history.append(
-                log_evaluation(
-                    logs, m["step"], m["episodes"], *evaluate(models, eval_prompts, args, tokenizer, stop_id)
-                )
-            )
+            evaluation = evaluate(models, eval_prompts, args, tokenizer, stop_id, baseline)
+            history.append(log_evaluation(logs, m["step"], m["episodes"], *evaluation))
         save, stop = common.step_end(update + 1, args.save_steps, t_saved, device)
         if save and update + 1 < num_updates:
+            state = dict(kl_coef=kl_coef, history=history, eval_baseline=baseline)
             common.save_training(
-                trainable,
-                optimizer,
-                scheduler,
-                update + 1,
-                rank,
-                args.output_dir,
-                batch_size,
-                kl_coef=kl_coef,
-                history=history,
+                trainable, optimizer, scheduler, update + 1, rank, args.output_dir, batch_size, **state
             )
             t_saved = time.time()
         if stop and update + 1 < num_updates:
@@ -1017,7 +1007,8 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
 def load_policy(args, tokenizer, on_meta=False):
     """Returns the initial policy, an adapter merged into its base, with dropout off and a float32 output layer."""
     if args.sft_model_path.startswith("embedded-"):
-        return output_layer_in_float32(disable_dropout(embedded_sft_policy(args.sft_model_path, tokenizer, args.seed)))
+        # One initial policy whatever --seed, as a pretrained checkpoint is one, so that runs compare from one start.
+        return output_layer_in_float32(disable_dropout(embedded_sft_policy(args.sft_model_path, tokenizer, seed=1)))
     config = without_dropout(common.load_pretrained(transformers.AutoConfig, args.sft_model_path, "--sft_model_path"))
     # float32, as AdamW's small updates would round away in bfloat16. A frozen LoRA base is only read: bfloat16 will do.
     dtype = torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
@@ -1212,7 +1203,7 @@ def train_and_eval_prompts(args, tokenizer):
         eval_ids, eval_texts = load_prompts(args, tokenizer, found, eval_rows)
         held, source = set(eval_texts), f"split {found!r}"
     else:
-        held = common.hold_out(texts, args.eval_holdout, args.seed)
+        held = common.hold_out(texts, args.eval_holdout, args.eval_seed)
         eval_ids, eval_texts = [i for i, t in zip(ids, texts) if t in held], [t for t in texts if t in held]
         source = f"{args.eval_holdout:g} of the prompts, held out by text"
     trained = [i for i, t in enumerate(texts) if t not in held]
@@ -1229,7 +1220,7 @@ def train_and_eval_prompts(args, tokenizer):
         first_of_text.setdefault(text, i)
     first_of_text = list(first_of_text.values())
     chosen = sorted(
-        random.Random(common.seed_of(args.seed, "eval prompts")).sample(
+        random.Random(common.seed_of(args.eval_seed, "eval prompts")).sample(
             first_of_text, min(args.num_eval_prompts, len(first_of_text))
         )
     )
@@ -1538,6 +1529,23 @@ def mean_and_standard_error(rows, names, prefix):
             continue
         se = values.std() / len(values) ** 0.5 if len(values) > 1 else torch.tensor(0.0)
         out[f"{prefix}{name}"], out[f"{prefix}{name}_se"] = values.mean().item(), se.item()
+    return out
+
+
+def paired_change(rows, baseline, names, prefix):
+    """Returns each measure's mean change from the baseline's rows, as NAME_change, and its paired standard error, as
+    NAME_change_se: the sample std of the per-prompt differences over sqrt(n). Rows pair by position, which is the
+    prompt's position in the eval set, and each pair is checked to be one prompt."""
+    out = {}
+    for name in names:
+        pairs = [(r[name], b[name]) for r, b in zip(rows, baseline, strict=True) if name in r and name in b]
+        if any(r["prompt"] != b["prompt"] for r, b in zip(rows, baseline)):
+            raise RuntimeError("paired_change: the rows and the baseline are not of the same prompts")
+        if not pairs:
+            continue
+        diff = torch.tensor([a - b for a, b in pairs], dtype=torch.float64)
+        se = diff.std() / len(diff) ** 0.5 if len(diff) > 1 else torch.tensor(0.0)
+        out[f"{prefix}{name}_change"], out[f"{prefix}{name}_change_se"] = diff.mean().item(), se.item()
     return out
 
 

@@ -6,34 +6,41 @@ the embedded task, whose gold reward is known exactly.
     python benchmarks/overoptimization.py --plot_only   # the figure and table again from the JSON
 
 What it measures, per seed (the seed of the reward model's initialisation, its share of the 40,000 training pairs and
-their order; of the initial policy and of every sample):
+their order, and of every sample; the initial policy is ppo.py's one embedded checkpoint, whatever the seed):
   1. Reward models of several strengths: `rm.py` on 125, 500, 2,000 and 8,000 preference pairs, each with its
      held-out accuracy (4,000 pairs) beside the Bayes-optimal accuracy the task knows exactly.
-  2. Best-of-n: one pool of N responses per prompt from the initial policy (ppo.py's, seeded as a run with that seed),
-     scored by every reward model and by the gold reward. The gold (and proxy) score of the response the proxy ranks
-     first among n drawn without replacement from the pool, in expectation over the draws: sorting a prompt's pool by
-     proxy score, the i-th lowest (1-based) is the best of n with probability C(i-1, n-1) / C(N, n) (the paper's
-     unbiased estimator). Its KL to the initial policy is log n - (n-1)/n.
+  2. Best-of-n: one pool of 256 responses to each of 256 distinct validation prompts and 256 distinct `ood` prompts
+     (ppo.py's eval prompts of each split, never trained on) from the initial policy, scored by every reward model and
+     by the gold reward. The gold (and proxy) score of the response the proxy ranks first among n drawn without
+     replacement from the pool, in expectation over the draws: sorting a prompt's pool by proxy score, the i-th lowest
+     (1-based) is the best of n with probability C(i-1, n-1) / C(N, n) (the paper's unbiased estimator). Its KL to
+     the initial policy is log n - (n-1)/n.
   3. RL: `ppo.py` against each reward model, and against the gold reward itself (the ceiling), with no KL penalty
-     (as the paper's main runs: the KL travelled is the x axis). Every 4 updates (128 episodes), ppo.py's held-out
-     evaluation gives one point, as Gao et al. measure it: on prompts never trained on, the mean gold score, the mean
-     proxy score and d = sqrt(mean KL to the initial policy), from the same responses. ppo.py's defaults otherwise (a
-     smaller learning rate spread the rise over more points but fitted the RL form worse: benchmarks/README.md).
+     (as the paper's main runs: the KL travelled is the x axis), at a learning rate of 1e-4, a third of ppo.py's
+     default. At the default the KL reaches d = 2-3 within 3 points and the policy's gold turns down by the 4th. The
+     smaller rate spreads the rise over 8-10 points of 32 and leaves 20 for the fall. Every 4 updates (128 episodes),
+     ppo.py's held-out evaluation gives one point, as Gao et al. measure it: on prompts never trained on, the mean gold
+     score, the mean proxy score and d = sqrt(mean KL to the initial policy), from the same responses. The same policy
+     is evaluated on `ood` prompts beside each point, so each method's generalization gap is read at matched KL.
      The KL penalty (the paper's sec. 3.6): the same runs against one reward model with --kl_coef above 0, their gold
      against d beside the run with no penalty (overoptimization_kl.png).
   4. Fits, per reward model, of the gold score relative to the initial policy's: R_bon(d) = d (alpha - beta d) and
      R_RL(d) = d (alpha - beta log d), least squares through the origin on the mean curve over seeds (the mean d and
      score at each n, or after each update), with R^2 and the peak (d* = alpha / 2 beta, height alpha^2 / 4 beta;
-     d* = exp(alpha / beta - 1), height beta d*); each seed's own fit gives the spread.
+     d* = exp(alpha / beta - 1), height beta d*); each seed's own fit gives the spread. RL's mean curve's peak, each
+     seed's fall from it to the last point, and the peak's rise with the data, in standard errors over seeds.
 The proxy score is drawn divided by PREFERENCE_BETA: labels are sigmoid(beta (gold_a - gold_b)), so a reward model
-learns beta x gold, and proxy / beta is on the gold's scale. Everything runs in this one process, one run after another.
+learns beta x gold, and proxy / beta is on the gold's scale. Two seeds run at once, each in its own process on one
+thread (`jobs`): the tiny models gain little from a second thread, and the sweep then uses both cores.
 """
 
 import argparse
+import concurrent.futures
+import dataclasses
 import json
 import math
+import multiprocessing
 import os
-import random
 import sys
 import time
 
@@ -44,19 +51,35 @@ sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
 # kl_coefs: the KL-penalty runs, against the reward model of kl_pairs pairs, beside its run with no penalty.
+# pool: responses per best-of-n prompt; bon_prompts: distinct prompts of each split in the pool; learning_rate: RL's.
+# jobs: seeds measured at once, each in its own process on one thread.
 FULL = dict(
     sizes=[125, 500, 2000, 8000],
     seeds=[1, 2, 3, 4],
-    pool=512,
+    pool=256,
     max_n=256,
+    bon_prompts=256,
     episodes=4096,
+    learning_rate=1e-4,
     eval_prompts=128,
     kl_coefs=[0.03, 0.1],
     kl_pairs=2000,
+    jobs=2,
 )
 QUICK = dict(
-    sizes=[125, 2000], seeds=[1], pool=64, max_n=32, episodes=2048, eval_prompts=64, kl_coefs=[0.1], kl_pairs=2000
+    sizes=[125, 2000],
+    seeds=[1],
+    pool=64,
+    max_n=32,
+    bon_prompts=16,
+    episodes=2048,
+    learning_rate=1e-4,
+    eval_prompts=64,
+    kl_coefs=[0.1],
+    kl_pairs=2000,
+    jobs=1,
 )
+SPLITS = ("validation", "ood")  # every point is read on both: its keys for ood end in _ood
 UPDATES_PER_POINT = 4
 COLORS = ["tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple"]
 
@@ -72,24 +95,23 @@ def train_reward_model(size, seed, out):
     return {"accuracy": ev["accuracy"], "bayes_accuracy": ev["bayes_accuracy"]}
 
 
-def best_of_n_pool(seed, pool, rm_dirs):
-    """A pool of `pool` responses to each of 48 validation prompts from ppo.py's initial policy of this seed, with
-    each response's gold score and every reward model's (normalized, as ppo.py scores it): arrays (48, pool)."""
+def best_of_n_pool(seed, setting, rm_dirs, split):
+    """A pool of `pool` responses to each of `bon_prompts` distinct prompts of the split from ppo.py's initial policy,
+    with each response's gold score and every reward model's (normalized, as ppo.py scores it): arrays (prompts, pool)
+    and (reward models, prompts, pool). The prompts are those ppo.py would evaluate on: never trained on."""
     import ppo
 
-    args = ppo.Args(seed=seed, reward_model_path=rm_dirs[0])
+    args = ppo.Args(seed=seed, reward_model_path=rm_dirs[0], eval_split=split, num_eval_prompts=setting["bon_prompts"])
     tokenizer = ppo.load_tokenizer(args)
+    ppo.fill_defaults(args, ppo.position_limit(args), rank=1)
     stop_id = ppo.stop_token_id(args, tokenizer)
     policy = ppo.load_policy(args, tokenizer)
-    rng, prompts = random.Random(0), []
-    while len(prompts) < 48:  # 48 distinct validation prompts, never trained on
-        prompts += [p] if (p := common.embedded_prompt(rng, "validation")) not in prompts else []
-    ids = common.tokenize_prompts(tokenizer, prompts)
+    prompts = ppo.train_and_eval_prompts(args, tokenizer)[1]
     rewards = [ppo.load_reward(ppo.Args(seed=seed, reward_model_path=d), tokenizer) for d in rm_dirs]
-    gold, proxy = np.zeros((len(prompts), pool)), np.zeros((len(rm_dirs), len(prompts), pool))
-    for i, (p, p_ids) in enumerate(zip(prompts, ids)):
-        episodes = range(10**9 + i * pool, 10**9 + (i + 1) * pool)  # sampling streams no PPO run of 4,096 uses
-        seeds = [common.seed_of(seed, "sampling", e) for e in episodes]
+    pool, offset = setting["pool"], 10**9 + SPLITS.index(split) * 10**8  # sampling streams no PPO run uses
+    gold, proxy = np.zeros((len(prompts.ids), pool)), np.zeros((len(rm_dirs), len(prompts.ids), pool))
+    for i, (p, p_ids) in enumerate(zip(prompts.texts, prompts.ids)):
+        seeds = [common.seed_of(seed, "sampling", offset + i * pool + j) for j in range(pool)]
         batch = ppo.rollout(policy, [p_ids] * pool, seeds, args, stop_id, tokenizer.pad_token_id)
         for j, reward in enumerate(rewards):
             texts = ppo.score(reward, batch, [p] * pool, tokenizer, stop_id, args)
@@ -110,35 +132,56 @@ def best_of_n(proxy, values, n):
     return float((np.take_along_axis(values, order, 1) @ weight).mean())
 
 
-def rl_run(seed, episodes, out, rm_dir=None, kl_coef=0.0, eval_prompts=256):
-    """ppo.py against a reward model (or the gold reward, rm_dir None): one point per UPDATES_PER_POINT updates, and
-    one before the first, from its held-out evaluations: (d, mean gold score, mean proxy score)."""
+def rl_run(seed, setting, out, rm_dir=None, kl_coef=0.0):
+    """ppo.py against a reward model (or the gold reward, rm_dir None) at the sweep's learning rate: one point per
+    UPDATES_PER_POINT updates, and one before the first, from its held-out evaluation on validation prompts, each with
+    the same policy's evaluation on `ood` prompts beside it: (d, mean gold score, mean proxy score) on each split."""
     import ppo
 
     reward = dict(reward_model_path=rm_dir) if rm_dir else dict(reward_fn="common:gold_rewards")
-    updates = episodes // (ppo.Args.per_device_train_batch_size * ppo.Args.num_mini_batches)
+    updates = setting["episodes"] // (ppo.Args.per_device_train_batch_size * ppo.Args.num_mini_batches)
     args = ppo.Args(
         **reward,
         seed=seed,
         kl_coef=kl_coef,
-        total_episodes=episodes,
+        learning_rate=setting["learning_rate"],
+        total_episodes=setting["episodes"],
         output_dir=out,
         sample_every=10**9,
         overwrite_output_dir=True,
         num_evals=updates // UPDATES_PER_POINT,
-        num_eval_prompts=eval_prompts,
+        num_eval_prompts=setting["eval_prompts"],
     )
-    history = common.exit_on_user_error(ppo.main, args)
-    return [
-        {"d": math.sqrt(max(h["eval/kl"], 0.0)), "gold": h["eval/gold"], "proxy": h["eval/score"]}
-        for h in history
-        if "eval/score" in h
-    ]
+    real_evaluate, ood, ood_prompts = ppo.evaluate, [], []
+
+    def evaluate_both(models, prompts, args, tokenizer, stop_id, baseline=None):
+        """ppo.py's evaluation, then the same policy's on the `ood` split's prompts, kept in `ood`."""
+        if not ood_prompts:
+            ood_prompts.append(ppo.train_and_eval_prompts(dataclasses.replace(args, eval_split="ood"), tokenizer)[1])
+        ood.append(real_evaluate(models, ood_prompts[0], args, tokenizer, stop_id)[0])
+        return real_evaluate(models, prompts, args, tokenizer, stop_id, baseline)
+
+    ppo.evaluate = evaluate_both
+    try:
+        history = common.exit_on_user_error(ppo.main, args)
+    finally:
+        ppo.evaluate = real_evaluate
+    points = [h for h in history if "eval/score" in h]
+    return {
+        "rl": [point(h) for h in points],
+        "rl_ood": [point(h) for h in ood],
+    }
+
+
+def point(h):
+    """An evaluation's point: d = sqrt(its mean KL to the initial policy), its mean gold and proxy scores."""
+    return {"d": math.sqrt(max(h["eval/kl"], 0.0)), "gold": h["eval/gold"], "proxy": h["eval/score"]}
 
 
 def fit(d, r, form):
     """Least squares through the origin of r = d (alpha - beta d) (bon) or d (alpha - beta log d) (rl): alpha, beta,
     R^2, and the peak's d and height (inf where beta <= 0: no peak)."""
+    form = form.split("_")[0]  # bon_ood and rl_ood fit as bon and rl
     d, r = np.asarray(d, float), np.asarray(r, float)
     keep = d > 0
     d, r = d[keep], r[keep]
@@ -156,57 +199,70 @@ def fit(d, r, form):
 
 
 def curve(form, f, d):
+    form = form.split("_")[0]
     return d * (f["alpha"] - f["beta"] * (d if form == "bon" else np.log(np.maximum(d, 1e-9))))
 
 
-def measure(setting, scratch, out):
-    """Every seed's runs, written to `out` as each seed ends (a cut-short sweep keeps its finished seeds)."""
-    runs, start = [], time.time()
+def measure_seed(setting, seed, scratch):
+    """One seed's reward models, best-of-n pools and RL runs; returns its runs."""
+    torch_threads(setting)
+    runs, t = [], time.time()
     ns = [2**k for k in range(int(math.log2(setting["max_n"])) + 1)]
-    for seed in setting["seeds"]:
-        t = time.time()
-        rm_dirs = [os.path.join(scratch, f"rm-{size}-{seed}") for size in setting["sizes"]]
-        rms = [train_reward_model(size, seed, d) for size, d in zip(setting["sizes"], rm_dirs)]
-        gold, proxy = best_of_n_pool(seed, setting["pool"], rm_dirs)
-        for size, rm_result, rm_dir, p in zip(setting["sizes"], rms, rm_dirs, proxy):
-            bon = [
+    rm_dirs = [os.path.join(scratch, f"rm-{size}-{seed}") for size in setting["sizes"]]
+    rms = [train_reward_model(size, seed, d) for size, d in zip(setting["sizes"], rm_dirs)]
+    pools = {split: best_of_n_pool(seed, setting, rm_dirs, split) for split in SPLITS}
+    for k, (size, rm_result, rm_dir) in enumerate(zip(setting["sizes"], rms, rm_dirs)):
+        bon = {}
+        for split, (gold, proxy) in pools.items():
+            bon["bon" + ("_ood" if split == "ood" else "")] = [
                 {
                     "n": n,
                     "d": math.sqrt(math.log(n) - (n - 1) / n),
-                    "gold": best_of_n(p, gold, n),
-                    "proxy": best_of_n(p, p, n),
+                    "gold": best_of_n(proxy[k], gold, n),
+                    "proxy": best_of_n(proxy[k], proxy[k], n),
                 }
                 for n in ns
             ]
-            for kl_coef in [0.0] + (setting["kl_coefs"] if size == setting["kl_pairs"] else []):
-                rl = rl_run(
-                    seed,
-                    setting["episodes"],
-                    os.path.join(scratch, f"ppo-{size}-{seed}-kl{kl_coef}"),
-                    rm_dir,
-                    kl_coef,
-                    setting["eval_prompts"],
-                )
-                runs.append(
-                    dict(
-                        rm_result,
-                        pairs=size,
-                        seed=seed,
-                        kl_coef=kl_coef,
-                        gold_init=float(gold.mean()),
-                        proxy_init=float(p.mean()),
-                        bon=bon,
-                        rl=rl,
-                    )
-                )
-        rl = rl_run(
-            seed, setting["episodes"], os.path.join(scratch, f"ppo-gold-{seed}"), eval_prompts=setting["eval_prompts"]
-        )
-        runs.append(dict(pairs=None, seed=seed, kl_coef=0.0, gold_init=float(gold.mean()), rl=rl))
-        print(f"seed {seed}: {time.time() - t:.0f} s", flush=True)
+        gold, proxy = pools["validation"]
+        for kl_coef in [0.0] + (setting["kl_coefs"] if size == setting["kl_pairs"] else []):
+            rl = rl_run(seed, setting, os.path.join(scratch, f"ppo-{size}-{seed}-kl{kl_coef}"), rm_dir, kl_coef)
+            init = dict(gold_init=float(gold.mean()), proxy_init=float(proxy[k].mean()))
+            runs.append(dict(rm_result, pairs=size, seed=seed, kl_coef=kl_coef, **init, **bon, **rl))
+    rl = rl_run(seed, setting, os.path.join(scratch, f"ppo-gold-{seed}"))
+    runs.append(dict(pairs=None, seed=seed, kl_coef=0.0, gold_init=float(pools["validation"][0].mean()), **rl))
+    print(f"seed {seed}: {time.time() - t:.0f} s", flush=True)
+    return runs
+
+
+def torch_threads(setting):
+    """One thread per process where several measure seeds at once: tiny models gain little from a second thread."""
+    if setting["jobs"] > 1:
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def measure(setting, scratch, out):
+    """Every seed's runs, `jobs` seeds at once, written to `out` as each seed ends (a cut-short sweep keeps its
+    finished seeds)."""
+    runs, start = [], time.time()
+
+    def save(seed_runs):
+        runs.extend(seed_runs)
+        runs.sort(key=lambda r: r["seed"])  # each seed's runs in their order
         common.write_json_atomic(
             out, {"date": time.strftime("%Y-%m-%d"), "setting": setting, "wall_s": time.time() - start, "runs": runs}
         )
+
+    if setting["jobs"] == 1:
+        for seed in setting["seeds"]:
+            save(measure_seed(setting, seed, scratch))
+        return
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(setting["jobs"], mp_context=context) as pool:
+        futures = [pool.submit(measure_seed, setting, seed, scratch) for seed in setting["seeds"]]
+        for future in concurrent.futures.as_completed(futures):
+            save(future.result())
 
 
 def relative(run, points, key):
@@ -224,6 +280,15 @@ def mean_curve(group, form, key="gold"):
     return list(xy[:, 0].mean(0)), list(xy[:, 1].mean(0))
 
 
+FORMS = ("bon", "rl", "bon_ood", "rl_ood")  # each method's curve on validation prompts, then on ood prompts
+
+
+def mean_and_se(xs):
+    """The mean over seeds and its standard error (0 for one seed)."""
+    xs = np.asarray(xs, float)
+    return float(xs.mean()), float(xs.std(ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else 0.0
+
+
 def summarize(runs):
     """Per reward model (and the gold run): accuracy, and the fits of both forms on the gold score's mean curve over
     seeds; each seed's own fit gives the spread. A run's collapse onto repeated words comes at a different update in
@@ -233,13 +298,19 @@ def summarize(runs):
     for pairs in dict.fromkeys(r["pairs"] for r in runs):
         group = [r for r in runs if r["pairs"] == pairs]
         row = {"pairs": pairs, "seeds": [r["seed"] for r in group]}
-        for form in ("bon", "rl") if pairs else ("rl",):
+        for form in [f for f in FORMS if f in group[0]]:
             xy = [relative(r, r[form], "gold") for r in group]
-            row[form] = fit(*mean_curve(group, form), form)
+            d, mean = mean_curve(group, form)
+            row[form] = fit(d, mean, form)
             row[form]["seed_fits"] = [fit(x, y, form) for x, y in xy]
             row[form]["max_gold"] = [max(y) for _, y in xy]  # the highest gold point of each seed
             row[form]["last_gold"] = [y[-1] for _, y in xy]
             row[form]["last_proxy"] = [relative(r, r[form], "proxy")[1][-1] for r in group] if pairs else None
+            # The mean curve's peak: its point, each seed's gold there, and each seed's fall from it to the last point.
+            top = int(np.argmax(mean))
+            row[form]["peak_point"], row[form]["peak_d_point"] = top, d[top]
+            row[form]["gold_at_peak"] = [y[top] for _, y in xy]
+            row[form]["fall"] = [y[top] - y[-1] for _, y in xy]
         if pairs:
             row["accuracy"] = [r["accuracy"] for r in group]
             row["bayes_accuracy"] = group[0]["bayes_accuracy"]
@@ -284,12 +355,14 @@ def report(runs, out_png):
                     f"{spread(f['max_gold'])} | {last} |"
                 )
     print("\n".join(lines))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    forms = [f for f in FORMS if f in runs[0]]
+    fig, axes = plt.subplots(len(forms) // 2, 2, figsize=(13, 5 * (len(forms) // 2)), squeeze=False)
+    axes = axes.ravel()
     for color, pairs in zip(COLORS, dict.fromkeys(r["pairs"] for r in runs)):
         group = [r for r in runs if r["pairs"] == pairs]
         row = next(x for x in rows if x["pairs"] == pairs)
         label = f"{pairs:,} pairs" if pairs else "gold reward (ceiling)"
-        for ax, form in zip(axes, ("bon", "rl")):
+        for ax, form in zip(axes, forms):
             if form not in row:
                 continue
             for r in group:  # each seed's gold points, faint; the mean curves over seeds drawn over them
@@ -298,7 +371,13 @@ def report(runs, out_png):
                 ax.plot(*mean_curve(group, form, key), style, color=color, ms=3, lw=0.8, label=f"{label}: {key}")
             d = np.linspace(0, max(p["d"] for r in group for p in r[form]), 100)
             ax.plot(d, curve(form, row[form], d), color=color, lw=2.5, alpha=0.6)
-    for ax, title in zip(axes, ("Best-of-n (n = 1 ... {})".format(runs[0]["bon"][-1]["n"]), "RL (PPO, no KL penalty)")):
+    bon_title = f"Best-of-n (n = 1 ... {runs[0]['bon'][-1]['n']})"
+    titles = [
+        (bon_title if f.startswith("bon") else "RL (PPO, no KL penalty)")
+        + (", ood prompts" if f.endswith("_ood") else ", validation prompts")
+        for f in forms
+    ]
+    for ax, title in zip(axes, titles):
         ax.axhline(0, color="gray", lw=0.5)
         ax.set(
             title=title,
@@ -312,7 +391,72 @@ def report(runs, out_png):
         "thick lines: the fitted forms"
     )
     common.save_figure(fig, out_png)
-    return rows, "\n".join(lines) + "\n\n" + kl_table
+    tables = [lines, generalization_table(runs), targets_table(rows)]
+    text = "\n\n".join("\n".join(t) for t in tables if t) + "\n\n" + kl_table
+    print("\n\n".join("\n".join(t) for t in tables[1:] if t))
+    return rows, text
+
+
+def generalization_table(runs, at=(1.0, 2.0)):
+    """Each method's gold gain over the initial policy on validation and on ood prompts at matched KL: the mean curves
+    over seeds read at d in `at`, by linear interpolation along the curve up to its first point at that d. The
+    generalization gap is the validation gain minus the ood gain (Kirk et al. 2024 compare best-of-n and RL so)."""
+    if "rl_ood" not in runs[0]:
+        return []
+    lines = [
+        "| reward model | method | d (KL) | gold gain, validation | gold gain, ood | gap (validation - ood) |",
+        "|---" * 6 + "|",
+    ]
+    for pairs in dict.fromkeys(r["pairs"] for r in runs if r["pairs"]):
+        group = [r for r in runs if r["pairs"] == pairs]
+        for method in ("bon", "rl"):
+            for d in at:
+                val, ood = (reach(*mean_curve(group, f), d) for f in (method, method + "_ood"))
+                if val is None or ood is None:
+                    continue
+                name = "best-of-n" if method == "bon" else "RL"
+                lines.append(
+                    f"| {pairs:,} pairs | {name} | {d:.1f} ({d * d:.1f}) | {val:+.3f} | {ood:+.3f} | {val - ood:+.3f} |"
+                )
+    return lines
+
+
+def reach(d, y, at):
+    """The curve's value where its d first reaches `at`, interpolated between the points around it; None if never."""
+    for k in range(1, len(d)):
+        if d[k] >= at:
+            return float(np.interp(at, [d[k - 1], d[k]], [y[k - 1], y[k]])) if d[k] > d[k - 1] else float(y[k])
+    return None
+
+
+def targets_table(rows):
+    """RL's overoptimization per reward model: the mean curve's peak, the points before it, each seed's fall from it
+    to the last point in standard errors over seeds, the RL form's R^2; and the peak's rise with the data."""
+    proxies = [r for r in rows if r["pairs"] and "rl" in r]
+    if not proxies:
+        return []
+    lines = [
+        "| reward model | RL peak: gold gain (s.e. over seeds) | its d | points before it | last point's fall from it "
+        "(s.e.; in s.e.) | RL form R^2 | best-of-n R^2 | best-of-n gold at the largest n |",
+        "|---" * 8 + "|",
+    ]
+    for r in proxies:
+        f = r["rl"]
+        peak, peak_se = mean_and_se(f["gold_at_peak"])
+        fall, fall_se = mean_and_se(f["fall"])
+        sigmas = f"{fall / fall_se:.1f}" if fall_se > 0 else "–"
+        lines.append(
+            f"| {r['pairs']:,} pairs | {peak:+.3f} ({peak_se:.3f}) | {f['peak_d_point']:.2f} | {f['peak_point']} | "
+            f"{fall:+.3f} ({fall_se:.3f}; {sigmas}) | {f['r2']:.2f} | {r['bon']['r2']:.2f} | "
+            f"{np.mean(r['bon']['last_gold']):+.3f} |"
+        )
+    (lo, lo_se), (hi, hi_se) = (mean_and_se(proxies[i]["rl"]["gold_at_peak"]) for i in (0, -1))
+    se = math.hypot(lo_se, hi_se)
+    lines.append(
+        f"\nRL peak, {proxies[-1]['pairs']:,} pairs minus {proxies[0]['pairs']:,} pairs: {hi - lo:+.3f} "
+        f"(s.e. {se:.3f}; {(hi - lo) / se if se else float('nan'):.1f} s.e.)"
+    )
+    return lines
 
 
 def kl_report(runs, out_png):

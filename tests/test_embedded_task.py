@@ -52,15 +52,17 @@ def test_thousands_of_prompts_fall_in_four_splits_and_ood_holds_only_the_held_ou
 
 
 def test_the_gold_reward_reads_the_asked_and_the_avoided_topic():
-    v, n = common.WORD_VALUE, common.NON_WORD_VALUE
+    v, n, again = common.WORD_VALUE, common.NON_WORD_VALUE, -1.0  # a word said again is worth -1
     asked = "User: name some animals such as cat and owl Assistant:"
     assert common.gold_reward(asked, " cat red cat dog") == pytest.approx(
-        (v["cat"] + 1 + v["red"] + 0 + v["dog"] + 1) / 4
+        (v["cat"] + 1 + v["red"] + again + v["dog"] + 1) / 4
     )
-    assert common.gold_reward(asked, " owl owl owl owl <eos>") == pytest.approx((v["owl"] + 1) / 4)
+    assert common.gold_reward(asked, " owl owl owl owl <eos>") == pytest.approx((v["owl"] + 1 + 3 * again) / 4)
     assert common.gold_reward(asked, " cat me") == pytest.approx((v["cat"] + 1 + n) / 2)
     avoiding = "User: tell me about animals like cat without food Assistant:"
-    assert common.gold_reward(avoiding, " cat pear red pear") == pytest.approx((v["cat"] + 1 + n + v["red"] + 0) / 4)
+    assert common.gold_reward(avoiding, " cat pear red pear") == pytest.approx(
+        (v["cat"] + 1 + n + v["red"] + again) / 4
+    )
     assert common.gold_reward("user: talk about foods like pear assistant:", " pear red") == pytest.approx(
         (v["pear"] + 1 + v["red"]) / 2
     )

@@ -4,6 +4,7 @@ bad evaluation options are refused in one line. 2 ranks against 1: test_ppo.py's
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -92,7 +93,8 @@ def test_the_first_evaluation_is_eval_only_of_the_initial_policy_and_the_same_po
         trained.append(json.load(open(tmp_path / f"trained{i}" / "eval_results.json")))
     metrics = lambda r: {k: v for k, v in r.items() if k.startswith("eval/")}  # noqa: E731
     assert metrics(trained[0]) == metrics(trained[1]) and trained[0]["reference"] == "embedded-llama"
-    assert metrics(trained[0]) == pytest.approx({k: v for k, v in last.items() if k.startswith("eval/")}, abs=1e-4)
+    measured = {k: v for k, v in last.items() if k.startswith("eval/") and "_change" not in k}  # not --eval_only's
+    assert metrics(trained[0]) == pytest.approx(measured, abs=1e-4)
     assert last["eval/kl"] > 0 and first["eval/kl"] == 0.0
     results = json.load(open(tmp_path / "run" / "ppo_results.json"))
     assert results["eval_score"] == last["eval/score"] and results["eval_step"] == last["step"]
@@ -225,3 +227,49 @@ def test_distinct_n_counts_distinct_word_n_grams_over_all():
     assert ppo.distinct_ngrams(["horse horse horse"] * 3, 1) == 1 / 9
     assert ppo.distinct_ngrams(["horse horse horse"] * 3, 2) == 1 / 6
     assert ppo.distinct_ngrams(["", "a"], 2) == 0.0 and ppo.distinct_ngrams([], 1) == 0.0
+
+
+def test_runs_of_two_seeds_are_evaluated_on_the_same_prompts_and_streams_and_compare_prompt_by_prompt(tmp_path, capsys):
+    """--seed 1 and 2 share the eval prompts, their streams and the initial policy: their first evaluations are row
+    for row the same. Each later evaluation logs its change from the first with the paired standard error, equal to
+    the formula over eval_samples.jsonl's rows. benchmarks/compare_runs.py computes the same from the files, and
+    refuses, in one line, a run of another --eval_seed, whose prompts differ."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import compare_runs
+
+    for seed in (1, 2):
+        ppo.main(ppo.Args(**TINY, seed=seed, output_dir=str(tmp_path / f"seed{seed}")))
+    rows = {s: [json.loads(line) for line in open(tmp_path / f"seed{s}" / "eval_samples.jsonl")] for s in (1, 2)}
+    first = {s: [r for r in rows[s] if r["step"] == 0] for s in (1, 2)}
+    assert first[1] == first[2] and len(first[1]) == 10
+    last = {s: [r for r in rows[s] if r["step"] == max(x["step"] for x in rows[s])] for s in (1, 2)}
+    assert last[1] != last[2]  # The seeds' training differs.
+    logged = evaluations(tmp_path / "seed1")
+    assert "eval/gold_change" not in logged[0]
+    for name in ("gold", "score", "length", "kl"):
+        diffs = torch.tensor([b[name] - a[name] for a, b in zip(first[1], last[1])], dtype=torch.float64)
+        assert logged[-1][f"eval/{name}_change"] == pytest.approx(diffs.mean().item(), abs=1e-9)
+        se = (((diffs - diffs.mean()) ** 2).sum() / (len(diffs) - 1) / len(diffs)).sqrt().item()
+        assert logged[-1][f"eval/{name}_change_se"] == pytest.approx(se, abs=1e-9)
+    assert (
+        compare_runs.main(
+            [str(tmp_path / "seed1"), str(tmp_path / "seed1"), "--step_a", "0", "--json", str(tmp_path / "c.json")]
+        )
+        == 0
+    )
+    same = json.load(open(tmp_path / "c.json"))
+    assert same["gold"]["difference"] == pytest.approx(logged[-1]["eval/gold_change"], abs=1e-9)
+    assert same["gold"]["paired_se"] == pytest.approx(logged[-1]["eval/gold_change_se"], abs=1e-9)
+    assert (
+        compare_runs.main([str(tmp_path / "seed1"), str(tmp_path / "seed2"), "--json", str(tmp_path / "c.json")]) == 0
+    )
+    between = json.load(open(tmp_path / "c.json"))["gold"]
+    assert between["difference"] == pytest.approx(
+        sum(b["gold"] - a["gold"] for a, b in zip(last[1], last[2])) / 10, abs=1e-9
+    )
+    other = dict(TINY, eval_seed=5, eval_only=True, output_dir=str(tmp_path / "other"))
+    ppo.main(ppo.Args(**other))
+    capsys.readouterr()
+    assert compare_runs.main([str(tmp_path / "seed1"), str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "different prompts" in err and "--eval_seed" in err, err

@@ -75,8 +75,9 @@ def test_quick_sweep_shows_overoptimization(tmp_path, monkeypatch):
     """The smallest setting: two reward models (125 and 2,000 pairs), one seed. Each claim holds with a margin, so
     that another machine's arithmetic, which moves a run's trajectory, does not move the verdict. The larger model is
     more accurate, and its best-of-n reaches a higher gold score; best-of-n's proxy rises with n; under RL against
-    either, the proxy promises far more than the gold gives; a KL penalty, and PPO on the gold reward itself, stop at a
-    much smaller KL than PPO against a proxy with none."""
+    either, the proxy promises far more than the gold gives, and against the larger the gold rises and falls back; a
+    KL penalty, and PPO on the gold reward itself, stop at a much smaller KL than PPO against a proxy with none. Every
+    point is read on ood prompts too."""
     out = tmp_path / "quick.json"
     monkeypatch.setattr(sys, "argv", ["overoptimization.py", "--quick", "--out", str(out), "--scratch", str(tmp_path)])
     overoptimization.main()  # (in this process: it runs rm.py and ppo.py in its own)
@@ -86,6 +87,9 @@ def test_quick_sweep_shows_overoptimization(tmp_path, monkeypatch):
     assert [r["kl_coef"] for r in runs] == [0.0, 0.0, 0.1, 0.0]
     # RL's points come from the held-out evaluations, the first before any update
     assert all(r["rl"][0]["d"] == 0 and len(r["rl"]) == 17 for r in (small, large, penalised, ceiling))
+    # Every point is read on ood prompts too, the same number of points, the first at d = 0
+    assert all(len(r["rl_ood"]) == 17 and r["rl_ood"][0]["d"] == 0 for r in runs)
+    assert all(len(r["bon_ood"]) == len(r["bon"]) for r in (small, large, penalised))
     assert small["accuracy"] + 0.03 < large["accuracy"] < large["bayes_accuracy"]
     for r in (small, large):
         assert all(a["proxy"] <= b["proxy"] + 1e-12 for a, b in zip(r["bon"], r["bon"][1:]))
@@ -96,6 +100,8 @@ def test_quick_sweep_shows_overoptimization(tmp_path, monkeypatch):
     assert large["bon"][-1]["gold"] > small["bon"][-1]["gold"] + 0.1 and small["bon"][-1]["gold"] > small["gold_init"]
     free = min(r["rl"][-1]["d"] for r in (small, large))
     assert penalised["rl"][-1]["d"] < 0.75 * large["rl"][-1]["d"] and ceiling["rl"][-1]["d"] < 0.75 * free
-    assert overoptimization.relative(ceiling, ceiling["rl"], "gold")[1][-1] > 0.2  # PPO on the gold raises it
+    assert overoptimization.relative(ceiling, ceiling["rl"], "gold")[1][-1] > 0.1  # PPO on the gold raises it
+    gold = overoptimization.relative(large, large["rl"], "gold")[1]
+    assert max(gold) > gold[-1] + 0.05 and max(gold) > 0.1, gold  # The gold rises, then the exploit costs it.
     assert os.path.getsize(tmp_path / "quick.png") > 1000 and os.path.getsize(tmp_path / "quick_kl.png") > 1000
     assert not math.isnan(overoptimization.summarize(runs)[0]["rl"]["r2"])
