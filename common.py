@@ -656,7 +656,9 @@ def tokenize_prompts(tokenizer, texts):
 
 
 def tokenize_responses(tokenizer, prompts, responses):
-    """Returns response ids tokenized after their prompt, as the policy writes them, each ending at one end token."""
+    """Returns response ids tokenized after their prompt, as the policy writes them, each ending at one end token.
+    Every token is kept, an end token inside a response too, such as a multi-turn answer's. The end token is appended
+    unless the response ends with one; only whitespace after it, a chat template's newline, is dropped."""
     if not responses:
         return []
     end = end_id(tokenizer)
@@ -665,7 +667,11 @@ def tokenize_responses(tokenizer, prompts, responses):
         for texts in ([p + r for p, r in zip(prompts, responses)], list(prompts), list(responses))
     )
     out = [j[len(p) :] if j[: len(p)] == p and len(j) > len(p) else r for j, p, r in zip(joint, alone_p, alone_r)]
-    return [x[: x.index(end) + 1] if end in x else x + [end] for x in out]  # nothing after it is generated
+    last = [len(x) - 1 - x[::-1].index(end) if end in x else None for x in out]
+    return [
+        x[: k + 1] if k is not None and not tokenizer.decode(x[k + 1 :]).strip() else x + [end]
+        for x, k in zip(out, last)
+    ]
 
 
 UNKNOWN_SHARE = 0.5  # Measured (benchmarks/README.md): English is 95-96% unknown to the embedded tokenizer

@@ -134,8 +134,8 @@ def truncate_prompt(ids, max_prompt_length, bos_id=None):
 
 
 def truncate_pair(prompt, chosen, rejected, max_length, min_prompt_length, bos_id=None):
-    """Returns (prompt ids, None), or (None, why the pair is dropped). Responses are never cut. A cut response would
-    lose its EOS, and its reward would be read at a token never trained on; TRL's RewardTrainer and open-instruct drop
+    """Returns (prompt ids, None), or (None, why the pair is dropped). Responses are never cut, even at an inner EOS.
+    A cut one would lose its EOS, and its reward would be read at a token never trained on; TRL and open-instruct drop
     such pairs too. A pair past max_length has its prompt cut to fit, keeping at least min_prompt_length tokens of it.
     A pair that cannot fit is dropped as "too long", and load_data stops the run if over half the training pairs are.
     A pair whose responses are the same tokens states no preference, and is dropped as "identical"."""
@@ -148,16 +148,16 @@ def truncate_pair(prompt, chosen, rejected, max_length, min_prompt_length, bos_i
 
 
 def last_token_index(mask):
-    """Returns the index of each row's last real token, where its reward is read, in every layout. As responses are
-    never cut, it is the sequence's EOS. The index comes from the mask, not the ids, because a pad id may equal the EOS
-    id. transformers' own classifiers look in the ids for the last token that is not a pad. So load_tokenizer gives
-    such a tokenizer a pad token of its own, and the saved model reads the same token when transformers runs it."""
+    """Returns the index of each row's last real token, where its reward is read, in every layout. It is the EOS that
+    ends the response, after any EOS inside it. The index comes from the mask, not the ids, as a pad id may equal the
+    EOS id. transformers' own classifiers look in the ids for the last token that is not a pad. So load_tokenizer gives
+    such a tokenizer a pad token of its own. The saved model then reads the same token when transformers runs it."""
     return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
 
 
 def sequence_reward(model, ids, mask):
     """Returns a padded batch's rewards: a decoder's scalar head at each row's last real token, or an encoder's pooled
-    head. Position ids count real tokens only, so a row's reward is the same right padded, as rm.py pads, or left
+    head. Position ids count real tokens only. So a row's reward is the same right padded, as rm.py pads, or left
     padded, as ppo.py's prompts are."""
     if not hasattr(model, "score"):  # BERT, RoBERTa and DeBERTa have a pooled `classifier`
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
@@ -647,7 +647,8 @@ def load_data(args, tokenizer, rank):
         n = dropped + dropped_e
         print(
             f"pairs: {len(train)} train, {len(evals)} eval; prompts cut {n['prompt cut']}; dropped {n['too long']} "
-            f"too long (past {fit}), {n['identical']} identical"
+            f"too long (past {fit}), {n['identical']} identical; kept whole with an EOS inside a response "
+            f"{n['inner EOS']}"
         )
     return train, evals, eval_sets
 
@@ -677,8 +678,8 @@ def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
 
 
 def tokenize_pairs(rows, tokenizer, args):
-    """Returns the pairs, each through truncate_pair, and the counts of prompts cut and of pairs dropped by reason. The
-    tokenizer's coverage is checked first, on every row as read."""
+    """Returns the pairs, each through truncate_pair, and the counts of prompts cut and of pairs dropped by reason. It
+    also counts kept pairs with an EOS inside a response. The tokenizer's coverage is checked first, on every row."""
     in_file_order = sorted(range(len(rows)), key=lambda i: (str(rows[i]["_source"]), rows[i]["_row"]))
     texts, margins = [None] * len(rows), [None] * len(rows)
     for i in in_file_order:  # the first bad row of a file is the one reported, however the rows were shuffled
@@ -697,11 +698,13 @@ def tokenize_pairs(rows, tokenizer, args):
         args.model_name_or_path,
         "--model_name_or_path",
     )
-    bos_id, pairs, counts = common.leading_id(tokenizer), [], collections.Counter()
+    bos_id, end, pairs, counts = common.leading_id(tokenizer), common.end_id(tokenizer), [], collections.Counter()
     for row, margin, p, c, r in zip(rows, margins, prompts, chosen, rejected):
         kept, why = truncate_pair(p, c, r, args.max_length, args.min_prompt_length, bos_id)
         if why or kept != p:
             counts[why or "prompt cut"] += 1
+        if kept is not None and (end in c[:-1] or end in r[:-1]):
+            counts["inner EOS"] += 1
         if kept is not None:
             gold = (row["gold_chosen"], row["gold_rejected"]) if row.get("gold_chosen") is not None else None
             pairs.append(
