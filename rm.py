@@ -55,10 +55,9 @@ class Args:
     train_split: str = "train"  # Split to train on
     eval_split: str | None = None  # Split to evaluate on (default: validation, else test, else held-out pairs)
     eval_holdout: float = 0.1  # Without an eval split, this fraction held out, by whole prompts never trained on
-    max_length: int | None = None  # Max tokens of prompt + response (default: 512, or the model's positions if fewer)
-    # A floor, not a cap: a pair past --max_length has its prompt cut to what its longer response leaves, but to
-    # no fewer tokens than this, else the pair is dropped; a prompt is never cut otherwise (default: min(256, 3/4
-    # of --max_length))
+    max_length: int | None = None  # Max prompt + response tokens (default: min(512, the positions the model declares))
+    # A floor, not a cap: a pair past --max_length has its prompt cut to what its longer response leaves, but not below
+    # this, else the pair is dropped; a prompt is never cut otherwise (default: min(256, 3/4 of --max_length))
     min_prompt_length: int | None = None
     output_dir: str = "runs/rm"  # Folder of the model, tokenizer, metrics.jsonl, eval_results.json and checkpoints
     # --- optimisation
@@ -551,7 +550,7 @@ def load_backbone(args, tokenizer, on_meta=False):
             )
         config.num_labels = 1
         model = common.load_model(loader, name, "--model_name_or_path", on_meta, config=config, dtype=dtype)
-    if args.max_length:  # the default fits the table already
+    if args.max_length:  # a default is fitted to the positions instead, in fill_defaults
         common.check_position_table(model, args.max_length, f"--max_length {args.max_length}")
     disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
@@ -564,9 +563,12 @@ def load_backbone(args, tokenizer, on_meta=False):
 
 def fill_defaults(args, model, rank=0):
     """Returns args with the defaults that depend on the model, and prints them. Pretrained models train 1 epoch, as
-    InstructGPT and Llama 2 do, since they overfit after one; the embedded models start from scratch and need more."""
+    InstructGPT and Llama 2 do, since they overfit after one. The embedded models start from scratch and need more."""
     embedded = args.model_name_or_path.startswith("embedded-")
-    max_length = args.max_length or min(512, common.position_table(model) or 512)
+    positions, key = common.declared_positions(model.config)
+    max_length = args.max_length or min(512, positions or 512)
+    if max_length < 512 and not args.max_length and rank == 0:
+        print(f"--max_length {max_length}: the positions the model declares ({key}), fewer than the default 512")
     head = getattr(model, "score", None)
     filled = {
         "learning_rate": 1e-3 if embedded else 1e-5,
