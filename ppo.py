@@ -986,7 +986,8 @@ def stop_token_id(args, tokenizer):
 
 def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     """Returns the embedded task's SFT policy, a tiny causal LM trained briefly to answer with a few words and EOS.
-    It is cached in ($XDG_CACHE_HOME or ~/.cache)/rlhf by code and versions. Its draws are seeded by seed."""
+    It is cached in ($XDG_CACHE_HOME or ~/.cache)/rlhf, in a file named by a hash of the code and versions. So two
+    copies of the scripts that differ keep a cache each. Its draws are seeded by seed."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         common.embedded_model_config(name, len(tokenizer), flag="--sft_model_path")
@@ -996,7 +997,7 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     cache = os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
         "rlhf",
-        f"{name}-seed{seed}-steps{steps}-batch{batch_size}.pt",
+        f"{name}-seed{seed}-steps{steps}-batch{batch_size}-{key[:16]}.pt",
     )
     with contextlib.suppress(Exception):  # A missing, unreadable or stale cache is trained again.
         if (saved := torch.load(cache))["key"] == key:
