@@ -124,6 +124,7 @@ def reward_model_loss(r_chosen, r_rejected, margin, center_coefficient=0.0):
 
 
 # --- Conventions shared with ppo.py; tests/test_rm.py checks that they agree. ----------------------------------------
+# The reward's token is decided by common.tokenize_responses' final EOS, load_tokenizer's pad and last_token_index.
 def truncate_prompt(ids, max_prompt_length, bos_id=None):
     """Cuts a prompt past max_prompt_length to its end, the turn being answered, keeping a leading BOS or [CLS]."""
     if len(ids) <= max_prompt_length:
@@ -328,9 +329,9 @@ def pearson(x, y):
 
 
 def fit_normalization(model, train, args, pad_id, device, rank, world):
-    """Returns the reward normalization that ppo.py applies as (score - reward_shift) / reward_scale. reward_shift is
-    the mean reward of 2048 training pairs drawn by seed, never eval pairs; its standard error is under 1/45 of the
-    rewards' std. With --reward_normalization shift_scale, reward_scale is their std."""
+    """Returns the reward normalization that ppo.py applies as (score - reward_shift) / reward_scale, and its count.
+    reward_shift is the mean reward of 2048 training pairs drawn by seed, or of all if fewer, never eval pairs. Its
+    standard error is under std/sqrt(n) on n pairs, 1/45 of the std at 2048. shift_scale makes reward_scale the std."""
     if args.reward_normalization == "none":
         return {"reward_shift": 0.0, "reward_scale": 1.0, "reward_normalization_fitted_on": None}
     rng = random.Random(common.seed_of(args.seed, "normalization"))
@@ -893,8 +894,8 @@ def save_final(model, hf_model, lora, tokenizer, ev, logger, args, rank, record)
 def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, scale):
     """Saves the model in transformers' format, LoRA merged and its adapter in output_dir/adapter. A head without a
     bias cannot hold the shift, so config.json holds the normalization, as does adapter/reward_normalization.json; a
-    user applies it as (score - reward_shift) / reward_scale. The score is read at the EOS that every response here
-    ends with, so a text scored without it is read at a position the model never trained on."""
+    user applies it as (score - reward_shift) / reward_scale. The score is read at the EOS that ends every response
+    here. A text scored without it is read at a position the model never trained on."""
     normalization = {"reward_shift": shift, "reward_scale": scale}
     if lora is not None:
         hf_model = common.save_lora(hf_model, lora, state_dict, tokenizer, output_dir)
@@ -990,7 +991,7 @@ def segment_attention(
     **kwargs,
 ):
     """Runs one SDPA call per block of whole pairs, under its mask. A token sees the earlier tokens of its own sequences
-    within this layer's window, so a rejected token sees the prompt but no chosen one. It applies Gemma 2's softcap."""
+    within this layer's window. So a rejected token sees the prompt but no chosen one. It applies Gemma 2's softcap."""
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise NotImplementedError("attention sinks")
     rm_segments.calls.append(sliding_window)

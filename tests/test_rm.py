@@ -1100,8 +1100,9 @@ def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(
 
 
 def test_normalization_is_fitted_on_the_training_pairs_and_eval_only_reproduces_training(tmp_path, small_pairs_file):
-    """reward_shift and reward_scale are the saved model's rewards' mean and std on the training pairs; --eval_only on
-    its held-out pairs gives training's numbers, for a plain transformers classifier too."""
+    """reward_shift and reward_scale are the saved model's rewards' mean and std on the training pairs, all of them as
+    they are fewer than 2048, and the record says how many; --eval_only on its held-out pairs gives training's numbers,
+    for a plain transformers classifier too."""
     train_dir = tmp_path / "trained"
     rm.main(
         rm.Args(
@@ -1119,7 +1120,7 @@ def test_normalization_is_fitted_on_the_training_pairs_and_eval_only_reproduces_
         rewards = rm.RewardModel(hf)(*rm.collate(train, TOK.pad_token_id))
     assert hf.config.reward_shift == pytest.approx(rewards.mean().item(), abs=1e-4)
     assert hf.config.reward_scale == pytest.approx(rewards.std().item(), rel=1e-4)
-    assert trained["reward_normalization_fitted_on"] == f"{len(train)} training pairs"
+    assert len(train) < 2048 and trained["reward_normalization_fitted_on"] == f"{len(train)} training pairs"
     assert abs(trained["reward_shift"] - trained["reward_mean"]) > 1e-3  # the eval pairs' mean is another number
 
     held_out = tmp_path / "held_out"  # the same held-out pairs, as an eval split of their own
