@@ -658,7 +658,9 @@ def tokenize_prompts(tokenizer, texts):
 
 
 def tokenize_responses(tokenizer, prompts, responses):
-    """Returns response ids tokenized after their prompt, as the policy writes them, each ending at one end token."""
+    """Returns response ids tokenized after their prompt, as the policy writes them, each ending at one end token.
+    Every token is kept, an end token inside a response too, such as a multi-turn answer's. The end token is appended
+    unless the response ends with one; only whitespace after it, a chat template's newline, is dropped."""
     if not responses:
         return []
     end = end_id(tokenizer)
@@ -667,7 +669,11 @@ def tokenize_responses(tokenizer, prompts, responses):
         for texts in ([p + r for p, r in zip(prompts, responses)], list(prompts), list(responses))
     )
     out = [j[len(p) :] if j[: len(p)] == p and len(j) > len(p) else r for j, p, r in zip(joint, alone_p, alone_r)]
-    return [x[: x.index(end) + 1] if end in x else x + [end] for x in out]  # nothing after it is generated
+    last = [len(x) - 1 - x[::-1].index(end) if end in x else None for x in out]
+    return [
+        x[: k + 1] if k is not None and not tokenizer.decode(x[k + 1 :]).strip() else x + [end]
+        for x, k in zip(out, last)
+    ]
 
 
 UNKNOWN_SHARE = 0.5  # Measured (benchmarks/README.md): English is 95-96% unknown to the embedded tokenizer
@@ -689,7 +695,7 @@ def check_vocabulary(tokenizer, ids, data, model, flag):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Models. Scalar heads compute in float32, attention never gives NaN, and lengths fit a learned position table.
+# Models. Scalar heads compute in float32, attention never gives NaN, and lengths fit the declared positions.
 
 
 class Float32Linear(torch.nn.Linear):
@@ -728,26 +734,39 @@ def attention_without_nan(device):
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+# The config keys that declare a model's positions, by family: most, GPT-2 and Jais, Falcon's old configs, ChatGLM and
+# Qwen 1, MPT, and GPT-2's old configs.
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len", "n_ctx")
+
+
+def declared_positions(config):
+    """Returns (the positions a model's config declares, the key that declares them), or (None, None) where none does.
+    A learned table (GPT-2, OPT, BERT) has that many rows; a rotary or ALiBi model was trained to that length. A RoPE
+    scaling factor stretches the limit, over the original length where the config gives one."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    key = next((k for k in POSITION_KEYS if isinstance(getattr(config, k, None), int) and getattr(config, k) > 0), None)
+    if key is None:
+        return None, None
+    limit, rope = getattr(config, key), getattr(config, "rope_parameters", None) or {}
+    for p in [rope] if "rope_type" in rope else [v for v in rope.values() if isinstance(v, dict)]:
+        if p.get("rope_type", "default") != "default" and isinstance(p.get("factor"), int | float):
+            limit = max(limit, int(p["factor"] * (p.get("original_max_position_embeddings") or limit)))
+    return limit, getattr(config, "attribute_map", {}).get(key, key)  # GPT-2 stores n_positions
+
+
 def position_table(model):
-    """Returns the length of a model's learned position table, as in GPT-2, OPT or BERT. Rotary and ALiBi give None."""
-    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    tables = [
-        m
-        for m in model.modules()
-        if isinstance(m, torch.nn.Embedding)
-        and m is not model.get_input_embeddings()
-        and limit
-        and limit <= m.num_embeddings <= limit + 2
-    ]  # OPT's table has 2 extra rows
-    return limit if tables else None
+    """Returns the positions a model declares, learned, rotary or ALiBi, or None where its config declares none."""
+    return declared_positions(model.config)[0]
 
 
 def check_position_table(model, length, flag):
-    """Refuses a length past the learned position table now, rather than as an index error later."""
-    if (limit := position_table(model)) and length > limit:
+    """Refuses a given length past the model's positions now, rather than as an index error or a silent failure
+    later."""
+    limit, key = declared_positions(model.config)
+    if limit and length > limit:
         raise UserError(
-            f"{flag}: {length} tokens, but {model.config.name_or_path or 'the model'} has a learned "
-            f"position table of {limit}; pass at most {limit}"
+            f"{flag}: {length} tokens, but {model.config.name_or_path or 'the model'} declares {limit} positions "
+            f"({key} in its config); pass at most {limit}"
         )
 
 

@@ -105,7 +105,8 @@ class Args:
     dataset_name: str = "embedded"  # Prompts: a hub name, a .jsonl/.json/.parquet/.csv(.gz) file, or `embedded`
     dataset_config: str | None = None  # Hub dataset configuration (default: none)
     dataset_train_split: str = "train"  # Split to take training prompts from
-    max_prompt_length: int | None = None  # Longer prompts keep their end and BOS (default: 256, or what fits)
+    # Longer prompts keep their end and BOS (default: 256, or what the declared positions leave after --response_length)
+    max_prompt_length: int | None = None
     output_dir: str = "runs/ppo"  # Policy, metrics.jsonl, samples, curves.png and checkpoints
     # --- held-out evaluation
     eval_split: str | None = None  # Split of eval prompts (default: validation, else test, else --eval_holdout)
@@ -178,7 +179,7 @@ def fill_defaults(args, position_limit, rank=0):
     if args.max_prompt_length < 1:
         raise common.UserError(
             f"--response_length {args.response_length} leaves no room for a prompt in the "
-            f"{position_limit} positions of a model's position table; lower it"
+            f"{position_limit} positions the models declare; lower it"
         )
     if rank == 0:
         print("defaults: " + ", ".join(f"--{k} {v}" for k, v in vars(args).items() if k not in given and v is not None))
@@ -683,7 +684,7 @@ def evaluate(models, prompts, args, tokenizer, stop_id, baseline=None):
 def main(args):
     check_args(args)
     rank, world, device = setup_distributed()
-    fill_defaults(args, position_limit(args), rank)
+    fill_defaults(args, position_limit(args, rank), rank)
     tokenizer = load_tokenizer(args)
     stop_id = stop_token_id(args, tokenizer)
     # The prompts are read before anything is written or loaded, so that a mistake in the data shows in seconds.
@@ -911,17 +912,25 @@ def start_up(args, rank, world):
     return None if done else Sizes(local_batch, batch_size, num_updates)
 
 
-def position_limit(args):
-    """Returns the shortest learned position table of the policy and reward model, or None. It reads no weight."""
+def position_limit(args, rank=0):
+    """Returns the fewest positions the policy and reward model declare, learned, rotary or ALiBi, or None. It reads no
+    weight. A default --max_prompt_length that the limit shortens is said in one line."""
     limits = []
-    for path, flag, loader in (
-        (args.sft_model_path, "--sft_model_path", transformers.AutoModelForCausalLM),
-        (reward_model_source(args), "--reward_model_path", transformers.AutoModelForSequenceClassification),
-    ):
-        if path is not None and not path.startswith("embedded-"):
-            config = common.load_pretrained(transformers.AutoConfig, path, flag)
-            limits.append(common.position_table(common.meta_model(lambda: loader.from_config(config))))  # noqa: B023
-    return min((n for n in limits if n), default=None)
+    for path, flag in ((args.sft_model_path, "--sft_model_path"), (reward_model_source(args), "--reward_model_path")):
+        if path is not None:
+            config = (
+                common.embedded_model_config(path, len(common.embedded_tokenizer()), flag=flag)
+                if path.startswith("embedded-")
+                else common.load_pretrained(transformers.AutoConfig, path, flag)
+            )
+            limits.append(common.declared_positions(config))
+    limit, key = min((x for x in limits if x[0]), default=(None, None))
+    if limit and args.max_prompt_length is None and 0 < limit - args.response_length < 256 and rank == 0:
+        print(
+            f"--max_prompt_length {limit - args.response_length}: what the {limit} positions the models declare "
+            f"({key}) leave after --response_length {args.response_length}, fewer than the default 256"
+        )
+    return limit
 
 
 # --- Models and data. -------------------------------------------------------------------------------------------------
@@ -967,7 +976,8 @@ def stop_token_id(args, tokenizer):
 
 def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     """Returns the embedded task's SFT policy, a tiny causal LM trained briefly to answer with a few words and EOS.
-    It is cached in ($XDG_CACHE_HOME or ~/.cache)/rlhf by code and versions. Its draws are seeded by seed."""
+    It is cached in ($XDG_CACHE_HOME or ~/.cache)/rlhf, in a file named by a hash of the code and versions. So two
+    copies of the scripts that differ keep a cache each. Its draws are seeded by seed."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         common.embedded_model_config(name, len(tokenizer), flag="--sft_model_path")
@@ -977,7 +987,7 @@ def embedded_sft_policy(name, tokenizer, seed, steps=150, batch_size=64):
     cache = os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
         "rlhf",
-        f"{name}-seed{seed}-steps{steps}-batch{batch_size}.pt",
+        f"{name}-seed{seed}-steps{steps}-batch{batch_size}-{key[:16]}.pt",
     )
     with contextlib.suppress(Exception):  # A missing, unreadable or stale cache is trained again.
         if (saved := torch.load(cache))["key"] == key:

@@ -55,10 +55,9 @@ class Args:
     train_split: str = "train"  # Split to train on
     eval_split: str | None = None  # Split to evaluate on (default: validation, else test, else held-out pairs)
     eval_holdout: float = 0.1  # Without an eval split, this fraction held out, by whole prompts never trained on
-    max_length: int | None = None  # Max tokens of prompt + response (default: 512, or the model's positions if fewer)
-    # A floor, not a cap: a pair past --max_length has its prompt cut to what its longer response leaves, but to
-    # no fewer tokens than this, else the pair is dropped; a prompt is never cut otherwise (default: min(256, 3/4
-    # of --max_length))
+    max_length: int | None = None  # Max prompt + response tokens (default: min(512, the positions the model declares))
+    # A floor, not a cap: a pair past --max_length has its prompt cut to what its longer response leaves, but not below
+    # this, else the pair is dropped; a prompt is never cut otherwise (default: min(256, 3/4 of --max_length))
     min_prompt_length: int | None = None
     output_dir: str = "runs/rm"  # Folder of the model, tokenizer, metrics.jsonl, eval_results.json and checkpoints
     # --- optimisation
@@ -125,6 +124,7 @@ def reward_model_loss(r_chosen, r_rejected, margin, center_coefficient=0.0):
 
 
 # --- Conventions shared with ppo.py; tests/test_rm.py checks that they agree. ----------------------------------------
+# The reward's token is decided by common.tokenize_responses' final EOS, load_tokenizer's pad and last_token_index.
 def truncate_prompt(ids, max_prompt_length, bos_id=None):
     """Cuts a prompt past max_prompt_length to its end, the turn being answered, keeping a leading BOS or [CLS]."""
     if len(ids) <= max_prompt_length:
@@ -134,8 +134,8 @@ def truncate_prompt(ids, max_prompt_length, bos_id=None):
 
 
 def truncate_pair(prompt, chosen, rejected, max_length, min_prompt_length, bos_id=None):
-    """Returns (prompt ids, None), or (None, why the pair is dropped). Responses are never cut. A cut response would
-    lose its EOS, and its reward would be read at a token never trained on; TRL's RewardTrainer and open-instruct drop
+    """Returns (prompt ids, None), or (None, why the pair is dropped). Responses are never cut, even at an inner EOS.
+    A cut one would lose its EOS, and its reward would be read at a token never trained on; TRL and open-instruct drop
     such pairs too. A pair past max_length has its prompt cut to fit, keeping at least min_prompt_length tokens of it.
     A pair that cannot fit is dropped as "too long", and load_data stops the run if over half the training pairs are.
     A pair whose responses are the same tokens states no preference, and is dropped as "identical"."""
@@ -148,16 +148,16 @@ def truncate_pair(prompt, chosen, rejected, max_length, min_prompt_length, bos_i
 
 
 def last_token_index(mask):
-    """Returns the index of each row's last real token, where its reward is read, in every layout. As responses are
-    never cut, it is the sequence's EOS. The index comes from the mask, not the ids, because a pad id may equal the EOS
-    id. transformers' own classifiers look in the ids for the last token that is not a pad. So load_tokenizer gives
-    such a tokenizer a pad token of its own, and the saved model reads the same token when transformers runs it."""
+    """Returns the index of each row's last real token, where its reward is read, in every layout. It is the EOS that
+    ends the response, after any EOS inside it. The index comes from the mask, not the ids, as a pad id may equal the
+    EOS id. transformers' own classifiers look in the ids for the last token that is not a pad. So load_tokenizer gives
+    such a tokenizer a pad token of its own. The saved model then reads the same token when transformers runs it."""
     return (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(1)
 
 
 def sequence_reward(model, ids, mask):
     """Returns a padded batch's rewards: a decoder's scalar head at each row's last real token, or an encoder's pooled
-    head. Position ids count real tokens only, so a row's reward is the same right padded, as rm.py pads, or left
+    head. Position ids count real tokens only. So a row's reward is the same right padded, as rm.py pads, or left
     padded, as ppo.py's prompts are."""
     if not hasattr(model, "score"):  # BERT, RoBERTa and DeBERTa have a pooled `classifier`
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
@@ -329,9 +329,9 @@ def pearson(x, y):
 
 
 def fit_normalization(model, train, args, pad_id, device, rank, world):
-    """Returns the reward normalization that ppo.py applies as (score - reward_shift) / reward_scale. reward_shift is
-    the mean reward of 2048 training pairs drawn by seed, never eval pairs; its standard error is under 1/45 of the
-    rewards' std. With --reward_normalization shift_scale, reward_scale is their std."""
+    """Returns the reward normalization that ppo.py applies as (score - reward_shift) / reward_scale, and its count.
+    reward_shift is the mean reward of 2048 training pairs drawn by seed, or of all if fewer, never eval pairs. Its
+    standard error is under std/sqrt(n) on n pairs, 1/45 of the std at 2048. shift_scale makes reward_scale the std."""
     if args.reward_normalization == "none":
         return {"reward_shift": 0.0, "reward_scale": 1.0, "reward_normalization_fitted_on": None}
     rng = random.Random(common.seed_of(args.seed, "normalization"))
@@ -551,7 +551,7 @@ def load_backbone(args, tokenizer, on_meta=False):
             )
         config.num_labels = 1
         model = common.load_model(loader, name, "--model_name_or_path", on_meta, config=config, dtype=dtype)
-    if args.max_length:  # the default fits the table already
+    if args.max_length:  # a default is fitted to the positions instead, in fill_defaults
         common.check_position_table(model, args.max_length, f"--max_length {args.max_length}")
     disable_dropout(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
@@ -564,9 +564,12 @@ def load_backbone(args, tokenizer, on_meta=False):
 
 def fill_defaults(args, model, rank=0):
     """Returns args with the defaults that depend on the model, and prints them. Pretrained models train 1 epoch, as
-    InstructGPT and Llama 2 do, since they overfit after one; the embedded models start from scratch and need more."""
+    InstructGPT and Llama 2 do, since they overfit after one. The embedded models start from scratch and need more."""
     embedded = args.model_name_or_path.startswith("embedded-")
-    max_length = args.max_length or min(512, common.position_table(model) or 512)
+    positions, key = common.declared_positions(model.config)
+    max_length = args.max_length or min(512, positions or 512)
+    if max_length < 512 and not args.max_length and rank == 0:
+        print(f"--max_length {max_length}: the positions the model declares ({key}), fewer than the default 512")
     head = getattr(model, "score", None)
     filled = {
         "learning_rate": 1e-3 if embedded else 1e-5,
@@ -647,7 +650,8 @@ def load_data(args, tokenizer, rank):
         n = dropped + dropped_e
         print(
             f"pairs: {len(train)} train, {len(evals)} eval; prompts cut {n['prompt cut']}; dropped {n['too long']} "
-            f"too long (past {fit}), {n['identical']} identical"
+            f"too long (past {fit}), {n['identical']} identical; kept whole with an EOS inside a response "
+            f"{n['inner EOS']}"
         )
     return train, evals, eval_sets
 
@@ -677,8 +681,8 @@ def hold_out_by_prompt(rows, fraction, seed, tokenizer, also_trained=()):
 
 
 def tokenize_pairs(rows, tokenizer, args):
-    """Returns the pairs, each through truncate_pair, and the counts of prompts cut and of pairs dropped by reason. The
-    tokenizer's coverage is checked first, on every row as read."""
+    """Returns the pairs, each through truncate_pair, and the counts of prompts cut and of pairs dropped by reason. It
+    also counts kept pairs with an EOS inside a response. The tokenizer's coverage is checked first, on every row."""
     in_file_order = sorted(range(len(rows)), key=lambda i: (str(rows[i]["_source"]), rows[i]["_row"]))
     texts, margins = [None] * len(rows), [None] * len(rows)
     for i in in_file_order:  # the first bad row of a file is the one reported, however the rows were shuffled
@@ -697,11 +701,13 @@ def tokenize_pairs(rows, tokenizer, args):
         args.model_name_or_path,
         "--model_name_or_path",
     )
-    bos_id, pairs, counts = common.leading_id(tokenizer), [], collections.Counter()
+    bos_id, end, pairs, counts = common.leading_id(tokenizer), common.end_id(tokenizer), [], collections.Counter()
     for row, margin, p, c, r in zip(rows, margins, prompts, chosen, rejected):
         kept, why = truncate_pair(p, c, r, args.max_length, args.min_prompt_length, bos_id)
         if why or kept != p:
             counts[why or "prompt cut"] += 1
+        if kept is not None and (end in c[:-1] or end in r[:-1]):
+            counts["inner EOS"] += 1
         if kept is not None:
             gold = (row["gold_chosen"], row["gold_rejected"]) if row.get("gold_chosen") is not None else None
             pairs.append(
@@ -888,8 +894,8 @@ def save_final(model, hf_model, lora, tokenizer, ev, logger, args, rank, record)
 def save_reward_model(hf_model, lora, state_dict, tokenizer, output_dir, shift, scale):
     """Saves the model in transformers' format, LoRA merged and its adapter in output_dir/adapter. A head without a
     bias cannot hold the shift, so config.json holds the normalization, as does adapter/reward_normalization.json; a
-    user applies it as (score - reward_shift) / reward_scale. The score is read at the EOS that every response here
-    ends with, so a text scored without it is read at a position the model never trained on."""
+    user applies it as (score - reward_shift) / reward_scale. The score is read at the EOS that ends every response
+    here. A text scored without it is read at a position the model never trained on."""
     normalization = {"reward_shift": shift, "reward_scale": scale}
     if lora is not None:
         hf_model = common.save_lora(hf_model, lora, state_dict, tokenizer, output_dir)
@@ -985,7 +991,7 @@ def segment_attention(
     **kwargs,
 ):
     """Runs one SDPA call per block of whole pairs, under its mask. A token sees the earlier tokens of its own sequences
-    within this layer's window, so a rejected token sees the prompt but no chosen one. It applies Gemma 2's softcap."""
+    within this layer's window. So a rejected token sees the prompt but no chosen one. It applies Gemma 2's softcap."""
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise NotImplementedError("attention sinks")
     rm_segments.calls.append(sliding_window)

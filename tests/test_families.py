@@ -440,12 +440,13 @@ def test_a_text_prompt_before_message_responses_is_one_prompt_in_both_scripts(fa
     assert prompt_ids[0] == pair["prompt"] and "<|start_header_id|>user" in texts[0]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "opt"])
-def test_lengths_beyond_a_learned_position_table_are_refused_at_the_start(family, family_dir, tmp_path):
+@pytest.mark.parametrize("family", ["gpt2", "opt", "llama"])
+def test_lengths_beyond_the_declared_positions_are_refused_at_the_start(family, family_dir, tmp_path):
+    """Past a learned position table (GPT-2, OPT) or the positions a rotary model declares (Llama), in one line."""
+    key = "n_positions" if family == "gpt2" else "max_position_embeddings"
     with pytest.raises(
         common.UserError,
-        match=r"--max_length 300: 300 tokens, but .* has a learned position table of "
-        r"256; pass at most 256",
+        match=rf"--max_length 300: 300 tokens, but .* declares 256 positions \({key} in its config\); pass at most 256",
     ):
         rm.main(
             rm.Args(
@@ -456,7 +457,7 @@ def test_lengths_beyond_a_learned_position_table_are_refused_at_the_start(family
                 output_dir=str(tmp_path / "rm"),
             )
         )
-    with pytest.raises(common.UserError, match=r"--response_length \(272\): .* table of 256"):
+    with pytest.raises(common.UserError, match=r"--response_length \(272\): .* declares 256 positions"):
         ppo.main(
             ppo.Args(
                 sft_model_path=family_dir(family),

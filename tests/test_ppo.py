@@ -624,6 +624,27 @@ def test_embedded_sft_policy_is_trained_once_then_read_from_its_cache_file(tmp_p
     assert same(made(), trained) and torch.load(files[0])["key"] == saved["key"]
 
 
+def test_two_copies_of_the_scripts_that_differ_keep_an_sft_policy_cache_each(tmp_path, monkeypatch):
+    """The cache file's name carries the hash of the code: a copy of ppo.py with an edit writes a file of its own, and
+    then each copy reads its own file and trains nothing."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    edited = tmp_path / "ppo.py"
+    edited.write_text(open(ppo.__file__).read() + "\n# an edit\n")
+
+    def made(script):
+        with monkeypatch.context() as m:
+            m.setattr(ppo, "__file__", str(script))  # the copy whose code the cache key hashes
+            return ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=2).state_dict()
+
+    made(ppo.__file__), made(edited)
+    files = list((tmp_path / "cache" / "rlhf").iterdir())
+    assert len(files) == 2 and len({torch.load(f)["key"] for f in files}) == 2
+    assert all(torch.load(f)["key"][:16] in f.name for f in files)
+    with monkeypatch.context() as m:
+        m.setattr(torch.optim, "AdamW", None)  # any training would fail
+        made(ppo.__file__), made(edited)
+
+
 def test_embedded_run_improves_gold_score_and_saved_policy_reloads(tmp_path, reward_model_path):
     out = tmp_path / "ppo"
     history = ppo.main(

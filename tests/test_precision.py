@@ -297,6 +297,38 @@ def test_default_lengths_fit_a_short_position_table_and_given_ones_are_refused(f
     assert json.load(open(tmp_path / "ppo" / "ppo_results.json"))["args"]["max_prompt_length"] == 240  # (recorded)
 
 
+def test_default_lengths_fit_the_positions_a_rotary_model_declares_and_given_ones_past_them_are_refused(capsys):
+    """The embedded Llama is rotary and declares 128 positions. rm.py's --max_length and ppo.py's --max_prompt_length
+    default to what fits them, each with a line saying so; a length given past them is refused in one line."""
+    model = AutoModelForSequenceClassification.from_config(
+        common.embedded_model_config("embedded-llama", len(TOK), num_labels=1)
+    )
+    assert common.position_table(model) == model.config.max_position_embeddings == 128
+    capsys.readouterr()
+    args = rm.fill_defaults(rm.Args(), model)
+    assert (args.max_length, args.min_prompt_length) == (128, 96)
+    assert "--max_length 128: the positions the model declares (max_position_embeddings)" in capsys.readouterr().out
+    assert rm.fill_defaults(rm.Args(max_length=128), model).max_length == 128
+    assert "the positions the model declares" not in capsys.readouterr().out  # (a given length needs no line)
+    rm.load_backbone(rm.Args(max_length=128), TOK)  # as many as declared: taken
+    with pytest.raises(
+        common.UserError,
+        match=r"^--max_length 129: 129 tokens, but the model declares 128 positions \(max_position_embeddings in its "
+        r"config\); pass at most 128$",
+    ):
+        rm.load_backbone(rm.Args(max_length=129), TOK)
+    limit = ppo.position_limit(ppo.Args(reward_fn="common:gold_rewards"))
+    assert limit == 128 and "--max_prompt_length 112: what the 128 positions the models declare" in (
+        capsys.readouterr().out
+    )
+    args = ppo.Args(reward_fn="common:gold_rewards")
+    ppo.fill_defaults(args, limit)
+    assert args.max_prompt_length + args.response_length == 128
+    capsys.readouterr()
+    ppo.position_limit(ppo.Args(reward_fn="common:gold_rewards", max_prompt_length=64))
+    assert "--max_prompt_length" not in capsys.readouterr().out
+
+
 def test_layout_check_runs_once_on_rank_0_in_the_runs_precision(monkeypatch):
     """The packed-layout check: one forward pair on rank 0 only (the others take its verdict), in the run's autocast."""
     model = rm.RewardModel(

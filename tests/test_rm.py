@@ -317,6 +317,47 @@ def test_a_pair_past_max_length_is_dropped_whole_and_every_kept_response_ends_wi
     assert len(kept) == fits  # (over half dropped stops the run: test_errors.py's CASES)
 
 
+def test_a_response_with_an_eos_inside_keeps_every_token_and_the_run_counts_it(tmp_path, capsys):
+    """A response with an EOS inside, such as a multi-turn answer, keeps every token and ends with one EOS more, where
+    its reward is read. A pair whose responses differ only after an inner EOS is kept, not dropped as identical, and
+    the run counts such pairs. A chat template's newline after the last end token is no part of the response."""
+    eos = TOK.eos_token_id
+    rows = [
+        {"prompt": f"User: tell me about animals such as {w} Assistant:", "chosen": " cat <eos> dog", "rejected": r}
+        for w, r in zip(["owl", "bee", "fox"] * 10, [" cat <eos> owl", " red", " cat"] * 10)
+    ]
+    pairs, counts = rm.tokenize_pairs(
+        [dict(r, _source="m", _row=i) for i, r in enumerate(rows[:3])],
+        TOK,
+        rm.Args(max_length=64, min_prompt_length=32),
+    )
+    assert len(pairs) == 3 and counts == {"inner EOS": 3}  # none dropped as identical
+    assert [p["chosen"] for p in pairs] == [ids_of("cat") + [eos] + ids_of("dog") + [eos]] * 3
+    assert [p["rejected"] for p in pairs] == [ids_of("cat") + [eos] + ids_of("owl") + [eos], ids_of("red") + [eos]] + [
+        ids_of("cat") + [eos]
+    ]
+    train, evals, _ = rm.load_data(
+        rm.Args(dataset_name=write_jsonl(tmp_path / "d.jsonl", rows), max_length=64, min_prompt_length=32), TOK, 0
+    )
+    assert len(train + evals) == 30 and "kept whole with an EOS inside a response 30" in capsys.readouterr().out
+    chatml = build_tokenizer("qwen2")  # <|im_end|> is its EOS, and the template writes a newline after it
+    answer = lambda first, last: [  # noqa: E731
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "and foods?"},
+        {"role": "assistant", "content": last},
+    ]
+    user = [{"role": "user", "content": "tell me about animals"}]
+    row = {"chosen": user + answer("cat", "rice"), "rejected": user + answer("owl", "soup"), "_source": "m", "_row": 0}
+    [pair], _ = rm.tokenize_pairs([row], chatml, rm.Args(max_length=128, min_prompt_length=32))
+    for key, first, last in (("chosen", "cat", "rice"), ("rejected", "owl", "soup")):
+        text = chatml.decode(pair[key])
+        assert (
+            text
+            == f"{first}<|im_end|>\n<|im_start|>user\nand foods?<|im_end|>\n<|im_start|>assistant\n{last}<|im_end|>"
+        )
+        assert pair[key].count(chatml.eos_token_id) == 3 and pair[key][-1] == chatml.eos_token_id
+
+
 # --- training runs ----------------------------------------------------------------------------------------------------
 
 
@@ -1059,8 +1100,9 @@ def test_a_mixture_holds_out_prompts_from_all_its_datasets_and_by_their_weights(
 
 
 def test_normalization_is_fitted_on_the_training_pairs_and_eval_only_reproduces_training(tmp_path, small_pairs_file):
-    """reward_shift and reward_scale are the saved model's rewards' mean and std on the training pairs; --eval_only on
-    its held-out pairs gives training's numbers, for a plain transformers classifier too."""
+    """reward_shift and reward_scale are the saved model's rewards' mean and std on the training pairs, all of them as
+    they are fewer than 2048, and the record says how many; --eval_only on its held-out pairs gives training's numbers,
+    for a plain transformers classifier too."""
     train_dir = tmp_path / "trained"
     rm.main(
         rm.Args(
@@ -1078,7 +1120,7 @@ def test_normalization_is_fitted_on_the_training_pairs_and_eval_only_reproduces_
         rewards = rm.RewardModel(hf)(*rm.collate(train, TOK.pad_token_id))
     assert hf.config.reward_shift == pytest.approx(rewards.mean().item(), abs=1e-4)
     assert hf.config.reward_scale == pytest.approx(rewards.std().item(), rel=1e-4)
-    assert trained["reward_normalization_fitted_on"] == f"{len(train)} training pairs"
+    assert len(train) < 2048 and trained["reward_normalization_fitted_on"] == f"{len(train)} training pairs"
     assert abs(trained["reward_shift"] - trained["reward_mean"]) > 1e-3  # the eval pairs' mean is another number
 
     held_out = tmp_path / "held_out"  # the same held-out pairs, as an eval split of their own
