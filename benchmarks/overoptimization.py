@@ -41,6 +41,7 @@ import json
 import math
 import multiprocessing
 import os
+import random
 import sys
 import time
 
@@ -92,7 +93,33 @@ def train_reward_model(size, seed, out):
     )  # the sweep's own scratch folder: a second sweep replaces the first
     common.exit_on_user_error(rm.main, args)
     ev = json.load(open(os.path.join(out, "eval_results.json")))
-    return {"accuracy": ev["accuracy"], "bayes_accuracy": ev["bayes_accuracy"]}
+    return {"accuracy": ev["accuracy"], "bayes_accuracy": ev["bayes_accuracy"], **repeat_probe(out)}
+
+
+def repeat_probe(rm_dir, n=512):
+    """How much of the exploit a reward model sees. For n validation prompts, a response of 4 distinct words of the
+    non-avoided topics is extended by a fresh word or by its first word said again. repeat_accuracy: how often the
+    model ranks the two as the gold does; word_accuracy: the same for two fresh words, the values it must know. Each
+    response is scored with the EOS rm.py appends, where the reward is read."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(rm_dir)
+    rng, agree = random.Random(0), {"repeat_accuracy": 0, "word_accuracy": 0}
+    prompts = sorted({r["prompt"] for r in common.embedded_split("validation")})
+    for prompt in rng.sample(prompts, n):
+        avoided = common.prompt_parts(prompt)[1]
+        words = rng.sample([w for w in common.WORDS if common.TOPIC_OF[w] != avoided], 6)
+        base = " " + " ".join(words[:4])
+        responses = [base + " " + words[4], base + " " + words[0], base + " " + words[5]]
+        ids = [tokenizer(prompt + r)["input_ids"] + [tokenizer.eos_token_id] for r in responses]
+        with torch.no_grad():
+            score = [model(input_ids=torch.tensor([x])).logits[0, 0].item() for x in ids]
+        gold = common.gold_rewards([prompt] * 3, responses)
+        agree["repeat_accuracy"] += (score[0] > score[1]) == (gold[0] > gold[1])
+        agree["word_accuracy"] += (score[0] > score[2]) == (gold[0] > gold[2])
+    return {k: v / n for k, v in agree.items()}
 
 
 def best_of_n_pool(seed, setting, rm_dirs, split):

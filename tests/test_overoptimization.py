@@ -91,6 +91,7 @@ def test_quick_sweep_shows_overoptimization(tmp_path, monkeypatch):
     assert all(len(r["rl_ood"]) == 17 and r["rl_ood"][0]["d"] == 0 for r in runs)
     assert all(len(r["bon_ood"]) == len(r["bon"]) for r in (small, large, penalised))
     assert small["accuracy"] + 0.03 < large["accuracy"] < large["bayes_accuracy"]
+    assert large["word_accuracy"] > small["word_accuracy"] + 0.05  # the probe: more data, the words' values known
     for r in (small, large):
         assert all(a["proxy"] <= b["proxy"] + 1e-12 for a, b in zip(r["bon"], r["bon"][1:]))
         assert all(a["d"] < b["d"] for a, b in zip(r["bon"], r["bon"][1:]))
