@@ -2156,11 +2156,11 @@ class FusedLogprobs(torch.autograd.Function):
             picked[r] = torch.where(inside, z.gather(1, y.clamp(0, z.shape[1] - 1)[:, None])[:, 0], picked[r])
             new_max = torch.maximum(m[r], z.amax(1))
             shift = m[r] - new_max  # at most 0: the sums so far are multiplied by exp(shift)
-            z = z.sub_(new_max[:, None])  # z - m, at most 0
+            z, rescale = z.sub_(new_max[:, None]), shift.exp()  # z - m, at most 0
             e = z.exp()
             if entropy:
-                t[r] = shift.exp() * (t[r] + s[r] * shift) + (e * z.clamp_(min=-1e4)).sum(1)
-            s[r] = shift.exp() * s[r] + e.sum(1)
+                t[r] = rescale * (t[r] + s[r] * shift) + (e * z.clamp_(min=-1e4)).sum(1)
+            s[r] = rescale * s[r] + e.sum(1)
             m[r] = new_max
         lse = m + s.log()
         entropies = s.log() - t / s if entropy else torch.zeros_like(lse)
