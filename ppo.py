@@ -158,7 +158,7 @@ class Args:
     bf16: bool = False  # bfloat16 autocast; weights and optimizer state stay float32, a frozen LoRA base bfloat16
     # --- opt-in speed paths below the fence, each tested to give the plain path's numbers
     group_by_length: bool = False  # Rows of similar length forward together, with less padding
-    blocked_logits: bool = False  # Response logits in checkpointed blocks, in memory bounded whatever the vocabulary
+    fused_logits: bool = False  # Response log-probs in one pass over the vocabulary, block by block, bounded memory
     compile: bool = False  # Decode the rollout compiled, with CUDA graphs on a GPU; not with --fsdp
 
 
@@ -289,14 +289,14 @@ def truncate_after_stop(responses, stop_id, pad_id):
 
 
 def response_logprobs(
-    model, query_response, attention_mask, context_length, temperature, entropy=False, entropy_grad=True, blocked=False
+    model, query_response, attention_mask, context_length, temperature, entropy=False, entropy_grad=True, fused=False
 ):
     """Returns each response token's log-prob at `temperature`, and optionally each position's entropy.
 
     Every phase reads log-probs here at --temperature: the old ones, the reference's and learning's; the ptx loss at
     1. Position t predicts token t + 1. The logits are float32 (output_layer_in_float32), computed only where a
     response token is predicted, divided by the temperature and normalized by a float32 log-softmax.
-    --blocked_logits gives the same numbers in memory bounded whatever the vocabulary."""
+    --fused_logits gives the same numbers in one pass over the vocabulary, in memory bounded whatever its size."""
     predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 to T - 1
     keep = {"logits_to_keep": predicting} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     # Position ids count real tokens only, so that left padding changes nothing.
@@ -308,8 +308,8 @@ def response_logprobs(
         position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0),
     )
     targets = query_response[:, context_length:]
-    if blocked:
-        return blocked_response_logprobs(model, inputs, predicting, targets, temperature, entropy, entropy_grad)
+    if fused:
+        return fused_response_logprobs(model, inputs, predicting, targets, temperature, entropy, entropy_grad)
     logits = model(**inputs).logits[:, -predicting:-1]  # The last position predicts nothing.
     logp_all = torch.log_softmax(logits.float() / temperature, -1)
     logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)
@@ -447,11 +447,11 @@ def logprobs_and_values(policy, reference, critic, batch, args, update, referenc
     with torch.autocast(batch.mask.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         for f in old_logprob_micro_batches(batch, args, update):
             out[0, f.rows, : f.kept] = response_logprobs(
-                policy, f.ids, f.attention_mask, f.context, args.temperature, blocked=args.blocked_logits
+                policy, f.ids, f.attention_mask, f.context, args.temperature, fused=args.fused_logits
             )[0]
             with reference_mode():
                 out[1, f.rows, : f.kept] = response_logprobs(
-                    reference, f.ids, f.attention_mask, f.context, args.temperature, blocked=args.blocked_logits
+                    reference, f.ids, f.attention_mask, f.context, args.temperature, fused=args.fused_logits
                 )[0]
             if critic is not None:
                 out[2, f.rows, : f.kept] = critic(f.ids, f.attention_mask)[:, f.context - 1 : -1]
@@ -603,7 +603,7 @@ def learn(policy, critic, trainable, optimizer, batch, kl_coef, args, update, pt
                         args.temperature,
                         entropy=True,
                         entropy_grad=args.ent_coef > 0,
-                        blocked=args.blocked_logits,
+                        fused=args.fused_logits,
                     )
                 pg_loss, per_token = policy_loss(
                     new_logprobs, f.take(batch.logprobs), f.take(batch.advantages), args.cliprange, mask
@@ -1070,7 +1070,7 @@ def build_models(args, tokenizer, device, rank, world):
         )
     torch.manual_seed(args.seed)
     policy_hf = load_policy(args, tokenizer, on_meta)
-    if args.blocked_logits:  # output_logits must reproduce the model's logits.
+    if args.fused_logits:  # output_logits, whose transforms the fused path applies, must reproduce the model's logits.
         common.agreed(lambda: on_meta or check_output_logits(policy_hf, "--sft_model_path", args.sft_model_path))
     length = args.max_prompt_length + args.response_length
     for model in [policy_hf] + ([reward.model.hf] if reward.reads_policy_tokens else []):
@@ -1641,10 +1641,10 @@ def entropy_of(logp_all):
     return torch.special.entr(p, out=p).sum(-1)
 
 
-def language_modelling_loss(policy, seqs, pad_id, n_tokens, device, blocked=False):
+def language_modelling_loss(policy, seqs, pad_id, n_tokens, device, fused=False):
     """Returns the ptx loss (Ouyang et al. 2022, eq. 2): next-token cross-entropy summed, divided by n_tokens."""
     ids, ids_mask = (t.to(device) for t in pad_left(seqs, max(map(len, seqs)), pad_id))
-    logprobs, _ = response_logprobs(policy, ids, ids_mask.long(), 1, 1.0, blocked=blocked)
+    logprobs, _ = response_logprobs(policy, ids, ids_mask.long(), 1, 1.0, fused=fused)
     real = (ids_mask[:, 1:] & ids_mask[:, :-1]).float()  # A target counts only after a real token.
     return (-logprobs * real).sum() / n_tokens
 
@@ -1660,7 +1660,7 @@ def ptx_backward(policy, ptx, step, update, epoch, mb, args, pad_id):
     for rows in process_share(torch.arange(len(seqs))).split(args.per_device_train_batch_size):
         with torch.autocast(step.rows.device.type, dtype=torch.bfloat16, enabled=args.bf16):
             loss = language_modelling_loss(
-                policy, [seqs[i] for i in rows.tolist()], pad_id, n_tokens, step.rows.device, args.blocked_logits
+                policy, [seqs[i] for i in rows.tolist()], pad_id, n_tokens, step.rows.device, args.fused_logits
             )
         (args.ptx_coef * loss).backward()
         total = total + loss.detach()
@@ -2062,27 +2062,38 @@ def old_logprob_micro_batches(batch, args, update):
     return micro_batches(batch, process_share(torch.arange(len(batch.mask), device=batch.mask.device)), args)
 
 
-# --- Opt-in: --blocked_logits, response_logprobs' numbers and gradients in bounded memory. ----------------------------
-LOGIT_BLOCK = 2**25  # Elements in one block of response logits, 128 MB in float32
+# --- Opt-in: --fused_logits, response_logprobs' numbers in one pass over the vocabulary, in bounded memory. ----------
+FUSED_BLOCK = (256, 2048)  # Tokens x vocabulary rows in one block of logits: 2 MB in float32, which a cache holds
 
 
 def output_logits(model, hidden, temperature=1.0):
     """Returns a causal LM's float32 logits / temperature from its output layer's inputs, whatever autocast and dtype.
     The layer is followed by Gemma's softcapping, Cohere's logit scale or Granite's scaling (check_output_logits). When
     all is linear, (h / T) W = (h W) / T divides the hidden states rather than the vocabulary-wide logits."""
-    head, cap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
-    linear = cap is None and getattr(head, "bias", None) is None
+    head, linear = model.get_output_embeddings(), logits_linear_in_hidden(model)
     with torch.autocast(hidden.device.type, enabled=False):
         hidden = hidden.float() / temperature if linear else hidden.float()
         # A module call, so that FSDP gathers the layer where it is its own unit. The layer computes in float32.
         logits = head(hidden if isinstance(head, common.Float32Linear) else hidden.to(head.weight.dtype)).float()
-        if cap:
-            logits = cap * torch.tanh(logits / cap)
-        if (scale := getattr(model, "logit_scale", None)) is not None:
-            logits = logits * scale
-        if divisor := getattr(model.config, "logits_scaling", None):
-            logits = logits / divisor
-        return logits if linear else logits / temperature
+        return after_output_layer(model, logits, 1.0 if linear else temperature)
+
+
+def logits_linear_in_hidden(model):
+    """Returns whether the logits are linear in the output layer's inputs: no softcapping and no bias."""
+    head = model.get_output_embeddings()
+    return getattr(model.config, "final_logit_softcapping", None) is None and getattr(head, "bias", None) is None
+
+
+def after_output_layer(model, logits, temperature):
+    """Returns logits / temperature from the output layer's outputs, elementwise: Gemma's softcapping, then Cohere's
+    logit scale or Granite's scaling, as each family's forward applies them."""
+    if cap := getattr(model.config, "final_logit_softcapping", None):
+        logits = cap * torch.tanh(logits / cap)
+    if (scale := getattr(model, "logit_scale", None)) is not None:
+        logits = logits * scale
+    if divisor := getattr(model.config, "logits_scaling", None):
+        logits = logits / divisor
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def head_inputs(model, **inputs):
@@ -2098,24 +2109,117 @@ def head_inputs(model, **inputs):
     return captured[0]
 
 
-def blocked_response_logprobs(policy, inputs, predicting, targets, temperature, entropy=False, entropy_grad=True):
-    """Returns response_logprobs' numbers in memory bounded whatever the vocabulary.
-    The output layer reads the response positions in blocks of LOGIT_BLOCK elements, each recomputed in the backward
-    pass (Chen et al. 2016). A micro-batch's logits, 1.2 GB for 16 x 128 x 152k floats, are never held whole."""
+def fused_response_logprobs(policy, inputs, predicting, targets, temperature, entropy=False, entropy_grad=True):
+    """Returns response_logprobs' numbers from one pass over the vocabulary, block by block (FusedLogprobs).
+    No [tokens, vocabulary] tensor is held, in the forward or the backward: 1.2 GB for 16 x 128 x 152k floats."""
     model, hidden = unwrap(policy), head_inputs(policy, **inputs)[:, -predicting:-1]
+    head, linear = model.get_output_embeddings(), logits_linear_in_hidden(model)
+    if not isinstance(head, common.Float32Linear):  # e.g. an output layer that LoRA adapts
+        raise common.UserError(
+            f"--fused_logits: the output layer is a {type(head).__name__}, not a linear layer computed in float32; "
+            "leave out --fused_logits"
+        )
+    transform = functools.partial(after_output_layer, model, temperature=1.0 if linear else temperature)
+    with torch.autocast(hidden.device.type, enabled=False):
+        x = (hidden.float() / temperature if linear else hidden.float()).flatten(0, 1)
+        # Called as the layer, so that FSDP gathers its weight for the forward and the backward, and reduces its
+        # gradient, as for the layer's own forward.
+        head.forward = functools.partial(fused_output_layer, head, transform, entropy)
+        try:
+            logprobs, entropies = head(x, targets.flatten())
+        finally:
+            del head.forward
+    entropies = entropies.view(targets.shape) if entropy else None
+    return logprobs.view(targets.shape), entropies if entropy_grad or entropies is None else entropies.detach()
 
-    def block(h, y):  # float32 throughout: logits, log-softmax and entropy
-        logp_all = torch.log_softmax(output_logits(model, h, temperature), -1)
-        logprobs = logp_all.gather(-1, y[..., None]).squeeze(-1)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-            return logprobs, entropy_of(logp_all) if entropy else torch.zeros_like(logprobs)
 
-    step = max(1, LOGIT_BLOCK // max(len(hidden) * model.get_output_embeddings().weight.shape[0], 1))
-    recompute = torch.is_grad_enabled() and step < hidden.shape[1]  # A single block is computed directly.
-    run = functools.partial(torch.utils.checkpoint.checkpoint, block, use_reentrant=False) if recompute else block
-    parts = [run(hidden[:, s : s + step], targets[:, s : s + step]) for s in range(0, hidden.shape[1], step)]
-    logprobs, entropies = (torch.cat(t, 1) for t in zip(*parts))
-    return logprobs, entropies if entropy else None
+def fused_output_layer(head, transform, entropy, x, targets):
+    """The output layer's forward under --fused_logits: each row's log-prob of its target, and its entropy."""
+    return FusedLogprobs.apply(x, head.weight, head.bias, targets, transform, entropy)
+
+
+def layer_blocks(x, weight, bias):
+    """Yields (tokens, vocabulary rows, those rows' float32 weights, the output layer's outputs there) for every block
+    of FUSED_BLOCK, vocabulary block by vocabulary block, so that each block of weights is read from memory once."""
+    rows, cols = FUSED_BLOCK
+    for v in range(0, weight.shape[0], cols):
+        w = weight[v : v + cols].float()
+        b = None if bias is None else bias[v : v + cols].float()
+        for r in range(0, len(x), rows):
+            yield slice(r, r + rows), slice(v, v + cols), w, F.linear(x[r : r + rows], w, b)
+
+
+class FusedLogprobs(torch.autograd.Function):
+    """Returns each row's log-prob of its target, and its entropy (or zeros), from the output layer's float32 inputs
+    x, weight W and bias b, in one pass over the vocabulary, block by block (Milakov and Gimelshein 2018; Wijmans et
+    al. 2025). A row's logits are z = transform(x W^T + b), logits / temperature after the family's transforms.
+
+    With lse = logsumexp(z) and p = exp(z - lse): log p_y = z_y - lse, and H = -sum p log p = lse - sum p z. The
+    forward keeps, per row, the running maximum m, s = sum exp(z - m) and t = sum exp(z - m) (z - m), each sum
+    rescaled by exp(m_old - m_new) when m grows. Then lse = m + log s and H = log s - t / s. A -inf logit adds 0 to
+    both, as entropy_of's clamp makes it. Only lse and H per row are saved, beside x, W, b and the targets.
+    The backward recomputes each block's logits (a fourth matmul) and takes their gradient directly:
+      d log p_y / dz = onehot_y - p,
+      dH / dz = -p (z - sum p z) = -p (log p + H),
+    so dL/dz = g_y onehot_y - p (g_y + g_H (log p + H)) for incoming gradients g_y and g_H. Autograd differentiates
+    the family's transform on the block; then dL/dx += dL/da W and dL/dW += (dL/da)^T x, with a = x W^T + b."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, transform, entropy):
+        m = torch.full_like(x[:, 0], torch.finfo(torch.float32).min)  # finite, so that m - m is 0, never NaN
+        s, t, picked = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
+        for r, v, _, a in layer_blocks(x, weight, bias):
+            z, y = transform(a), targets[r] - v.start
+            inside = (y >= 0) & (y < z.shape[1])
+            picked[r] = torch.where(inside, z.gather(1, y.clamp(0, z.shape[1] - 1)[:, None])[:, 0], picked[r])
+            new_max = torch.maximum(m[r], z.amax(1))
+            shift = m[r] - new_max  # at most 0: the sums so far are multiplied by exp(shift)
+            z, rescale = z.sub_(new_max[:, None]), shift.exp()  # z - m, at most 0
+            e = z.exp()
+            if entropy:
+                t[r] = rescale * (t[r] + s[r] * shift) + (e * z.clamp_(min=-1e4)).sum(1)
+            s[r] = rescale * s[r] + e.sum(1)
+            m[r] = new_max
+        lse = m + s.log()
+        entropies = s.log() - t / s if entropy else torch.zeros_like(lse)
+        ctx.save_for_backward(x, weight, bias, targets, lse, entropies)
+        ctx.transform, ctx.entropy = transform, entropy
+        ctx.set_materialize_grads(False)  # An unused output's gradient is None, and its term is skipped.
+        return picked - lse, entropies
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropies):
+        x, weight, bias, targets, lse, entropies = ctx.saved_tensors
+        grad_logprobs = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs
+        with_entropy = ctx.entropy and grad_entropies is not None
+        grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, device=x.device) if ctx.needs_input_grad[1] else None
+        grad_b = torch.zeros(bias.shape, device=x.device) if ctx.needs_input_grad[2] else None
+        with torch.autocast(x.device.type, enabled=False):
+            for r, v, w, a in layer_blocks(x, weight, bias):
+                with torch.enable_grad():
+                    z = ctx.transform(a.requires_grad_())
+                logp = z.detach() - lse[r, None]
+                p = logp.exp()
+                if with_entropy:
+                    grad = logp.clamp_(min=-1e4).add_(entropies[r, None]).mul_(grad_entropies[r, None])
+                    grad = grad.add_(grad_logprobs[r, None]).mul_(p).neg_()
+                else:
+                    grad = p.mul_(-grad_logprobs[r, None])
+                y = targets[r] - v.start
+                inside = (y >= 0) & (y < grad.shape[1])
+                grad.scatter_add_(1, y.clamp(0, grad.shape[1] - 1)[:, None], (grad_logprobs[r] * inside)[:, None])
+                if z is not a:  # the family's transform, differentiated on the block
+                    grad = torch.autograd.grad(z, a, grad)[0]
+                if grad_x is not None:
+                    grad_x[r].addmm_(grad, w)
+                if grad_w is not None:
+                    grad_w[v].addmm_(grad.T, x[r])
+                if grad_b is not None:
+                    grad_b[v] += grad.sum(0)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 @torch.no_grad()

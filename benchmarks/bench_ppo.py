@@ -3,6 +3,10 @@
     python -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 && \
         .venv-trl/bin/pip install -r requirements.txt -r benchmarks/requirements-ppo.txt
     python benchmarks/bench_ppo.py --trl_python .venv-trl/bin/python     # writes benchmarks/results/ppo_cpu.json
+    python benchmarks/bench_ppo.py --workloads short-152k --rows ours ours_fused ours_fast \
+        --out benchmarks/results/ppo_cpu_fused.json                       # learning beside its output layer alone
+    python benchmarks/bench_ppo.py --workloads long-152k --rows ours ours_fused --repeats 1 --no_profile \
+        --out benchmarks/results/ppo_cpu_long152k.json                    # the memory probe: peak RSS of each
 
 Each row runs in its own process on the same policy (Llama-shaped, 4 layers x 256, random init, a byte-level
 tokenizer), the same reward model (trained briefly by rm.py from that policy; it is the value model's initialisation
@@ -14,10 +18,18 @@ too), the same prompt token ids, sizes and sampling settings. Workloads:
 - long-8k: the long workload with a byte-level BPE tokenizer of 8,000 tokens trained on the HH-RLHF text (its own
   policy, same shape, and reward model): a vocabulary whose output layer is a third of the model, as in the small
   pretrained models (GPT-2, Pythia, Qwen2.5-0.5B: a fifth to a third), where the byte-level one is a few percent.
-ppo.py runs twice: its default (plain) path, and with its opt-in speed flags (SPEED_FLAGS: --group_by_length
---blocked_logits). Episodes/s is over the training loop (TRL: inside train(); ppo.py: the sum of its updates' times).
-The time split is generation; reference + reward + value forwards; learning (the PPO epochs). Peak memory is the
-process's peak RSS.
+- long-152k (a memory probe, run only when named): 16 responses of 512 tokens at Qwen2's vocabulary, hidden 64, one
+  update: the plain path holds a micro-batch's 8,192 x 151,936 float32 logits (5 GB), --fused_logits no such tensor.
+ppo.py runs three times: its default (plain) path; with --fused_logits alone (the same shapes, one pass over the
+vocabulary); and with its opt-in speed flags together (SPEED_FLAGS: --group_by_length --fused_logits). Episodes/s is
+over the training loop (TRL: inside train(); ppo.py: the sum of its updates' times). The time split is generation;
+reference + reward + value forwards; learning (the PPO epochs). Peak memory is the process's peak RSS.
+Beside each ppo.py row's learning: its output layer timed alone at the learning phase's shapes (batch x
+response_length tokens, hidden, vocabulary) on the same machine, in a process of its own: the three matrix products no
+path avoids (the logits, the gradients of the hidden states and of the weights); the output layer as the row's path
+computes it (plain: those products, the division by the temperature, log-softmax, gather and entropy, and their
+backward; --fused_logits: FusedLogprobs forward and backward); and the part of learning that is neither (learning less
+its output layer alone: the transformer, the losses, the optimizer).
 Last, ppo.py's learning phase of one update per workload runs under the profiler: its share of time in matrix
 products and their GFLOP/s, against one large product's on the same machine (the ceiling).
 
@@ -51,7 +63,19 @@ WORKLOADS = {
     "short-152k": dict(
         episodes=128, response_length=48, stop=False, prompt_length=256, vocab=258, prompts="short", model_vocab=151_936
     ),
+    # a memory probe, not in the default list: 16 x 512 response tokens at Qwen2's vocabulary, hidden 64, one update
+    "long-152k": dict(
+        episodes=16,
+        response_length=512,
+        stop=False,
+        prompt_length=256,
+        vocab=258,
+        prompts="short",
+        model_vocab=151_936,
+        hidden=64,
+    ),
 }
+DEFAULT_WORKLOADS = ["short", "long", "long-8k", "short-152k"]
 SIZES = dict(batch=16, epochs=4, temperature=0.7, lr=3e-6, kl_coef=0.05, seed=1)
 
 
@@ -84,10 +108,16 @@ def bpe_tokenizer(texts, vocab_size):
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
-def model_dir(root, workload, kind):
-    """policy or rm, of the workload's vocabulary."""
+def model_shape(workload):
+    """(tokenizer vocabulary, model vocabulary, hidden size) of a workload's models."""
     w = WORKLOADS[workload]
-    return os.path.join(root, f"{kind}-{w['vocab']}-{w.get('model_vocab', w['vocab'])}")
+    return w["vocab"], w.get("model_vocab", w["vocab"]), w.get("hidden", 256)
+
+
+def model_dir(root, workload, kind):
+    """policy or rm, of the workload's vocabulary and width."""
+    vocab, model_vocab, hidden = model_shape(workload)
+    return os.path.join(root, f"{kind}-{vocab}-{model_vocab}" + ("" if hidden == 256 else f"-h{hidden}"))
 
 
 def make_assets(root, workloads):
@@ -103,9 +133,8 @@ def make_assets(root, workloads):
         rows = [json.loads(line) for line in f]
     with open(os.path.join(root, "pairs.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in common.embedded_pairs(1200, seed=0))
-    for vocab, model_vocab in sorted(
-        {(WORKLOADS[w]["vocab"], WORKLOADS[w].get("model_vocab", WORKLOADS[w]["vocab"])) for w in workloads}
-    ):
+    for workload in sorted({min(w for w in workloads if model_shape(w) == model_shape(v)) for v in workloads}):
+        vocab, model_vocab, hidden = model_shape(workload)
         tokenizer = (
             byte_tokenizer()
             if vocab == 258
@@ -113,18 +142,18 @@ def make_assets(root, workloads):
         )
         config = LlamaConfig(
             vocab_size=max(len(tokenizer), model_vocab),
-            hidden_size=256,
-            intermediate_size=1024,
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
             num_hidden_layers=4,
             num_attention_heads=4,
             num_key_value_heads=4,
-            max_position_embeddings=512,
+            max_position_embeddings=1024,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             bos_token_id=None,
             tie_word_embeddings=False,
         )
-        policy, rm_dir = (os.path.join(root, f"{kind}-{vocab}-{model_vocab}") for kind in ("policy", "rm"))
+        policy, rm_dir = (model_dir(root, workload, kind) for kind in ("policy", "rm"))
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(policy)
         tokenizer.save_pretrained(policy)
@@ -164,16 +193,17 @@ def prompt_ids(root, workload, tokenizer):
     ]
 
 
-SPEED_FLAGS = dict(group_by_length=True, blocked_logits=True)  # ppo.py's opt-in speed paths, the "ours_fast" row
+SPEED_FLAGS = dict(group_by_length=True, fused_logits=True)  # ppo.py's opt-in speed paths, the "ours_fast" row
+ROW_FLAGS = {"ours": {}, "ours_fused": dict(fused_logits=True), "ours_fast": SPEED_FLAGS}
 
 
-def run_ours(root, workload, episodes=None, fast=False):
+def run_ours(root, workload, episodes=None, flags=None):
     import ppo
 
     w, out = WORKLOADS[workload], tempfile.mkdtemp()
     ppo.main(
         ppo.Args(
-            **(SPEED_FLAGS if fast else {}),
+            **(flags or {}),
             sft_model_path=model_dir(root, workload, "policy"),
             reward_model_path=model_dir(root, workload, "rm"),
             dataset_name=os.path.join(root, f"{w['prompts']}.jsonl"),
@@ -201,6 +231,7 @@ def run_ours(root, workload, episodes=None, fast=False):
         "scoring_s": sum(m["perf/time_score"] for m in ms),
         "learning_s": sum(m["perf/time_learn"] for m in ms),
         "generated_tokens": sum(m["response/length"] * SIZES["batch"] for m in ms),
+        "updates": len(ms),
     }
 
 
@@ -293,6 +324,53 @@ def matmul_peak(n=2048, reps=10):
     return 2 * n**3 * reps / (time.time() - t) / 1e9
 
 
+def time_output_layer(workload, reps=3):
+    """The output layer of one learning forward and backward at the workload's shapes (batch x response_length tokens,
+    hidden, vocabulary; temperature as the rows'), timed alone, in seconds per update (num_ppo_epochs of them, one
+    micro-batch each): its three matrix products, which no path avoids (logits, gradient of the hidden states, gradient
+    of the weights); the plain path's output layer (the products, / temperature, log-softmax, gather, entropy without a
+    graph, and their backward, as response_logprobs computes them); --fused_logits' (FusedLogprobs forward and
+    backward). Each the least of `reps` timings after a first, untimed."""
+    import torch
+    import torch.nn.functional as F
+
+    import ppo
+
+    _, model_vocab, hidden = model_shape(workload)
+    n, temperature = SIZES["batch"] * WORKLOADS[workload]["response_length"], SIZES["temperature"]
+    torch.manual_seed(0)
+    x = torch.randn(n, hidden, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(model_vocab, hidden) / hidden**0.5)
+    targets = torch.randint(model_vocab, (n,))
+    grad = torch.randn(n, model_vocab)
+
+    def matmuls():
+        with torch.no_grad():
+            x @ weight.T, grad @ weight, grad.T @ x
+
+    def plain():
+        logp_all = torch.log_softmax(F.linear(x, weight).float() / temperature, -1)
+        logprobs = logp_all.gather(-1, targets[:, None])
+        with torch.no_grad():
+            ppo.entropy_of(logp_all)
+        logprobs.sum().backward()
+
+    def fused():
+        logprobs, _ = ppo.FusedLogprobs.apply(x / temperature, weight, None, targets, lambda a: a, True)
+        logprobs.sum().backward()
+
+    def least(fn):
+        times = []
+        for _ in range(reps + 1):
+            x.grad = weight.grad = None
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times[1:]) * SIZES["epochs"]
+
+    return {"matmuls_s": least(matmuls), "plain_s": least(plain), "fused_s": least(fused), "tokens": n}
+
+
 def profile_learning(root, workload):
     """ppo.py's learning phase of one update (the second: warm) under the profiler: the share of its time in matrix
     products and their GFLOP/s, against matmul_peak()."""
@@ -338,10 +416,12 @@ def row(args):
         sys.path.insert(0, args.code_root)
     if args.row == "profile":
         return print("RESULT " + json.dumps(profile_learning(args.assets, args.workload)))
+    if args.row == "layer":
+        return print("RESULT " + json.dumps(time_output_layer(args.workload)))
     result = (
         run_trl(args.assets, args.workload)
         if args.row == "trl"
-        else run_ours(args.assets, args.workload, fast=args.row == "ours_fast")
+        else run_ours(args.assets, args.workload, flags=ROW_FLAGS[args.row])
     )
     with open("/proc/self/status") as f:  # VmHWM: this process's own peak (ru_maxrss counts the parent's at fork)
         peak_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
@@ -359,7 +439,23 @@ def main():
         "--trl_python", default=sys.executable, help="a Python with TRL 1.12 (benchmarks/requirements-ppo.txt)"
     )
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        default=DEFAULT_WORKLOADS,
+        choices=list(WORKLOADS),
+        help="long-152k (a memory probe) runs only when named",
+    )
+    p.add_argument(
+        "--rows",
+        nargs="+",
+        default=["first", "ours", "ours_fused", "ours_fast"],
+        choices=["first", "ours", "ours_fused", "ours_fast"],
+        help="first: TRL's, or the earlier checkout's with --before; ours: ppo.py's default; ours_fused: "
+        "--fused_logits; ours_fast: SPEED_FLAGS",
+    )
+    p.add_argument("--no_profile", action="store_true", help="skip the profiler's run of the learning phase")
+    p.add_argument("--no_layer", action="store_true", help="skip the output layer timed alone")
     p.add_argument("--out", help="default: benchmarks/results/ppo_cpu.json, ppo_cpu_busy.json with --beside_threads")
     p.add_argument(
         "--beside_threads",
@@ -373,7 +469,7 @@ def main():
         help="a checkout of an earlier commit of this project: its ppo.py runs as a row beside "
         "today's, in place of TRL's (before/after comparisons of one change)",
     )
-    p.add_argument("--row", choices=["trl", "ours", "ours_fast", "profile"], help=argparse.SUPPRESS)
+    p.add_argument("--row", choices=["trl", *ROW_FLAGS, "profile", "layer"], help=argparse.SUPPRESS)
     p.add_argument("--code_root", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--assets", help=argparse.SUPPRESS)
@@ -395,7 +491,7 @@ def main():
         sys.exit(f"the long workload needs the HH-RLHF pairs at {HH}")
     assets = tempfile.mkdtemp()
     make_assets(assets, args.workloads)
-    results, profiles = [], {}
+    results, profiles, layers = [], {}, {}
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
     neighbour_env = {k: v for k, v in env.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     if args.omp_wait_policy:
@@ -440,17 +536,28 @@ def main():
             sys.exit(f"{row} on {workload} failed:\n{proc.stderr[-4000:]}")
         return json.loads(lines[-1][7:])
 
+    for workload in [] if args.no_layer else [w for w in args.workloads if w != "long-152k"]:
+        layers[workload] = p = child(sys.executable, "layer", workload)  # (long-152k's would hold 5 GB tensors)
+        print(
+            f"{workload}: the output layer alone at {p['tokens']} tokens, per update: its three matrix products "
+            f"{p['matmuls_s']:.2f} s, the plain path {p['plain_s']:.2f} s, --fused_logits {p['fused_s']:.2f} s",
+            flush=True,
+        )
+    first = (
+        (f"ppo.py at {args.before_commit}", sys.executable, args.before, "ours")
+        if args.before
+        else ("TRL 1.12 PPOTrainer", args.trl_python, None, "trl")
+    )
+    rows = {
+        "first": first,
+        "ours": ("ppo.py", sys.executable, None, "ours"),
+        "ours_fused": ("ppo.py --fused_logits", sys.executable, None, "ours_fused"),
+        "ours_fast": ("ppo.py " + " ".join(f"--{k}" for k in SPEED_FLAGS), sys.executable, None, "ours_fast"),
+    }
     for repeat in range(args.repeats):
         for workload in args.workloads:
-            first = (
-                (f"ppo.py at {args.before_commit}", sys.executable, args.before)
-                if args.before
-                else ("TRL 1.12 PPOTrainer", args.trl_python, None)
-            )
-            fast = "ppo.py " + " ".join(f"--{k}" for k in SPEED_FLAGS)
-            for name, python, code_root in (first, ("ppo.py", sys.executable, None), (fast, sys.executable, None)):
+            for name, python, code_root, kind in (rows[r] for r in args.rows):
                 t = time.time()
-                kind = "trl" if name.startswith("TRL") else "ours_fast" if name == fast else "ours"
                 r = child(python, kind, workload, code_root)
                 r |= {
                     "row": name,
@@ -462,6 +569,7 @@ def main():
                 }
                 r["episodes_per_s"] = r["episodes"] / r["train_s"]
                 r["generated_tokens_per_s"] = r["generated_tokens"] / r["train_s"]
+                r |= split_learning(r, layers.get(workload), kind)
                 results.append(r)
                 print(
                     f"[{repeat}] {workload:5s} {name:20s} {r['episodes_per_s']:6.2f} episodes/s in the loop, "
@@ -469,7 +577,14 @@ def main():
                     f"{r['scoring_s']:.1f} s, learning {r['learning_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
                     flush=True,
                 )
-    for workload in [] if busy else args.workloads:  # where ppo.py's learning phase spends its time
+                if "layer_s" in r:
+                    print(
+                        f"    learning per update {r['learning_per_update_s']:.2f} s: its output layer alone "
+                        f"{r['layer_s']:.2f} s, of which the three matrix products {r['matmuls_s']:.2f} s; neither "
+                        f"{r['neither_s']:.2f} s",
+                        flush=True,
+                    )
+    for workload in [] if busy or args.no_profile else args.workloads:  # where the learning phase spends its time
         profiles[workload] = p = child(sys.executable, "profile", workload)
         print(
             f"{workload}: learning phase {100 * p['mm_share']:.0f}% in matrix products at {p['mm_gflops']:.0f} "
@@ -485,11 +600,45 @@ def main():
                 "workloads": WORKLOADS,
                 "results": results,
                 "learning_profile": profiles,
+                "output_layer_alone": layers,
             },
             f,
             indent=2,
         )
     print(table(results))
+    print(learning_table(results))
+
+
+def split_learning(r, layer, kind):
+    """A ppo.py row's learning per update beside its output layer timed alone (the row's path) and that layer's three
+    matrix products; neither: learning less the layer alone. None for TRL's row or without the timing."""
+    if layer is None or kind == "trl" or not r.get("updates"):
+        return {}
+    per_update = r["learning_s"] / r["updates"]
+    alone = layer["plain_s" if kind == "ours" else "fused_s"]
+    return {
+        "learning_per_update_s": per_update,
+        "layer_s": alone,
+        "matmuls_s": layer["matmuls_s"],
+        "neither_s": per_update - alone,
+    }
+
+
+def learning_table(results):
+    """Learning per update of each ppo.py row, its output layer alone, that layer's matrix products, and neither."""
+    lines = [
+        "| workload | row | learning per update (s) | its output layer alone (s) | the layer's three matrix products "
+        "alone (s) | neither (s) |",
+        "|" + "---|" * 6,
+    ]
+    for workload in dict.fromkeys(r["workload"] for r in results):
+        for name in dict.fromkeys(r["row"] for r in results if r["workload"] == workload and "layer_s" in r):
+            rs = [r for r in results if r["workload"] == workload and r["row"] == name]
+            means = [
+                sum(r[k] for r in rs) / len(rs) for k in ("learning_per_update_s", "layer_s", "matmuls_s", "neither_s")
+            ]
+            lines.append(f"| {workload} | {name} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
+    return "\n".join(lines)
 
 
 def table(results):

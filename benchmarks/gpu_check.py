@@ -239,7 +239,7 @@ def check_packed_vs_padded(device, quick):
 
 def check_8b_shapes(device, quick):
     """4. Llama-3-8B shapes from a config, random bf16 weights: the learning forward + backward of ppo.py's
-    response_logprobs (the plain path, and --blocked_logits: `_blocked`) at micro-batches of 768 tokens (peak memory,
+    response_logprobs (the plain path, and --fused_logits: `_fused`) at micro-batches of 768 tokens (peak memory,
     time, OOM), with and without activation checkpointing; the rollout of 64 prompts x 256 new tokens. The second of
     two timings."""
     from transformers import AutoModelForCausalLM
@@ -249,9 +249,7 @@ def check_8b_shapes(device, quick):
     with torch.device(device):
         policy = ppo.output_layer_in_float32(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
     length = 96 if quick else 768
-    for micro, checkpointing, blocked in itertools.product(
-        (2, 4) if quick else (4, 8, 16), (False, True), (False, True)
-    ):
+    for micro, checkpointing, fused in itertools.product((2, 4) if quick else (4, 8, 16), (False, True), (False, True)):
         if checkpointing:
             policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -260,11 +258,11 @@ def check_8b_shapes(device, quick):
         mask = torch.ones_like(ids)
 
         def step():
-            logprobs, _ = ppo.response_logprobs(policy, ids, mask, length // 2, 1.0, entropy=True, blocked=blocked)  # noqa: B023, timed within this iteration
+            logprobs, _ = ppo.response_logprobs(policy, ids, mask, length // 2, 1.0, entropy=True, fused=fused)  # noqa: B023, timed within this iteration
             logprobs.sum().backward()
             policy.zero_grad(set_to_none=True)
 
-        result[f"learn_micro{micro}_ckpt{int(checkpointing)}{'_blocked' * blocked}"] = timed(step, device, policy)
+        result[f"learn_micro{micro}_ckpt{int(checkpointing)}{'_fused' * fused}"] = timed(step, device, policy)
     policy.activation_checkpointing_disable()
     n_prompts, new = (8, 16) if quick else (64, 256)
     args = ppo.Args(response_length=new)

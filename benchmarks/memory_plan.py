@@ -205,7 +205,7 @@ def ppo_plan(args, world, vocab_size=None):
     from is the critic with its adapter off. Then the rollout's rows (the policy in the compute dtype: gathered under
     FSDP, its output layer in float32; autocast's copy under DDP --bf16; the KV cache) and the learning phase's (one
     micro-batch's activations, of the policy or the critic, whichever is larger; autocast's copies under DDP)."""
-    from ppo import LOGIT_BLOCK
+    from ppo import FUSED_BLOCK
 
     shards = world if args.fsdp and world > 1 else 1
     frozen_bytes, host = 2 if args.bf16 and (args.lora_r or shards > 1) else 4, args.offload_inference_models
@@ -249,7 +249,7 @@ def ppo_plan(args, world, vocab_size=None):
     )
     vocab = max(config(sft, vocab_size).vocab_size, vocab_size or 0)
     logits = 4 * micro * args.response_length * vocab  # the log-softmax response_logprobs keeps (float32) ...
-    logits = min(logits, 4 * LOGIT_BLOCK) if args.blocked_logits else logits  # ... or one block of it
+    logits = 4 * 4 * FUSED_BLOCK[0] * FUSED_BLOCK[1] if args.fused_logits else logits  # ... or a block's few
     learners = [((sft, "causal", vocab_size), logits, policy[0])] + ([(critic_source, 0, critic[0])] if gae else [])
     rows.append(
         Transient(

@@ -484,8 +484,9 @@ def split_runs(tmp_path_factory, reward_model_path):
     """Each estimator's run with ptx: the same rollout batch of 16 and mini-batches of 8, split three ways: 4 x 2
     accumulation in one process, 4 x 2 ranks under DDP, 2 x 2 accumulation x 2 ranks under FSDP (it reduce-scatters
     every micro-batch's gradients); the 2-rank runs in one launch. Losses are averages over the whole mini-batch
-    (weighted per token as --loss_aggregation says), so every split is one run. (8 x 1 against 4 x 2 accumulation in
-    one process: also on every decoder family, in test_families.py.)"""
+    (weighted per token as --loss_aggregation says), so every split is one run. rloo's runs take --fused_logits, whose
+    output layer FSDP gathers and reduces as its own unit. (8 x 1 against 4 x 2 accumulation in one process: also on
+    every decoder family, in test_families.py.)"""
     root, jobs = tmp_path_factory.mktemp("split"), []
     for estimator, flags in ESTIMATORS.items():
         base = [
@@ -494,6 +495,7 @@ def split_runs(tmp_path_factory, reward_model_path):
             reward_model_path,
             *TINY,
             *flags,
+            *(["--fused_logits"] if estimator == "rloo" else []),
             "--ptx_coef",
             "0.1",
             "--ptx_dataset_name",
@@ -1150,46 +1152,78 @@ def test_an_empty_prompt_without_bos_is_named(tmp_path, monkeypatch):
         ppo.load_prompts(ppo.Args(max_prompt_length=256), TOK)
 
 
-def test_blocked_logits_give_the_plain_paths_log_probs_entropies_and_gradients(monkeypatch):
-    """--blocked_logits computes response logits in blocks (recomputed in the backward pass): the plain path's
-    (response_logprobs) numbers and gradients, and no block above LOGIT_BLOCK elements; the plain path's are the
-    formula written out on the model's own logits at temperature 0.7, two of them -inf (0 log 0 = 0: no NaN); the
+def test_fused_logits_give_the_plain_paths_log_probs_entropies_and_gradients(monkeypatch):
+    """--fused_logits computes response log-probs and entropies block by block (FusedLogprobs): the plain path's
+    (response_logprobs) numbers and gradients, in blocks of at most FUSED_BLOCK (ragged at both ends), each computed
+    once forward and once backward; with an output layer whose bias is -inf
+    at two tokens (0 log 0 = 0: no NaN), where the temperature divides the logits, and without one, where it divides
+    the hidden states. The plain path's numbers are the formula written out on the model's own logits at 0.7; the
     entropy without a graph in one vocabulary-wide buffer (p's own)."""
     policy = ppo.output_layer_in_float32(ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=5))
-    policy.lm_head.register_forward_hook(lambda m, i, out: out.index_fill(-1, torch.tensor([3, 7]), -torch.inf))
     prompts = sample_prompts(4)
     query, qmask = ppo.pad_left(prompts, max(map(len, prompts)), TOK.pad_token_id)
     responses = torch.randint(20, len(TOK), (4, 7), generator=torch.Generator().manual_seed(0))
     qr, qr_mask = torch.cat([query, responses], 1), torch.cat([qmask, torch.ones_like(responses, dtype=torch.bool)], 1)
-    blocks, real = [], ppo.output_logits
-    monkeypatch.setattr(ppo, "output_logits", lambda m, h, t=1.0: blocks.append(h.shape[:2]) or real(m, h, t))
-    monkeypatch.setattr(ppo, "LOGIT_BLOCK", 8 * len(TOK))  # blocks of 4 rows x 2 positions x vocabulary
-    results = {}
-    for blocked in (False, True):
-        policy.zero_grad()
-        logprobs, entropy = ppo.response_logprobs(
-            policy, qr, qr_mask.long(), query.shape[1], 0.7, entropy=True, blocked=blocked
-        )
-        (logprobs.sum() + entropy.sum()).backward()
-        results[blocked] = logprobs.detach(), entropy.detach(), torch.cat([p.grad.ravel() for p in policy.parameters()])
-    assert len(blocks) == 8 and max(b * t for b, t in blocks) <= 8  # 7 positions in 4 blocks, each recomputed backward
-    for plain, blocked in zip(results[False], results[True]):
-        assert torch.allclose(plain, blocked, atol=1e-6, rtol=1e-5)
-    with torch.no_grad():
-        logp = torch.log_softmax(
-            policy(input_ids=qr, attention_mask=qr_mask.long()).logits[:, query.shape[1] - 1 : -1] / 0.7, -1
-        )
-        no_grad = [
-            ppo.response_logprobs(policy, qr, qr_mask.long(), query.shape[1], 0.7, entropy=True, blocked=b)[1]
-            for b in (False, True)
-        ]  # (without a graph: another formula)
-    assert torch.allclose(results[False][0], logp.gather(-1, responses[..., None])[..., 0], atol=1e-5)
-    assert torch.isfinite(results[True][2]).all() and (logp[..., 3] == -float("inf")).all()
-    for entropy in (results[False][1], *no_grad):
-        assert torch.allclose(entropy, -torch.xlogy(logp.exp(), logp.exp()).sum(-1), atol=1e-5)
+    blocks, real = [], ppo.layer_blocks
+    monkeypatch.setattr(ppo, "layer_blocks", lambda *a: ((*b[:3], blocks.append(b[3].shape) or b[3]) for b in real(*a)))
+    monkeypatch.setattr(ppo, "FUSED_BLOCK", (5, 37))  # 28 tokens in blocks of 5, the vocabulary in blocks of 37
+    bias = torch.zeros(len(TOK)).index_fill(0, torch.tensor([3, 7]), -torch.inf)
+    for with_bias in (False, True):
+        policy.lm_head.bias = torch.nn.Parameter(bias.clone()) if with_bias else None
+        results = {}
+        for fused in (False, True):
+            policy.zero_grad()
+            blocks.clear()
+            logprobs, entropy = ppo.response_logprobs(
+                policy, qr, qr_mask.long(), query.shape[1], 0.7, entropy=True, fused=fused
+            )
+            (logprobs.sum() + entropy.sum()).backward()
+            results[fused] = logprobs.detach(), entropy.detach(), *[p.grad.clone() for p in policy.parameters()]
+        n_blocks = -(-4 * 7 // 5) * -(-len(TOK) // 37)  # each block once forward, once backward
+        assert len(blocks) == 2 * n_blocks and max(b[0] * b[1] for b in blocks) <= 5 * 37, blocks
+        for plain, fused in zip(results[False], results[True]):
+            assert torch.allclose(plain, fused, atol=1e-6, rtol=1e-5), (plain - fused).abs().max()
+        with torch.no_grad():
+            logp = torch.log_softmax(
+                policy(input_ids=qr, attention_mask=qr_mask.long()).logits[:, query.shape[1] - 1 : -1] / 0.7, -1
+            )
+            no_grad = [
+                ppo.response_logprobs(policy, qr, qr_mask.long(), query.shape[1], 0.7, entropy=True, fused=f)[1]
+                for f in (False, True)
+            ]  # (without a graph: another formula)
+        assert torch.allclose(results[False][0], logp.gather(-1, responses[..., None])[..., 0], atol=1e-5)
+        assert all(torch.isfinite(g).all() for g in results[True][2:])
+        assert (logp[..., 3] == -float("inf")).all() == with_bias
+        for entropy in (results[False][1], *no_grad):
+            assert torch.allclose(entropy, -torch.xlogy(logp.exp(), logp.exp()).sum(-1), atol=1e-5)
+    policy.lm_head.__class__ = torch.nn.Linear  # (as a layer LoRA adapts: not one computed in float32)
+    with pytest.raises(common.UserError, match="--fused_logits: the output layer is a Linear, not a linear layer"):
+        ppo.response_logprobs(policy, qr, qr_mask.long(), query.shape[1], 0.7, fused=True)
     with torch.no_grad(), torch.profiler.profile(profile_memory=True) as prof:  # no graph: one vocabulary-wide buffer
         ppo.entropy_of(logp)
     assert sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.self_cpu_memory_usage > 0) < 1.5 * logp.nbytes
+
+
+def test_fused_logits_hold_no_tensor_of_the_micro_batchs_logits():
+    """At a vocabulary of 20,000 and 384 response tokens, the plain path allocates the [tokens, vocabulary] float32
+    logits (30 MB) in one piece, and --fused_logits nothing of even a quarter of it, forward and backward; a model's
+    own weights' gradient (5 MB) is its largest. Without a graph, neither."""
+    config = common.embedded_model_config("embedded-llama", 20_000)
+    torch.manual_seed(0)
+    policy = ppo.output_layer_in_float32(AutoModelForCausalLM.from_config(config))
+    ids = torch.randint(20, 20_000, (4, 100), generator=torch.Generator().manual_seed(0))
+    logits_bytes = 4 * 96 * 20_000 * 4
+    for fused in (False, True):
+        with torch.profiler.profile(profile_memory=True) as prof:
+            logprobs, entropy = ppo.response_logprobs(
+                policy, ids, torch.ones_like(ids), 4, 0.7, entropy=True, fused=fused
+            )
+            (logprobs.sum() + entropy.sum()).backward()
+        largest = max(e.self_cpu_memory_usage for e in prof.events())
+        assert (largest >= logits_bytes) if not fused else (largest < logits_bytes / 4), (fused, largest)
+    with torch.no_grad(), torch.profiler.profile(profile_memory=True) as prof:
+        ppo.response_logprobs(policy, ids, torch.ones_like(ids), 4, 0.7, fused=True)
+    assert max(e.self_cpu_memory_usage for e in prof.events()) < logits_bytes / 4
 
 
 def test_a_model_whose_output_transform_is_unknown_is_named_before_training(monkeypatch):
@@ -1291,15 +1325,15 @@ def test_every_schedule_of_transformers_is_taken_or_refused_in_one_line(tmp_path
 
 
 def test_the_opt_in_speed_paths_give_the_plain_paths_run(tmp_path, monkeypatch):
-    """--group_by_length (here a group per length: the most trimming) with --blocked_logits (here one position per
-    block, recomputed in the backward pass): the same updates as the plain path, the same saved policy."""
+    """--group_by_length (here a group per length: the most trimming) with --fused_logits (here in blocks of 3 tokens
+    x 50 vocabulary rows): the same updates as the plain path, the same saved policy."""
     base = dict(reward_fn="common:gold_rewards", total_episodes=32, num_ppo_epochs=2, sample_every=1)
     ppo.main(ppo.Args(output_dir=str(tmp_path / "plain"), **base))
     monkeypatch.setattr(ppo, "GROUP_OVERHEAD_TOKENS", 0)
-    monkeypatch.setattr(ppo, "LOGIT_BLOCK", 1)
+    monkeypatch.setattr(ppo, "FUSED_BLOCK", (3, 50))
     groups, real = [], ppo.length_grouped
     monkeypatch.setattr(ppo, "length_grouped", lambda *a: groups.append(len(real(*a))) or real(*a))
-    ppo.main(ppo.Args(output_dir=str(tmp_path / "fast"), group_by_length=True, blocked_logits=True, **base))
+    ppo.main(ppo.Args(output_dir=str(tmp_path / "fast"), group_by_length=True, fused_logits=True, **base))
     assert max(groups) > 1  # (rows of several lengths: trimmed groups)
     plain, fast = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "fast")
     for key in (

@@ -45,15 +45,25 @@ FIRST_UPDATE = dict(
 )
 
 
-@pytest.mark.parametrize("lora", [0, 4])
+@pytest.mark.parametrize("lora, fused", [(0, False), (4, False), (0, True), (4, True)])
 def test_bf16_first_mini_batch_is_on_policy_and_the_kl_at_initialisation_is_zero(
-    lora, reward_model_path, tmp_path, monkeypatch
+    lora, fused, reward_model_path, tmp_path, monkeypatch
 ):
     """Under bfloat16 decode and learning forward round differently: the old log-probs and values are recomputed on the
     first epoch's own partition, so its first mini-batch's ratio is exactly 1 and the KL at initialisation 0, full
-    fine-tuning (the KV cache in bfloat16) and LoRA (its frozen base in bfloat16)."""
+    fine-tuning (the KV cache in bfloat16) and LoRA (its frozen base in bfloat16), on the plain path and with
+    --fused_logits (in blocks of 3 tokens x 50 vocabulary rows)."""
     calls, value_calls = first_mini_batch_spy(monkeypatch), first_mini_batch_spy(monkeypatch, "value_loss")
-    ppo.main(ppo.Args(reward_model_path=reward_model_path, output_dir=str(tmp_path), lora_r=lora, **FIRST_UPDATE))
+    monkeypatch.setattr(ppo, "FUSED_BLOCK", (3, 50))
+    ppo.main(
+        ppo.Args(
+            reward_model_path=reward_model_path,
+            output_dir=str(tmp_path),
+            lora_r=lora,
+            fused_logits=fused,
+            **FIRST_UPDATE,
+        )
+    )
     steps_per_mini_batch = len(calls) // 2
     for moved in (calls, value_calls):
         assert moved[:steps_per_mini_batch] == [0.0] * steps_per_mini_batch  # every forward of the first mini-batch
@@ -203,13 +213,13 @@ def test_scalar_heads_logits_and_entropy_are_float32_under_bf16_autocast():
     assert torch.allclose(rewards.double(), expected[:, 0], atol=1e-4) and torch.allclose(values, rewards)
 
     policy = ppo.output_layer_in_float32(ppo.embedded_sft_policy("embedded-llama", TOK, seed=0, steps=3))
-    for blocked in (False, True):  # the plain path and --blocked_logits
+    for fused in (False, True):  # the plain path and --fused_logits
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            logprobs, entropy = ppo.response_logprobs(policy, ids, mask, 4, 0.7, entropy=True, blocked=blocked)
+            logprobs, entropy = ppo.response_logprobs(policy, ids, mask, 4, 0.7, entropy=True, fused=fused)
             h = ppo.head_inputs(policy, input_ids=ids, attention_mask=mask)[:, 3:-1]
         logp = torch.log_softmax(h.double() @ policy.lm_head.weight.double().T / 0.7, -1)
-        assert torch.allclose(logprobs.double(), logp.gather(-1, ids[:, 4:, None]).squeeze(-1), atol=1e-5), blocked
-        assert torch.allclose(entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-5), blocked
+        assert torch.allclose(logprobs.double(), logp.gather(-1, ids[:, 4:, None]).squeeze(-1), atol=1e-5), fused
+        assert torch.allclose(entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-5), fused
 
 
 def test_critic_initialised_from_the_reward_model_starts_at_the_normalized_reward(reward_model_path, tmp_path):
