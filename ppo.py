@@ -296,7 +296,7 @@ def response_logprobs(
     Every phase reads log-probs here at --temperature: the old ones, the reference's and learning's; the ptx loss at
     1. Position t predicts token t + 1. The logits are float32 (output_layer_in_float32), computed only where a
     response token is predicted, divided by the temperature and normalized by a float32 log-softmax.
-    --fused_logits gives the same numbers in one pass over the vocabulary, in memory bounded whatever its size."""
+    --fused_logits gives the same numbers, to float32 rounding, in one pass over the vocabulary in bounded memory."""
     predicting = query_response.shape[1] - context_length + 1  # positions context_length - 1 to T - 1
     keep = {"logits_to_keep": predicting} if takes_argument(type(unwrap(model)), "logits_to_keep") else {}
     # Position ids count real tokens only, so that left padding changes nothing.

@@ -796,8 +796,9 @@ def schedule(args, n_train, global_batch, rank):
 
 
 def build_optimizer(model, args, total_steps):
-    """Returns AdamW on the trained parameters and transformers' --lr_scheduler_type after a linear warm-up. A schedule
-    with an end rate ends at --lr_end; polynomial decays to it linearly."""
+    """Returns AdamW on the trained parameters and transformers' --lr_scheduler_type, after a linear warm-up where the
+    schedule takes one (constant takes none). A schedule with an end rate ends at --lr_end; polynomial decays to it
+    linearly."""
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=args.learning_rate,
