@@ -650,11 +650,12 @@ def evaluate(models, prompts, args, tokenizer, stop_id, baseline=None):
     rows, start = [], time.time()
     for model in (m for m in (models.policy, models.critic) if m is not None):  # as sampling in training
         model.eval()
+    plan = dataclasses.replace(args, seed=args.eval_seed)  # --group_by_length's micro-batches follow --eval_seed too
     for chunk in eval_batches(prompts, args):
         seeds = [common.seed_of(args.eval_seed, "evaluation", i) for i in chunk.index]
         batch = rollout(models.policy, chunk.ids, seeds, args, stop_id, tokenizer.pad_token_id)
         with resharded([models.separate_reference]):
-            logprobs_and_values(models.policy, models.reference, None, batch, args, 0, models.reference_mode)
+            logprobs_and_values(models.policy, models.reference, None, batch, plan, 0, models.reference_mode)
         with resharded([models.reward.model]):
             texts = score(models.reward, batch, chunk.texts, tokenizer, stop_id, args)
         measured = {

@@ -418,10 +418,51 @@ def report(runs, out_png):
         "thick lines: the fitted forms"
     )
     common.save_figure(fig, out_png)
-    tables = [lines, generalization_table(runs), targets_table(rows)]
+    tables = [lines, generalization_table(runs), targets_table(rows), blind_bound_table()]
     text = "\n\n".join("\n".join(t) for t in tables if t) + "\n\n" + kl_table
     print("\n\n".join("\n".join(t) for t in tables[1:] if t))
     return rows, text
+
+
+def blind_bound_table(values=(0.0, -1.0, -2.0, -3.0)):
+    """What a reward model blind to repeats can reach, for each value of a word said again: on the validation pairs,
+    the Bayes accuracy (ranking by the gold) and a blind model's (ranking by the gold with each repeat valued as its
+    word), both in expectation over the Bradley-Terry labels the gold would draw."""
+    lines = [
+        "| a repeat's value | Bayes accuracy | blind to repeats | blind / Bayes |",
+        "|---" * 4 + "|",
+    ]
+    pairs, saved = common.embedded_split("validation"), common.REPEAT_VALUE
+    try:
+        for value in values:
+            bayes = blind = 0.0
+            for row in pairs:
+                common.REPEAT_VALUE = value
+                gap = common.gold_reward(row["prompt"], row["chosen"]) - common.gold_reward(
+                    row["prompt"], row["rejected"]
+                )
+                first = 1 / (1 + math.exp(-common.PREFERENCE_BETA * gap))  # the chance the first is labelled chosen
+                seen = [blind_gold(row["prompt"], row[k]) for k in ("chosen", "rejected")]
+                bayes += max(first, 1 - first)
+                blind += first if seen[0] > seen[1] else 1 - first if seen[0] < seen[1] else 0.5
+            n = len(pairs)
+            lines.append(f"| {value:g} | {bayes / n:.4f} | {blind / n:.4f} | {blind / bayes:.3f} |")
+    finally:
+        common.REPEAT_VALUE = saved
+    return lines
+
+
+def blind_gold(prompt, response):
+    """The gold as a model blind to repeats sees it: each word said again valued as its first saying."""
+    asked, avoided = common.prompt_parts(prompt)
+    words = response.split()
+    values = [
+        common.NON_WORD_VALUE
+        if w not in common.WORD_VALUE or common.TOPIC_OF[w] == avoided
+        else common.WORD_VALUE[w] + common.TOPIC_BONUS * (common.TOPIC_OF[w] == asked)
+        for w in words
+    ]
+    return sum(values) / len(values) if values else common.NON_WORD_VALUE
 
 
 def generalization_table(runs, at=(1.0, 2.0)):

@@ -229,16 +229,20 @@ def test_distinct_n_counts_distinct_word_n_grams_over_all():
     assert ppo.distinct_ngrams(["", "a"], 2) == 0.0 and ppo.distinct_ngrams([], 1) == 0.0
 
 
-def test_runs_of_two_seeds_are_evaluated_on_the_same_prompts_and_streams_and_compare_prompt_by_prompt(tmp_path, capsys):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_runs_of_two_seeds_are_evaluated_on_the_same_prompts_and_streams_and_compare_prompt_by_prompt(
+    tmp_path, capsys, grouped
+):
     """--seed 1 and 2 share the eval prompts, their streams and the initial policy: their first evaluations are row
     for row the same. Each later evaluation logs its change from the first with the paired standard error, equal to
     the formula over eval_samples.jsonl's rows. benchmarks/compare_runs.py computes the same from the files, and
-    refuses, in one line, a run of another --eval_seed, whose prompts differ."""
+    refuses, in one line, a run of another --eval_seed, whose prompts differ. Under --group_by_length too, whose
+    micro-batches of the evaluation follow --eval_seed."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import compare_runs
 
     for seed in (1, 2):
-        ppo.main(ppo.Args(**TINY, seed=seed, output_dir=str(tmp_path / f"seed{seed}")))
+        ppo.main(ppo.Args(**TINY, seed=seed, group_by_length=grouped, output_dir=str(tmp_path / f"seed{seed}")))
     rows = {s: [json.loads(line) for line in open(tmp_path / f"seed{s}" / "eval_samples.jsonl")] for s in (1, 2)}
     first = {s: [r for r in rows[s] if r["step"] == 0] for s in (1, 2)}
     assert first[1] == first[2] and len(first[1]) == 10
