@@ -273,7 +273,7 @@ def test_ppo_lora_two_ranks_equal_one_and_under_fsdp_bf16_the_adapters_stay_floa
 @pytest.mark.parametrize("critic_init", ["reward", "policy"])
 def test_ppo_lora_bf16_holds_every_frozen_weight_in_bfloat16_and_trains_in_float32(critic_init, reward_model_path):
     args = ppo.Args(reward_model_path=reward_model_path, bf16=True, critic_init=critic_init, **LORA)
-    ppo.fill_defaults(args, None)
+    ppo.fill_defaults(args, ppo.position_limit(args))
     models = ppo.build_models(args, ppo.load_tokenizer(args), torch.device("cpu"), 0, 1)
     policy, critic, reward = models.policy, models.critic, models.reward
     assert models.reference is policy  # the reference is the policy with its adapter off: no copy
@@ -297,7 +297,7 @@ def test_ppo_lora_reward_read_from_the_critic_with_its_adapter_off_equals_the_re
     config = json.load(open(tmp_path / "rm" / "config.json"))
     json.dump(dict(config, reward_scale=2.5), open(tmp_path / "rm" / "config.json", "w"))  # shift_scale's normalization
     args = ppo.Args(reward_model_path=str(tmp_path / "rm"), **LORA)
-    ppo.fill_defaults(args, None)
+    ppo.fill_defaults(args, ppo.position_limit(args))
     tokenizer = ppo.load_tokenizer(args)
     models = ppo.build_models(args, tokenizer, torch.device("cpu"), 0, 1)
     critic, reward = models.critic, models.reward

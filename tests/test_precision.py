@@ -228,7 +228,7 @@ def test_critic_initialised_from_the_reward_model_starts_at_the_normalized_rewar
     config = json.load(open(tmp_path / "rm" / "config.json"))
     json.dump(dict(config, reward_shift=0.7, reward_scale=2.5), open(tmp_path / "rm" / "config.json", "w"))
     args = ppo.Args(reward_model_path=str(tmp_path / "rm"))
-    ppo.fill_defaults(args, None)
+    ppo.fill_defaults(args, ppo.position_limit(args))
     models = ppo.build_models(args, TOK, torch.device("cpu"), 0, 1)
     critic, reward = models.critic, models.reward
     rng = random.Random(0)
