@@ -339,6 +339,7 @@ def summarize(runs):
             row[form]["gold_at_peak"] = [y[top] for _, y in xy]
             row[form]["fall"] = [y[top] - y[-1] for _, y in xy]
         if pairs:
+            row["probe"] = {k: [r[k] for r in group] for k in ("repeat_accuracy", "word_accuracy") if k in group[0]}
             row["accuracy"] = [r["accuracy"] for r in group]
             row["bayes_accuracy"] = group[0]["bayes_accuracy"]
         rows.append(row)
@@ -418,10 +419,28 @@ def report(runs, out_png):
         "thick lines: the fitted forms"
     )
     common.save_figure(fig, out_png)
-    tables = [lines, generalization_table(runs), targets_table(rows), blind_bound_table()]
+    tables = [lines, generalization_table(runs), targets_table(rows), probe_table(rows), blind_bound_table()]
     text = "\n\n".join("\n".join(t) for t in tables if t) + "\n\n" + kl_table
     print("\n\n".join("\n".join(t) for t in tables[1:] if t))
     return rows, text
+
+
+def probe_table(rows):
+    """Each reward model's repeat and word probes (repeat_probe): mean (min-max) over seeds."""
+    rows = [r for r in rows if r.get("probe")]
+    if not rows:
+        return []
+    lines = [
+        "| reward model | ranks a word said again below a fresh one, as the gold does | "
+        "ranks two fresh words as the gold does |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        cells = [
+            f"{np.mean(r['probe'][k]):.3f} ({min(r['probe'][k]):.3f}–{max(r['probe'][k]):.3f})" for k in r["probe"]
+        ]
+        lines.append(f"| {r['pairs']:,} pairs | " + " | ".join(cells) + " |")
+    return lines
 
 
 def blind_bound_table(values=(0.0, -1.0, -2.0, -3.0)):
