@@ -220,7 +220,7 @@ def test_advantages_phase_puts_the_kl_where_asked(estimator, kl_penalty):
         ref_logprobs=drawn(),
     )
     args = ppo.Args(advantage_estimator=estimator, kl_penalty=kl_penalty)
-    ppo.fill_defaults(args, ppo.position_limit(args))
+    ppo.fill_defaults(args, None)
     kl, non_score = ppo.advantages(batch, coef, args)
     expected_kl = (
         (batch.logprobs - batch.ref_logprobs)
@@ -264,12 +264,12 @@ def test_each_estimator_runs_its_papers_defaults_and_a_flag_overrides_them(capsy
     for estimator, expected in papers.items():
         args = ppo.Args(advantage_estimator=estimator, reward_fn="common:gold_rewards")
         ppo.check_args(args)  # (before fill_defaults, as main() runs them)
-        ppo.fill_defaults(args, ppo.position_limit(args))
+        ppo.fill_defaults(args, None)
         assert (args.kl_penalty, args.kl_estimator, args.loss_aggregation, args.num_samples_per_prompt) == expected
         printed = capsys.readouterr().out.split("defaults: ")[1].splitlines()[0]
         assert f"--kl_penalty {expected[0]}" in printed and f"--loss_aggregation {expected[2]}" in printed
     args = ppo.Args(advantage_estimator="grpo", kl_penalty="reward", loss_aggregation="constant")
-    ppo.fill_defaults(args, ppo.position_limit(args))
+    ppo.fill_defaults(args, None)
     assert (args.kl_penalty, args.kl_estimator, args.loss_aggregation) == ("reward", "k1", "constant")
     assert "--kl_penalty" not in capsys.readouterr().out.split("defaults: ")[1].split(", --kl_estimator")[0]
 
@@ -1312,7 +1312,7 @@ def test_every_schedule_of_transformers_is_taken_or_refused_in_one_line(tmp_path
             ), kind  # (a metric to step on, or arguments of their own)
             continue
         ppo.check_args(args)
-        ppo.fill_defaults(args, ppo.position_limit(args))
+        ppo.fill_defaults(args, None)
         _, optimizer, scheduler = ppo.build_optimizer(torch.nn.Linear(2, 1), None, args, 10)
         lr = optimizer.param_groups[0]["initial_lr"]
         expected = get_scheduler(kind.value, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr), 0, 10)
