@@ -875,7 +875,7 @@ def check_args(args):
         (reward_model_source(args), "--reward_model_path", "model"),
         (args.dataset_name, "--dataset_name", "dataset"),
         (args.ptx_dataset_name if args.ptx_coef > 0 else None, "--ptx_dataset_name", "dataset"),
-        (reference_source(args)[0] if args.eval_only else None, "--sft_model_path", "model"),
+        (reference_source(args) if args.eval_only else None, "--sft_model_path", "model"),
     ):
         if name is not None:
             common.check_source(name, flag, kind)
@@ -1088,11 +1088,11 @@ def build_models(args, tokenizer, device, rank, world):
     if reward.model is not None:  # Sharded first, so that rank 0 holds at most three models whole
         reward.model = None if shared else parallelize(reward.model, args, device, frozen=True)
     if not lora:  # Sharded and computed as the policy is, so that the KL at initialisation is 0
-        path, seed = reference_source(args)
+        path = reference_source(args)
         ref_hf = (
             copy.deepcopy(policy_hf)
-            if (path, seed) == (args.sft_model_path, args.seed)
-            else load_policy(dataclasses.replace(args, sft_model_path=path, seed=seed), tokenizer, on_meta)
+            if path == args.sft_model_path
+            else load_policy(dataclasses.replace(args, sft_model_path=path), tokenizer, on_meta)
         )
         ref_policy = parallelize(ref_hf.eval().requires_grad_(False), args, device, frozen=True)
     if args.gradient_checkpointing:  # In training mode only, so sampling keeps its KV cache
@@ -1127,7 +1127,7 @@ def describe_models(args, policy, critic, critic_init, reward, lora):
     sources = [f"model {path} ({', '.join(notes)})"] * bool(path) + [f"function {args.reward_fn}"] * bool(reward.fn)
     policy_text = args.sft_model_path + (" (evaluated, not trained)" if args.eval_only else f" ({trained(policy)})")
     reference = (
-        f"{reference_source(args)[0]}, frozen"
+        f"{reference_source(args)}, frozen"
         if args.eval_only
         else "the policy with its adapter off"
         if lora
@@ -1491,15 +1491,16 @@ def reward_model_tokens(batch, rows, stop_id, tokenizer, reward, args):
 
 # --- Held-out evaluation: the reference of --eval_only, the batches, the schedule, the statistics and the logs. -----
 def reference_source(args):
-    """Returns the reference's path and seed: with --eval_only, those of the run that trained --sft_model_path, read
-    from its ppo_results.json in the folder or an adapter's parent. Else the policy is its own reference, with KL 0."""
+    """Returns the reference's path: with --eval_only, the initial policy of the run that trained --sft_model_path, read
+    from its ppo_results.json in the folder or an adapter's parent. Else the policy is its own reference, with KL 0.
+    No seed is needed: the embedded initial policy is one checkpoint whatever --seed."""
     if args.eval_only and os.path.isdir(args.sft_model_path):
         for folder in (args.sft_model_path, os.path.dirname(os.path.abspath(args.sft_model_path))):
             if os.path.isfile(results := os.path.join(folder, "ppo_results.json")):
                 with open(results) as f:
                     saved = json.load(f)["args"]
-                return saved["sft_model_path"], saved["seed"]
-    return args.sft_model_path, args.seed
+                return saved["sft_model_path"]
+    return args.sft_model_path
 
 
 @dataclass
@@ -1547,17 +1548,11 @@ def paired_change(rows, baseline, names, prefix):
     """Returns each measure's mean change from the baseline's rows, as NAME_change, and its paired standard error, as
     NAME_change_se: the sample std of the per-prompt differences over sqrt(n). Rows pair by position, which is the
     prompt's position in the eval set, and each pair is checked to be one prompt."""
-    out = {}
-    for name in names:
-        pairs = [(r[name], b[name]) for r, b in zip(rows, baseline, strict=True) if name in r and name in b]
-        if any(r["prompt"] != b["prompt"] for r, b in zip(rows, baseline)):
-            raise RuntimeError("paired_change: the rows and the baseline are not of the same prompts")
-        if not pairs:
-            continue
-        diff = torch.tensor([a - b for a, b in pairs], dtype=torch.float64)
-        se = diff.std() / len(diff) ** 0.5 if len(diff) > 1 else torch.tensor(0.0)
-        out[f"{prefix}{name}_change"], out[f"{prefix}{name}_change_se"] = diff.mean().item(), se.item()
-    return out
+    if any(r["prompt"] != b["prompt"] for r, b in zip(rows, baseline, strict=True)):
+        raise RuntimeError("paired_change: the rows and the baseline are not of the same prompts")
+    diffs = [{k: r[k] - b[k] for k in names if k in r and k in b} for r, b in zip(rows, baseline)]
+    stats = mean_and_standard_error(diffs, names, "")
+    return {f"{prefix}{k}_change{se}": stats[k + se] for k in names if k in stats for se in ("", "_se")}
 
 
 def distinct_ngrams(texts, n):
@@ -1589,7 +1584,7 @@ def evaluate_only(models, prompts, args, tokenizer, stop_id):
         )
         common.write_json_atomic(
             os.path.join(args.output_dir, "eval_results.json"),
-            {**metrics, "reference": reference_source(args)[0], "args": dataclasses.asdict(args)},
+            {**metrics, "reference": reference_source(args), "args": dataclasses.asdict(args)},
         )
         print(
             f"{common.format_metrics(metrics)}\nevaluated {args.sft_model_path} on {len(rows)} prompts; "
